@@ -1,0 +1,5 @@
+"""csa-kernels: see the package README for the public API."""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from dsv4_testkit import assert_close_to_ref, assert_fully_written, max_abs_err, nan_poison, run_distributed
+
+
+def test_tolerance_rule_accepts_within_bound_and_rejects_beyond():
+    ref = torch.randn(64, dtype=torch.float64)
+    low = ref.to(torch.bfloat16)
+    assert_close_to_ref("ok", low.float(), ref, low)
+    with pytest.raises(AssertionError, match="exceeds"):
+        assert_close_to_ref("bad", (ref + 0.5).to(torch.bfloat16), ref, low)
+
+
+def test_nan_counts_as_infinite_error():
+    a = torch.zeros(3)
+    b = torch.tensor([0.0, float("nan"), 0.0])
+    assert max_abs_err(a, b) == float("inf")
+
+
+def test_poison_detects_unwritten():
+    buf = nan_poison((4, 4))
+    buf[:2] = 1.0
+    with pytest.raises(AssertionError, match="never written"):
+        assert_fully_written("buf", buf)
+    buf[2:] = 0.0
+    assert_fully_written("buf", buf)
+    ibuf = nan_poison((3,), dtype=torch.int32)
+    with pytest.raises(AssertionError):
+        assert_fully_written("ibuf", ibuf)
+
+
+def _allreduce(rank, world_size, value):
+    t = torch.tensor([float(rank + value)])
+    torch.distributed.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.distributed
+def test_run_distributed_gloo_allreduce():
+    out = run_distributed(_allreduce, 2, 1.0)
+    assert out == [3.0, 3.0]
+
+
+def _boom(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one failed")
+    return rank
+
+
+@pytest.mark.distributed
+def test_run_distributed_reports_rank_errors():
+    with pytest.raises(RuntimeError, match="rank one failed"):
+        run_distributed(_boom, 2)
+
+
+def test_megatron_cpu_fixture(megatron_cpu):
+    assert megatron_cpu.get_tensor_model_parallel_world_size() == 1
+    assert megatron_cpu.model_parallel_is_initialized()

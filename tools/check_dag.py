@@ -1,0 +1,104 @@
+"""Check the workspace's package dependency rules (run by `nox -s dag`).
+
+Rules (DEVELOPERS.md): a package may depend only on packages listed above it in ORDER; dsv4-testkit is a test-only
+dependency; every cross-package import must be declared in the importer's pyproject; nobody imports another
+package's private (``_``-prefixed) module. Exit status 1 with one line per violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = [
+    "dsv4-primitives",
+    "thd-packing",
+    "csa-kernels",
+    "mhc",
+    "hash-moe",
+    "dsv4-attention",
+    "hybrid-model",
+    "dsv4-testkit",
+]
+TEST_ONLY = {"dsv4-testkit"}
+IMPORT_NAME = {dist: dist.replace("-", "_") for dist in ORDER}
+DIST_OF = {imp: dist for dist, imp in IMPORT_NAME.items()}
+
+
+def _req_name(req: str) -> str:
+    for sep in "<>=~!;[ ":
+        req = req.split(sep, 1)[0]
+    return req.strip()
+
+
+def declared(dist: str) -> tuple[set[str], set[str]]:
+    meta = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())
+    runtime = {_req_name(r) for r in meta["project"].get("dependencies", [])}
+    test = set(runtime)
+    for group in meta.get("dependency-groups", {}).values():
+        test |= {_req_name(r) for r in group if isinstance(r, str)}
+    return runtime, test
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def check() -> list[str]:
+    errors: list[str] = []
+    present = [d for d in ORDER if (ROOT / "packages" / d / "pyproject.toml").is_file()]
+    unknown = {p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file()} - set(ORDER)
+    errors += [
+        f"packages/{u}: not in the layer table of tools/check_dag.py (add it in dependency order)"
+        for u in unknown
+    ]
+    for dist in present:
+        rank = ORDER.index(dist)
+        runtime, test = declared(dist)
+        for dep in runtime & set(ORDER):
+            if dep in TEST_ONLY and dist not in TEST_ONLY:
+                errors.append(f"{dist}: {dep} is test-only but is a runtime dependency")
+            elif ORDER.index(dep) >= rank and dep not in TEST_ONLY:
+                errors.append(f"{dist}: depends on {dep}, which is not above it in the layer table")
+        for kind, allowed in (("src", runtime), ("tests", test), ("benchmarks", test)):
+            base = ROOT / "packages" / dist / kind
+            for path in sorted(base.rglob("*.py")) if base.is_dir() else []:
+                rel = path.relative_to(ROOT)
+                for lineno, mod in imported_modules(path):
+                    parts = mod.split(".")
+                    target = DIST_OF.get(parts[0])
+                    if target is None or target == dist:
+                        continue
+                    where = f"{rel}:{lineno}"
+                    if target not in allowed:
+                        errors.append(f"{where}: imports {parts[0]} but {dist} does not declare {target}")
+                    elif kind == "src" and ORDER.index(target) >= rank:
+                        errors.append(
+                            f"{where}: imports {parts[0]}, which is not above {dist} in the layer table"
+                        )
+                    if any(p.startswith("_") and not p.startswith("__") for p in parts[1:]):
+                        errors.append(f"{where}: imports private module {mod} of {target}")
+    return errors
+
+
+def main() -> int:
+    errors = check()
+    for e in errors:
+        print(e)
+    print(f"dag: {len(errors)} violation(s) in {len(ORDER)} packages")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
