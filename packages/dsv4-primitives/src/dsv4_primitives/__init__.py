@@ -1,5 +1,31 @@
-"""dsv4-primitives: see the package README for the public API."""
+"""dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm."""
+
+from dsv4_primitives.rmsnorm import RMSNorm, rms_norm_ref
+from dsv4_primitives.rope import (
+    RopeConfig,
+    YarnConfig,
+    apply_rope_ref,
+    positions_from_cu_seqlens,
+    positions_sbhd,
+    rope_angles,
+    rope_cos_sin,
+    rope_inv_freq,
+    yarn_ramp_bounds,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "RMSNorm",
+    "RopeConfig",
+    "YarnConfig",
+    "__version__",
+    "apply_rope_ref",
+    "positions_from_cu_seqlens",
+    "positions_sbhd",
+    "rms_norm_ref",
+    "rope_angles",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "yarn_ramp_bounds",
+]
