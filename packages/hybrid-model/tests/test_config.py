@@ -1,0 +1,53 @@
+"""Config validation, presets and analytic parameter counts (spec §9.3)."""
+
+import pytest
+
+from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.params import analytic_param_counts
+from hybrid_model.presets import PRESETS, get_preset
+
+
+def test_presets_build_and_patterns():
+    assert get_preset("tiny").layer_pattern == "WECEHECEHECE/WE"
+    assert get_preset("flash-smoke").layer_pattern == "WECEHECE/WE"
+    assert get_preset("flash-smoke").hash_layer_numbers == [2]
+    assert get_preset("v4-flash").hash_layer_numbers == [2, 4, 6]
+    pro = get_preset("v4-pro").layer_pattern
+    assert pro.startswith("HEHECE") and pro.count("C") == 30 and pro.count("H") == 31
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("nope")
+
+
+@pytest.mark.parametrize(
+    ("name", "main", "mtp", "act", "attn", "expert"),
+    [("v4-flash", 284.33, 6.61, 13.80, 5.09, 25.17e-3), ("v4-pro", 1573.0, 25.84, 49.78, 19.47, 66.06e-3)],
+)
+def test_analytic_counts_match_spec(name, main, mtp, act, attn, expert):
+    p = analytic_param_counts(get_preset(name))
+    assert abs(p.main / 1e9 - main) < 0.01
+    assert abs(p.mtp / 1e9 - mtp) < 0.01
+    assert abs(p.activated / 1e9 - act) < 0.01
+    assert abs(p.attention / 1e9 - attn) < 0.01
+    assert abs(p.one_expert / 1e9 - expert) < 1e-5
+    assert sum(p.components.values()) == p.total
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="needs? num_layers"):
+        DSv4ModelConfig(compress_ratios=(0, 4))
+    with pytest.raises(ValueError, match="MTP block is window-only"):
+        get_preset("tiny").replace(compress_ratios=(0, 4, 8, 4, 8, 4, 4))
+    with pytest.raises(ValueError, match="first pipeline stage"):
+        get_preset("tiny").replace(pipeline_stages=(1, 5))
+    with pytest.raises(ValueError, match="disagrees"):
+        get_preset("tiny").replace(hybrid_layer_pattern="WECEHECEHECE/CE")
+    with pytest.raises(ValueError, match="divisible by o_groups"):
+        get_preset("tiny").replace(o_groups=3)
+
+
+def test_round_trip_dict():
+    for f in PRESETS.values():
+        c = f()
+        assert DSv4ModelConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="unknown DSv4ModelConfig keys"):
+        DSv4ModelConfig.from_dict({"hidden": 3})

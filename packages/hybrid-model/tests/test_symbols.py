@@ -1,0 +1,103 @@
+"""C/H/W symbols, compress-ratio forms and pattern generation (upstream D4)."""
+
+import pytest
+
+from hybrid_model.symbols import (
+    compress_ratios_from_pattern,
+    hash_layer_numbers,
+    layer_infos,
+    normalize_compress_ratios,
+    parse_pattern,
+    pattern_from_compress_ratios,
+    register_dsv4_symbols,
+)
+
+FLASH = [0, 0] + [4, 128] * 20 + [4] + [0]
+
+
+def test_pattern_from_compress_ratios_flash():
+    p = pattern_from_compress_ratios(FLASH, 43)
+    assert p.startswith("WEWECEHECE") and p.endswith("CE/WE")
+    parsed = parse_pattern(p)
+    assert parsed.main.count("W") == 2 and parsed.main.count("C") == 21 and parsed.main.count("H") == 20
+    assert parsed.mtp_pattern == "WE" and parsed.mtp_num_depths == 1
+    assert compress_ratios_from_pattern(p) == FLASH
+
+
+def test_pattern_pipeline_cuts():
+    p = pattern_from_compress_ratios([0, 4, 8, 4, 8, 4, 0], 6, hca_ratio=8, pipeline_stages=2)
+    assert p == "WECEHE|CEHECE/WE"
+    p = pattern_from_compress_ratios([0, 4, 8, 4, 8, 4, 0], 6, hca_ratio=8, pipeline_stages=(4, 2))
+    assert p == "WECEHECE|HECE/WE"
+    with pytest.raises(ValueError, match="sum to 6"):
+        pattern_from_compress_ratios([0, 4, 8, 4, 8, 4, 0], 6, hca_ratio=8, pipeline_stages=(4, 1))
+
+
+def test_compact_and_full_forms_agree():
+    pat = "WECE|HE/WE"
+    full = normalize_compress_ratios(pat, hca_ratio=128)
+    assert full == [0, 0, 4, 0, 128, 0, 0, 0]
+    assert normalize_compress_ratios(pat, [0, 4, 128, 0]) == full
+    assert normalize_compress_ratios(pat, full) == full
+
+
+@pytest.mark.parametrize(
+    ("ratios", "msg"),
+    [
+        ([0, 128, 128, 0], "does not match symbol 'C'"),
+        ([0, 4, 128], "needs 4 .compact"),
+        ([0, 1, 4, 0, 128, 0, 0, 0], "non-C/H/W symbols must carry 0"),
+        ([4, 4, 128, 0], "does not match symbol 'W'"),
+    ],
+)
+def test_bad_ratios_rejected(ratios, msg):
+    with pytest.raises(ValueError, match=msg):
+        normalize_compress_ratios("WECE|HE/WE", ratios)
+
+
+def test_bad_patterns_rejected():
+    with pytest.raises(ValueError, match="mixes standard attention"):
+        parse_pattern("*ECE")
+    with pytest.raises(ValueError, match="'X' is not a layer symbol"):
+        parse_pattern("WXE")
+    with pytest.raises(ValueError, match="same pattern"):
+        parse_pattern("WE/WE/CE")
+    with pytest.raises(ValueError, match="cannot contain"):
+        parse_pattern("WE/W|E")
+    with pytest.raises(ValueError, match="empty pipeline segment"):
+        parse_pattern("WE||CE")
+    with pytest.raises(ValueError, match="neither 0"):
+        pattern_from_compress_ratios([0, 16], 2)
+
+
+def test_hash_layers_count_moe_layers_and_first_stage():
+    # first 3 MoE layers: positions 2, 4, 6 (not the first three symbols)
+    assert hash_layer_numbers("WEWECEHE|CE", 3) == [2, 4, 6]
+    with pytest.raises(ValueError, match="first pipeline stage"):
+        hash_layer_numbers("WE|WECE", 2)
+    with pytest.raises(ValueError, match="only 2 main MoE"):
+        hash_layer_numbers("WECE/WE", 3)
+
+
+def test_layer_infos():
+    infos = layer_infos("WECE|HE/WE", num_hash_layers=1, hca_ratio=128)
+    assert [i.kind for i in infos] == ["window", "moe", "csa", "moe", "hca", "moe", "window", "moe"]
+    assert [i.router for i in infos if i.symbol == "E"] == ["hash", "learned", "learned", "learned"]
+    assert [i.stage for i in infos] == [0, 0, 0, 0, 1, 1, -1, -1]
+    assert infos[-1].mtp_depth == 1 and infos[4].compress_ratio == 128
+
+
+def test_megatron_accepts_dsv4_symbols_after_registration():
+    from megatron.core.models.hybrid.hybrid_layer_allocation import (
+        Symbols,
+        get_hybrid_layer_counts,
+        parse_hybrid_pattern,
+    )
+
+    register_dsv4_symbols()
+    register_dsv4_symbols()  # idempotent
+    assert {"C", "H", "W"} <= Symbols.VALID_LAYERS
+    parsed = parse_hybrid_pattern("WECE|HE/WE")
+    assert parsed.mtp_pattern == "WE"
+    counts = get_hybrid_layer_counts("WECE|HE/WE")
+    assert counts["W"] == 2 and counts["C"] == 1 and counts["H"] == 1 and counts["E"] == 4
