@@ -33,7 +33,7 @@ def test_analytic_counts_match_spec(name, main, mtp, act, attn, expert):
 
 
 def test_config_validation_messages():
-    with pytest.raises(ValueError, match="needs? num_layers"):
+    with pytest.raises(ValueError, match="need num_layers"):
         DSv4ModelConfig(compress_ratios=(0, 4))
     with pytest.raises(ValueError, match="MTP block is window-only"):
         get_preset("tiny").replace(compress_ratios=(0, 4, 8, 4, 8, 4, 4))

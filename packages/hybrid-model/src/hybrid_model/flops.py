@@ -1,0 +1,227 @@
+"""FLOP accounting of a DSv4 model (upstream D9): per layer kind, SBHD or packed THD, forward and training.
+
+One multiply-add = 2 FLOPs; only matrix products are counted (norms, softmax, Sinkhorn's ``n_hc×n_hc`` iterations
+and the compressor's per-channel pooling are below 1% and left out). Per token (``d`` hidden, ``c`` head dim,
+``n_h`` heads, ``d_c`` q rank, ``g·d_g`` output rank, ``n_I``/``c_I`` indexer heads/dim, ``n`` mHC streams)::
+
+    projections  2·(d·d_c + d_c·n_h·c + d·c + n_h·c·d_g + g·d_g·d)
+    compressor   CSA 2·2·(2c)·d        HCA 2·2·c·d
+    indexer      2·(d_c·n_I·c_I + d·n_I) + 2·2·(2c_I)·d
+    mHC          2·n·d·(2+n)·n (coefficients) + 2·n·d (collapse) + 2·n·d + 2·n²·d (post + combᵀ mix)
+    MoE          2·d·E (router) + (K + shared)·2·3·d·f
+    head         2·d·V  (+ HyperHead 2·n·d·n + 2·n·d)
+    MTP          2·d·d (e_proj) + n·2·d·d (h_proj per stream) + its block + HyperHead + head
+
+Attention cores cost ``4·n_h·c`` per (query, key) pair (``q·k`` and ``p·v``) and the indexer ``2·n_I·c_I + 2·n_I``
+per (query, visible compressed entry) pair. For a document of length ``L`` (query ``t = 0..L-1``):
+
+    window pairs   Σ_t min(t+1, n_win)
+    CSA pairs      Σ_t min(k, ⌊(t+1)/m⌋)         (top-k of the visible entries; dense phase: all visible)
+    HCA pairs      Σ_t ⌊(t+1)/m'⌋
+    indexer pairs  Σ_t ⌊(t+1)/m⌋
+
+:func:`forward_flops` sums these exactly over documents (SBHD = ``B`` documents of length ``S``).
+:func:`forward_flops_from_stats` is the closed form from ``Σ len`` and ``Σ len²`` that a packed-THD scheduler
+knows (as in upstream D9): window ``n_win`` keys per token, CSA ``k`` entries per token, HCA ``Σ len²/(2m')`` and
+indexer ``Σ len²/(2m)`` pairs — an upper bound that is within a few percent for ``len ≫ m·k``.
+Training = 3 × forward (backward is twice the forward). MFU = achieved FLOP/s ÷ peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.symbols import CSA, HCA, MOE, WINDOW, parse_pattern
+
+
+# ----------------------------------------------------------------------------------------- pair counts
+def window_pairs(length: int, window: int) -> int:
+    """``Σ_{t<L} min(t+1, W)`` in closed form."""
+    if length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def visible_entries_sum(length: int, ratio: int) -> int:
+    """``Σ_{t<L} ⌊(t+1)/m⌋`` in closed form (visible compressed entries summed over queries)."""
+    q, r = divmod(
+        length, ratio
+    )  # t+1 = 1..L; value w holds for m positions, w = 0..q-1, then q for r+1 positions
+    return ratio * q * (q - 1) // 2 + q * (r + 1)
+
+
+def selected_entries_sum(length: int, ratio: int, topk: int) -> int:
+    """``Σ_{t<L} min(k, ⌊(t+1)/m⌋)`` in closed form."""
+    t_sat = topk * ratio  # first t+1 at which k entries are visible
+    if length < t_sat:
+        return visible_entries_sum(length, ratio)
+    return visible_entries_sum(t_sat - 1, ratio) + topk * (length - t_sat + 1)
+
+
+# ----------------------------------------------------------------------------------------- per-token terms
+def _proj_attention(cfg: DSv4ModelConfig) -> int:
+    d, c, nh, dc = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank
+    return 2 * (d * dc + dc * nh * c + d * c + nh * c * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d)
+
+
+def _compressor(cfg: DSv4ModelConfig, symbol: str) -> int:
+    d, c = cfg.hidden_size, cfg.head_dim
+    return {CSA: 2 * 2 * (2 * c) * d, HCA: 2 * 2 * c * d}.get(symbol, 0)
+
+
+def _indexer_linear(cfg: DSv4ModelConfig) -> int:
+    d, nI, cI = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+    return 2 * (cfg.q_lora_rank * nI * cI + d * nI) + 2 * 2 * (2 * cI) * d
+
+
+def _mhc(cfg: DSv4ModelConfig) -> int:
+    n, d = cfg.hc_mult, cfg.hidden_size
+    return 2 * n * d * (2 + n) * n + 2 * n * d + 2 * n * d + 2 * n * n * d
+
+
+def _hyper_head(cfg: DSv4ModelConfig) -> int:
+    n, d = cfg.hc_mult, cfg.hidden_size
+    return 2 * n * d * n + 2 * n * d
+
+
+def _moe(cfg: DSv4ModelConfig) -> int:
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    return 2 * d * cfg.n_routed_experts + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 2 * 3 * d * f
+
+
+@dataclass
+class FlopBreakdown:
+    """Forward FLOPs by component (``fwd``), ``total``, ``training`` (3×) and the token count."""
+
+    tokens: int
+    components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def forward(self) -> float:
+        return float(sum(self.components.values()))
+
+    @property
+    def training(self) -> float:
+        return 3.0 * self.forward
+
+    def add(self, key: str, value: float) -> None:
+        self.components[key] = self.components.get(key, 0.0) + float(value)
+
+    def mfu(self, step_seconds: float, peak_flops: float, *, training: bool = True) -> float:
+        """Model FLOPs utilisation of one step of these tokens that took ``step_seconds`` on ``peak_flops``."""
+        if step_seconds <= 0 or peak_flops <= 0:
+            raise ValueError("step_seconds and peak_flops must be positive")
+        return (self.training if training else self.forward) / step_seconds / peak_flops
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(forward=self.forward, training=self.training)
+        return d
+
+
+def _core_per_pair(cfg: DSv4ModelConfig) -> int:
+    return 4 * cfg.num_attention_heads * cfg.head_dim
+
+
+def _index_per_pair(cfg: DSv4ModelConfig) -> int:
+    return 2 * cfg.index_n_heads * cfg.index_head_dim + 2 * cfg.index_n_heads
+
+
+def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) -> None:
+    p = parse_pattern(cfg.layer_pattern)
+
+    def layer(symbol: str, prefix: str) -> None:
+        if symbol in (CSA, HCA, WINDOW):
+            br.add(prefix + "attention.projections", _proj_attention(cfg) * tokens)
+            if symbol != WINDOW:
+                br.add(prefix + "attention.compressor", _compressor(cfg, symbol) * tokens)
+            if symbol == CSA:
+                br.add(prefix + "attention.indexer", _indexer_linear(cfg) * tokens)
+        elif symbol == MOE:
+            br.add(prefix + "moe", _moe(cfg) * tokens)
+        else:
+            raise ValueError(f"FLOP accounting supports DSv4 patterns (C/H/W/E), got {symbol!r}")
+        br.add(prefix + "mhc", _mhc(cfg) * tokens)
+
+    for s in p.main:
+        layer(s, "")
+    br.add("head", (2 * cfg.hidden_size * cfg.vocab_size + _hyper_head(cfg)) * tokens)
+    d, n = cfg.hidden_size, cfg.hc_mult
+    for _ in range(p.mtp_num_depths):
+        br.add("mtp.projections", (2 * d * d + n * 2 * d * d) * tokens)
+        for s in p.mtp_pattern:
+            layer(s, "mtp.")
+        br.add("mtp.head", (2 * d * cfg.vocab_size + _hyper_head(cfg)) * tokens)
+
+
+def _symbols_with_prefix(cfg: DSv4ModelConfig) -> list[tuple[str, str]]:
+    p = parse_pattern(cfg.layer_pattern)
+    return [(s, "") for s in p.main] + [(s, "mtp.") for _ in range(p.mtp_num_depths) for s in p.mtp_pattern]
+
+
+def forward_flops(cfg: DSv4ModelConfig, lengths: Sequence[int], *, dense: bool = False) -> FlopBreakdown:
+    """Exact forward FLOPs of one micro-batch of documents with the given ``lengths`` (SBHD: ``[S] * B``).
+
+    ``dense=True`` counts the dense-attention warm-up (CSA attends to every visible entry, §5).
+    """
+    lengths = [int(x) for x in lengths]
+    if any(x < 0 for x in lengths):
+        raise ValueError(f"document lengths must be >= 0, got {lengths}")
+    tokens = sum(lengths)
+    br = FlopBreakdown(tokens=tokens)
+    _add_linear_terms(br, cfg, tokens)
+    m, mh, k, W = cfg.csa_compress_ratio, cfg.hca_compress_ratio, cfg.index_topk, cfg.sliding_window
+    win = sum(window_pairs(L, W) for L in lengths)
+    csa = sum((visible_entries_sum(L, m) if dense else selected_entries_sum(L, m, k)) for L in lengths)
+    hca = sum(visible_entries_sum(L, mh) for L in lengths)
+    idx = sum(visible_entries_sum(L, m) for L in lengths)
+    for s, prefix in _symbols_with_prefix(cfg):
+        if s in (CSA, HCA, WINDOW):
+            br.add(prefix + "attention.window_core", _core_per_pair(cfg) * win)
+        if s == CSA:
+            br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * csa)
+            br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * idx)
+        elif s == HCA:
+            br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * hca)
+    return br
+
+
+def forward_flops_sbhd(
+    cfg: DSv4ModelConfig, seq_len: int, batch: int = 1, *, dense: bool = False
+) -> FlopBreakdown:
+    """Forward FLOPs of ``batch`` sequences of length ``seq_len``."""
+    if seq_len < 1 or batch < 1:
+        raise ValueError(f"seq_len and batch must be >= 1, got {seq_len}, {batch}")
+    return forward_flops(cfg, [seq_len] * batch, dense=dense)
+
+
+def forward_flops_from_stats(
+    cfg: DSv4ModelConfig, sum_len: int, sum_len_sq: int, *, dense: bool = False
+) -> FlopBreakdown:
+    """Forward FLOPs of packed THD documents from ``Σ len`` and ``Σ len²`` only (closed form, see module doc)."""
+    if sum_len < 0 or sum_len_sq < sum_len:
+        raise ValueError(f"need sum_len >= 0 and sum_len_sq >= sum_len, got {sum_len}, {sum_len_sq}")
+    br = FlopBreakdown(tokens=int(sum_len))
+    _add_linear_terms(br, cfg, sum_len)
+    m, mh, k, W = cfg.csa_compress_ratio, cfg.hca_compress_ratio, cfg.index_topk, cfg.sliding_window
+    for s, prefix in _symbols_with_prefix(cfg):
+        if s in (CSA, HCA, WINDOW):
+            br.add(prefix + "attention.window_core", _core_per_pair(cfg) * W * sum_len)
+        if s == CSA:
+            csa_pairs = sum_len_sq / (2 * m) if dense else k * sum_len
+            br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * csa_pairs)
+            br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * sum_len_sq / (2 * m))
+        elif s == HCA:
+            br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * sum_len_sq / (2 * mh))
+    return br
+
+
+def summarize_by_kind(br: FlopBreakdown) -> dict[str, float]:
+    """Group components into attention / moe / mhc / head / mtp totals."""
+    out: dict[str, float] = {}
+    for key, v in br.components.items():
+        group = "mtp" if key.startswith("mtp.") else key.split(".")[0]
+        out[group] = out.get(group, 0.0) + v
+    return out
