@@ -7,7 +7,7 @@ Spec: dsv4-architecture.md §2.3. For pair ``i`` of a rotary width ``r`` (``i = 
 YaRN (as in the DeepSeek reference, **no** attention temperature / mscale):
 
     f(n)   = r * ln(orig / (2*pi*n)) / (2 * ln(base))
-    lo     = clamp(floor(f(beta_fast)), 0, r-1);   hi = clamp(ceil(f(beta_slow)), 0, r-1)
+    lo     = max(floor(f(beta_fast)), 0);   hi = min(ceil(f(beta_slow)), r-1)    (as in HF / the reference)
     hi     = lo + 0.001 if lo == hi
     ramp_i = clip((i - lo) / (hi - lo), 0, 1)
     theta_i <- theta_i / factor * ramp_i + theta_i * (1 - ramp_i)
@@ -69,7 +69,11 @@ def _yarn_correction_dim(n: float, rope_dim: int, base: float, orig: int) -> flo
 
 
 def yarn_ramp_bounds(rope_dim: int, base: float, yarn: YarnConfig) -> tuple[float, float]:
-    """``(lo, hi)`` of the YaRN ramp, clamped to ``[0, r-1]``, with ``hi = lo + 0.001`` when they coincide."""
+    """``(lo, hi)`` of the YaRN ramp: ``lo >= 0``, ``hi <= r-1``, and ``hi = lo + 0.001`` when they coincide.
+
+    As in HF and the DeepSeek reference, ``lo`` is only clamped from below and ``hi`` only from above, so for
+    extreme settings ``lo > hi`` is possible (the ramp then decreases; the formula is kept as is for parity).
+    """
     lo = math.floor(
         _yarn_correction_dim(yarn.beta_fast, rope_dim, base, yarn.original_max_position_embeddings)
     )
@@ -97,19 +101,39 @@ def rope_inv_freq(cfg: RopeConfig, device=None) -> torch.Tensor:
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def rope_cos_sin(cfg: RopeConfig, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached fp32 ``cos, sin`` tables of shape ``[length, r/2]`` for positions ``0 .. length-1``.
-
-    Cached per ``(cfg, device, length)``; lengths are rounded up to a power of two so a growing sequence length
-    does not fill the cache. Angles are computed in float64 (``pos * theta`` loses precision in fp32 at 1M).
-    """
+def _canonical_device(device) -> torch.device:
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def rope_cos_sin(
+    cfg: RopeConfig, length: int, device=None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached ``cos, sin`` tables of shape ``[length, r/2]`` for positions ``0 .. length-1``.
+
+    Cached per ``(cfg, device, dtype, length)``; lengths are rounded up to a power of two so a growing sequence
+    length does not fill the cache (the returned tensors are contiguous row-prefixes of the cached table). Angles
+    are computed in float64 (``pos * theta`` loses precision in fp32 at 1M), then cast to ``dtype`` (fp32 by
+    default; the fused kernel always uses fp32 tables).
+    """
+    if length < 0:
+        raise ValueError(f"rope_cos_sin length must be >= 0, got {length}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"rope_cos_sin dtype must be floating point, got {dtype}")
+    device = _canonical_device(device)
     n = 1 << max(int(length) - 1, 0).bit_length()
-    key = (cfg, device, n)
+    key = (cfg, device, dtype, n)
     tab = _TABLES.get(key)
     if tab is None:
         pos = torch.arange(n, dtype=torch.float64)
         ang = torch.outer(pos, rope_inv_freq(cfg).double())
-        tab = (ang.cos().float().to(device), ang.sin().float().to(device))
+        tab = (ang.cos().to(device=device, dtype=dtype), ang.sin().to(device=device, dtype=dtype))
         _TABLES[key] = tab
     return tab[0][:length], tab[1][:length]
+
+
+def clear_rope_cache() -> None:
+    """Drop every cached ``cos``/``sin`` table (frees their memory)."""
+    _TABLES.clear()

@@ -1,0 +1,223 @@
+"""Public, dispatching partial interleaved RoPE: ``apply_rope`` (autograd, in place or out of place).
+
+Same math as :func:`dsv4_primitives.rope.reference.apply_rope_ref` (see its docstring): the last ``cfg.rope_dim``
+channels of every head are rotated pairwise by ``pos * theta_i`` (``-pos`` when ``inverse=True``); the leading
+``D - r`` channels stay bit-identical. ``cos``/``sin`` come from the cached fp32 tables of
+:func:`dsv4_primitives.rope.frequencies.rope_cos_sin` (indexed by ``|pos|``; ``sin`` flips sign for negative
+positions), math runs in fp32 and the result is stored in ``x.dtype``.
+
+Autograd: the backward of a rotation is the inverse rotation of the incoming gradient, so nothing of ``x`` is
+saved. ``inplace=False`` never writes to ``x`` (safe on tensors another op saved for its backward, e.g. the
+attention output O kept by a fused attention backward). ``inplace=True`` writes into ``x`` and marks it dirty:
+autograd then refuses a leaf that requires grad and raises at backward if another op saved ``x``, exactly as for
+any in-place PyTorch op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv4_primitives.rope.frequencies import RopeConfig, rope_cos_sin
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _triton_usable(x: torch.Tensor) -> bool:
+    import os
+
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _rotate_torch(
+    x3: torch.Tensor,
+    y3: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    nope: int,
+    inverse: bool,
+) -> None:
+    """Eager implementation of the kernel contract: write the rotation of ``x3`` into ``y3`` (may alias)."""
+    apos = pos.abs()
+    c = cos[apos][:, None, :]  # [N, 1, r/2]
+    sign = torch.where(pos < 0, -1.0, 1.0).to(torch.float32)
+    if inverse:
+        sign = -sign
+    s = (sin[apos] * sign[:, None])[:, None, :]
+    rope = x3[..., nope:].float()  # [N, H, r]
+    a, b = rope[..., 0::2], rope[..., 1::2]
+    out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    if y3.data_ptr() != x3.data_ptr() and nope:
+        y3[..., :nope].copy_(x3[..., :nope])
+    y3[..., nope:].copy_(out)
+
+
+def _launch_triton(
+    x3: torch.Tensor,
+    y3: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    nope: int,
+    inverse: bool,
+) -> None:
+    import triton
+
+    from dsv4_primitives.rope.kernel import rope_rotate_kernel
+
+    n, h, _ = x3.shape
+    rows = n * h
+    half = cos.shape[-1]
+    block_half = triton.next_power_of_2(half)
+    block_nope = min(128, triton.next_power_of_2(max(nope, 1)))
+    if x3.is_cuda:
+        block_r = max(1, min(triton.next_power_of_2(rows), 4096 // max(block_half, block_nope)))
+        num_warps = 4
+    else:  # interpreter: few, large programs
+        block_r = max(1, min(triton.next_power_of_2(rows), 1024))
+        num_warps = 1
+    grid = (triton.cdiv(rows, block_r),)
+    rope_rotate_kernel[grid](
+        x3,
+        y3,
+        pos,
+        cos,
+        sin,
+        rows,
+        h,
+        x3.stride(0),
+        x3.stride(1),
+        y3.stride(0),
+        y3.stride(1),
+        NOPE=nope,
+        HALF=half,
+        BLOCK_R=block_r,
+        BLOCK_HALF=block_half,
+        BLOCK_NOPE=block_nope,
+        COPY_NOPE=y3.data_ptr() != x3.data_ptr(),
+        INVERSE=bool(inverse),
+        num_warps=num_warps,
+    )
+
+
+def _rotate(
+    x: torch.Tensor,
+    n_pos: int,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    nope: int,
+    inverse: bool,
+    inplace: bool,
+    backend: str,
+) -> torch.Tensor:
+    """Rotate ``x`` (``[*P, *H, D]`` with ``prod(P) = n_pos``) into a new tensor, or into ``x`` when ``inplace``."""
+    d = x.shape[-1]
+    heads = x.numel() // max(n_pos * d, 1) if n_pos else 0
+    impl = _launch_triton if backend == "triton" else _rotate_torch
+    if x.numel() == 0:
+        return x if inplace else x.clone()
+    try:
+        x3 = x.view(n_pos, heads, d)
+        ok = x3.stride(2) == 1
+    except RuntimeError:
+        ok = False
+    if not ok:  # not viewable as [N, H, D] with unit channel stride: go through a contiguous copy
+        xc = x.contiguous()
+        yc = _rotate(xc, n_pos, pos, cos, sin, nope, inverse, True, backend)
+        if inplace:
+            x.copy_(yc)
+            return x
+        return yc
+    if inplace:
+        impl(x3, x3, pos, cos, sin, nope, inverse)
+        return x
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    impl(x3, y.view(n_pos, heads, d), pos, cos, sin, nope, inverse)
+    return y
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pos, cos, sin, n_pos, nope, inverse, inplace, backend):
+        y = _rotate(x, n_pos, pos, cos, sin, nope, inverse, inplace, backend)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(pos, cos, sin)
+        ctx.meta = (n_pos, nope, inverse, backend)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        pos, cos, sin = ctx.saved_tensors
+        n_pos, nope, inverse, backend = ctx.meta
+        gx = _rotate(gy, n_pos, pos, cos, sin, nope, not inverse, False, backend)
+        return gx, None, None, None, None, None, None, None, None
+
+
+def _check_inputs(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, backend: str) -> None:
+    if not isinstance(cfg, RopeConfig):
+        raise ValueError(f"cfg must be a RopeConfig, got {type(cfg).__name__}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"apply_rope needs a floating-point x, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] < cfg.rope_dim:
+        raise ValueError(
+            f"x must have a last dim >= rope_dim={cfg.rope_dim} ([nope | rope] layout), got shape {tuple(x.shape)}"
+        )
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.is_complex():
+        raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
+    p = positions.dim()
+    if p >= x.dim() or tuple(x.shape[:p]) != tuple(positions.shape):
+        raise ValueError(
+            f"positions.shape {tuple(positions.shape)} must be a prefix of x.shape[:-1] {tuple(x.shape[:-1])} "
+            "(e.g. [S, B] for SBHD x [S, B, H, D], [T] for THD x [T, H, D])"
+        )
+    if positions.device != x.device:
+        raise ValueError(f"positions are on {positions.device} but x is on {x.device}; move them to x.device")
+    if backend == "triton" and not _triton_usable(x):
+        raise ValueError(
+            "backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); use backend='torch'"
+        )
+
+
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cfg: RopeConfig,
+    inverse: bool = False,
+    inplace: bool = False,
+    backend: str = "auto",
+    max_position: int | None = None,
+) -> torch.Tensor:
+    """Rotate the last ``cfg.rope_dim`` channels of every head of ``x`` (differentiable).
+
+    Args:
+        x: ``[*P, *H, D]`` (bf16/fp16/fp32), ``*P = positions.shape`` (``[S, B]`` SBHD, ``[T]`` THD), ``*H`` any
+            head dims (``[H]`` for q, none or ``[1]`` for the shared kv head), ``D >= cfg.rope_dim``.
+        positions: integer ``*P`` positions: :func:`positions_sbhd`, :func:`positions_from_cu_seqlens` (THD,
+            document-relative) or explicit ``position_ids`` (contiguous CP). Negative values are allowed.
+        cfg: rotary configuration (plain base or YaRN, no mscale).
+        inverse: rotate by ``-pos`` (attention-output de-rotation at the query position).
+        inplace: write into ``x`` and return it (``x`` must not be a leaf requiring grad nor saved by another op).
+        backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise), ``"triton"`` or ``"torch"``.
+        max_position: an upper bound of ``|positions|`` to size the cached table without a device sync (CUDA
+            graphs); computed from ``positions`` when ``None``.
+    Returns:
+        ``x`` rotated, same shape and dtype (``x`` itself when ``inplace``).
+    """
+    _check_inputs(x, positions, cfg, backend)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    n_pos = math.prod(positions.shape)
+    pos = positions.reshape(-1).to(torch.int64).contiguous()  # [N]
+    if max_position is None:
+        max_position = int(pos.abs().max()) if n_pos else 0
+    elif n_pos == 0 or max_position < 0:
+        max_position = max(int(max_position), 0)
+    cos, sin = rope_cos_sin(cfg, int(max_position) + 1, x.device)  # [L, r/2] fp32
+    nope = x.shape[-1] - cfg.rope_dim
+    return _RopeFunction.apply(x, pos, cos, sin, n_pos, nope, bool(inverse), bool(inplace), backend)
