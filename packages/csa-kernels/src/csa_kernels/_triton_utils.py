@@ -1,0 +1,31 @@
+"""Small helpers shared by the Triton kernels of this package (interpreter switch, block sizes, launch checks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton runs in the CPU interpreter (``TRITON_INTERPRET=1``): kernels then upcast before ``tl.dot``."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``max(n, 1)``."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def check_triton_device(*tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every tensor is on CUDA, or on CPU with the Triton interpreter switched on."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            continue
+        if t.device.type == "cpu" and interpreting():
+            continue
+        raise ValueError(
+            f"Triton backend needs CUDA tensors (got device {t.device}); on CPU use backend='reference' "
+            "or set TRITON_INTERPRET=1 before importing csa_kernels to run the kernels in the interpreter"
+        )

@@ -1,0 +1,63 @@
+"""Autograd binding of the fused sparse attention kernels (``sparse_attn_triton``)."""
+
+from __future__ import annotations
+
+import torch
+
+from csa_kernels.ops.sparse_attn.triton import compact_indices, sparse_attn_bwd, sparse_attn_fwd
+
+
+class SparseAttnTritonFunction(torch.autograd.Function):
+    """o, lse = sparse_attn(q, kv, sink, indices); saves q, kv, sink, compacted indices, o and lse."""
+
+    @staticmethod
+    def forward(ctx, q, kv, attn_sink, indices, softmax_scale):
+        idx_c, counts = compact_indices(indices)
+        o, lse = sparse_attn_fwd(q, kv, attn_sink, idx_c, counts, softmax_scale)
+        ctx.save_for_backward(q, kv, attn_sink, idx_c, counts, o, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, kv, attn_sink, idx_c, counts, o, lse = ctx.saved_tensors
+        # lse is marked non-differentiable (callers use it detached, e.g. the indexer loss teacher).
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dkv, dsink = sparse_attn_bwd(q, kv, attn_sink, idx_c, counts, ctx.softmax_scale, o, lse, do)
+        return dq, dkv, dsink.to(attn_sink.dtype), None, None
+
+
+def _check(q, kv, attn_sink, indices, softmax_scale) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {tuple(q.shape)}")
+    t, h, d = q.shape
+    if kv.dim() != 2 or kv.shape[1] != d:
+        raise ValueError(f"kv must be [Nkv, {d}] (same D as q), got shape {tuple(kv.shape)}")
+    if attn_sink.shape != (h,):
+        raise ValueError(f"attn_sink must be [{h}] (one logit per head), got shape {tuple(attn_sink.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != t or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be int32 [{t}, K], got {indices.dtype} {tuple(indices.shape)}")
+    if q.dtype != kv.dtype or not q.dtype.is_floating_point:
+        raise ValueError(
+            f"q and kv must share one floating dtype (bf16 on GPU), got {q.dtype} and {kv.dtype}"
+        )
+    if not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+
+
+def sparse_attn_triton(
+    q: torch.Tensor,  # [T, H, D]
+    kv: torch.Tensor,  # [Nkv, D]
+    attn_sink: torch.Tensor,  # [H] fp32
+    indices: torch.Tensor,  # [T, K] int32, -1 = empty
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused Triton sparse MQA attention with sink; ``(o [T, H, D] q.dtype, lse [T, H] fp32)``, differentiable.
+
+    Same contract as :func:`csa_kernels.ops.sparse_attn.reference.sparse_attn_ref`; shapes and dtypes are checked
+    here without a device sync (index values are trusted: use the reference path to validate them).
+    """
+    _check(q, kv, attn_sink, indices, softmax_scale)
+    return SparseAttnTritonFunction.apply(q, kv, attn_sink, indices, softmax_scale)
