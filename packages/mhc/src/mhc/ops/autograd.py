@@ -1,0 +1,215 @@
+"""Host wrappers (block sizes, allocation, grids) and ``autograd.Function`` bindings of the mHC Triton kernels.
+
+Inputs are flattened to tokens: streams ``x [T, N, D]`` (contiguous), sub-layer output ``f [T, D]``.
+Coefficients ``pre/post [T, N]``, ``comb [T, N, N]`` are fp32; the parameters ``fn [M, N·D]``, ``scale``,
+``base [M]`` are fp32 (callers upcast).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from mhc.ops.coefficients_triton import _coeff_bwd_dx_kernel, _coeff_bwd_kernel, _coeff_fwd_kernel, _dfn_kernel
+from mhc.ops.mixing_triton import _post_bwd_kernel, _post_fwd_kernel, _pre_bwd_kernel, _pre_fwd_kernel
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _prec() -> str:
+    # the coefficient GEMMs are tiny (24 columns): TF32 on tensor cores on GPU, exact fp32 in the interpreter
+    return "ieee" if _interpreting() else "tf32"
+
+
+def _pads(n: int) -> tuple[int, int]:
+    """(NP, PW): comb grid side (NP·NP >= 16 for tl.dot) and pre/post width (>= 16)."""
+    return max(4, _pow2(n)), max(16, _pow2(n))
+
+
+# ---------------------------------------------------------------- coefficients (+ fused collapse)
+
+
+def coefficients_fwd(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply, out_dtype):
+    """Launch the fused coefficient kernel. Returns ``pre, post, comb, x_in, mix, rstd``."""
+    t, n, d = x.shape
+    m = fn.shape[0]
+    np_, pw = _pads(n)
+    dev = x.device
+    pre = torch.empty(t, n, device=dev, dtype=torch.float32)
+    post = torch.empty(t, n, device=dev, dtype=torch.float32) if has_res else pre.new_empty(0)
+    comb = torch.empty(t, n, n, device=dev, dtype=torch.float32) if has_res else pre.new_empty(0)
+    out = torch.empty(t, d, device=dev, dtype=out_dtype) if apply else x.new_empty(0)
+    mix = torch.empty(t, m, device=dev, dtype=torch.float32)
+    rstd = torch.empty(t, device=dev, dtype=torch.float32)
+    if t == 0:
+        return pre, post, comb, out, mix, rstd
+    if _interpreting():
+        bt, bk, bd, warps = 16, min(_pow2(n * d), 1024), min(_pow2(d), 512), 4
+    else:
+        bt, bk, bd, warps = 16, 128, 256, 4
+    _coeff_fwd_kernel[(triton.cdiv(t, bt),)](
+        x, fn, scale, base, pre, post, comb, out, mix, rstd,
+        t, d, float(norm_eps), float(hc_eps), int(iters),
+        N=n, NP=np_, PW=pw, M=m, HAS_RES=has_res, APPLY=apply,
+        BT=bt, BK=bk, BD=bd, PREC=_prec(), num_warps=warps,
+    )  # fmt: skip
+    return pre, post, comb, out, mix, rstd
+
+
+def coefficients_bwd(x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply):
+    """Gradients ``dx [T, N, D]``, ``dfn [M, N·D]``, ``dscale``, ``dbase [M]`` of the coefficient op."""
+    t, n, d = x.shape
+    m = fn.shape[0]
+    k = n * d
+    np_, pw = _pads(n)
+    mp = max(16, _pow2(m))
+    dev = x.device
+    if t == 0:
+        return torch.zeros_like(x), torch.zeros_like(fn), torch.zeros_like(scale), torch.zeros_like(base)
+    f32 = torch.float32
+    if has_res:
+        dpost = torch.zeros(t, n, device=dev, dtype=f32) if dpost is None else dpost.contiguous().float()
+        dcomb = torch.zeros(t, n, n, device=dev, dtype=f32) if dcomb is None else dcomb.contiguous().float()
+    else:
+        dpost = dcomb = mix.new_empty(0)
+    has_dpre = dpre is not None
+    dpre = dpre.contiguous().float() if has_dpre else mix.new_empty(0)
+    apply = apply and dout is not None
+    dout = dout.contiguous() if apply else mix.new_empty(0)
+    dz = torch.empty(t, m, device=dev, dtype=f32)
+    dmix = torch.empty(t, m, device=dev, dtype=f32)
+    interp = _interpreting()
+    bt, bd = (16, min(_pow2(d), 512)) if interp else (16, 256)
+    _coeff_bwd_kernel[(triton.cdiv(t, bt),)](
+        x, dout, pre, dpre, dpost, dcomb, mix, scale, base, dz, dmix,
+        t, d, float(hc_eps), int(iters),
+        N=n, NP=np_, PW=pw, M=m, HAS_RES=has_res, APPLY=apply, HAS_DPRE=has_dpre,
+        BT=bt, BD=bd, num_warps=4,
+    )  # fmt: skip
+    dx = torch.empty_like(x)
+    bt, bd = (16, min(_pow2(d), 512)) if interp else (16, 128)
+    _coeff_bwd_dx_kernel[(triton.cdiv(t, bt),)](
+        x, dout, pre, dmix, mix, rstd, fn, dx, t, d,
+        N=n, M=m, MP=mp, APPLY=apply, BT=bt, BD=bd, PREC=_prec(), num_warps=4,
+    )  # fmt: skip
+    # dfn = Σ_t (rstd·dmix)ᵀ X, split over tokens for parallelism, partials reduced here
+    if interp:
+        bt, bk, split = 16, min(_pow2(k), 1024), 1
+    else:
+        bt, bk = 32, 64
+        split = max(1, min(triton.cdiv(t, 256), triton.cdiv(4 * 132, triton.cdiv(k, bk))))
+    rows_per_split = triton.cdiv(triton.cdiv(t, split), bt) * bt
+    split = triton.cdiv(t, rows_per_split)
+    part = torch.empty(split, m, k, device=dev, dtype=f32)
+    _dfn_kernel[(triton.cdiv(k, bk), split)](
+        x, dmix, rstd, part, t, k, rows_per_split, M=m, MP=mp, BT=bt, BK=bk, PREC=_prec(), num_warps=4
+    )
+    dfn = part.sum(0) if split > 1 else part[0]
+    # the gate pre-activation is u = α_g · mix + base:  dbase = Σ_t du,  dα_g = Σ_t Σ_{c in g} du · mix
+    dbase = dz.sum(0)
+    prod = dz * mix
+    if has_res:
+        dscale = torch.stack([prod[:, :n].sum(), prod[:, n : 2 * n].sum(), prod[:, 2 * n :].sum()])
+    else:
+        dscale = prod.sum().reshape(1)
+    return dx, dfn, dscale, dbase
+
+
+class MHCCoefficientsFunction(torch.autograd.Function):
+    """Fused coefficients (and optionally the ``pre`` collapse); Sinkhorn is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply, out_dtype):
+        pre, post, comb, out, mix, rstd = coefficients_fwd(
+            x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply, out_dtype
+        )
+        ctx.save_for_backward(x, fn, scale, base, mix, rstd, pre)
+        ctx.cfg = (iters, hc_eps, has_res, apply)
+        if not has_res:
+            ctx.mark_non_differentiable(post, comb)
+        if not apply:
+            ctx.mark_non_differentiable(out)
+        return pre, post, comb, out
+
+    @staticmethod
+    def backward(ctx, dpre, dpost, dcomb, dout):
+        x, fn, scale, base, mix, rstd, pre = ctx.saved_tensors
+        iters, hc_eps, has_res, apply = ctx.cfg
+        dx, dfn, dscale, dbase = coefficients_bwd(
+            x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply
+        )
+        return dx, dfn, dscale, dbase, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------- collapse (pre given) and post
+
+
+def _mix_blocks(d: int) -> tuple[int, int]:
+    return (16, min(_pow2(d), 512)) if _interpreting() else (8, 128)
+
+
+class MHCCollapseFunction(torch.autograd.Function):
+    """``x_in = Σ_i pre_i · X_i`` with a given ``pre``."""
+
+    @staticmethod
+    def forward(ctx, x, pre, out_dtype):
+        t, n, d = x.shape
+        np_ = _pow2(n)
+        out = torch.empty(t, d, device=x.device, dtype=out_dtype)
+        if t > 0:
+            bt, bd = _mix_blocks(d)
+            _pre_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](x, pre, out, t, d, N=n, NP=np_, BT=bt, BD=bd)
+        ctx.save_for_backward(x, pre)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, pre = ctx.saved_tensors
+        t, n, d = x.shape
+        dx = torch.empty_like(x)
+        dpre = torch.empty(t, n, device=x.device, dtype=torch.float32)
+        if t > 0:
+            bt, bd = _mix_blocks(d)
+            _pre_bwd_kernel[(triton.cdiv(t, bt),)](
+                x, pre, dout.contiguous(), dx, dpre, t, d, N=n, NP=_pow2(n), BT=bt, BD=bd
+            )
+        return dx, dpre, None
+
+
+class MHCPostFunction(torch.autograd.Function):
+    """``X' = post ⊗ F + combᵀ X``."""
+
+    @staticmethod
+    def forward(ctx, f, x, post, comb):
+        t, n, d = x.shape
+        out = torch.empty_like(x)
+        if t > 0:
+            bt, bd = _mix_blocks(d)
+            _post_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
+                f, x, post, comb, out, t, d, N=n, NP=_pow2(n), BT=bt, BD=bd
+            )
+        ctx.save_for_backward(f, x, post, comb)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        f, x, post, comb = ctx.saved_tensors
+        t, n, d = x.shape
+        df = torch.empty_like(f)
+        dx = torch.empty_like(x)
+        dpost = torch.empty(t, n, device=x.device, dtype=torch.float32)
+        dcomb = torch.empty(t, n, n, device=x.device, dtype=torch.float32)
+        if t > 0:
+            bt, bd = (16, min(_pow2(d), 512)) if _interpreting() else (8, 128)
+            _post_bwd_kernel[(triton.cdiv(t, bt),)](
+                f, x, post, comb, dout.contiguous(), df, dx, dpost, dcomb, t, d, N=n, NP=_pow2(n), BT=bt, BD=bd
+            )
+        return df, dx, dpost, dcomb
