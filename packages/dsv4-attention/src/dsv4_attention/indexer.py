@@ -1,0 +1,138 @@
+"""Lightning indexer of CSA layers (spec §4): scores compressed entries, picks the top-k per query.
+
+Inputs are DETACHED (the LM loss never reaches the indexer; it is trained only by its KL loss, oracle I3):
+
+    qI = RoPE(linear_wq_b(cQ).view(T, n_I, c_I), pos = t)       # [T, n_I, c_I], cQ = shared query latent
+    KI = compressor(x)                                           # [Tc, c_I], its own ratio-4 overlapping compressor
+    wI = linear_weights_proj(x) * c_I^-1/2 * n_I^-1/2            # [T, n_I]
+    I[t, s] = sum_h wI[t, h] * ReLU(<qI[t, h], KI[s]>)           # visible entries of t's document, else -inf
+    sel(t)  = top-k(I[t, :]), k_eff = min(k, #entries), ties -> lower index, -1 padding
+
+The scoring and top-k numerics come from csa-kernels (``indexer_topk`` chunked over tokens; ``indexer_scores`` for
+the differentiable student logits of the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from dsv4_attention._kernels import indexer_scores, indexer_topk
+from dsv4_attention._rope import rope
+from dsv4_primitives import RopeConfig
+
+
+@dataclass
+class LightningIndexerSubmodules:
+    """Submodules of :class:`LightningIndexer`."""
+
+    linear_wq_b: Any = None
+    linear_weights_proj: Any = None
+    compressor: Any = None
+
+
+@dataclass
+class IndexerState:
+    """The indexer's per-forward tensors (kept for the loss)."""
+
+    q: torch.Tensor  # [T, n_I, c_I]
+    k: torch.Tensor  # [Tc, c_I]
+    weights: torch.Tensor  # [T, n_I] (scaled)
+    cu_seqlens_c: torch.Tensor  # int32 [N+1]
+
+
+class LightningIndexer(MegatronModule):
+    """Lightning indexer with its own ratio-4 compressor (parameters: ``wq_b``, ``weights_proj``, compressor)."""
+
+    def __init__(
+        self, config, submodules: LightningIndexerSubmodules, rope_cfg: RopeConfig, pg_collection
+    ) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            raise ValueError("LightningIndexer needs an explicit ProcessGroupCollection (pg_collection)")
+        self.n_heads = config.dsa_indexer_n_heads
+        self.head_dim = config.dsa_indexer_head_dim
+        self.topk = config.dsa_indexer_topk
+        self.compress_ratio = 4
+        self.rope_cfg = rope_cfg
+        common = dict(
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_group=pg_collection.tp,
+        )
+        self.linear_wq_b = build_module(
+            submodules.linear_wq_b,
+            config.q_lora_rank,
+            self.n_heads * self.head_dim,
+            tp_comm_buffer_name="csa_indexer_wq_b",
+            **common,
+        )
+        self.linear_weights_proj = build_module(
+            submodules.linear_weights_proj,
+            config.hidden_size,
+            self.n_heads,
+            tp_comm_buffer_name="csa_indexer_weights_proj",
+            **common,
+        )
+        self.compressor = build_module(
+            submodules.compressor,
+            config=config,
+            compress_ratio=4,
+            head_dim=self.head_dim,
+            rope_cfg=rope_cfg,
+            pg_collection=pg_collection,
+        )
+        self.weight_scale = (self.head_dim**-0.5) * (self.n_heads**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        backend: str = "auto",
+    ) -> IndexerState:
+        """``x [T, d]``, ``q_latent [T, d_c]`` (both detached here), ``positions [T]`` -> :class:`IndexerState`."""
+        x = x.detach()
+        q_latent = q_latent.detach()
+        t = x.shape[0]
+        q, _ = self.linear_wq_b(q_latent)  # [T, n_I*c_I]
+        q = rope(q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg)  # [T, n_I, c_I]
+        k, cu_c = self.compressor(x, cu_seqlens, backend=backend)  # [Tc, c_I]
+        w, _ = self.linear_weights_proj(x)  # [T, n_I]
+        return IndexerState(q, k, w * self.weight_scale, cu_c)
+
+    def select(self, state: IndexerState, cu_seqlens: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """Top-k compressed rows per query: int32 ``[T, k]`` (global rows of the compressed buffer, -1 padded)."""
+        with torch.no_grad():
+            idx, _ = indexer_topk(
+                state.q,
+                state.k,
+                state.weights,
+                self.compress_ratio,
+                self.topk,
+                cu_seqlens,
+                state.cu_seqlens_c,
+                backend=backend,
+            )
+        return idx
+
+    def scores(self, state: IndexerState, cu_seqlens: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """Differentiable scores ``[T, max_c]`` over each token's own document entries (local id; -inf invisible)."""
+        return indexer_scores(
+            state.q,
+            state.k,
+            state.weights,
+            self.compress_ratio,
+            cu_seqlens,
+            state.cu_seqlens_c,
+            backend=backend,
+        )

@@ -1,0 +1,152 @@
+"""SBHD / THD plumbing: turn megatron activations into the packed-token view that csa-kernels consumes.
+
+* SBHD ``[s, b, h]``: sequence ``i`` of the batch becomes document ``i`` of a pack, ``cu_seqlens = [0, s, 2s, ...]``,
+  positions ``0 .. s-1`` in every sequence.
+* THD ``[t, 1, h]`` with ``PackedSeqParams(qkv_format="thd")``: documents ``[cu[i], cu[i+1])`` never see each other and
+  positions restart at each document (spec §3.5, [OUR CHOICE]). With ``cu_seqlens_q_padded`` a document starts at its
+  padded offset and the padding rows after its real tokens, like any rows past the last padded end (static-shape
+  padding up to ``t``), form separate padding segments: they are computed (finite, ignored by the loss mask) but no
+  real token ever attends to them, and they are excluded from the indexer loss.
+
+Shape legend: ``s`` sequence, ``b`` batch, ``t``/``T`` packed tokens, ``h`` hidden, ``N`` segments.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_primitives import positions_from_cu_seqlens
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How ``[T, ...]`` token rows map to the caller's activation layout.
+
+    Attributes:
+        qkv_format: ``"sbhd"`` or ``"thd"``.
+        seq_len: ``s`` (SBHD) or ``t`` (THD) = leading dim of the activations.
+        batch: ``b`` (1 for THD).
+        cu_seqlens: int32 ``[N+1]`` segment boundaries over the ``T = s*b`` rows (documents and padding segments).
+        positions: int64 ``[T]`` segment-relative positions.
+        real_rows: bool ``[T]`` (False on THD padding rows) or ``None`` when every row is a real token.
+        max_seqlen: longest segment.
+    """
+
+    qkv_format: str
+    seq_len: int
+    batch: int
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    real_rows: torch.Tensor | None
+    max_seqlen: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq_len * self.batch
+
+    def to_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, *rest]`` -> ``[b*s, *rest]`` (document-major rows)."""
+        if self.qkv_format == "thd":
+            return x.reshape(x.shape[0], *x.shape[2:])
+        return x.transpose(0, 1).reshape(self.num_tokens, *x.shape[2:])
+
+    def from_tokens(self, y: torch.Tensor) -> torch.Tensor:
+        """``[b*s, *rest]`` -> ``[s, b, *rest]``."""
+        if self.qkv_format == "thd":
+            return y.reshape(y.shape[0], 1, *y.shape[1:])
+        return y.reshape(self.batch, self.seq_len, *y.shape[1:]).transpose(0, 1).contiguous()
+
+
+def sbhd_layout(seq_len: int, batch: int, device=None) -> TokenLayout:
+    """Layout of an SBHD batch: ``batch`` documents of ``seq_len`` tokens each."""
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
+    pos = torch.arange(seq_len, dtype=torch.int64, device=device).repeat(batch)
+    return TokenLayout("sbhd", seq_len, batch, cu, pos, None, seq_len)
+
+
+def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
+    """Layout of a packed THD batch of ``num_tokens`` rows described by megatron ``PackedSeqParams``."""
+    psp = packed_seq_params
+    if getattr(psp, "local_cp_size", None) is not None or getattr(psp, "cp_group", None) is not None:
+        raise ValueError(
+            "PackedSeqParams.local_cp_size / cp_group (dynamic context parallelism) is not supported by DSv4 "
+            "attention; leave both None"
+        )
+    cu_q = psp.cu_seqlens_q
+    if cu_q is None:
+        raise ValueError("THD PackedSeqParams needs cu_seqlens_q (int32 [N+1] cumulative document lengths)")
+    cu_q = cu_q.to(device=device, dtype=torch.int64)
+    if cu_q.dim() != 1 or cu_q.numel() < 1 or int(cu_q[0]) != 0:
+        raise ValueError(f"cu_seqlens_q must be 1-D, start at 0, got {cu_q.tolist()}")
+    lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens_q must be non-decreasing, got {cu_q.tolist()}")
+    cu_kv = psp.cu_seqlens_kv
+    if cu_kv is not None and not torch.equal(cu_kv.to(device=device, dtype=torch.int64), cu_q):
+        raise ValueError("self-attention needs cu_seqlens_kv == cu_seqlens_q (got different tensors)")
+    padded = psp.cu_seqlens_q_padded
+    if padded is None:
+        starts = cu_q[:-1].tolist()
+        ends_padded = cu_q[1:].tolist()
+    else:
+        padded = padded.to(device=device, dtype=torch.int64)
+        if padded.shape != cu_q.shape:
+            raise ValueError(
+                f"cu_seqlens_q_padded shape {tuple(padded.shape)} differs from cu_seqlens_q {tuple(cu_q.shape)}"
+            )
+        starts = padded[:-1].tolist()
+        ends_padded = padded[1:].tolist()
+        if any(e - s < n for s, e, n in zip(starts, ends_padded, lengths)):
+            raise ValueError("cu_seqlens_q_padded must leave room for every document's real tokens")
+    total_used = ends_padded[-1] if ends_padded else 0
+    if total_used > num_tokens:
+        raise ValueError(
+            f"packed documents cover {total_used} rows but the activations have only {num_tokens} (dim 0)"
+        )
+    bounds = [0]
+    real = torch.zeros(num_tokens, dtype=torch.bool)
+    for s, e, n in zip(starts, ends_padded, lengths):
+        if s != bounds[-1]:
+            raise ValueError(
+                "documents of a THD pack must be contiguous (cu_seqlens[_padded] non-decreasing)"
+            )
+        bounds.append(s + n)
+        real[s : s + n] = True
+        bounds.append(e)  # padding segment (possibly empty)
+    if num_tokens > bounds[-1]:
+        bounds.append(num_tokens)  # trailing static-shape padding
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    pos = positions_from_cu_seqlens(cu, num_tokens)
+    all_real = bool(real.all())
+    seg = [b - a for a, b in itertools.pairwise(bounds)]
+    return TokenLayout(
+        "thd",
+        num_tokens,
+        1,
+        cu,
+        pos,
+        None if all_real else real.to(device),
+        max(seg) if seg else 0,
+    )
+
+
+def token_layout(hidden_states: torch.Tensor, packed_seq_params=None) -> TokenLayout:
+    """The layout of attention input ``hidden_states`` (``[s, b, h]`` or ``[t, 1, h]`` with THD params)."""
+    if hidden_states.dim() != 3:
+        raise ValueError(
+            f"hidden_states must be [s, b, h] (SBHD) or [t, 1, h] (THD), got shape {tuple(hidden_states.shape)}"
+        )
+    s, b, _ = hidden_states.shape
+    fmt = getattr(packed_seq_params, "qkv_format", None) if packed_seq_params is not None else None
+    if packed_seq_params is None or fmt == "sbhd":
+        return sbhd_layout(s, b, hidden_states.device)
+    if fmt != "thd":
+        raise ValueError(f"PackedSeqParams.qkv_format must be 'thd' or 'sbhd', got {fmt!r}")
+    if b != 1:
+        raise ValueError(
+            f"THD activations must be [t, 1, h] (batch dim 1), got shape {tuple(hidden_states.shape)}"
+        )
+    return thd_layout(packed_seq_params, s, hidden_states.device)
