@@ -1,5 +1,88 @@
-"""thd-packing: see the package README for the public API."""
+"""thd-packing: packed THD sequences, static-shape padding (P11), raw-text / mock / default-corpus datasets (P8),
+the dp-balanced packing scheduler (P7), packed and contiguous-CP MTP rolls (P9), and a training batch iterator.
+
+See the package README for the public API table and examples.
+"""
+
+from thd_packing.batches import (
+    BatchConfig,
+    IterationBatch,
+    PackedBatchIterator,
+    SbhdMicrobatch,
+    ThdMicrobatch,
+)
+from thd_packing.cp_layout import contiguous_cp_interval, shard_contiguous_cp
+from thd_packing.cp_roll import roll_left_contiguous_cp
+from thd_packing.default_corpus import (
+    DEFAULT_CORPUS_MAX_BYTES,
+    DefaultCorpusInfo,
+    default_corpus,
+    default_corpus_dataset,
+    default_corpus_documents,
+)
+from thd_packing.mock_dataset import MockVarlenConfig, MockVarlenDataset, lognormal_lengths, read_lengths_csv
+from thd_packing.pack_builder import build_pack
+from thd_packing.packed_seqs import PackedSeqs, cu_seqlens_from_lengths
+from thd_packing.roll import roll_left
+from thd_packing.samples import DocumentSample, VarlenDataset
+from thd_packing.scheduler import DocPiece, DpBalancedScheduler, Pack, Schedule, SchedulerConfig
+from thd_packing.static_shape import (
+    StaticPack,
+    StaticPadInfo,
+    StaticShapeConfig,
+    pad_to_static_shape,
+    unpad_static_shape,
+)
+from thd_packing.text_dataset import RawTextDataset, TextDatasetConfig
+from thd_packing.text_sources import ReadReport, SkippedRecord, TextRecord, TextRecordError, read_text_records
+from thd_packing.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "DEFAULT_CORPUS_MAX_BYTES",
+    "BatchConfig",
+    "ByteTokenizer",
+    "DefaultCorpusInfo",
+    "DocPiece",
+    "DocumentSample",
+    "DpBalancedScheduler",
+    "HFTokenizer",
+    "IterationBatch",
+    "MockVarlenConfig",
+    "MockVarlenDataset",
+    "Pack",
+    "PackedBatchIterator",
+    "PackedSeqs",
+    "RawTextDataset",
+    "ReadReport",
+    "SbhdMicrobatch",
+    "Schedule",
+    "SchedulerConfig",
+    "SkippedRecord",
+    "StaticPack",
+    "StaticPadInfo",
+    "StaticShapeConfig",
+    "TextDatasetConfig",
+    "TextRecord",
+    "TextRecordError",
+    "ThdMicrobatch",
+    "Tokenizer",
+    "VarlenDataset",
+    "__version__",
+    "build_pack",
+    "contiguous_cp_interval",
+    "cu_seqlens_from_lengths",
+    "default_corpus",
+    "default_corpus_dataset",
+    "default_corpus_documents",
+    "load_tokenizer",
+    "lognormal_lengths",
+    "pad_to_static_shape",
+    "read_lengths_csv",
+    "read_text_records",
+    "roll_left",
+    "roll_left_contiguous_cp",
+    "shard_contiguous_cp",
+    "unpad_static_shape",
+]

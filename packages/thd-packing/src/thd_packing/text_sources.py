@@ -1,0 +1,280 @@
+"""Reading raw-text documents from JSONL / JSON / Parquet files and directories of ``.txt`` files (P8).
+
+Every record must carry a string ``text`` field (the key is configurable). Bad input is never silently dropped:
+with ``errors='raise'`` (default) the first problem raises :class:`TextRecordError` naming the file and line (or
+Parquet row); with ``errors='skip'`` the record is skipped and logged in a :class:`ReadReport`. Problems detected:
+empty file, undecodable UTF-8 bytes, invalid JSON, a record that is not an object, a missing or non-string ``text``
+(null included), an unreadable Parquet file or a non-string ``text`` column.
+
+Formats:
+
+- ``.jsonl``: one JSON object per line; blank lines are not records and are ignored.
+- ``.json``: one top-level array of objects (or a single object); line numbers point at each element's start.
+- ``.parquet``: a string column ``text``.
+- ``.txt``: the whole file is one document.
+- a directory: every ``*.txt`` below it (recursively), sorted by relative path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+
+
+@dataclass(frozen=True)
+class TextRecord:
+    """One document's text and where it came from (``line`` is a Parquet row number for Parquet files)."""
+
+    text: str
+    path: str
+    line: int
+
+
+@dataclass(frozen=True)
+class SkippedRecord:
+    path: str
+    line: int | None
+    reason: str
+    unit: str = "line"
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        if self.unit == "row" and self.line is not None:
+            where = f"{self.path} row {self.line}"
+        return f"{where}: {self.reason}"
+
+
+@dataclass
+class ReadReport:
+    """Counts of one read: files, records kept, and every skipped record with its reason."""
+
+    files: int = 0
+    records: int = 0
+    skipped: list[SkippedRecord] = field(default_factory=list)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def summary(self, limit: int = 5) -> str:
+        head = f"{self.records} records from {self.files} files, {self.num_skipped} skipped"
+        lines = [f"  {s}" for s in self.skipped[:limit]]
+        if self.num_skipped > limit:
+            lines.append(f"  ... and {self.num_skipped - limit} more")
+        return "\n".join([head, *lines])
+
+
+class TextRecordError(ValueError):
+    """A bad record or file; ``str(err)`` starts with ``path:line``."""
+
+    def __init__(self, record: SkippedRecord) -> None:
+        super().__init__(
+            f"{record}. Fix the record, or read with errors='skip' to skip bad records and count them."
+        )
+        self.record = record
+
+
+class _Sink:
+    def __init__(self, errors: str, report: ReadReport) -> None:
+        if errors not in ("raise", "skip"):
+            raise ValueError(f"errors must be 'raise' or 'skip', got {errors!r}")
+        self.errors, self.report = errors, report
+
+    def problem(self, path: Path, line: int | None, reason: str, unit: str = "line") -> None:
+        rec = SkippedRecord(str(path), line, reason, unit)
+        if self.errors == "raise":
+            raise TextRecordError(rec)
+        self.report.skipped.append(rec)
+
+
+def resolve_text_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+    """Expand files and directories into the ordered list of files to read (see the module docstring)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise ValueError("no data paths given; pass JSONL/JSON/Parquet files or a directory of .txt files")
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.rglob("*.txt"), key=lambda q: q.relative_to(p).as_posix())
+            if not found:
+                raise ValueError(f"directory {p} holds no .txt files")
+            files += found
+        elif p.is_file():
+            if p.suffix not in SUPPORTED_SUFFIXES:
+                raise ValueError(
+                    f"{p}: unsupported file type {p.suffix!r}; expected one of {SUPPORTED_SUFFIXES}"
+                )
+            files.append(p)
+        else:
+            raise ValueError(f"data path {p} does not exist")
+    return files
+
+
+def _text_of(obj, path: Path, line: int, text_key: str, sink: _Sink, unit: str = "line") -> str | None:
+    if not isinstance(obj, dict):
+        sink.problem(path, line, f"record is a JSON {type(obj).__name__}, expected an object", unit)
+        return None
+    if text_key not in obj:
+        sink.problem(path, line, f"record has no {text_key!r} field (keys: {sorted(obj)[:8]})", unit)
+        return None
+    text = obj[text_key]
+    if not isinstance(text, str):
+        kind = "null" if text is None else type(text).__name__
+        sink.problem(path, line, f"field {text_key!r} is {kind}, expected a string", unit)
+        return None
+    return text
+
+
+def _decode(data: bytes, path: Path, sink: _Sink, line_offset: int = 0) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = line_offset + data.count(b"\n", 0, err.start) + 1
+        col = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        sink.problem(path, line, f"undecodable UTF-8 bytes at column {col} ({err.reason})")
+        return None
+
+
+def _read_jsonl(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord]:
+    data = path.read_bytes()
+    if not data.strip():
+        sink.problem(path, None, "empty file (no JSON lines)")
+        return
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        s = _decode(raw, path, sink, lineno - 1)
+        if s is None:
+            continue
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as err:
+            sink.problem(path, lineno, f"invalid JSON: {err.msg} at column {err.colno}")
+            continue
+        text = _text_of(obj, path, lineno, text_key, sink)
+        if text is not None:
+            yield TextRecord(text, str(path), lineno)
+
+
+def _json_elements(s: str) -> Iterator[tuple[int, object]]:
+    """``(char offset, element)`` of a top-level JSON array (or of a single top-level value)."""
+    dec = json.JSONDecoder()
+    n = len(s)
+
+    def ws(i: int) -> int:
+        while i < n and s[i] in " \t\r\n":
+            i += 1
+        return i
+
+    i = ws(0)
+    if s[i] != "[":
+        obj, i = dec.raw_decode(s, i)
+        yield 0, obj
+    else:
+        i = ws(i + 1)
+        if i < n and s[i] == "]":
+            i += 1
+        else:
+            while True:
+                start = i
+                obj, i = dec.raw_decode(s, i)
+                yield start, obj
+                i = ws(i)
+                if i < n and s[i] == ",":
+                    i = ws(i + 1)
+                elif i < n and s[i] == "]":
+                    i += 1
+                    break
+                else:
+                    raise json.JSONDecodeError("expected ',' or ']' after an array element", s, i)
+    i = ws(i)
+    if i < n:
+        raise json.JSONDecodeError("extra data after the top-level value", s, i)
+
+
+def _read_json(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord]:
+    data = path.read_bytes()
+    if not data.strip():
+        sink.problem(path, None, "empty file (no JSON value)")
+        return
+    s = _decode(data, path, sink)
+    if s is None:
+        return
+    line, pos = 1, 0
+    try:
+        for start, obj in _json_elements(s):
+            line += s.count("\n", pos, start)
+            pos = start
+            text = _text_of(obj, path, line, text_key, sink)
+            if text is not None:
+                yield TextRecord(text, str(path), line)
+    except json.JSONDecodeError as err:
+        sink.problem(
+            path, err.lineno, f"invalid JSON: {err.msg} at column {err.colno}; rest of the file not read"
+        )
+
+
+def _read_parquet(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except Exception as err:  # pyarrow raises ArrowInvalid/OSError subclasses for corrupt files
+        sink.problem(path, None, f"not a readable Parquet file ({err})")
+        return
+    if text_key not in schema.names:
+        sink.problem(path, None, f"no {text_key!r} column (columns: {schema.names})")
+        return
+    kind = schema.field(text_key).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        sink.problem(path, None, f"column {text_key!r} has type {kind}, expected string")
+        return
+    column = pq.read_table(path, columns=[text_key]).column(text_key).to_pylist()
+    if not column:
+        sink.problem(path, None, "empty file (no rows)")
+        return
+    for row, text in enumerate(column):
+        if text is None:
+            sink.problem(path, row, f"field {text_key!r} is null, expected a string", "row")
+            continue
+        yield TextRecord(text, str(path), row)
+
+
+def _read_txt(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord]:
+    data = path.read_bytes()
+    if not data:
+        sink.problem(path, None, "empty file")
+        return
+    s = _decode(data, path, sink)
+    if s is not None:
+        yield TextRecord(s, str(path), 1)
+
+
+_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".txt": _read_txt}
+
+
+def read_text_records(
+    paths: str | Path | Sequence[str | Path],
+    *,
+    text_key: str = "text",
+    errors: Literal["raise", "skip"] = "raise",
+    report: ReadReport | None = None,
+) -> Iterator[TextRecord]:
+    """Yield every document of ``paths`` in order (files as given, directories sorted).
+
+    ``report`` (optional) is filled with file/record counts and skipped records as the iterator advances.
+    """
+    report = ReadReport() if report is None else report
+    sink = _Sink(errors, report)
+    for path in resolve_text_files(paths):
+        report.files += 1
+        for rec in _READERS[path.suffix](path, text_key, sink):
+            report.records += 1
+            yield rec
