@@ -1,0 +1,31 @@
+"""megatron-core 0.19.2 integration of mHC (P2) and its pipeline transport (P3).
+
+Imported explicitly (``import mhc.megatron``), never by ``import mhc``, so the ops stay usable without paying
+megatron-core's import time.
+
+- :class:`HyperConnectionLayer` / :func:`hyper_connection_layer_spec`: any ``TransformerLayer`` built from a spec
+  (attention-only, MLP/MoE-only, or both) as an mHC layer on ``[s, b, n·d]`` streams.
+- :class:`HyperConnectionHybridStack` / :func:`hyper_connection_stack_spec`: a ``HybridStack`` that expands the
+  embedding into ``n`` streams, wraps every layer, and collapses with the HyperHead before the final norm.
+- :func:`mhc_p2p_tensor_shapes`, :func:`make_mhc_adjust_tensor_shapes_fn`, :func:`mhc_pipeline_hidden_size`: the
+  ``n·d`` tensor shapes on inter-stage edges for megatron-core's pipeline schedules.
+"""
+
+from mhc.megatron.layer import HyperConnectionLayer, hyper_connection_layer_spec, mhc_config_for
+from mhc.megatron.pipeline import (
+    make_mhc_adjust_tensor_shapes_fn,
+    mhc_p2p_tensor_shapes,
+    mhc_pipeline_hidden_size,
+)
+from mhc.megatron.stack import HyperConnectionHybridStack, hyper_connection_stack_spec
+
+__all__ = [
+    "HyperConnectionHybridStack",
+    "HyperConnectionLayer",
+    "hyper_connection_layer_spec",
+    "hyper_connection_stack_spec",
+    "make_mhc_adjust_tensor_shapes_fn",
+    "mhc_config_for",
+    "mhc_p2p_tensor_shapes",
+    "mhc_pipeline_hidden_size",
+]

@@ -1,0 +1,118 @@
+"""``HyperConnectionHybridStack``: megatron-core 0.19.2 ``HybridStack`` with mHC streams end to end.
+
+    first stage:  e [s, b, d] --StreamExpansion--> X [s, b, n·d]          (n identical copies, stream dtype)
+    every layer:  X = HyperConnectionLayer(layer)(X)                          (layers built from the hybrid spec)
+    last stage:   streams X --HyperHead--> h [s, b, d] --final norm--> out   (MTP wants X: return_streams=True)
+
+Pipeline stages exchange ``X`` (``n·d`` channels): see :mod:`mhc.megatron.pipeline`. Layers must be
+``TransformerLayer``s (attention ``*``/``D``/``+``, MLP ``-``, MoE ``E`` symbols); Mamba/GDN layers are rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.models.hybrid.hybrid_block import HybridStack
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.utils import WrappedTensor, make_viewless_tensor
+from torch import nn
+
+from dsv4_primitives import RMSNorm
+from mhc.config import MHCConfig
+from mhc.megatron.layer import HyperConnectionLayer, mhc_config_for
+from mhc.modules import HyperHead, StreamExpansion
+
+
+class HyperConnectionHybridStack(HybridStack):
+    """``HybridStack`` whose layers are wrapped in :class:`HyperConnectionLayer`.
+
+    Extra constructor args (all keyword, passed through ``ModuleSpec.params`` by
+    :func:`hyper_connection_stack_spec`): ``mhc`` (:class:`MHCConfig`, default from ``config``), ``final_norm``
+    (spec/class of the final norm, default ``dsv4_primitives.RMSNorm``; 0.19.2's ``HybridStack`` hard-codes a
+    TE norm) and ``return_streams`` (``forward`` then returns ``(hidden, streams [s, b, n, d])`` on the last
+    stage, for MTP which consumes the pre-HyperHead streams).
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        *args,
+        mhc: MHCConfig | None = None,
+        final_norm: ModuleSpec | type | None = None,
+        return_streams: bool = False,
+        post_layer_norm: bool = True,
+        **kwargs,
+    ) -> None:
+        if config.recompute_granularity == "full":
+            raise ValueError("HyperConnectionHybridStack does not support recompute_granularity='full'")
+        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm
+        self.return_streams = return_streams
+        self.mhc_config = mhc or mhc_config_for(config)
+        self.layers = nn.ModuleList(HyperConnectionLayer(config, layer, mhc=self.mhc_config) for layer in self.layers)
+        if self.pre_process:
+            self.expansion = StreamExpansion(self.mhc_config)
+        if self.post_process:
+            self.hyper_head = HyperHead(self.mhc_config)
+            if post_layer_norm:
+                self.final_norm = build_module(
+                    final_norm or RMSNorm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+                )
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        inference_context=None,
+        rotary_pos_emb=None,
+        *,
+        inference_params=None,
+        packed_seq_params=None,
+        padding_mask=None,
+    ):
+        """``hidden_states [s, b, d]`` (first stage) or the received streams ``[s, b, n·d]`` -> see class doc."""
+        if inference_context is None:
+            inference_context = inference_params
+        if not self.pre_process:
+            hidden_states = self.input_tensor  # [s, b, n*d] from the previous stage
+        if isinstance(hidden_states, WrappedTensor):
+            hidden_states = hidden_states.unwrap()
+        n, d = self.mhc_config.num_streams, self.mhc_config.hidden_size
+        if self.pre_process:
+            hidden_states = self.expansion(hidden_states).flatten(-2)  # [s, b, n*d]
+        for layer in self.layers:
+            hidden_states, _ = layer(
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                inference_context=inference_context,
+                rotary_pos_emb=rotary_pos_emb,
+                packed_seq_params=packed_seq_params,
+                padding_mask=padding_mask,
+            )
+        streams = None
+        if self.post_process:
+            s, b, _ = hidden_states.shape
+            streams = hidden_states.view(s, b, n, d)
+            out_dtype = torch.bfloat16 if self.config.bf16 else torch.float16 if self.config.fp16 else None
+            hidden_states = self.hyper_head(streams, out_dtype=out_dtype)  # [s, b, d]
+            if self.post_layer_norm:
+                hidden_states = self.final_norm(hidden_states)
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True)
+        if self.return_streams and streams is not None:
+            return hidden_states, streams
+        return hidden_states
+
+
+def hyper_connection_stack_spec(
+    stack_spec: ModuleSpec,
+    mhc: MHCConfig | None = None,
+    *,
+    final_norm: ModuleSpec | type | None = None,
+    return_streams: bool = False,
+) -> ModuleSpec:
+    """Turn a ``HybridStack`` spec (e.g. a hand-built local ``hybrid_stack_spec``) into the mHC stack spec."""
+    params = dict(stack_spec.params or {})
+    params.update(mhc=mhc, final_norm=final_norm, return_streams=return_streams)
+    return dataclasses.replace(stack_spec, module=HyperConnectionHybridStack, params=params)
