@@ -1,0 +1,89 @@
+"""Input validation shared by the public entry points (bad input -> ValueError saying what and how to fix)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """Reference math dtype: float64 if any floating input is float64, else float32 (bf16/fp16 are upcast)."""
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor, name: str = "cu_seqlens", total: int | None = None
+) -> list[int]:
+    """Validate a flash-attn style ``cu_seqlens`` ([N+1], integer, starts at 0, non-decreasing); return it as a list.
+
+    ``total`` (when given) must equal ``cu_seqlens[-1]``: the packed buffer holds exactly the documents' tokens
+    (static-shape padding goes into a padding document of its own).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor (int32 [N+1]), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must be 1-D [N+1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 (or int64), got {cu_seqlens.dtype}")
+    cu = [int(v) for v in cu_seqlens.tolist()]
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
+    if any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"{name} must be non-decreasing (document lengths >= 0), got {cu}")
+    if total is not None and cu[-1] != total:
+        raise ValueError(
+            f"{name}[-1] = {cu[-1]} must equal the number of packed rows ({total}); put static-shape padding "
+            "into a padding document of its own"
+        )
+    return cu
+
+
+def check_ratio(ratio: int, overlap: bool | None = None) -> None:
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        raise ValueError(f"ratio must be a positive int, got {ratio!r}")
+    if overlap is not None and not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be a bool, got {overlap!r}")
+
+
+def check_shape(t: torch.Tensor, name: str, shape: tuple[int | None, ...]) -> None:
+    """``shape`` entries of ``None`` match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def check_float(t: torch.Tensor, name: str) -> None:
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+
+
+def check_index(t: torch.Tensor, name: str, rows: int, upper: int) -> None:
+    """Index tensors: int32/int64 ``[rows, K]`` with values in ``[-1, upper)`` (-1 = empty slot)."""
+    check_shape(t, name, (rows, None))
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 (or int64), got {t.dtype}")
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -1 or hi >= upper:
+            raise ValueError(
+                f"{name} values must lie in [-1, {upper}) (-1 = empty slot), got range [{lo}, {hi}]"
+            )
+
+
+def reference_only(backend: str, op: str, *tensors: torch.Tensor) -> None:
+    """Backend check for an op that has no Triton kernel yet: an explicit ``backend="triton"`` raises
+    NotImplementedError; ``"auto"`` (and the environment override) runs the reference on every device."""
+    from csa_kernels._dispatch import resolve_backend
+
+    resolve_backend(backend, *tensors)  # validates the name and the environment variable
+    if backend == "triton":
+        raise NotImplementedError(
+            f"csa_kernels: no Triton kernel is registered for {op}; use backend='reference'"
+        )

@@ -1,0 +1,153 @@
+"""fp32 reference of the DSv4 KV compressors (dsv4-architecture.md §3.2, §3.3, §3.5).
+
+Non-overlapping (HCA, ``ratio = m' = 128``; any ``ratio`` with ``overlap=False``), per document, block ``w`` covers the
+document-relative tokens ``J_w = [w*m, (w+1)*m - 1]``; ``Dk = c`` channels:
+
+    S[j, :]  = softmax_{j in J_w}( score[j, :] + ape[j - w*m, :] )          # per channel, over the m slots
+    P_w      = sum_{j in J_w} S[j, :] * kv[j, :]                             # [c]
+
+Overlapping (CSA / indexer, ``ratio = m = 4``, ``overlap=True``), ``Dk = 2c`` channels; entry ``w`` pools ``2m`` slots:
+
+    slots 0 .. m-1  : tokens (w-1)m .. wm-1   with kv[:, 0:c],  score[:, 0:c]  + ape[slot, 0:c]     (P-half)
+    slots m .. 2m-1 : tokens wm .. (w+1)m-1   with kv[:, c:2c], score[:, c:2c] + ape[slot-m, c:2c]  (Q-half)
+    entry 0 of every document: the first m slots are empty (kv = 0, logit = -inf -> weight 0)
+    P_w = sum_slots softmax_over_2m_slots(logit)[slot, :] * kv[slot, :]
+
+Full compressor (``compress_ref``): ``kv = x @ wkv.T``, ``score = x @ wgate.T`` (``x`` = the block input after
+``attn_norm``), pool, ``RMSNorm_{norm_weight}``, RoPE (last ``rope_cfg.rope_dim`` channels, interleaved pairs) at the
+document-relative position ``w * ratio`` of the block's first token. Only complete blocks are compressed: a
+document of length ``L`` yields ``floor(L / ratio)`` entries; trailing tokens are dropped.
+
+dtype policy: math in fp32 (fp64 when any input is fp64); ``compressor_pool_ref`` returns the compute dtype,
+``compress_ref`` returns ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from csa_kernels._checks import check_cu_seqlens, check_float, check_ratio, check_shape, compute_dtype
+from csa_kernels.varlen import compressed_cu_seqlens
+from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
+
+
+def _pool_document(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool):
+    """Pool one document's complete blocks. ``kv, score [n*ratio, Dk]`` (compute dtype) -> ``[n, c]``."""
+    n = kv.shape[0] // ratio
+    dk = kv.shape[1]
+    kv_b = kv.view(n, ratio, dk)  # [n, m, Dk]
+    logit_b = score.view(n, ratio, dk) + ape  # [n, m, Dk]
+    if not overlap:
+        return (torch.softmax(logit_b, dim=1) * kv_b).sum(1)  # [n, c]
+    c = dk // 2
+    # previous block's P-half; entry 0 gets empty slots (kv 0, logit -inf)
+    prev_kv = torch.cat((kv_b.new_zeros(1, ratio, c), kv_b[:-1, :, :c]), 0)  # [n, m, c]
+    prev_logit = torch.cat((logit_b.new_full((1, ratio, c), float("-inf")), logit_b[:-1, :, :c]), 0)
+    slots_kv = torch.cat((prev_kv, kv_b[:, :, c:]), 1)  # [n, 2m, c]
+    slots_logit = torch.cat((prev_logit, logit_b[:, :, c:]), 1)  # [n, 2m, c]
+    return (torch.softmax(slots_logit, dim=1) * slots_kv).sum(1)  # [n, c]
+
+
+def _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens):
+    check_ratio(ratio, overlap)
+    check_shape(kv, "kv", (None, None))
+    check_float(kv, "kv")
+    check_shape(score, "score", tuple(kv.shape))
+    check_shape(ape, "ape", (ratio, kv.shape[1]))
+    if overlap and kv.shape[1] % 2:
+        raise ValueError(f"overlap=True needs an even channel count Dk = 2c, got Dk = {kv.shape[1]}")
+    return check_cu_seqlens(cu_seqlens, total=kv.shape[0])
+
+
+def compressor_pool_ref(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-gated pooling of complete blocks, per document (the formula in the module docstring).
+
+    Args:
+        kv: ``[T, Dk]`` projected values (``Dk = 2c`` if ``overlap`` else ``c``).
+        score: ``[T, Dk]`` gate logits BEFORE adding ``ape``.
+        ape: ``[ratio, Dk]`` learned position bias over the slots of a block (fp32 parameter).
+        ratio: block size ``m`` (4 for CSA / indexer, 128 for HCA).
+        overlap: two-series overlapping layout (CSA) or plain blocks (HCA).
+        cu_seqlens: int32 ``[N+1]``, ``cu_seqlens[-1] == T``.
+    Returns:
+        ``pooled [Tc, c]`` in the compute dtype (fp32, or fp64 for fp64 inputs) and ``cu_seqlens_c`` int32 ``[N+1]``.
+    """
+    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens)
+    dt = compute_dtype(kv, score, ape)
+    kv, score, ape = kv.to(dt), score.to(dt), ape.to(dt)
+    c = kv.shape[1] // 2 if overlap else kv.shape[1]
+    parts = []
+    for start, end in itertools.pairwise(cu):
+        n = (end - start) // ratio
+        if n:
+            stop = start + n * ratio
+            parts.append(_pool_document(kv[start:stop], score[start:stop], ape, ratio, overlap))
+    if parts:
+        pooled = torch.cat(parts)
+    else:
+        # no complete block anywhere: an empty result that stays connected to every input's graph
+        pooled = kv.new_zeros(0, c) + 0 * (kv.sum() + score.sum() + ape.sum())
+    return pooled, compressed_cu_seqlens(cu_seqlens, ratio)
+
+
+def compressed_positions(cu_seqlens_c: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``[Tc]`` int64 document-relative position ``w * ratio`` of each entry's first token (its RoPE position)."""
+    cu = cu_seqlens_c.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)
+    return (torch.arange(doc.numel(), device=cu.device) - cu[doc]) * ratio
+
+
+def compress_ref(
+    x: torch.Tensor,
+    wkv: torch.Tensor,
+    wgate: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    rope_cfg: RopeConfig,
+    cu_seqlens: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full compressor: projections, pooling, RMSNorm, RoPE at ``w * ratio`` (module docstring).
+
+    Args:
+        x: ``[T, d]`` block input (after ``attn_norm``).
+        wkv, wgate: ``[Dk, d]`` projection weights (``Dk = 2c`` if ``overlap`` else ``c``), no bias.
+        ape: ``[ratio, Dk]`` fp32 slot position bias (added to the gate logits).
+        norm_weight: ``[c]`` RMSNorm weight.
+        ratio, overlap: see :func:`compressor_pool_ref`.
+        rope_cfg: rotary config of the layer (rotates the last ``rope_cfg.rope_dim`` of the ``c`` channels).
+        cu_seqlens: int32 ``[N+1]``, ``cu_seqlens[-1] == T``.
+        eps: RMSNorm epsilon.
+    Returns:
+        ``entries [Tc, c]`` in ``x.dtype`` and ``cu_seqlens_c`` int32 ``[N+1]``.
+    """
+    check_shape(x, "x", (None, None))
+    check_float(x, "x")
+    check_shape(wkv, "wkv", (None, x.shape[1]))
+    check_shape(wgate, "wgate", tuple(wkv.shape))
+    c = wkv.shape[0] // 2 if overlap else wkv.shape[0]
+    check_shape(norm_weight, "norm_weight", (c,))
+    if not isinstance(rope_cfg, RopeConfig):
+        raise ValueError(f"rope_cfg must be a dsv4_primitives.RopeConfig, got {type(rope_cfg).__name__}")
+    if rope_cfg.rope_dim > c:
+        raise ValueError(f"rope_cfg.rope_dim = {rope_cfg.rope_dim} exceeds the entry width c = {c}")
+    dt = compute_dtype(x, wkv, wgate, ape, norm_weight)
+    xf = x.to(dt)
+    kv = xf @ wkv.to(dt).T  # [T, Dk]
+    score = xf @ wgate.to(dt).T  # [T, Dk]
+    pooled, cu_c = compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens)  # [Tc, c]
+    normed = rms_norm_ref(pooled, norm_weight.to(dt), eps)
+    rotated = apply_rope_ref(normed, compressed_positions(cu_c, ratio), rope_cfg)
+    return rotated.to(x.dtype), cu_c

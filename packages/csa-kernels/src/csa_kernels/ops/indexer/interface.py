@@ -1,0 +1,125 @@
+"""Public lightning-indexer entry points: THD (global compressed rows) and SBHD (per-sequence local entry ids)."""
+
+from __future__ import annotations
+
+import torch
+
+from csa_kernels._checks import check_shape, reference_only
+from csa_kernels.ops.indexer.reference import indexer_scores_at_ref, indexer_scores_ref, indexer_topk_ref
+from csa_kernels.varlen import compressed_cu_seqlens, sbhd_cu_seqlens, sbhd_to_thd, thd_to_sbhd
+
+
+def indexer_scores(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    ratio: int,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_c: torch.Tensor,
+    max_entries: int | None = None,
+    chunk_size: int | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Dense index scores ``[T, max_entries]`` (column = local entry, ``-inf`` invisible): :func:`indexer_scores_ref`."""
+    reference_only(backend, "indexer_scores", q_idx)
+    return indexer_scores_ref(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, chunk_size)
+
+
+def indexer_scores_at(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    chunk_size: int | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Index scores ``[T, K]`` at global compressed rows ``indices`` (``-inf`` at -1): :func:`indexer_scores_at_ref`."""
+    reference_only(backend, "indexer_scores_at", q_idx)
+    return indexer_scores_at_ref(q_idx, k_idx, weights, indices, chunk_size)
+
+
+def indexer_topk(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    ratio: int,
+    topk: int,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_c: torch.Tensor,
+    chunk_size: int | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k compressed entries per query: ``(indices [T, topk] int32 global rows, -1 padded; scores [T, topk])``.
+
+    Math, tie rule and memory: :func:`indexer_topk_ref`.
+    """
+    reference_only(backend, "indexer_topk", q_idx)
+    return indexer_topk_ref(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size)
+
+
+def _sbhd_args(q_idx, k_idx, weights, ratio):
+    check_shape(q_idx, "q_idx", (None, None, None, None))
+    s, b = q_idx.shape[:2]
+    check_shape(k_idx, "k_idx", (s // ratio, b, q_idx.shape[3]))
+    check_shape(weights, "weights", (s, b, q_idx.shape[2]))
+    cu = sbhd_cu_seqlens(b, s, q_idx.device)
+    return s, b, cu, compressed_cu_seqlens(cu, ratio)
+
+
+def indexer_scores_sbhd(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    ratio: int,
+    chunk_size: int | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """SBHD form: ``q_idx [S, B, HI, DI]``, ``k_idx [S // ratio, B, DI]``, ``weights [S, B, HI]`` ->
+    ``[S, B, S // ratio]`` (column = the sequence's entry id, ``-inf`` invisible)."""
+    s, b, cu, cuc = _sbhd_args(q_idx, k_idx, weights, ratio)
+    out = indexer_scores(
+        sbhd_to_thd(q_idx),
+        sbhd_to_thd(k_idx),
+        sbhd_to_thd(weights),
+        ratio,
+        cu,
+        cuc,
+        max_entries=s // ratio,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+    return thd_to_sbhd(out, b)
+
+
+def indexer_topk_sbhd(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    ratio: int,
+    topk: int,
+    chunk_size: int | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SBHD form of :func:`indexer_topk`: ``indices [S, B, topk]`` LOCAL entry ids of each sequence (``-1`` empty),
+    ``scores [S, B, topk]``."""
+    s, b, cu, cuc = _sbhd_args(q_idx, k_idx, weights, ratio)
+    idx, scores = indexer_topk(
+        sbhd_to_thd(q_idx),
+        sbhd_to_thd(k_idx),
+        sbhd_to_thd(weights),
+        ratio,
+        topk,
+        cu,
+        cuc,
+        chunk_size,
+        backend=backend,
+    )
+    idx = thd_to_sbhd(idx, b).to(torch.int64)
+    base = (torch.arange(b, device=idx.device) * (s // ratio))[None, :, None]
+    local = torch.where(idx >= 0, idx - base, -1).to(torch.int32)
+    return local, thd_to_sbhd(scores, b)

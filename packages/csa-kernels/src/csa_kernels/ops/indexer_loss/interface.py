@@ -1,0 +1,60 @@
+"""Public indexer-loss entry points: THD (global rows of ``kv_all``) and SBHD (per-sequence local rows)."""
+
+from __future__ import annotations
+
+import torch
+
+from csa_kernels._checks import check_shape, reference_only
+from csa_kernels.ops.indexer_loss.reference import indexer_loss_ref
+from csa_kernels.ops.sparse_attn.interface import local_to_global_rows
+from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
+
+
+def indexer_loss(
+    q: torch.Tensor,
+    kv_all: torch.Tensor,
+    attn_sink: torch.Tensor,
+    lse: torch.Tensor,
+    comp_indices: torch.Tensor,
+    index_scores: torch.Tensor,
+    softmax_scale: float,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer KL loss, THD: ``(loss, per_row_kl [T])``; gradient only into ``index_scores``. :func:`indexer_loss_ref`."""
+    reference_only(backend, "indexer_loss", q)
+    return indexer_loss_ref(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale)
+
+
+def indexer_loss_sbhd(
+    q: torch.Tensor,
+    kv_all: torch.Tensor,
+    attn_sink: torch.Tensor,
+    lse: torch.Tensor,
+    comp_indices: torch.Tensor,
+    index_scores: torch.Tensor,
+    softmax_scale: float,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SBHD form: ``q [S, B, H, D]``, ``kv_all [Skv, B, D]``, ``lse [S, B, H]``, ``comp_indices [S, B, Kc]`` LOCAL
+    rows of each sequence's ``kv_all`` (``-1`` none), ``index_scores [S, B, Kc]`` -> ``(loss, per_row_kl [S, B])``;
+    the loss is the mean over all rows (of every sequence) with entries."""
+    check_shape(q, "q", (None, None, None, None))
+    s, b = q.shape[:2]
+    check_shape(kv_all, "kv_all", (None, b, q.shape[3]))
+    check_shape(comp_indices, "comp_indices", (s, b, None))
+    check_shape(index_scores, "index_scores", tuple(comp_indices.shape))
+    if comp_indices.numel() and (int(comp_indices.min()) < -1 or int(comp_indices.max()) >= kv_all.shape[0]):
+        raise ValueError(f"comp_indices must lie in [-1, {kv_all.shape[0]}) (local rows of kv_all)")
+    loss, per_row = indexer_loss(
+        sbhd_to_thd(q),
+        sbhd_to_thd(kv_all),
+        attn_sink,
+        sbhd_to_thd(lse),
+        local_to_global_rows(comp_indices, kv_all.shape[0]),
+        sbhd_to_thd(index_scores),
+        softmax_scale,
+        backend=backend,
+    )
+    return loss, thd_to_sbhd(per_row, b)

@@ -1,0 +1,66 @@
+"""Public sparse-attention entry points: THD (global rows) and SBHD (per-sequence local rows)."""
+
+from __future__ import annotations
+
+import torch
+
+from csa_kernels._checks import check_shape
+from csa_kernels._dispatch import resolve_backend
+from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
+from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
+
+
+def sparse_attn(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared-KV sparse attention with sink, THD: ``(o [T, H, D], lse [T, H])``. Math: :func:`sparse_attn_ref`."""
+    if resolve_backend(backend, q, kv) == "triton":
+        from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
+
+        return sparse_attn_triton(q, kv, attn_sink, indices, softmax_scale)
+    return sparse_attn_ref(q, kv, attn_sink, indices, softmax_scale)
+
+
+def local_to_global_rows(indices: torch.Tensor, rows_per_seq: int) -> torch.Tensor:
+    """``[S, B, K]`` per-sequence rows -> ``[B*S, K]`` rows into the flattened ``[B * rows_per_seq, ...]`` buffer."""
+    b = indices.shape[1]
+    base = (torch.arange(b, device=indices.device, dtype=torch.int64) * rows_per_seq)[None, :, None]
+    idx = indices.to(torch.int64)
+    glob = torch.where(idx >= 0, idx + base, -1)  # [S, B, K]
+    return sbhd_to_thd(glob).to(torch.int32)
+
+
+def sparse_attn_sbhd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SBHD form: ``q [S, B, H, D]``, ``kv [Skv, B, D]``, ``indices [S, B, K]`` LOCAL rows of each sequence's ``kv``
+    (``-1`` = empty) -> ``o [S, B, H, D]``, ``lse [S, B, H]``. ``kv`` is typically ``cat([kv, entries], 0)``."""
+    check_shape(q, "q", (None, None, None, None))
+    s, b = q.shape[:2]
+    check_shape(kv, "kv", (None, b, q.shape[3]))
+    check_shape(indices, "indices", (s, b, None))
+    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= kv.shape[0]):
+        raise ValueError(
+            f"indices must lie in [-1, {kv.shape[0]}) (local rows of kv), got out-of-range values"
+        )
+    o, lse = sparse_attn(
+        sbhd_to_thd(q),
+        sbhd_to_thd(kv),
+        attn_sink,
+        local_to_global_rows(indices, kv.shape[0]),
+        softmax_scale,
+        backend=backend,
+    )
+    return thd_to_sbhd(o, b), thd_to_sbhd(lse, b)

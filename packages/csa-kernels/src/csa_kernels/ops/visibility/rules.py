@@ -1,0 +1,126 @@
+"""Visibility rules and candidate-index builders (pure index math: one implementation, no backend switch) (dsv4-architecture.md §2.2, §3.4, §3.5).
+
+All rules are per document (document-relative position ``t``; nothing crosses a document boundary):
+
+* window (M3): query ``t`` sees raw rows ``s`` with ``t - W + 1 <= s <= t`` and ``s >= 0``;
+* compressed (M1): query ``t`` sees entry ``w`` of its own document iff ``(w + 1) * ratio <= t + 1``, i.e.
+  ``w < floor((t + 1) / ratio)``.
+
+Index tensors hold GLOBAL packed row ids (int32), ``-1`` = empty slot:
+
+* ``window_indices [T, W]``: slot ``j`` holds row ``t - W + 1 + j`` (the last slot is ``t`` itself), ``-1`` where that
+  row lies before the document start;
+* ``visible_compressed_indices [T, max_entries]``: slot ``j`` holds compressed row ``cu_seqlens_c[doc] + j`` for the
+  visible ``j``, ``-1`` after (dense mode / HCA);
+* ``attention_indices``: ``[window | compressed + T]`` rows into ``kv_all = cat([kv [T, D], entries [Tc, D]])``.
+
+Complexity: O(T * (W + max_entries)) int32 output, no other intermediate of that size except the output itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from csa_kernels._checks import check_cu_seqlens, check_ratio
+from csa_kernels.varlen import compressed_cu_seqlens, document_ids
+
+
+def window_indices(cu_seqlens: torch.Tensor, window: int) -> torch.Tensor:
+    """``[T, W]`` int32 global rows ``t - W + 1 .. t`` of the query's document, ``-1`` before the document start."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    check_cu_seqlens(cu_seqlens)
+    cu = cu_seqlens.to(torch.int64)
+    doc = document_ids(cu)  # [T]
+    t = torch.arange(doc.numel(), device=cu.device)
+    rows = t[:, None] - window + 1 + torch.arange(window, device=cu.device)  # [T, W]
+    rows = torch.where(rows >= cu[doc][:, None], rows, -1)
+    return rows.to(torch.int32)
+
+
+def visible_compressed_indices(
+    cu_seqlens: torch.Tensor, cu_seqlens_c: torch.Tensor, ratio: int, max_entries: int | None = None
+) -> torch.Tensor:
+    """``[T, max_entries]`` int32: every visible entry ``w < floor((t_rel + 1) / ratio)`` as a global compressed row.
+
+    ``max_entries`` defaults to the largest document's entry count; a smaller value that would drop visible
+    entries raises ValueError.
+    """
+    check_ratio(ratio)
+    check_cu_seqlens(cu_seqlens)
+    cuc_l = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c")
+    expected = compressed_cu_seqlens(cu_seqlens, ratio).tolist()
+    if cuc_l != expected:
+        raise ValueError(
+            f"cu_seqlens_c = {cuc_l} does not match floor(len / ratio) per document ({expected})"
+        )
+    need = max((b - a for a, b in itertools.pairwise(cuc_l)), default=0)
+    if max_entries is None:
+        max_entries = need
+    if not isinstance(max_entries, int) or max_entries < need:
+        raise ValueError(
+            f"max_entries must be an int >= the largest document's entry count {need}, got {max_entries!r}"
+        )
+    cu = cu_seqlens.to(torch.int64)
+    doc = document_ids(cu)  # [T]
+    t_rel = torch.arange(doc.numel(), device=cu.device) - cu[doc]
+    n_vis = (t_rel + 1) // ratio  # [T]
+    j = torch.arange(max_entries, device=cu.device)
+    rows = cu_seqlens_c.to(torch.int64)[doc][:, None] + j  # [T, max_entries]
+    rows = torch.where(j < n_vis[:, None], rows, -1)
+    return rows.to(torch.int32)
+
+
+def attention_indices(window_idx: torch.Tensor, comp_idx: torch.Tensor, offset: int) -> torch.Tensor:
+    """``[..., W + Kc]`` = ``[window_idx | comp_idx + offset]`` keeping ``-1`` (leading dims broadcast).
+
+    ``offset`` = number of raw rows in front of the compressed rows in ``kv_all`` (``T`` for THD, ``S`` for SBHD).
+    """
+    lead = torch.broadcast_shapes(window_idx.shape[:-1], comp_idx.shape[:-1])
+    w = window_idx.to(torch.int32).expand(*lead, window_idx.shape[-1])
+    c = comp_idx.to(torch.int64)
+    c = torch.where(c >= 0, c + offset, -1).to(torch.int32).expand(*lead, comp_idx.shape[-1])
+    return torch.cat((w, c), -1)
+
+
+def csa_dense_mask(
+    cu_seqlens: torch.Tensor, cu_seqlens_c: torch.Tensor, ratio: int, window: int
+) -> torch.Tensor:
+    """``[T, T + Tc]`` bool: the dense-mode candidate set (window rows, then visible compressed rows), built
+    directly from the rules (independent of the index builders; oracle A1 / M1 / M3)."""
+    cu = cu_seqlens.to(torch.int64)
+    cuc = cu_seqlens_c.to(torch.int64)
+    doc_q = document_ids(cu)  # [T]
+    t = torch.arange(doc_q.numel(), device=cu.device)
+    win = (doc_q[:, None] == doc_q[None, :]) & (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
+    doc_c = document_ids(cuc)  # [Tc]
+    w_rel = torch.arange(doc_c.numel(), device=cu.device) - cuc[doc_c]  # [Tc]
+    t_rel = t - cu[doc_q]
+    comp = (doc_q[:, None] == doc_c[None, :]) & ((w_rel[None, :] + 1) * ratio <= t_rel[:, None] + 1)
+    return torch.cat((win, comp), 1)
+
+
+def indices_to_mask(indices: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """``[T, n_kv]`` int64 multiplicity of each kv row in ``indices [T, K]`` (``-1`` ignored)."""
+    idx = indices.to(torch.int64)
+    valid = idx >= 0
+    counts = torch.zeros(idx.shape[0], n_kv + 1, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(1, torch.where(valid, idx, n_kv), valid.to(torch.int64))
+    return counts[:, :n_kv]
+
+
+def window_indices_sbhd(seq_len: int, window: int, device=None) -> torch.Tensor:
+    """SBHD form: ``[S, W]`` int32 LOCAL rows ``t - W + 1 .. t`` (``-1`` below 0), the same for every sequence."""
+    if not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+    return window_indices(torch.tensor([0, seq_len], dtype=torch.int32, device=device), window)
+
+
+def visible_compressed_indices_sbhd(seq_len: int, ratio: int, device=None) -> torch.Tensor:
+    """SBHD form: ``[S, S // ratio]`` int32 LOCAL entry ids ``w < floor((t+1)/ratio)``, ``-1`` after."""
+    if not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+    cu = torch.tensor([0, seq_len], dtype=torch.int32, device=device)
+    return visible_compressed_indices(cu, compressed_cu_seqlens(cu, ratio), ratio)

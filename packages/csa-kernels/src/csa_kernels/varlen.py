@@ -1,0 +1,63 @@
+"""Packed-layout (THD, flash-attn varlen) helpers: compressed ``cu_seqlens``, SBHD <-> THD, document ids.
+
+Convention: ``cu_seqlens`` int32 ``[N+1]`` (empty documents allowed); document ``i`` owns packed rows
+``cu_seqlens[i] .. cu_seqlens[i+1]-1`` and positions restart at 0 in every document. Each document is compressed
+independently: it yields ``floor(len_i / ratio)`` entries, stored contiguously in ``cu_seqlens_c`` order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from csa_kernels._checks import check_cu_seqlens, check_ratio
+
+
+def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``cu_seqlens_c`` int32 ``[N+1]`` with ``cu_seqlens_c[i+1] - cu_seqlens_c[i] = floor(len_i / ratio)``."""
+    check_ratio(ratio)
+    check_cu_seqlens(cu_seqlens)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // ratio
+    out = torch.zeros(cu_seqlens.numel(), dtype=torch.int32, device=cu_seqlens.device)
+    out[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    return out
+
+
+def sbhd_cu_seqlens(batch: int, seq_len: int, device=None) -> torch.Tensor:
+    """``[0, S, 2S, ..., B*S]`` int32: the THD view of an SBHD batch of ``B`` sequences of length ``S``."""
+    if batch < 0 or seq_len < 0:
+        raise ValueError(f"batch and seq_len must be >= 0, got {batch}, {seq_len}")
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
+
+
+def sbhd_to_thd(x: torch.Tensor) -> torch.Tensor:
+    """``[S, B, ...] -> [B*S, ...]`` with each sequence's rows contiguous (document ``b`` = rows ``b*S .. b*S+S-1``)."""
+    return x.transpose(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def thd_to_sbhd(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of :func:`sbhd_to_thd`: ``[B*S, ...] -> [S, B, ...]``."""
+    return x.reshape(batch, x.shape[0] // max(batch, 1), *x.shape[1:]).transpose(0, 1)
+
+
+def document_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64 document index of every packed row (``T = cu_seqlens[-1]``)."""
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)
+
+
+def document_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64 document-relative position of every packed row."""
+    cu = cu_seqlens.to(torch.int64)
+    doc = document_ids(cu)
+    return torch.arange(doc.numel(), device=cu.device) - cu[doc]
+
+
+def cu_seqlens_from_lengths(lengths: list[int], device=None) -> torch.Tensor:
+    """int32 ``[N+1]`` prefix sums of document lengths (zeros allowed: empty documents)."""
+    if any((not isinstance(n, int)) or n < 0 for n in lengths):
+        raise ValueError(f"lengths must be ints >= 0, got {lengths}")
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return out.to(device)
