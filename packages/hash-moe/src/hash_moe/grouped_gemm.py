@@ -1,0 +1,80 @@
+"""Grouped expert GEMM: rows sorted by expert, one weight matrix per expert.
+
+```
+out[rows of group g] = x[rows of group g] @ w[g].T          x: [M, K], w: [G, N, K] (nn.Linear layout), out: [M, N]
+```
+
+Backends (forward and backward give the same results):
+
+- ``"torch"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper; bf16 with 16-byte aligned ``K``/``N``; on
+  CPU it also runs in fp32).
+- ``"loop"``: ``torch.split`` + one matmul per group (any device and dtype).
+- ``"auto"``: ``"torch"`` on CUDA when the dtype is bf16 and ``K``, ``N`` are multiples of 8, else ``"loop"``.
+
+Shape legend: ``M`` rows, ``G`` groups (local experts), ``K`` input width, ``N`` output width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+GroupedBackend = Literal["auto", "torch", "loop"]
+
+
+def _counts_list(tokens_per_group: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(tokens_per_group, torch.Tensor):
+        return [int(c) for c in tokens_per_group.tolist()]
+    return [int(c) for c in tokens_per_group]
+
+
+def resolve_backend(backend: GroupedBackend, x: torch.Tensor, w: torch.Tensor) -> str:
+    """The backend :func:`grouped_mm` uses for these operands."""
+    if backend not in ("auto", "torch", "loop"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'loop', got {backend!r}")
+    if backend != "auto":
+        return backend
+    aligned = x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and aligned:
+        return "torch"
+    return "loop"
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Reference grouped GEMM: one ``x_g @ w[g].T`` per group (``torch.split``)."""
+    outs = [xg @ w[g].t() for g, xg in enumerate(torch.split(x, counts))]
+    if not outs:
+        return x.new_zeros(0, w.shape[1])
+    return torch.cat(outs, dim=0)
+
+
+def grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_group: torch.Tensor | Sequence[int],
+    *,
+    backend: GroupedBackend = "auto",
+) -> torch.Tensor:
+    """Grouped GEMM ``[M, K] x [G, N, K] -> [M, N]``; rows ``[o_g, o_g + c_g)`` use ``w[g]``.
+
+    Args:
+        x: ``[M, K]`` rows sorted by group.
+        w: ``[G, N, K]`` per-group weights in ``nn.Linear`` layout (out x in).
+        tokens_per_group: ``[G]`` row counts ``c_g`` (summing to ``M``; zeros allowed).
+        backend: see the module docstring.
+    """
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(
+            f"expected x [M, K] and w [G, N, K] with equal K; got {tuple(x.shape)} and {tuple(w.shape)}"
+        )
+    counts = _counts_list(tokens_per_group)
+    if len(counts) != w.shape[0]:
+        raise ValueError(f"tokens_per_group has {len(counts)} entries for {w.shape[0]} weight groups")
+    if any(c < 0 for c in counts) or sum(counts) != x.shape[0]:
+        raise ValueError(f"tokens_per_group must be non-negative and sum to M={x.shape[0]}, got {counts}")
+    if resolve_backend(backend, x, w) == "loop":
+        return grouped_mm_loop(x, w, counts)
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+    return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offs)

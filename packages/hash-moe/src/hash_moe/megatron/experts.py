@@ -1,0 +1,182 @@
+"""megatron-core expert modules with clamped SwiGLU (P5): grouped routed experts and the shared expert.
+
+:class:`ClampedSwiGLUExperts` implements megatron's ``ExpertsInterface`` (``forward(dispatched_input,
+tokens_per_expert, permuted_probs) -> (output, None)``) over ``G = E / EP`` local experts with two fused weights,
+``gate_up_proj [G, 2F, H]`` (``[w1; w3]`` per expert, HF layout) and ``down_proj [G, H, F]``; the routing weight
+is multiplied into the activation in fp32 before ``w2`` (§7.3). :class:`ClampedSwiGLUSharedExpert` implements
+``SharedExpertsInterface`` with tensor-parallel column/row linears and the same clamped activation.
+
+Settings read from the ``TransformerConfig``: ``moe_ffn_hidden_size`` (F), ``moe_shared_expert_intermediate_size``
+(shared F), ``activation_func_clamp_value`` (the SwiGLU limit; ``None`` = unclamped), ``params_dtype``,
+``init_method`` / ``output_layer_init_method``. Expert tensor parallelism is not supported (DSv4 shards experts by
+EP only).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hash_moe.experts import grouped_swiglu_experts
+from hash_moe.grouped_gemm import GroupedBackend
+from hash_moe.swiglu import check_swiglu_limit, clamped_swiglu
+
+
+def _param_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+class ClampedSwiGLUExperts(MegatronModule):
+    """The ``G`` local routed experts of one MoE layer (grouped GEMMs + fp32 clamped SwiGLU).
+
+    Args:
+        num_local_experts: ``G = num_moe_experts / EP``.
+        config: megatron ``TransformerConfig`` (see the module docstring for the fields used).
+        pg_collection: process groups (``ep``, ``expt_tp``, ``expt_dp``); megatron's defaults when None.
+        name: module name passed down by megatron (unused).
+        backend: grouped GEMM backend, ``"auto"`` (``torch._grouped_mm`` on CUDA bf16, a loop elsewhere).
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        /,
+        *,
+        pg_collection: ProcessGroupCollection | None = None,
+        name: str | None = None,
+        backend: GroupedBackend = "auto",
+    ) -> None:
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        if pg_collection.expt_tp is not None and pg_collection.expt_tp.size() > 1:
+            raise ValueError(
+                "ClampedSwiGLUExperts does not support expert tensor parallelism; set expert_tensor_parallel_size=1"
+            )
+        if config.moe_ffn_hidden_size is None:
+            raise ValueError("set TransformerConfig.moe_ffn_hidden_size (the routed expert width F)")
+        if config.add_bias_linear:
+            raise ValueError("DSv4 experts have no biases; set TransformerConfig.add_bias_linear=False")
+        check_swiglu_limit(config.activation_func_clamp_value)
+        self.num_local_experts = num_local_experts
+        self.limit = config.activation_func_clamp_value
+        self.backend = backend
+        self.ep_group = pg_collection.ep
+        self.expt_dp_group = pg_collection.expt_dp
+        h, f = config.hidden_size, config.moe_ffn_hidden_size
+        kw = {"device": _param_device(), "dtype": config.params_dtype}
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(num_local_experts, 2 * f, h, **kw))  # [G, 2F, H]
+        self.down_proj = torch.nn.Parameter(torch.empty(num_local_experts, h, f, **kw))  # [G, H, F]
+        for p in (self.gate_up_proj, self.down_proj):
+            p.allreduce = False  # expert parameter: gradients reduced over the expert-data-parallel group
+        if config.perform_initialization:
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                for e in range(num_local_experts):
+                    config.init_method(self.gate_up_proj.data[e])
+                    config.output_layer_init_method(self.down_proj.data[e])
+
+    def forward(
+        self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, /
+    ) -> tuple[torch.Tensor, None]:
+        """``[M, H]`` expert-sorted rows, ``[G]`` rows per expert, ``[M]`` weights -> ``([M, H], None)``."""
+        out = grouped_swiglu_experts(
+            dispatched_input,
+            tokens_per_expert,
+            self.gate_up_proj,
+            self.down_proj,
+            limit=self.limit,
+            probs=permuted_probs,
+            backend=self.backend,
+        )
+        return out, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the ordinary backward (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Expert weights sharded along the expert axis over EP, replicated over the expert-data-parallel group."""
+        ep_rank = self.ep_group.rank() if self.ep_group is not None else 0
+        ep_size = self.ep_group.size() if self.ep_group is not None else 1
+        dp_rank = self.expt_dp_group.rank() if self.expt_dp_group is not None else 0
+        n = len(sharded_offsets)
+        out = {}
+        for pname in ("gate_up_proj", "down_proj"):
+            out[f"{prefix}{pname}"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}{pname}",
+                getattr(self, pname),
+                *sharded_offsets,
+                (n, ep_rank, ep_size),
+                replica_id=(0, 0, dp_rank),
+                prepend_axis_num=n,
+            )
+        return out
+
+
+class ClampedSwiGLUSharedExpert(MegatronModule):
+    """The always-on shared expert with clamped SwiGLU (fp32 activation); TP column/row parallel linears.
+
+    ``linear_gate`` (w1) and ``linear_up`` (w3) are column-parallel ``H -> F`` and ``linear_down`` (w2) is
+    row-parallel ``F -> H``, so tensor parallelism shards the gate and up halves consistently.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: TransformerConfig,
+        pg_collection: ProcessGroupCollection | None = None,
+        gate: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if gate:
+            raise ValueError(
+                "DSv4's shared expert has no sigmoid gate; set TransformerConfig.moe_shared_expert_gate=False"
+            )
+        if config.moe_shared_expert_intermediate_size is None:
+            raise ValueError(
+                "set TransformerConfig.moe_shared_expert_intermediate_size (the shared expert width)"
+            )
+        if config.add_bias_linear:
+            raise ValueError("DSv4 experts have no biases; set TransformerConfig.add_bias_linear=False")
+        check_swiglu_limit(config.activation_func_clamp_value)
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        self.limit = config.activation_func_clamp_value
+        h, f = config.hidden_size, config.moe_shared_expert_intermediate_size
+        common = {"config": config, "bias": False, "tp_group": pg_collection.tp, "is_expert": False}
+        self.linear_gate = ColumnParallelLinear(
+            h, f, init_method=config.init_method, gather_output=False, skip_bias_add=True, **common
+        )
+        self.linear_up = ColumnParallelLinear(
+            h, f, init_method=config.init_method, gather_output=False, skip_bias_add=True, **common
+        )
+        self.linear_down = RowParallelLinear(
+            f,
+            h,
+            init_method=config.output_layer_init_method,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            **common,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, /) -> torch.Tensor:
+        """``[S, B, H] -> [S, B, H]``."""
+        a, _ = self.linear_gate(hidden_states)  # [S, B, F/tp]
+        b, _ = self.linear_up(hidden_states)
+        h = clamped_swiglu(torch.cat([a, b], dim=-1), self.limit)
+        out, _ = self.linear_down(h)
+        return out
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the ordinary backward (no delayed wgrad)."""
