@@ -37,7 +37,7 @@ from dsv4_attention.indexer_loss import (
     get_indexer_loss_tracker,
     indexer_loss_tracker_slot,
 )
-from dsv4_attention.layout import token_layout
+from dsv4_attention.layout import TokenLayout, token_layout
 from dsv4_primitives import rms_norm_ref
 
 
@@ -215,9 +215,14 @@ class DSv4HybridAttention(MegatronModule):
             sequence_len_offset,
         )
         layout = token_layout(hidden_states, packed_seq_params)
-        x = layout.to_tokens(hidden_states)  # [T, d]
+        y = self.forward_tokens(layout.to_tokens(hidden_states), layout)  # [T, d]
+        return layout.from_tokens(y), None
+
+    def forward_tokens(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """The layer on packed token rows: ``x [T, d]`` with its :class:`~dsv4_attention.layout.TokenLayout` ->
+        ``[T, d]`` (what ``forward`` runs after flattening SBHD / THD activations)."""
         t = x.shape[0]
-        pos = layout.positions  # [T]
+        pos = layout.rope_positions  # [T]
 
         q_lat, _ = self.linear_q_down_proj(x)  # [T, d_c]
         q_lat = self.q_layernorm(q_lat)  # [T, d_c] shared latent
@@ -234,8 +239,8 @@ class DSv4HybridAttention(MegatronModule):
                 get_indexer_loss_tracker().save(loss, self.tracker_slot, self.config.tracker_num_layers)
         o = rope(o, pos, self.rope_cfg, inverse=True)  # de-rotate at the query position
         u, _ = self.linear_o_group_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, g*d_g]
-        y, bias = self.linear_proj(u)  # [T, d]
-        return layout.from_tokens(y), bias
+        y, _ = self.linear_proj(u)  # [T, d] (no bias)
+        return y
 
     def _reject_unsupported(self, mask, kv_states, inference, rotary, bias, seq_offset) -> None:
         if mask is not None:

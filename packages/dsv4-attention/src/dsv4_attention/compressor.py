@@ -102,14 +102,17 @@ class Compressor(KeepFP32Mixin, MegatronModule):
         mark_keep_in_fp32(self.ape)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, backend: str = "auto"
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, backend: str = "auto", position_offset: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, d]`` -> ``(entries [Tc, c] in x.dtype, cu_seqlens_c int32 [N+1])``."""
+        """``x [T, d]`` -> ``(entries [Tc, c] in x.dtype, cu_seqlens_c int32 [N+1])``.
+
+        Entry ``w`` of a document is rotated at ``w * ratio + position_offset``.
+        """
         kv, _ = self.linear_wkv(x)  # [T, coff*c]
         score, _ = self.linear_wgate(x)  # [T, coff*c]
         pooled, cu_c = compressor_pool(
             kv, score, self.ape, self.compress_ratio, self.overlap, cu_seqlens, backend=backend
         )  # [Tc, c] fp32
         normed = self.norm(pooled)  # [Tc, c] fp32 math
-        pos = compressed_positions(cu_c, self.compress_ratio)  # [Tc]
+        pos = compressed_positions(cu_c, self.compress_ratio) + position_offset  # [Tc]
         return rope(normed, pos, self.rope_cfg).to(x.dtype), cu_c

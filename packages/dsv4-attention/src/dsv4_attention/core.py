@@ -131,13 +131,22 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         if not self.compress_ratio:
             o, _ = sparse_attn(q, kv, self.attn_sink, win, self.softmax_scale, backend=backend)
             return o, None
-        entries, cu_c = self.compressor(x, cu, backend=backend)  # [Tc, c]
+        entries, cu_c = self.compressor(
+            x, cu, backend=backend, position_offset=layout.position_offset
+        )  # [Tc, c]
         kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
         max_c = _max_entries(cu_c)
         dense = self.indexer is None or self.config.csa_dense_mode
         state = None
         if self.indexer is not None:
-            state = self.indexer(x, q_latent, layout.positions, cu, backend=backend)
+            state = self.indexer(
+                x,
+                q_latent,
+                layout.rope_positions,
+                cu,
+                backend=backend,
+                position_offset=layout.position_offset,
+            )
         if dense:
             comp = visible_compressed_indices(cu, cu_c, self.compress_ratio, max_c)  # [T, max_c]
         else:

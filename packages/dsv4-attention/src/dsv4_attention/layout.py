@@ -33,6 +33,9 @@ class TokenLayout:
         positions: int64 ``[T]`` segment-relative positions.
         real_rows: bool ``[T]`` (False on THD padding rows) or ``None`` when every row is a real token.
         max_seqlen: longest segment.
+        position_offset: constant added to every RoPE position (queries, keys, compressed entries, the output
+            de-rotation): a sequence that continues at position ``position_offset``; 0 for ordinary batches.
+            The layer output does not depend on it (oracle R4), only rounding does.
     """
 
     qkv_format: str
@@ -42,6 +45,12 @@ class TokenLayout:
     positions: torch.Tensor
     real_rows: torch.Tensor | None
     max_seqlen: int
+    position_offset: int = 0
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """int64 ``[T]`` positions used for RoPE (``positions + position_offset``)."""
+        return self.positions + self.position_offset if self.position_offset else self.positions
 
     @property
     def num_tokens(self) -> int:
@@ -134,12 +143,18 @@ def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
 
 
 def token_layout(hidden_states: torch.Tensor, packed_seq_params=None) -> TokenLayout:
-    """The layout of attention input ``hidden_states`` (``[s, b, h]`` or ``[t, 1, h]`` with THD params)."""
+    """The layout of attention input ``hidden_states`` (``[s, b, h]`` or ``[t, 1, h]`` with THD params).
+
+    ``packed_seq_params``: ``None`` (SBHD), megatron ``PackedSeqParams`` (``qkv_format`` ``"thd"`` or ``"sbhd"``),
+    or any object with ``to_packed_seq_params()`` (e.g. ``thd_packing.PackedSeqs``).
+    """
     if hidden_states.dim() != 3:
         raise ValueError(
             f"hidden_states must be [s, b, h] (SBHD) or [t, 1, h] (THD), got shape {tuple(hidden_states.shape)}"
         )
     s, b, _ = hidden_states.shape
+    if packed_seq_params is not None and hasattr(packed_seq_params, "to_packed_seq_params"):
+        packed_seq_params = packed_seq_params.to_packed_seq_params()  # thd_packing.PackedSeqs
     fmt = getattr(packed_seq_params, "qkv_format", None) if packed_seq_params is not None else None
     if packed_seq_params is None or fmt == "sbhd":
         return sbhd_layout(s, b, hidden_states.device)
