@@ -136,8 +136,10 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         )  # [Tc, c]
         kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
         max_c = _max_entries(cu_c)
-        dense = self.indexer is None or self.config.csa_dense_mode
-        state = None
+        # no complete block anywhere: nothing to select (the dense path attaches the empty, zero loss)
+        dense = self.indexer is None or self.config.csa_dense_mode or max_c == 0
+        want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
+        state = topk_scores = None
         if self.indexer is not None:
             state = self.indexer(
                 x,
@@ -150,32 +152,36 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         if dense:
             comp = visible_compressed_indices(cu, cu_c, self.compress_ratio, max_c)  # [T, max_c]
         else:
-            comp = self.indexer.select(state, cu, backend=backend)  # [T, k]
-        idx = attention_indices(win, comp, t)  # [T, W + K]
+            with torch.set_grad_enabled(want_loss):
+                comp, topk_scores = self.indexer.select(state, cu, backend=backend)  # [T, k]
+        idx = attention_indices(win, comp, t)  # [T, W + K] rows of kv_all
         o, lse = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, backend=backend)
         loss = None
-        if state is not None and self.training and torch.is_grad_enabled():
-            loss = self._indexer_loss(q, kv_all, lse, comp, state, cu, cu_c, max_c, layout, dense)
+        if want_loss:
+            loss = self._indexer_loss(
+                q, kv_all, lse, comp, topk_scores, state, cu, cu_c, max_c, layout, dense
+            )
         return o, loss
 
-    def _indexer_loss(self, q, kv_all, lse, comp, state, cu, cu_c, max_c, layout, dense) -> torch.Tensor:
-        """KL(teacher || softmax(index scores)) over the loss set, mean over real rows with entries, x coeff."""
+    def _indexer_loss(
+        self, q, kv_all, lse, comp, topk_scores, state, cu, cu_c, max_c, layout, dense
+    ) -> torch.Tensor:
+        """KL(teacher || softmax(index scores)) over the loss set, mean over real rows with entries, x coeff.
+
+        Loss set: every visible entry (dense phase, or ``dsa_indexer_use_sparse_loss=False``), else the selected
+        top-k. The student logits come from ``indexer_scores`` (column = local entry, aligned with
+        ``visible_compressed_indices``) or are the top-k scores themselves.
+        """
         t = q.shape[0]
         backend = self.backend
-        scores = self.indexer.scores(
-            state, cu, backend=backend
-        )  # [T, max_c], local entry ids, -inf invisible
         if dense or not self.config.dsa_indexer_use_sparse_loss:
             loss_set = comp if dense else visible_compressed_indices(cu, cu_c, self.compress_ratio, max_c)
-            student = scores  # column j <-> local entry j, aligned with visible_compressed_indices
+            student = self.indexer.scores(state, cu, max_c, backend=backend)  # [T, max_c]
         else:
-            loss_set = comp  # [T, k] global compressed rows
-            first = _doc_first_entry(cu, cu_c, t)  # [T]
-            local = (loss_set.long() - first[:, None]).clamp(min=0, max=max(max_c - 1, 0))
-            student = scores.gather(1, local) if max_c else scores.new_zeros(loss_set.shape)
+            loss_set, student = comp, topk_scores  # [T, k]
         valid = loss_set >= 0
         student = torch.where(valid, student, torch.zeros_like(student))
-        teacher_idx = torch.where(valid, loss_set + t, torch.full_like(loss_set, -1))  # rows of kv_all
+        teacher_idx = attention_indices(loss_set[:, :0], loss_set, t)  # rows of kv_all, -1 kept
         _, per_row = indexer_loss(
             q.detach(),
             kv_all.detach(),
@@ -196,10 +202,3 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
 
 def _max_entries(cu_c: torch.Tensor) -> int:
     return int((cu_c[1:] - cu_c[:-1]).max()) if cu_c.numel() > 1 else 0
-
-
-def _doc_first_entry(cu: torch.Tensor, cu_c: torch.Tensor, t: int) -> torch.Tensor:
-    """``[T]`` int64: global compressed row of the first entry of each token's document."""
-    cu64 = cu.long()
-    doc = torch.searchsorted(cu64[1:], torch.arange(t, device=cu.device), right=True)
-    return cu_c.long()[doc]

@@ -116,23 +116,30 @@ class LightningIndexer(MegatronModule):
         w, _ = self.linear_weights_proj(x)  # [T, n_I]
         return IndexerState(q, k, w * self.weight_scale, cu_c)
 
-    def select(self, state: IndexerState, cu_seqlens: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-        """Top-k compressed rows per query: int32 ``[T, k]`` (global rows of the compressed buffer, -1 padded)."""
-        with torch.no_grad():
-            idx, _ = indexer_topk(
-                state.q,
-                state.k,
-                state.weights,
-                self.compress_ratio,
-                self.topk,
-                cu_seqlens,
-                state.cu_seqlens_c,
-                backend=backend,
-            )
-        return idx
+    def select(
+        self, state: IndexerState, cu_seqlens: torch.Tensor, backend: str = "auto"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k per query: ``(indices [T, k] int32 global compressed rows (-1 trailing), scores [T, k] fp32)``.
 
-    def scores(self, state: IndexerState, cu_seqlens: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-        """Differentiable scores ``[T, max_c]`` over each token's own document entries (local id; -inf invisible)."""
+        The scores are differentiable in the indexer's parameters (the sparse-loss student); the indices are not.
+        """
+        idx, scores = indexer_topk(
+            state.q,
+            state.k,
+            state.weights,
+            self.compress_ratio,
+            self.topk,
+            cu_seqlens,
+            state.cu_seqlens_c,
+            backend=backend,
+        )
+        return idx, scores
+
+    def scores(
+        self, state: IndexerState, cu_seqlens: torch.Tensor, max_entries: int, backend: str = "auto"
+    ) -> torch.Tensor:
+        """Differentiable scores ``[T, max_entries]`` over each token's document entries (column = local entry id,
+        aligned with ``visible_compressed_indices``; ``-inf`` where invisible): the dense-loss student."""
         return indexer_scores(
             state.q,
             state.k,
@@ -140,5 +147,6 @@ class LightningIndexer(MegatronModule):
             self.compress_ratio,
             cu_seqlens,
             state.cu_seqlens_c,
+            max_entries,
             backend=backend,
         )
