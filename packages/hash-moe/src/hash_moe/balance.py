@@ -110,19 +110,17 @@ def sequence_balance_loss(
         num_sequences = 1
     if sequence_ids.shape != (n,):
         raise ValueError(f"sequence_ids must be [{n}], got {tuple(sequence_ids.shape)}")
-    keep = torch.ones(n, dtype=torch.float32, device=scores.device) if valid is None else valid.float()
+    dt = scores.dtype
+    keep = torch.ones(n, dtype=dt, device=scores.device) if valid is None else valid.to(dt)
     s_norm = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)  # [N, E]
     seq = sequence_ids.long()
     # Σ_t s'_{e,t} per sequence, valid tokens only: [D, E]
     p_sum = scores.new_zeros(num_sequences, num_experts).index_add(0, seq, s_norm * keep.unsqueeze(-1))
     with torch.no_grad():
-        hits = torch.zeros(n, num_experts, device=scores.device).scatter_(1, experts, 1.0) * keep.unsqueeze(
-            -1
-        )
-        counts = torch.zeros(num_sequences, num_experts, device=scores.device).index_add_(
-            0, seq, hits
-        )  # [D, E]
-        lengths = torch.zeros(num_sequences, device=scores.device).index_add_(0, seq, keep)  # [D]
+        zeros = {"dtype": dt, "device": scores.device}
+        hits = torch.zeros(n, num_experts, **zeros).scatter_(1, experts, 1.0) * keep.unsqueeze(-1)  # [N, E]
+        counts = torch.zeros(num_sequences, num_experts, **zeros).index_add_(0, seq, hits)  # [D, E]
+        lengths = torch.zeros(num_sequences, **zeros).index_add_(0, seq, keep)  # [D]
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
             dist.all_reduce(lengths, group=group)

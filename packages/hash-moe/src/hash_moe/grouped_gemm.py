@@ -36,7 +36,7 @@ def resolve_backend(backend: GroupedBackend, x: torch.Tensor, w: torch.Tensor) -
         raise ValueError(f"backend must be 'auto', 'torch' or 'loop', got {backend!r}")
     if backend != "auto":
         return backend
-    aligned = x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
+    aligned = x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0  # 16-byte rows in bf16
     if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and aligned:
         return "torch"
     return "loop"
@@ -76,5 +76,13 @@ def grouped_mm(
         raise ValueError(f"tokens_per_group must be non-negative and sum to M={x.shape[0]}, got {counts}")
     if resolve_backend(backend, x, w) == "loop":
         return grouped_mm_loop(x, w, counts)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        raise ValueError(
+            f"backend 'torch' needs equal fp32/bf16/fp16 operands, got {x.dtype} and {w.dtype}; use 'loop'"
+        )
+    if (x.shape[1] * x.element_size()) % 16 or (w.shape[1] * w.element_size()) % 16:
+        raise ValueError(
+            f"backend 'torch' needs 16-byte aligned rows (K={x.shape[1]}, N={w.shape[1]} in {x.dtype}); use 'loop'"
+        )
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
     return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offs)

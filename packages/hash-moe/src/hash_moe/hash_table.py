@@ -6,7 +6,7 @@ scratch we offer (**[OUR CHOICE]**, spec §7.4):
 - :func:`build_tid2eid_balanced`: greedy balancing of the *expected* load from corpus token frequencies. Token ids
   are visited in decreasing frequency (ties: a seeded permutation); each takes the ``K`` experts with the least
   expected load so far (ties: fewer token ids assigned, then a seeded expert order), and adds its frequency to them.
-  Zero-frequency ids are spread evenly by the token-id tie-break.
+  Zero-frequency ids (unseen in the corpus) add no load; they are spread evenly over the experts by count.
 - :func:`build_tid2eid_round_robin`: ``tid2eid[t, j] = (t·K + j) mod E`` (balanced in token-id count only).
 - :func:`load_tid2eid`: from a checkpoint (a state dict, a tensor, or a ``torch.save`` file).
 
@@ -92,16 +92,25 @@ def build_tid2eid_balanced(
     # decreasing count, seeded order among equal counts (two stable sorts)
     order = token_tiebreak[torch.sort(counts[token_tiebreak], descending=True, stable=True).indices].tolist()
     weights = counts.tolist()
+    rows: list[list[int]] = [[]] * vocab_size
     # heap of (expected load, token ids assigned, tie-break, expert): the K smallest are the K least loaded
     heap = [(0.0, 0, expert_tiebreak[e], e) for e in range(num_experts)]
     heapq.heapify(heap)
-    rows: list[list[int]] = [[]] * vocab_size
+    # ids never seen in the corpus add no load: spread them evenly by count instead (second heap)
+    unseen = [(0, expert_tiebreak[e], e) for e in range(num_experts)]
+    heapq.heapify(unseen)
     for tok in order:
-        picked = [heapq.heappop(heap) for _ in range(topk)]
-        rows[tok] = [p[3] for p in picked]
         w = weights[tok]
-        for load, n, tie, e in picked:
-            heapq.heappush(heap, (load + w, n + 1, tie, e))
+        if w > 0:
+            picked = [heapq.heappop(heap) for _ in range(topk)]
+            rows[tok] = [p[3] for p in picked]
+            for load, n, tie, e in picked:
+                heapq.heappush(heap, (load + w, n + 1, tie, e))
+        else:
+            picked = [heapq.heappop(unseen) for _ in range(topk)]
+            rows[tok] = [p[2] for p in picked]
+            for n, tie, e in picked:
+                heapq.heappush(unseen, (n + 1, tie, e))
     return torch.tensor(rows, dtype=torch.int32).reshape(vocab_size, topk)
 
 
