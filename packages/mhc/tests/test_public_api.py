@@ -26,3 +26,15 @@ def test_import_without_optional_deps():
         "import torch; torch.cuda.is_available = lambda: False; import mhc"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_does_not_load_megatron():
+    code = "import sys, mhc; assert 'megatron' not in sys.modules, 'import mhc must not import megatron-core'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_megatron_surface():
+    import mhc.megatron as mm
+
+    for name in mm.__all__:
+        assert hasattr(mm, name), name

@@ -1,0 +1,140 @@
+"""megatron-core 0.19.2 integration: the layer wrapper, the HybridStack with streams, and PP=2 transport (P3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import mhc_megatron_model as tiny  # noqa: E402
+
+from dsv4_testkit import run_distributed  # noqa: E402
+from mhc import MHCConfig, mhc_post_ref, mhc_pre_ref  # noqa: E402
+
+S, B, D, N = 5, 2, 32, 4
+
+
+def _layer(kind: str, pg_seed: int = 0):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from mhc.megatron import hyper_connection_layer_spec
+
+    sub = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
+    if kind == "attention":
+        sub = dataclasses.replace(sub, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
+    elif kind == "mlp":
+        sub = dataclasses.replace(sub, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
+    torch.manual_seed(pg_seed)
+    spec = hyper_connection_layer_spec(
+        ModuleSpec(module=TransformerLayer, submodules=sub), MHCConfig(hidden_size=D, sinkhorn_iters=5)
+    )
+    layer = build_module(
+        spec, config=tiny.transformer_config(1), layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+    )
+    with torch.no_grad():
+        for hc in (layer.attn_hc, layer.mlp_hc):
+            if hc is not None:
+                hc.fn.normal_(std=0.3)
+                hc.scale.fill_(1.0)
+                hc.base.normal_()
+    return layer
+
+
+def _mask():
+    return torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]
+
+
+def test_full_layer_is_two_mhc_blocks(megatron_cpu):
+    # attention + MLP TransformerLayer == DSv4 block: mHC(attn) then mHC(MLP), no inner residual anywhere
+    layer = _layer("full")
+    inner = layer.inner_layer
+    x = torch.randn(S, B, N * D)
+    out, _ = layer(x, attention_mask=_mask())
+
+    def hc_ref(hc, streams, fn_):
+        kw = dict(sinkhorn_iters=5)
+        x_in, post, comb = mhc_pre_ref(streams, hc.fn, hc.scale, hc.base, **kw)
+        return mhc_post_ref(fn_(x_in), streams, post, comb)
+
+    def attn(h):
+        o, bias = inner.self_attention(inner.input_layernorm(h), attention_mask=_mask())
+        return o
+
+    def mlp(h):
+        o, bias = inner.mlp(inner.pre_mlp_layernorm(h))
+        return o
+
+    streams = x.view(S, B, N, D)
+    streams = hc_ref(layer.attn_hc, streams, attn)
+    streams = hc_ref(layer.mlp_hc, streams, mlp)
+    torch.testing.assert_close(out, streams.reshape(S, B, N * D), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "attn", "mlp"), [("attention", True, False), ("mlp", False, True)])
+def test_hybrid_layers_get_one_connection(megatron_cpu, kind, attn, mlp):
+    layer = _layer(kind)
+    assert (layer.attn_hc is not None) == attn and (layer.mlp_hc is not None) == mlp
+    x = torch.randn(S, B, N * D, requires_grad=True)
+    out, _ = layer(x, attention_mask=_mask())
+    assert out.shape == x.shape and out.dtype == x.dtype
+    out.square().sum().backward()
+    hc = layer.attn_hc or layer.mlp_hc
+    for p in (x, hc.fn, hc.base, hc.scale):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+def test_layer_rejects_unexpanded_input(megatron_cpu):
+    layer = _layer("mlp")
+    with pytest.raises(ValueError, match="streams"):
+        layer(torch.randn(S, B, D))
+
+
+def test_hc_params_stay_fp32_under_bfloat16(megatron_cpu):
+    layer = _layer("attention").bfloat16()
+    assert layer.inner_layer.self_attention.linear_qkv.weight.dtype == torch.bfloat16
+    for p in (layer.attn_hc.fn, layer.attn_hc.base, layer.attn_hc.scale):
+        assert p.dtype == torch.float32 and getattr(p, "keep_in_fp32", False)
+
+
+def test_p2p_shapes(megatron_cpu):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from mhc.megatron import make_mhc_adjust_tensor_shapes_fn, mhc_p2p_tensor_shapes, mhc_pipeline_hidden_size
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    cfg = tiny.transformer_config(1)
+    shapes = mhc_p2p_tensor_shapes(seq_length=16, micro_batch_size=3, config=cfg, num_streams=4, cp_group=pg.cp, tp_group=pg.tp)
+    assert shapes == [(16, 3, 4 * D)]
+    recv, send = make_mhc_adjust_tensor_shapes_fn(4)([(16, 3, D)], [(16, 3, D), ()])
+    assert recv == [(16, 3, 4 * D)] and send == [(16, 3, 4 * D), ()]
+    edge = dict(hidden_size=D, num_streams=4)
+    assert mhc_pipeline_hidden_size(**edge, is_recv=True, is_first_stage=True, is_last_stage=False) == D
+    assert mhc_pipeline_hidden_size(**edge, is_recv=False, is_first_stage=False, is_last_stage=True) == D
+    assert mhc_pipeline_hidden_size(**edge, is_recv=True, is_first_stage=False, is_last_stage=True) == 4 * D
+    assert mhc_pipeline_hidden_size(**edge, is_recv=False, is_first_stage=True, is_last_stage=False) == 4 * D
+    with pytest.raises(ValueError):
+        make_mhc_adjust_tensor_shapes_fn(0)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pp2_matches_pp1():
+    # HybridModel "*-|*-" with our mHC stack on 2 gloo pipeline stages == the same model on one stage
+    ref = tiny.run_stage(0, 1)
+    stages = run_distributed(tiny.run_stage, 2)
+    assert stages[0]["loss"] is None and stages[1]["loss"] is not None
+    assert abs(stages[1]["loss"] - ref["loss"]) <= 1e-6 * max(1.0, abs(ref["loss"]))
+    grads = {**stages[0]["grads"], **stages[1]["grads"]}
+    assert set(grads) == set(ref["grads"])
+    assert any(".attn_hc." in k for k in grads) and any("hyper_head" in k for k in grads)
+    for name, g in ref["grads"].items():
+        err = float(abs(grads[name] - g).max())
+        assert err <= 1e-6 * max(1.0, float(abs(g).max())), (name, err)
