@@ -73,12 +73,21 @@ def visible_compressed_indices(
     return rows.to(torch.int32)
 
 
+def _broadcast_lead(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    # plain-Python broadcasting (torch.broadcast_shapes imports the symbolic-shape stack: seconds on first use)
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    if any(x != y and 1 not in (x, y) for x, y in zip(a, b)):
+        raise ValueError(f"window_idx and comp_idx leading dims do not broadcast: {a} vs {b}")
+    return tuple(max(x, y) if 1 in (x, y) else x for x, y in zip(a, b))
+
+
 def attention_indices(window_idx: torch.Tensor, comp_idx: torch.Tensor, offset: int) -> torch.Tensor:
     """``[..., W + Kc]`` = ``[window_idx | comp_idx + offset]`` keeping ``-1`` (leading dims broadcast).
 
     ``offset`` = number of raw rows in front of the compressed rows in ``kv_all`` (``T`` for THD, ``S`` for SBHD).
     """
-    lead = torch.broadcast_shapes(window_idx.shape[:-1], comp_idx.shape[:-1])
+    lead = _broadcast_lead(tuple(window_idx.shape[:-1]), tuple(comp_idx.shape[:-1]))
     w = window_idx.to(torch.int32).expand(*lead, window_idx.shape[-1])
     c = comp_idx.to(torch.int64)
     c = torch.where(c >= 0, c + offset, -1).to(torch.int32).expand(*lead, comp_idx.shape[-1])
