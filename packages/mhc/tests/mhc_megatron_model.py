@@ -133,15 +133,12 @@ def _cpu_schedules():
         schedules.torch = saved
 
 
-
-
 def run_stage(rank: int, world_size: int) -> dict:
     """One step's forward+backward on ``world_size`` pipeline stages; returns the loss and named grads (numpy).
 
     Every stage copies its shard out of the same deterministic PP=1 parameter set (:func:`initial_state`).
     """
     from dsv4_testkit import megatron_cpu_context
-
     from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
     pp = world_size
@@ -172,7 +169,9 @@ def run_stage(rank: int, world_size: int) -> dict:
             losses = fb(**kwargs)
         assert ps.get_pipeline_model_parallel_world_size() == pp
         # numpy, not tensors: torch's shared-memory pickling would outlive the worker
-        grads = {own[n]: p.grad.detach().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {
+            own[n]: p.grad.detach().numpy().copy() for n, p in model.named_parameters() if p.grad is not None
+        }
         loss = torch.stack([x["lm loss"] for x in losses]).mean().item() if losses else None
         return {"loss": loss, "grads": grads}
 

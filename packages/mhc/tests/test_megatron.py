@@ -10,10 +10,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import mhc_megatron_model as tiny  # noqa: E402
+import mhc_megatron_model as tiny
 
-from dsv4_testkit import run_distributed  # noqa: E402
-from mhc import MHCConfig, mhc_post_ref, mhc_pre_ref  # noqa: E402
+from dsv4_testkit import run_distributed
+from mhc import MHCConfig, mhc_post_ref, mhc_pre_ref
 
 S, B, D, N = 5, 2, 32, 4
 
@@ -31,13 +31,18 @@ def _layer(kind: str, pg_seed: int = 0):
     if kind == "attention":
         sub = dataclasses.replace(sub, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
     elif kind == "mlp":
-        sub = dataclasses.replace(sub, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
+        sub = dataclasses.replace(
+            sub, input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp
+        )
     torch.manual_seed(pg_seed)
     spec = hyper_connection_layer_spec(
         ModuleSpec(module=TransformerLayer, submodules=sub), MHCConfig(hidden_size=D, sinkhorn_iters=5)
     )
     layer = build_module(
-        spec, config=tiny.transformer_config(1), layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+        spec,
+        config=tiny.transformer_config(1),
+        layer_number=1,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
     with torch.no_grad():
         for hc in (layer.attn_hc, layer.mlp_hc):
@@ -65,11 +70,11 @@ def test_full_layer_is_two_mhc_blocks(megatron_cpu):
         return mhc_post_ref(fn_(x_in), streams, post, comb)
 
     def attn(h):
-        o, bias = inner.self_attention(inner.input_layernorm(h), attention_mask=_mask())
+        o, _bias = inner.self_attention(inner.input_layernorm(h), attention_mask=_mask())
         return o
 
     def mlp(h):
-        o, bias = inner.mlp(inner.pre_mlp_layernorm(h))
+        o, _bias = inner.mlp(inner.pre_mlp_layernorm(h))
         return o
 
     streams = x.view(S, B, N, D)
@@ -111,7 +116,9 @@ def test_p2p_shapes(megatron_cpu):
 
     pg = ProcessGroupCollection.use_mpu_process_groups()
     cfg = tiny.transformer_config(1)
-    shapes = mhc_p2p_tensor_shapes(seq_length=16, micro_batch_size=3, config=cfg, num_streams=4, cp_group=pg.cp, tp_group=pg.tp)
+    shapes = mhc_p2p_tensor_shapes(
+        seq_length=16, micro_batch_size=3, config=cfg, num_streams=4, cp_group=pg.cp, tp_group=pg.tp
+    )
     assert shapes == [(16, 3, 4 * D)]
     recv, send = make_mhc_adjust_tensor_shapes_fn(4)([(16, 3, D)], [(16, 3, D), ()])
     assert recv == [(16, 3, 4 * D)] and send == [(16, 3, 4 * D), ()]

@@ -7,8 +7,8 @@ import torch
 
 from mhc import (
     HyperHead,
-    MHCConfig,
     ManifoldHyperConnection,
+    MHCConfig,
     StreamExpansion,
     expand_streams,
     mhc_coefficients,
@@ -51,7 +51,11 @@ def test_recompute_coefficients_same_grads(backend):
     torch.manual_seed(0)
     cfg = MHCConfig(hidden_size=8, num_streams=4, sinkhorn_iters=3, backend=backend)
     a = ManifoldHyperConnection(cfg)
-    b = ManifoldHyperConnection(MHCConfig(hidden_size=8, num_streams=4, sinkhorn_iters=3, backend=backend, recompute_coefficients=True))
+    b = ManifoldHyperConnection(
+        MHCConfig(
+            hidden_size=8, num_streams=4, sinkhorn_iters=3, backend=backend, recompute_coefficients=True
+        )
+    )
     with torch.no_grad():
         a.fn.normal_(std=0.5)
         a.scale.fill_(1.0)

@@ -43,7 +43,9 @@ def _run(fn, inputs, dy_seed=7):
     outs = fn(*ins)
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator().manual_seed(dy_seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs)
+    loss = sum(
+        (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs
+    )
     loss.backward()
     return outs, [t.grad for t in ins]
 
@@ -54,7 +56,10 @@ def _compare(names, got, truth, yard):
 
 
 def _cases(cases, dtype, device):
-    return [pytest.param(*c, dtype, device, id="T{}-N{}-D{}-it{}".format(*c) + f"-{str(dtype)[6:]}") for c in cases]
+    return [
+        pytest.param(*c, dtype, device, id="T{}-N{}-D{}-it{}".format(*c) + f"-{str(dtype)[6:]}")
+        for c in cases
+    ]
 
 
 ALL = _cases(CPU_CASES, torch.float32, "cpu") + [

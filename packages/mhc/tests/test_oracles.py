@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mhc import (
-    MHCConfig,
     ManifoldHyperConnection,
+    MHCConfig,
     mhc_coefficients,
     mhc_post,
     mhc_post_ref,
@@ -117,7 +117,9 @@ def test_h5_residual_mix_uses_comb_transpose(backend):
     # hand-made, non-symmetric comb: stream j of the output is Σ_i comb[i, j] X_i (not Σ_i comb[j, i] X_i)
     n, d = 3, 4
     comb = torch.tensor([[0.7, 0.0, 0.1], [0.2, 1.0, 0.0], [0.1, 0.0, 0.9]])  # columns sum to 1, rows do not
-    x = torch.stack([torch.full((d,), 1.0), torch.full((d,), 10.0), torch.full((d,), 100.0)])[None]  # [1, 3, d]
+    x = torch.stack([torch.full((d,), 1.0), torch.full((d,), 10.0), torch.full((d,), 100.0)])[
+        None
+    ]  # [1, 3, d]
     f = torch.zeros(1, d)
     out = mhc_post(f, x, torch.zeros(1, n), comb[None], backend=backend)[0, :, 0]
     torch.testing.assert_close(out, torch.tensor([0.7 + 2.0 + 10.0, 10.0, 0.1 + 90.0]))

@@ -23,7 +23,9 @@ from mhc.reference import (
 
 def _check_streams(x: torch.Tensor, name: str = "x") -> tuple[int, int]:
     if x.dim() < 3:
-        raise ValueError(f"{name} must be streams [..., N, D] with at least one token dim, got {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must be streams [..., N, D] with at least one token dim, got {tuple(x.shape)}"
+        )
     if not x.dtype.is_floating_point:
         raise ValueError(f"{name} must be floating point, got {x.dtype}")
     return x.shape[-2], x.shape[-1]
@@ -120,7 +122,14 @@ def mhc_pre(
     out_dtype = out_dtype or x.dtype
     if resolve_backend(backend, x, fn) == "reference":
         return mhc_pre_ref(
-            x, fn, scale, base, sinkhorn_iters=sinkhorn_iters, norm_eps=norm_eps, hc_eps=hc_eps, out_dtype=out_dtype
+            x,
+            fn,
+            scale,
+            base,
+            sinkhorn_iters=sinkhorn_iters,
+            norm_eps=norm_eps,
+            hc_eps=hc_eps,
+            out_dtype=out_dtype,
         )
     _, post, comb, x_in = _coefficients_triton(
         x, fn, scale, base, sinkhorn_iters, norm_eps, hc_eps, False, True, out_dtype
@@ -134,7 +143,9 @@ def mhc_collapse(
     """Weighted collapse ``x_in = Σ_i pre[i] · X[i]`` with given weights. ``pre [..., N]`` -> ``[..., D]``."""
     n, d = _check_streams(x)
     if pre.shape != x.shape[:-1]:
-        raise ValueError(f"pre must have shape {tuple(x.shape[:-1])} for streams {tuple(x.shape)}, got {tuple(pre.shape)}")
+        raise ValueError(
+            f"pre must have shape {tuple(x.shape[:-1])} for streams {tuple(x.shape)}, got {tuple(pre.shape)}"
+        )
     out_dtype = out_dtype or x.dtype
     if resolve_backend(backend, x, pre) == "reference":
         return mhc_collapse_ref(x, pre).to(out_dtype)

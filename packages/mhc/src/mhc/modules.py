@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from mhc._dispatch import resolve_backend
 from mhc._fp32 import KeepFP32Mixin, mark_keep_in_fp32
 from mhc.config import MHCConfig
-from mhc.functional import expand_streams, hyper_head, mhc_collapse, mhc_coefficients, mhc_post, mhc_pre
+from mhc.functional import expand_streams, hyper_head, mhc_coefficients, mhc_collapse, mhc_post, mhc_pre
 
 
 class ManifoldHyperConnection(KeepFP32Mixin, nn.Module):

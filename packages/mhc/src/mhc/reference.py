@@ -39,7 +39,9 @@ def _f(t: torch.Tensor, upcast: bool) -> torch.Tensor:
     return t.float()
 
 
-def sinkhorn_ref(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6, upcast: bool = True) -> torch.Tensor:
+def sinkhorn_ref(
+    logits: torch.Tensor, iters: int = 20, eps: float = 1e-6, upcast: bool = True
+) -> torch.Tensor:
     """Sinkhorn-Knopp in the DSv4 code's order. ``logits [..., N, N]`` (``M[i, j]``) -> ``comb [..., N, N]``.
 
     Row softmax + eps, column normalisation, then ``iters - 1`` rounds of (rows, columns). Columns sum to 1 (up to
@@ -53,7 +55,9 @@ def sinkhorn_ref(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6, upcas
     return s
 
 
-def mhc_mix_ref(x: torch.Tensor, fn: torch.Tensor, norm_eps: float = 1e-6, upcast: bool = True) -> torch.Tensor:
+def mhc_mix_ref(
+    x: torch.Tensor, fn: torch.Tensor, norm_eps: float = 1e-6, upcast: bool = True
+) -> torch.Tensor:
     """The dynamic mixes ``RMS(vec(X)) @ fn.T``. ``x [..., N, D]``, ``fn [M, N·D]`` -> ``mix [..., M]``."""
     xf = _f(x, upcast).flatten(-2)  # [..., N*D]
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)

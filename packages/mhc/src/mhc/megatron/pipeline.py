@@ -67,7 +67,9 @@ def mhc_p2p_tensor_shapes(
     from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
 
     if cp_group is None and not config.variable_seq_lengths:
-        raise ValueError("cp_group is required (pass pg_collection.cp) unless config.variable_seq_lengths is set")
+        raise ValueError(
+            "cp_group is required (pass pg_collection.cp) unless config.variable_seq_lengths is set"
+        )
     shapes = get_tensor_shapes(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,

@@ -51,14 +51,19 @@ class HyperConnectionHybridStack(HybridStack):
         self.post_layer_norm = post_layer_norm
         self.return_streams = return_streams
         self.mhc_config = mhc or mhc_config_for(config)
-        self.layers = nn.ModuleList(HyperConnectionLayer(config, layer, mhc=self.mhc_config) for layer in self.layers)
+        self.layers = nn.ModuleList(
+            HyperConnectionLayer(config, layer, mhc=self.mhc_config) for layer in self.layers
+        )
         if self.pre_process:
             self.expansion = StreamExpansion(self.mhc_config)
         if self.post_process:
             self.hyper_head = HyperHead(self.mhc_config)
             if post_layer_norm:
                 self.final_norm = build_module(
-                    final_norm or RMSNorm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+                    final_norm or RMSNorm,
+                    config=config,
+                    hidden_size=config.hidden_size,
+                    eps=config.layernorm_epsilon,
                 )
 
     def forward(
@@ -99,7 +104,9 @@ class HyperConnectionHybridStack(HybridStack):
             hidden_states = self.hyper_head(streams, out_dtype=out_dtype)  # [s, b, d]
             if self.post_layer_norm:
                 hidden_states = self.final_norm(hidden_states)
-        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True)
+        hidden_states = make_viewless_tensor(
+            inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
+        )
         if self.return_streams and streams is not None:
             return hidden_states, streams
         return hidden_states

@@ -12,7 +12,12 @@ import os
 import torch
 import triton
 
-from mhc.ops.coefficients_triton import _coeff_bwd_dx_kernel, _coeff_bwd_kernel, _coeff_fwd_kernel, _dfn_kernel
+from mhc.ops.coefficients_triton import (
+    _coeff_bwd_dx_kernel,
+    _coeff_bwd_kernel,
+    _coeff_fwd_kernel,
+    _dfn_kernel,
+)
 from mhc.ops.mixing_triton import _post_bwd_kernel, _post_fwd_kernel, _pre_bwd_kernel, _pre_fwd_kernel
 
 
@@ -64,7 +69,9 @@ def coefficients_fwd(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply
     return pre, post, comb, out, mix, rstd
 
 
-def coefficients_bwd(x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply):
+def coefficients_bwd(
+    x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply
+):
     """Gradients ``dx [T, N, D]``, ``dfn [M, N·D]``, ``dscale``, ``dbase [M]`` of the coefficient op."""
     t, n, d = x.shape
     m = fn.shape[0]
@@ -166,7 +173,9 @@ class MHCCollapseFunction(torch.autograd.Function):
         out = torch.empty(t, d, device=x.device, dtype=out_dtype)
         if t > 0:
             bt, bd = _mix_blocks(d)
-            _pre_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](x, pre, out, t, d, N=n, NP=np_, BT=bt, BD=bd)
+            _pre_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
+                x, pre, out, t, d, N=n, NP=np_, BT=bt, BD=bd
+            )
         ctx.save_for_backward(x, pre)
         return out
 
@@ -210,6 +219,20 @@ class MHCPostFunction(torch.autograd.Function):
         if t > 0:
             bt, bd = (16, min(_pow2(d), 512)) if _interpreting() else (8, 128)
             _post_bwd_kernel[(triton.cdiv(t, bt),)](
-                f, x, post, comb, dout.contiguous(), df, dx, dpost, dcomb, t, d, N=n, NP=_pow2(n), BT=bt, BD=bd
+                f,
+                x,
+                post,
+                comb,
+                dout.contiguous(),
+                df,
+                dx,
+                dpost,
+                dcomb,
+                t,
+                d,
+                N=n,
+                NP=_pow2(n),
+                BT=bt,
+                BD=bd,
             )
         return df, dx, dpost, dcomb

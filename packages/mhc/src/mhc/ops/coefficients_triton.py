@@ -94,7 +94,9 @@ def _coeff_fwd_kernel(
     if HAS_RES:
         # post = 2 · sigmoid(α_post · mix[N:2N] + base[N:2N])
         mix_post = acc_post * rstd[:, None]
-        tl.store(mix_ptr + rows[:, None] * M + N + cp[None, :], mix_post, mask=rmask[:, None] & cp_ok[None, :])
+        tl.store(
+            mix_ptr + rows[:, None] * M + N + cp[None, :], mix_post, mask=rmask[:, None] & cp_ok[None, :]
+        )
         a_post = tl.load(scale_ptr + 1)
         b_post = tl.load(base_ptr + N + cp, mask=cp_ok, other=0.0)
         post = 2.0 * tl.sigmoid(a_post * mix_post + b_post[None, :])
@@ -247,7 +249,9 @@ def _coeff_bwd_dx_kernel(
             dmask = dd < D
             m2 = rmask[:, None] & dmask[None, :]
             kk = i * D + dd
-            w = tl.load(fn_ptr + cm[:, None] * K + kk[None, :], mask=cm_ok[:, None] & dmask[None, :], other=0.0)
+            w = tl.load(
+                fn_ptr + cm[:, None] * K + kk[None, :], mask=cm_ok[:, None] & dmask[None, :], other=0.0
+            )
             g = tl.dot(dmix, w, input_precision=PREC)
             xi = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             dx = rstd[:, None] * g - xi * c[:, None]
@@ -287,7 +291,9 @@ def _dfn_kernel(
         rmask = (rows < T) & (local < rows_per_split)
         rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
         # dfn += (rstd · dmix)ᵀ @ X   (x̂ = rstd · X)
-        dm = tl.load(dmix_ptr + rows[:, None] * M + cm[None, :], mask=rmask[:, None] & cm_ok[None, :], other=0.0)
+        dm = tl.load(
+            dmix_ptr + rows[:, None] * M + cm[None, :], mask=rmask[:, None] & cm_ok[None, :], other=0.0
+        )
         dm = dm * rstd[:, None]
         xt = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         acc = tl.dot(tl.trans(dm), xt.to(tl.float32), acc, input_precision=PREC)

@@ -23,12 +23,16 @@ def _pre_fwd_kernel(
     rmask = rows < T
     dmask = dd < D
     m3 = rmask[:, None, None] & (ip < N)[None, :, None] & dmask[None, None, :]
-    x3 = tl.load(x_ptr + rows[:, None, None] * (N * D) + ip[None, :, None] * D + dd[None, None, :], mask=m3, other=0.0)
+    x3 = tl.load(
+        x_ptr + rows[:, None, None] * (N * D) + ip[None, :, None] * D + dd[None, None, :], mask=m3, other=0.0
+    )
     p = tl.load(pre_ptr + rows[:, None] * N + ip[None, :], mask=rmask[:, None] & (ip < N)[None, :], other=0.0)
     # x_in = Σ_i pre[i] · X[i]
     out = tl.sum(p[:, :, None] * x3.to(tl.float32), 1)
     tl.store(
-        out_ptr + rows[:, None] * D + dd[None, :], out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :]
+        out_ptr + rows[:, None] * D + dd[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=rmask[:, None] & dmask[None, :],
     )
 
 
@@ -58,7 +62,9 @@ def _pre_bwd_kernel(
         m3 = pmask[:, :, None] & dmask[None, None, :]
         offs = rows[:, None, None] * (N * D) + ip[None, :, None] * D + dd[None, None, :]
         x3 = tl.load(x_ptr + offs, mask=m3, other=0.0).to(tl.float32)
-        do = tl.load(dout_ptr + rows[:, None] * D + dd[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        do = tl.load(
+            dout_ptr + rows[:, None] * D + dd[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0
+        )
         do = do.to(tl.float32)
         # dX[i] = pre[i] · dx_in ;  dpre[i] = Σ_d dx_in · X[i]
         tl.store(dx_ptr + offs, (p[:, :, None] * do[:, None, :]).to(dx_ptr.dtype.element_ty), mask=m3)
@@ -98,7 +104,9 @@ def _post_fwd_kernel(
         c_j = tl.load(comb_ptr + rows[:, None] * (N * N) + ip[None, :] * N + j, mask=pmask, other=0.0)
         p_j = tl.load(post_ptr + rows * N + j, mask=rmask, other=0.0)
         o = p_j[:, None] * f + tl.sum(c_j[:, :, None] * x3, 1)
-        tl.store(out_ptr + rows[:, None] * (N * D) + j * D + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
+        tl.store(
+            out_ptr + rows[:, None] * (N * D) + j * D + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=m2
+        )
 
 
 @triton.jit
@@ -151,4 +159,8 @@ def _post_bwd_kernel(
         tl.store(dx_ptr + offs3, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
     tl.store(dpost_ptr + rows[:, None] * N + ip[None, :], dpost, mask=pmask)
     cmask = pmask[:, :, None] & (ip < N)[None, None, :]
-    tl.store(dcomb_ptr + rows[:, None, None] * (N * N) + ip[None, :, None] * N + ip[None, None, :], dcomb, mask=cmask)
+    tl.store(
+        dcomb_ptr + rows[:, None, None] * (N * N) + ip[None, :, None] * N + ip[None, None, :],
+        dcomb,
+        mask=cmask,
+    )

@@ -86,4 +86,3 @@ def sinkhorn_bwd(z, valid, eps, iters, ds):
     dp = tl.where(valid, ds, 0.0)
     dz = p * (dp - tl.sum(dp * p, 2)[:, :, None])
     return tl.where(valid, dz, 0.0)
-
