@@ -16,9 +16,11 @@ groups/rank, ``n_I``/``c_I`` indexer heads/dim, ``n`` mHC streams, ``E``/``K`` e
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.symbols import CSA, DSV4_ATTENTION, HCA, MOE, WINDOW, parse_pattern
@@ -167,7 +169,7 @@ def count_model_params(model: torch.nn.Module, cfg: DSv4ModelConfig) -> ParamCou
     main = mtp = routed_main = attention = 0
     comp: dict[str, int] = {}
     named = list(model.named_parameters())
-    named += [(n, b) for n, b in model.named_buffers() if n.endswith("expert_bias")]
+    named += [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
     for name, t in named:
         if id(t) in seen:
             continue
@@ -210,3 +212,42 @@ def _component_of(name: str) -> str:
 
 def format_billions(n: int) -> str:
     return f"{n / 1e9:.2f} B"
+
+
+# ---------------------------------------------------------------------------------------------- meta builds
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.randn, torch.rand, torch.empty_strided}
+
+
+class _FloatTensorsOnMeta(TorchFunctionMode):
+    """Allocate every floating-point factory tensor on the meta device, even with an explicit ``device=``.
+
+    Modules that pass ``device=torch.cuda.current_device()`` or ``device="cpu"`` (megatron's linears, expert
+    weight banks) then build without memory; integer tensors (hash tables, index buffers) keep their device so
+    that value checks on them still run.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES:
+            dtype = kwargs.get("dtype")
+            if dtype is None or dtype.is_floating_point:
+                kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_device():
+    """Build modules without allocating their floating-point parameters (for counting V4-Flash / V4-Pro)."""
+    with _FloatTensorsOnMeta():
+        yield
+
+
+def build_meta_model(cfg: DSv4ModelConfig, **config_kwargs):
+    """The full single-stage :class:`~hybrid_model.model.DSv4Model` of ``cfg`` on the meta device.
+
+    megatron-core's parallel state must be initialised (world size 1 is enough).
+    """
+    from hybrid_model.model import build_model
+
+    with meta_device():
+        return build_model(cfg, perform_initialization=False, **config_kwargs)

@@ -1,0 +1,216 @@
+"""``DSv4Model``: megatron-core 0.19.2 ``HybridModel`` with DSv4 layers, mHC streams, hash MoE and DSv4 MTP.
+
+Dataflow (spec §1.1, §8)::
+
+    e = Embed(ids)                         [s, b, d]      first stage
+    X = DSv4HybridStack(e, ids)            [s, b, n·d]    streams between stages (pipeline transport: mhc P3)
+    h = RMSNorm(HyperHead(X))              [s, b, d]      last stage
+    logits = h @ head.T                    [b, s, V]      (loss per token when labels are given)
+    MTP (last stage): DSv4MultiTokenPrediction(X, Embed(ids rolled left)) -> shared head -> loss on t+2,
+                      weight ``mtp_loss_weight``, attached to h with megatron's ``MTPLossAutoScaler``
+
+Construction goes through ``HybridModel.__init__`` (embedding, pipeline segment selection, decoder from the stack
+spec, output layer); the main pattern (``|`` cuts included, MTP part removed) is what megatron parses, after
+:func:`~hybrid_model.symbols.register_dsv4_symbols`. The MTP depth is ours (megatron's MTP block has no mHC), and
+its embedding copy on the last pipeline stage is kept in sync by megatron's ``mtp_process`` embedding group logic.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, roll_tensor
+
+from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.symbols import PIPE, parse_pattern, register_dsv4_symbols
+
+
+class DSv4Model(HybridModel):
+    """DeepSeek-V4 language model on megatron-core's ``HybridModel``.
+
+    Args:
+        model_config: the architecture (:class:`DSv4ModelConfig`).
+        config: the megatron config (:func:`hybrid_model.spec.transformer_config`).
+        stack_spec: decoder spec (default :func:`hybrid_model.spec.dsv4_stack_spec`).
+        pre_process / post_process: pipeline-stage flags; pg_collection: explicit process groups.
+    """
+
+    def __init__(
+        self,
+        model_config: DSv4ModelConfig,
+        config,
+        stack_spec=None,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
+        backend=None,
+    ) -> None:
+        from hybrid_model.spec import dsv4_stack_spec, dsv4_stack_submodules, mhc_config
+
+        register_dsv4_symbols()
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        parsed = parse_pattern(model_config.layer_pattern)
+        if stack_spec is None:
+            stack_spec = dsv4_stack_spec(model_config, backend)(config)
+        elif callable(stack_spec) and not hasattr(stack_spec, "submodules"):
+            stack_spec = stack_spec(config)
+        self._deferring_embedding_setup = True
+        super().__init__(
+            config=config,
+            hybrid_stack_spec=stack_spec,
+            vocab_size=model_config.vocab_size,
+            max_sequence_length=model_config.max_position_embeddings,
+            hybrid_layer_pattern=PIPE.join(parsed.segments),
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="none",
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        self.model_config = model_config
+        self.mtp_process = bool(post_process and parsed.mtp_num_depths)
+        if self.mtp_process:
+            from hybrid_model.mtp import DSv4MultiTokenPrediction
+
+            if parsed.mtp_num_depths != 1 or parsed.mtp_pattern != "WE":
+                raise ValueError(
+                    f"DSv4 MTP is one window-only depth ('/WE'); pattern {model_config.layer_pattern!r} has "
+                    f"{parsed.mtp_num_depths} depth(s) of {parsed.mtp_pattern!r}"
+                )
+            if not hasattr(self, "embedding"):
+                self.embedding = LanguageModelEmbedding(
+                    config=config,
+                    vocab_size=model_config.vocab_size,
+                    max_sequence_length=model_config.max_position_embeddings,
+                    position_embedding_type="none",
+                    tp_group=self.pg_collection.tp,
+                )
+            subs = dsv4_stack_submodules(model_config, backend, is_mtp=True)
+            self.mtp = DSv4MultiTokenPrediction(config, subs, mhc_config(model_config), self.pg_collection)
+        self._deferring_embedding_setup = False
+        self.setup_embeddings_and_output_layer()
+        self.last_mtp_loss: torch.Tensor | None = None
+
+    # megatron's HybridModel.__init__ calls this before our MTP embedding exists: run it once, at the end
+    def setup_embeddings_and_output_layer(self) -> None:
+        if getattr(self, "_deferring_embedding_setup", False):
+            return
+        super().setup_embeddings_and_output_layer()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inference_context=None,
+        runtime_gather_output: bool | None = None,
+        *,
+        loss_mask: torch.Tensor | None = None,
+        packed_seq_params=None,
+        padding_mask: torch.Tensor | None = None,
+        **_unused,
+    ):
+        """``input_ids [b, s]`` (THD: ``[1, T]`` + ``packed_seq_params``) -> per-token loss ``[b, s]`` with labels,
+        logits ``[b, s, V]`` without (last stage), or the streams ``[s, b, n·d]`` (other stages)."""
+        if attention_mask is not None:
+            raise ValueError("DSv4Model is causal by construction: pass attention_mask=None")
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, d]
+        cu_seqlens = None
+        if packed_seq_params is not None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        if input_ids is not None:
+            self.decoder.bind_input_ids(input_ids, cu_seqlens)
+        try:
+            out = self.decoder(
+                hidden_states=decoder_input,
+                attention_mask=None,
+                packed_seq_params=packed_seq_params,
+                padding_mask=padding_mask,
+            )
+        finally:
+            self.decoder.bind_input_ids(None)
+        if not self.post_process:
+            return out
+        hidden, streams = out if isinstance(out, tuple) else (out, None)
+        if self.mtp_process and self.training and labels is not None:
+            hidden = self._attach_mtp_loss(
+                hidden, streams, input_ids, position_ids, labels, loss_mask, packed_seq_params, padding_mask
+            )
+        logits, _ = self.output_layer(hidden, runtime_gather_output=runtime_gather_output)  # [s, b, V]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, V]
+        return self.compute_language_model_loss(labels, logits)  # [b, s]
+
+    def mtp_logits(self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None):
+        """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``)."""
+        next_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
+        e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
+        self.mtp.layers[1].inner_layer.mlp.set_input_ids(next_ids, None)
+        h = self.mtp(
+            streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask
+        )
+        logits, _ = self.output_layer(h)
+        return logits
+
+    def _attach_mtp_loss(
+        self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask
+    ):
+        logits = self.mtp_logits(streams, input_ids, position_ids, psp, padding_mask)
+        mtp_labels, _ = roll_tensor(labels, shifts=-1, dims=-1, packed_seq_params=psp)
+        mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
+        mask, _ = roll_tensor(mask, shifts=-1, dims=-1, packed_seq_params=psp)  # last position has no t+2
+        per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
+        num = mask.sum().clamp(min=1.0)
+        mtp_loss = (per_token * mask).sum() / num
+        self.last_mtp_loss = mtp_loss.detach()
+        scale = self.config.mtp_loss_scaling_factor / (self.config.mtp_num_layers or 1)
+        return MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
+
+    @torch.no_grad()
+    def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Main-head logits ``[B, T, V]`` of ``input_ids [B, T]`` (single pipeline stage, eval mode)."""
+        if not (self.pre_process and self.post_process):
+            raise ValueError("compute_logits needs the whole model on one pipeline stage")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        was_training = self.training
+        self.eval()
+        try:
+            b, t = input_ids.shape
+            pos = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+            return self.forward(input_ids, pos, None).float()
+        finally:
+            self.train(was_training)
+
+
+def build_model(
+    model_config: DSv4ModelConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    pg_collection: ProcessGroupCollection | None = None,
+    backend=None,
+    **config_kwargs,
+) -> DSv4Model:
+    """Build a :class:`DSv4Model` (megatron parallel state must be initialised)."""
+    from hybrid_model.spec import transformer_config
+
+    tc = transformer_config(model_config, **config_kwargs)
+    return DSv4Model(
+        model_config,
+        tc,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg_collection=pg_collection,
+        backend=backend,
+    )

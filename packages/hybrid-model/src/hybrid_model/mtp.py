@@ -1,0 +1,64 @@
+"""DSv4 multi-token prediction (spec §8): one depth, adapted to mHC.
+
+    X_L [s, b, n, d]  main streams before the HyperHead;   e = Embed(ids rolled left by one)   [s, b, d]
+    Xm  = h_proj(RMSNorm_hnorm(X_L))  +  e_proj(RMSNorm_enorm(e))[:, :, None]                 [s, b, n, d]
+    Xm  = Block_mtp(Xm)          window-only attention (ratio 0) + learned top-k MoE, each with its own mHC
+    h   = RMSNorm_norm(HyperHead_mtp(Xm))                                                     [s, b, d]
+    logits_mtp = h @ head.weight.T (shared head);   position t predicts token t+2 (last positions masked)
+
+The depth's layers take ``layer_number`` = the depth (1) with ``is_mtp_layer=True``, so routers and the indexer-loss
+tracker put them in the MTP slots after the main layers (upstream P4's per-depth metric slots).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from torch import nn
+
+from dsv4_primitives import RMSNorm
+from mhc import HyperHead
+from mhc.megatron import HyperConnectionLayer
+
+
+class DSv4MultiTokenPrediction(MegatronModule):
+    """One DSv4 MTP depth (``mtp.*`` parameters). ``forward(streams, next_embedding, **layer_kwargs) -> h [s, b, d]``."""
+
+    def __init__(self, config, submodules, mhc, pg_collection, depth: int = 1) -> None:
+        super().__init__(config=config)
+        d = config.hidden_size
+        self.mhc_config = mhc
+        self.depth = depth
+        eps = config.layernorm_epsilon
+        self.enorm = RMSNorm(d, eps=eps, config=config)
+        self.hnorm = RMSNorm(d, eps=eps, config=config)
+        self.e_proj = nn.Linear(d, d, bias=False, dtype=config.params_dtype)
+        self.h_proj = nn.Linear(d, d, bias=False, dtype=config.params_dtype)
+        if config.perform_initialization:
+            config.init_method(self.e_proj.weight)
+            config.init_method(self.h_proj.weight)
+        layers = []
+        for spec in (submodules.window_layer, submodules.moe_layer):
+            inner = build_module(
+                spec,
+                config=config,
+                layer_number=depth,
+                pg_collection=pg_collection,
+                is_mtp_layer=True,
+                add_layer_offset=False,
+            )
+            layers.append(HyperConnectionLayer(config, inner, mhc=mhc))
+        self.layers = nn.ModuleList(layers)
+        self.hyper_head = HyperHead(mhc)
+        self.norm = RMSNorm(d, eps=eps, config=config)
+
+    def forward(self, streams: torch.Tensor, next_embedding: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+        s, b, n, d = streams.shape  # [s, b, n, d]
+        e = self.e_proj(self.enorm(next_embedding))  # [s, b, d]
+        h = self.h_proj(self.hnorm(streams).to(self.h_proj.weight.dtype))  # [s, b, n, d]
+        x = (h + e[:, :, None, :]).to(self.mhc_config.stream_dtype).reshape(s, b, n * d)
+        for layer in self.layers:
+            x, _ = layer(x, **layer_kwargs)
+        out_dtype = torch.bfloat16 if self.config.bf16 else None
+        return self.norm(self.hyper_head(x.view(s, b, n, d), out_dtype=out_dtype))  # [s, b, d]

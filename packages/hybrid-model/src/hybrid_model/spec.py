@@ -1,0 +1,237 @@
+"""The DSv4 stack spec (upstream D4 ``hybrid_dsv4_stack_spec``) and the megatron ``TransformerConfig`` of a model.
+
+``dsv4_stack_spec(config)`` is a *callable* taking the megatron config (as upstream): it maps
+
+=======  ==========================================================================================
+symbol   hybrid layer (every one wrapped by mHC, :class:`mhc.megatron.HyperConnectionLayer`)
+=======  ==========================================================================================
+``W``    ``DSv4TransformerLayer`` (RMSNorm ``attn_norm`` + ``DSv4HybridAttention``, ratio 0)
+``C``    the same with ratio ``m`` (CSA + lightning indexer)
+``H``    the same with ratio ``m'`` (HCA)
+``E``    ``TransformerLayer`` (RMSNorm ``ffn_norm`` + ``DSv4MoELayer``): hash router for the first
+         ``num_hash_layers`` MoE layers, learned sqrt-softplus top-k elsewhere
+=======  ==========================================================================================
+
+Linear layers come from megatron-core's local provider on CPU and from transformer-engine's when the ``gpu`` extra
+is installed and CUDA is present (:func:`select_backend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_model.config import DSv4ModelConfig
+
+
+def select_backend(prefer: str = "auto"):
+    """Linear-layer provider: ``"local"``, ``"te"`` or ``"auto"`` (TE when importable and CUDA present)."""
+    from megatron.core.models.backends import LocalSpecProvider
+
+    if prefer not in ("auto", "local", "te"):
+        raise ValueError(f"backend must be 'auto', 'local' or 'te', got {prefer!r}")
+    if prefer == "local":
+        return LocalSpecProvider()
+    if prefer == "te" or torch.cuda.is_available():
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            if prefer == "te":
+                raise ImportError(
+                    "transformer-engine is not installed: install the GPU extra `hybrid-model[gpu]`"
+                ) from e
+            return LocalSpecProvider()
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalSpecProvider()
+
+
+def transformer_config(
+    cfg: DSv4ModelConfig,
+    *,
+    pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    bf16: bool = False,
+    init_method_std: float = 0.02,
+    balance_loss_coeff: float = 1e-4,
+    indexer_loss_coeff: float = 1.0,
+    dense_attention: bool = False,
+    perform_initialization: bool = True,
+    **overrides: Any,
+):
+    """The megatron ``DSv4AttentionConfig`` (an ``MLATransformerConfig``) carrying attention + MoE + MTP fields.
+
+    ``num_layers`` is the number of *hybrid* layers of the main pattern (each symbol is one layer, so a DSv4 block
+    counts twice), as megatron-core's ``HybridModel`` numbers them.
+    """
+    from dsv4_attention import DSv4AttentionConfig
+    from hybrid_model.symbols import parse_pattern
+
+    p = parse_pattern(cfg.layer_pattern)
+    kw: dict[str, Any] = dict(
+        num_layers=len(p.main),
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.moe_intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        v_head_dim=cfg.head_dim,
+        qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        output_projection_groups=cfg.o_groups,
+        output_projection_lora_rank=cfg.o_lora_rank,
+        csa_window_size=cfg.sliding_window,
+        dsa_indexer_n_heads=cfg.index_n_heads,
+        dsa_indexer_head_dim=cfg.index_head_dim,
+        dsa_indexer_topk=cfg.index_topk,
+        dsa_indexer_loss_coeff=indexer_loss_coeff,
+        csa_dense_mode=dense_attention,
+        rotary_base=cfg.rope_theta,
+        csa_compress_rotary_base=cfg.compress_rope_theta,
+        csa_compress_rope_type="yarn" if cfg.yarn is not None else "rope",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=cfg.n_routed_experts,
+        moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=(cfg.moe_intermediate_size if cfg.n_shared_experts else None),
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_router_score_function=cfg.scoring_func,
+        moe_router_topk_scaling_factor=cfg.routed_scaling_factor,
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-3,
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=balance_loss_coeff,
+        moe_router_dtype="fp32",
+        activation_func_clamp_value=cfg.swiglu_limit,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+        mtp_num_layers=cfg.num_nextn_predict_layers or None,
+        mtp_loss_scaling_factor=cfg.mtp_loss_weight,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=bf16,
+        init_method_std=init_method_std,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=perform_initialization,
+        batch_p2p_comm=False,
+        variable_seq_lengths=False,
+    )
+    if cfg.yarn is not None:
+        kw.update(
+            rotary_scaling_factor=cfg.yarn.factor,
+            original_max_position_embeddings=cfg.yarn.original_max_position_embeddings,
+            beta_fast=cfg.yarn.beta_fast,
+            beta_slow=cfg.yarn.beta_slow,
+        )
+    kw.update(overrides)
+    return DSv4AttentionConfig(**kw)
+
+
+def mhc_config(cfg: DSv4ModelConfig, stream_dtype: torch.dtype = torch.float32):
+    """The :class:`mhc.MHCConfig` of every mHC instance of the model."""
+    from mhc import MHCConfig
+
+    return MHCConfig(
+        hidden_size=cfg.hidden_size,
+        num_streams=cfg.hc_mult,
+        sinkhorn_iters=cfg.hc_sinkhorn_iters,
+        norm_eps=cfg.rms_norm_eps,
+        hc_eps=cfg.hc_eps,
+        stream_dtype=stream_dtype,
+    )
+
+
+@dataclass
+class DSv4StackSubmodules:
+    """Layer specs of a DSv4 stack (megatron ``HybridStackSubmodules`` + the D4 fields + the hash MoE layer)."""
+
+    window_layer: Any = None
+    csa_layer: Any = None
+    hca_layer: Any = None
+    moe_layer: Any = None
+    hash_moe_layer: Any = None
+    mtp_block_spec: Any = None
+
+
+def moe_layer_spec(*, hash_routing: bool, vocab_size: int | None = None, tid2eid: torch.Tensor | None = None):
+    """``TransformerLayer`` spec of an ``E`` layer: ``ffn_norm`` (RMSNorm) + DSv4 MoE (hash or learned router)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from dsv4_primitives import RMSNorm
+    from hash_moe.megatron import get_dsv4_moe_spec
+
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=RMSNorm,
+            mlp=get_dsv4_moe_spec(hash_routing=hash_routing, vocab_size=vocab_size, tid2eid=tid2eid),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = False) -> DSv4StackSubmodules:
+    """Specs of the four DSv4 layer kinds (C/H/W attention, learned and hash ``E``)."""
+    from dsv4_attention import get_dsv4_layer_spec
+
+    backend = backend if backend is not None else select_backend()
+    hash_spec = None
+    if not is_mtp and cfg.num_hash_layers:
+        from hash_moe import build_tid2eid_round_robin
+
+        # the initial table is built on the CPU even under a meta-device build (the router validates its values);
+        # int64 so that every hash router converts it into its own int32 buffer (no shared storage)
+        with torch.device("cpu"):
+            table = build_tid2eid_round_robin(
+                cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+            ).long()
+        hash_spec = moe_layer_spec(hash_routing=True, vocab_size=cfg.vocab_size, tid2eid=table)
+    return DSv4StackSubmodules(
+        window_layer=get_dsv4_layer_spec(0, backend, is_mtp_layer=is_mtp),
+        csa_layer=get_dsv4_layer_spec(cfg.csa_compress_ratio, backend, is_mtp_layer=is_mtp),
+        hca_layer=get_dsv4_layer_spec(cfg.hca_compress_ratio, backend, is_mtp_layer=is_mtp),
+        moe_layer=moe_layer_spec(hash_routing=False),
+        hash_moe_layer=hash_spec,
+    )
+
+
+def dsv4_stack_spec(model_config: DSv4ModelConfig, backend=None):
+    """``dsv4_stack_spec(cfg)(transformer_config) -> ModuleSpec`` of :class:`~hybrid_model.stack.DSv4HybridStack`.
+
+    Callable in the transformer config like upstream ``hybrid_dsv4_stack_spec``; the returned spec is what
+    ``HybridModel(hybrid_stack_spec=...)`` builds the decoder from.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from hybrid_model.stack import DSv4HybridStack
+
+    def build(config) -> ModuleSpec:
+        return ModuleSpec(
+            module=DSv4HybridStack,
+            params={
+                "model_config": model_config,
+                "mhc": mhc_config(model_config),
+                "return_streams": bool(model_config.num_nextn_predict_layers),
+            },
+            submodules=dsv4_stack_submodules(model_config, backend),
+        )
+
+    return build
+
+
+def replace_submodules(spec, **changes):
+    """A copy of a stack ``ModuleSpec`` with some layer specs replaced (``dataclasses.replace`` on submodules)."""
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))

@@ -1,0 +1,120 @@
+"""``DSv4HybridStack``: the mHC hybrid stack with the DSv4 symbols ``C``/``H``/``W`` and hash-routed ``E`` layers.
+
+megatron-core 0.19.2's ``HybridStack`` knows neither C/H/W nor hash MoE; this stack builds those layers itself
+(``layer_number = i + 1 + pp_layer_offset``, counting every symbol, as ``HybridStack`` does), wraps every layer in
+:class:`mhc.megatron.HyperConnectionLayer`, expands the embedding into ``n`` streams on the first stage and collapses
+them with the HyperHead + final RMSNorm on the last (returning the streams too, for MTP).
+
+``input_ids`` reach the MoE routers through :meth:`bind_input_ids` (hash layers need them; THD ``cu_seqlens``
+make the balance loss per document).
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.spec_utils import build_module
+from torch import nn
+
+from hybrid_model.symbols import CSA, HCA, MOE, WINDOW, hash_layer_numbers
+from mhc.megatron import HyperConnectionHybridStack, HyperConnectionLayer
+
+
+class DSv4HybridStack(HyperConnectionHybridStack):
+    """Decoder stack of a DSv4 model (one pipeline segment).
+
+    Args (beyond ``HyperConnectionHybridStack``'s): ``model_config`` (:class:`~hybrid_model.config.DSv4ModelConfig`,
+    for the hash-layer positions) and ``submodules`` (:class:`~hybrid_model.spec.DSv4StackSubmodules`).
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        pre_process: bool = True,
+        layer_type_list: list[str] | None = None,
+        pp_layer_offset: int = 0,
+        post_process: bool = True,
+        *,
+        model_config=None,
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        mhc=None,
+        return_streams: bool = False,
+        name: str | None = None,
+        device=None,
+        dtype=None,
+        post_layer_norm: bool = True,
+    ) -> None:
+        if layer_type_list is None:
+            raise ValueError(
+                "DSv4HybridStack needs layer_type_list (HybridModel computes it from the pattern)"
+            )
+        if model_config is None:
+            raise ValueError("DSv4HybridStack needs model_config (a DSv4ModelConfig)")
+        # build an empty HybridStack (pre/post modules only), then the DSv4 layers here
+        super().__init__(
+            config,
+            submodules,
+            pre_process=pre_process,
+            layer_type_list=[],
+            pp_layer_offset=pp_layer_offset,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            is_mtp_layer=is_mtp_layer,
+            mhc=mhc,
+            return_streams=return_streams,
+            post_layer_norm=post_layer_norm,
+        )
+        self.layer_type_list = list(layer_type_list)
+        hashed = (
+            set()
+            if is_mtp_layer
+            else set(hash_layer_numbers(model_config.layer_pattern, model_config.num_hash_layers))
+        )
+        layers = []
+        for i, symbol in enumerate(self.layer_type_list):
+            layer_number = i + 1 + pp_layer_offset
+            if symbol in (WINDOW, CSA, HCA):
+                spec = {
+                    WINDOW: submodules.window_layer,
+                    CSA: submodules.csa_layer,
+                    HCA: submodules.hca_layer,
+                }[symbol]
+                inner = build_module(
+                    spec,
+                    config=config,
+                    layer_number=layer_number,
+                    pg_collection=pg_collection,
+                    is_mtp_layer=is_mtp_layer,
+                    add_layer_offset=False,
+                    pp_layer_offset=pp_layer_offset,
+                )
+            elif symbol == MOE:
+                spec = submodules.hash_moe_layer if layer_number in hashed else submodules.moe_layer
+                inner = build_module(
+                    spec,
+                    config=config,
+                    layer_number=layer_number,
+                    pg_collection=pg_collection,
+                    is_mtp_layer=is_mtp_layer,
+                    add_layer_offset=False,
+                )
+            else:
+                raise ValueError(
+                    f"DSv4HybridStack builds W/C/H/E layers only, got symbol {symbol!r} at layer {layer_number}"
+                )
+            layers.append(HyperConnectionLayer(config, inner, mhc=self.mhc_config))
+        self.layers = nn.ModuleList(layers)
+        self.num_layers_per_pipeline_rank = len(self.layers)
+
+    def moe_layers(self):
+        """The ``DSv4MoELayer`` of every ``E`` layer of this segment."""
+        from hash_moe.megatron import DSv4MoELayer
+
+        return [
+            layer.inner_layer.mlp for layer in self.layers if isinstance(layer.inner_layer.mlp, DSv4MoELayer)
+        ]
+
+    def bind_input_ids(self, input_ids, cu_seqlens=None) -> None:
+        """Bind ``input_ids [B, S]`` (THD: ``[1, T]`` + ``cu_seqlens``) for this forward's MoE routers."""
+        for moe in self.moe_layers():
+            moe.set_input_ids(input_ids, cu_seqlens)
