@@ -17,6 +17,7 @@ under the PSF license.
 
 from __future__ import annotations
 
+import functools
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -50,15 +51,21 @@ def _stdlib_dir() -> Path:
     return root
 
 
+@functools.cache
+def _candidate_files() -> tuple[Path, tuple[Path, ...]]:
+    root = _stdlib_dir()
+    files = sorted(
+        (p for p in root.rglob("*.py") if not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    return root, tuple(files)
+
+
 def default_corpus(max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> tuple[list[str], DefaultCorpusInfo]:
     """The default corpus documents (one per source file) and their provenance (module docstring)."""
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-    root = _stdlib_dir()
-    candidates = sorted(
-        (p for p in root.rglob("*.py") if not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
+    root, candidates = _candidate_files()
     docs: list[str] = []
     names: list[str] = []
     total = undecodable = 0

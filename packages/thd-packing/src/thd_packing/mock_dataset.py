@@ -64,7 +64,7 @@ class MockVarlenConfig:
     def resolved_bounds(self) -> tuple[int, int, float]:
         lo = max(1, self.seq_length // 2) if self.min_len is None else self.min_len
         hi = self.seq_length if self.max_len is None else self.max_len
-        mean = 3 * self.seq_length / 4 if self.mean_len is None else self.mean_len
+        mean = min(max(3 * self.seq_length / 4, lo), hi) if self.mean_len is None else self.mean_len
         return lo, hi, mean
 
 

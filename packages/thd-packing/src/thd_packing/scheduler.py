@@ -208,8 +208,9 @@ class DpBalancedScheduler:
                 n_pieces = sum(len(pk) for pk in packs)
                 raise ValueError(
                     f"cannot make the pack count a multiple of dp_size x microbatch_group_size_per_vp_stage = "
-                    f"{multiple}: only {n_pieces} documents in this iteration; give every iteration at least "
-                    f"{multiple} documents (global batch size)"
+                    f"{multiple}: this iteration's documents make only {n_pieces} pieces but "
+                    f"{round_up(max(n_pieces, 1), multiple)} packs would be needed; give every iteration more "
+                    "documents (global batch size)"
                 )
             # heaviest multi-piece pack (earliest on ties) gives up its last piece
             i = max(splittable, key=lambda j: (sum(p.length for p in packs[j]), -j))

@@ -1,0 +1,149 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from thd_packing import ReadReport, TextRecordError, read_text_records
+
+
+def _read(paths, **kw):
+    report = ReadReport()
+    recs = list(read_text_records(paths, report=report, **kw))
+    return recs, report
+
+
+def test_jsonl_json_parquet_and_txt_dir(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two", "id": 3}\n')
+    (tmp_path / "b.json").write_text('[\n  {"text": "three"},\n  {"text": ""}\n]\n')
+    pq.write_table(pa.table({"text": ["four", "five"]}), tmp_path / "c.parquet")
+    d = tmp_path / "docs"
+    (d / "sub").mkdir(parents=True)
+    (d / "z.txt").write_text("last")
+    (d / "sub" / "m.txt").write_text("middle\n")
+    (d / "a.txt").write_text("first")
+    (d / "ignored.md").write_text("not a .txt file")
+    recs, report = _read([tmp_path / "a.jsonl", tmp_path / "b.json", tmp_path / "c.parquet", d])
+    assert [r.text for r in recs] == ["one", "two", "three", "", "four", "five", "first", "middle\n", "last"]
+    assert [r.line for r in recs[:4]] == [1, 3, 2, 3]
+    assert report.files == 6 and report.records == 9 and report.num_skipped == 0
+
+
+def test_custom_text_key(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"content": "x"}\n')
+    recs, _ = _read(tmp_path / "a.jsonl", text_key="content")
+    assert recs[0].text == "x"
+
+
+BAD_JSONL = [
+    ('{"text": "ok"}\n{"txt": "no"}\n', "a.jsonl:2: record has no 'text' field"),
+    ('{"text": 5}\n', "a.jsonl:1: field 'text' is int, expected a string"),
+    ('{"text": null}\n', "a.jsonl:1: field 'text' is null"),
+    ('{"text": "ok"}\n{"text": "unterminated\n', "a.jsonl:2: invalid JSON"),
+    ('["text"]\n', "a.jsonl:1: record is a JSON list, expected an object"),
+    ("   \n\n", "a.jsonl: empty file"),
+]
+
+
+@pytest.mark.parametrize(("content", "message"), BAD_JSONL)
+def test_jsonl_errors_name_file_and_line(tmp_path, content, message):
+    (tmp_path / "a.jsonl").write_text(content)
+    with pytest.raises(TextRecordError) as err:
+        _read(tmp_path / "a.jsonl")
+    assert message in str(err.value)
+    assert str(tmp_path) in str(err.value)
+
+
+def test_undecodable_bytes_name_the_line(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "bad \xff byte"}\n')
+    with pytest.raises(TextRecordError, match=r"a\.jsonl:2: undecodable UTF-8 bytes at column 15"):
+        _read(tmp_path / "a.jsonl")
+    (tmp_path / "b.txt").write_bytes(b"line one\nline \xc3\x28 two\n")
+    with pytest.raises(TextRecordError, match=r"b\.txt:2: undecodable"):
+        _read(tmp_path / "b.txt")
+    (tmp_path / "c.json").write_bytes(b'[\n{"text": "a"},\n{"text": "\xfe"}]')
+    with pytest.raises(TextRecordError, match=r"c\.json:3: undecodable"):
+        _read(tmp_path / "c.json")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('[\n  {"text": "a"},\n  {"text": 1}\n]', "a.json:3: field 'text' is int"),
+        ('[\n  {"text": "a"}\n  {"text": "b"}\n]', "a.json:3: invalid JSON: expected ',' or ']'"),
+        ('[{"text": "a"},\n {"text": "b"}] trailing', "a.json:2: invalid JSON: extra data"),
+        ('{"text": "single"} {"text": "two"}', "a.json:1: invalid JSON: extra data"),
+        ("", "a.json: empty file"),
+    ],
+)
+def test_json_errors(tmp_path, content, message):
+    (tmp_path / "a.json").write_text(content)
+    with pytest.raises(TextRecordError) as err:
+        _read(tmp_path / "a.json")
+    assert message in str(err.value)
+
+
+def test_json_single_object_and_empty_array(tmp_path):
+    (tmp_path / "a.json").write_text('{"text": "only"}')
+    (tmp_path / "b.json").write_text("[ ]")
+    recs, _ = _read([tmp_path / "a.json", tmp_path / "b.json"])
+    assert [r.text for r in recs] == ["only"]
+
+
+def test_parquet_errors(tmp_path):
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    cases = {
+        "nocol": "no 'text' column",
+        "ints": "column 'text' has type int64, expected string",
+        "null": "null.parquet row 1: field 'text' is null",
+        "empty": "empty file (no rows)",
+        "junk": "not a readable Parquet file",
+    }
+    for name, message in cases.items():
+        with pytest.raises(TextRecordError) as err:
+            _read(tmp_path / f"{name}.parquet")
+        assert message in str(err.value), name
+
+
+def test_skip_mode_counts_every_bad_record(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(
+        b'{"text": "good"}\n{"text": 3}\nnot json\n{"text": "b\xffd"}\n{"other": 1}\n{"text": "also good"}\n'
+    )
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "b.json").write_text(json.dumps([{"text": "x"}, {"text": None}]))
+    recs, report = _read([tmp_path / "a.jsonl", tmp_path / "empty.txt", tmp_path / "b.json"], errors="skip")
+    assert [r.text for r in recs] == ["good", "also good", "x"]
+    assert report.num_skipped == 6 and report.records == 3 and report.files == 3
+    assert [(s.line, s.path.rsplit("/", 1)[-1]) for s in report.skipped] == [
+        (2, "a.jsonl"),
+        (3, "a.jsonl"),
+        (4, "a.jsonl"),
+        (5, "a.jsonl"),
+        (None, "empty.txt"),
+        (1, "b.json"),
+    ]
+    assert "6 skipped" in report.summary()
+
+
+@pytest.mark.parametrize(
+    ("setup", "match"),
+    [
+        (lambda p: p / "missing.jsonl", "does not exist"),
+        (lambda p: (p / "x.csv").write_text("a") and p / "x.csv", "unsupported file type"),
+        (lambda p: (p / "emptydir").mkdir() or p / "emptydir", "no .txt files"),
+        (lambda p: [], "no data paths"),
+    ],
+)
+def test_path_errors(tmp_path, setup, match):
+    with pytest.raises(ValueError, match=match):
+        _read(setup(tmp_path))
+
+
+def test_bad_errors_policy(tmp_path):
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(ValueError, match="errors must be"):
+        _read(tmp_path / "a.txt", errors="ignore")
