@@ -145,3 +145,28 @@ def test_pp2_matches_pp1():
     for name, g in ref["grads"].items():
         err = float(abs(grads[name] - g).max())
         assert err <= 1e-6 * max(1.0, float(abs(g).max())), (name, err)
+
+
+def test_stack_expands_collapses_and_returns_streams_for_mtp(megatron_cpu):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mhc.megatron import hyper_connection_stack_spec
+
+    cfg = MHCConfig(hidden_size=D, sinkhorn_iters=3, backend="reference")
+    spec = hyper_connection_stack_spec(tiny.local_hybrid_stack_spec(), cfg, return_streams=True)
+    stack = build_module(
+        spec,
+        tiny.transformer_config(1),
+        pre_process=True,
+        post_process=True,
+        layer_type_list=["*", "-"],
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    e = torch.randn(S, B, D)
+    h, streams = stack(e, attention_mask=_mask())
+    assert streams.shape == (S, B, N, D) and h.shape == (S, B, D)
+    torch.testing.assert_close(h, stack.final_norm(stack.hyper_head(streams)))
+    # the first layer sees N identical copies of the embedding
+    x0 = stack.expansion(e)
+    assert torch.equal(x0[:, :, 0], e) and torch.equal(x0[:, :, 3], e)
