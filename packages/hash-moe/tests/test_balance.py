@@ -54,7 +54,7 @@ def test_balance_loss_matches_definition_with_padding_and_sequences():
 
 def test_balance_loss_ignores_padding_rows_and_uniform_value():
     torch.manual_seed(1)
-    e, k = 4, 2
+    e = 4
     scores = torch.rand(6, e, dtype=torch.float64)
     experts = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3], [1, 0], [0, 1]])
     valid = torch.tensor([True, True, True, True, False, False])

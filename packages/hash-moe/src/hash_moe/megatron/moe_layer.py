@@ -161,9 +161,11 @@ class DSv4MoELayer(MoELayer):
                 f"got {tuple(padding_mask.shape)}"
             )
         if self._recompute_moe and self.training and intermediate_tensors is None:
-            return tensor_parallel.checkpoint(
-                self._forward_with_ids, False, hidden_states, padding_mask, input_ids, cu_seqlens
-            )
+            args = (hidden_states, padding_mask, input_ids, cu_seqlens)
+            if torch.cuda.is_available():
+                return tensor_parallel.checkpoint(self._forward_with_ids, False, *args)
+            # megatron's checkpoint stashes the CUDA RNG state; on CPU use torch's (same reentrant semantics)
+            return torch.utils.checkpoint.checkpoint(self._forward_with_ids, *args, use_reentrant=True)
         return self._forward_with_ids(
             hidden_states, padding_mask, input_ids, cu_seqlens, intermediate_tensors
         )
