@@ -12,6 +12,7 @@ from csa_kernels import (
     indexer_scores_at,
     indexer_scores_sbhd,
     indexer_topk,
+    indexer_topk_ref,
     indexer_topk_sbhd,
     sparse_attn,
     visible_compressed_indices,
@@ -241,5 +242,38 @@ def test_bad_inputs():
         indexer_scores(q, k, w, 4, cu, cuc, max_entries=1)
     with pytest.raises(ValueError, match="chunk_size"):
         indexer_scores(q, k, w, 4, cu, cuc, chunk_size=0)
-    with pytest.raises(NotImplementedError, match="Triton"):
-        indexer_topk(q, k, w, 4, 2, cu, cuc, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        indexer_topk(q, k, w, 4, 2, cu, cuc, backend="cuda")
+
+
+def test_torch_topk_tie_break_for_hf_cpu_parity():
+    lengths = [37, 64]
+    q, k, w, cu, cuc = _inputs(lengths)
+    q, k = q.abs(), k.abs()  # positive dots: no ReLU zeros, so no exact ties; both rules agree exactly
+    a = indexer_topk(q, k, w, 4, 5, cu, cuc)
+    b = indexer_topk_ref(q, k, w, 4, 5, cu, cuc, tie_break="torch_topk")
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    # tie-heavy rows: exactly torch.topk over each document's full masked row
+    pool = torch.tensor([-1.0, 0.0, 0.0, 0.0, 0.5, 1.0], dtype=torch.float64)
+    k1 = pool[torch.randint(0, 6, (int(cuc[-1]),))][:, None]
+    q1, w1 = (
+        torch.ones(sum(lengths), 1, 1, dtype=torch.float64),
+        torch.ones(sum(lengths), 1, dtype=torch.float64),
+    )
+    idx, _ = indexer_topk_ref(q1, k1, w1, 4, 6, cu, cuc, chunk_size=7, tie_break="torch_topk")
+    for j, n in enumerate(lengths):
+        r0, c0, n_c = int(cu[j]), int(cuc[j]), n // 4
+        row = indexer_scores(
+            q1[r0 : r0 + n],
+            k1[c0 : c0 + n_c],
+            w1[r0 : r0 + n],
+            4,
+            torch.tensor([0, n], dtype=torch.int32),
+            torch.tensor([0, n_c], dtype=torch.int32),
+        )
+        vals, cols = torch.topk(row, min(6, n_c), dim=1)
+        expect = torch.where(torch.isneginf(vals), -1, cols + c0)
+        assert torch.equal(idx[r0 : r0 + n, : expect.shape[1]].long(), expect)
+    with pytest.raises(ValueError, match="tie_break"):
+        indexer_topk_ref(q, k, w, 4, 5, cu, cuc, tie_break="random")

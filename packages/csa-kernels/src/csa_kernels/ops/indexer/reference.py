@@ -140,10 +140,22 @@ def _scores_at_chunk(q, w, idx, k):
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def _select(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of ``scores [n, C]`` by value, ties -> lower column first; ``-inf`` never selected (-> -1)."""
-    vals, cols = torch.sort(scores, dim=1, descending=True, stable=True)
-    vals, cols = vals[:, :topk], cols[:, :topk]
+TIE_BREAKS = ("lower_index", "torch_topk")
+
+
+def _select(
+    scores: torch.Tensor, topk: int, tie_break: str = "lower_index"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``scores [n, C]`` by value; ``-inf`` is never selected (-> -1, trailing slots).
+
+    ``lower_index``: ties -> lower column first (stable descending sort). ``torch_topk``: whatever ``torch.topk`` on
+    this device does with the given row (for parity with HF logits computed on CPU, spec §4.2 rule 1).
+    """
+    if tie_break == "torch_topk":
+        vals, cols = torch.topk(scores, min(topk, scores.shape[1]), dim=1, sorted=True)
+    else:
+        vals, cols = torch.sort(scores, dim=1, descending=True, stable=True)
+        vals, cols = vals[:, :topk], cols[:, :topk]
     cols = torch.where(torch.isneginf(vals), -1, cols)
     pad = topk - cols.shape[1]
     if pad > 0:
@@ -161,8 +173,14 @@ def indexer_topk_ref(
     cu_seqlens: torch.Tensor,
     cu_seqlens_c: torch.Tensor,
     chunk_size: int | None = None,
+    tie_break: str = "lower_index",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked scores + top-k (module docstring).
+
+    ``tie_break="lower_index"`` (default, spec §4.2 rule 2, oracle I6) orders equal scores by entry index.
+    ``tie_break="torch_topk"`` reproduces the official code / HF instead: ``torch.topk`` over the document's FULL
+    masked row (all its entries, ``-inf`` where invisible), whose tie order on CPU depends on the whole row; use it
+    only for parity with logits HF computed on CPU (spec §4.2 rule 1).
 
     Returns:
         ``indices [T, topk]`` int32 global rows of the compressed buffer (``k_idx`` / ``entries``), descending
@@ -172,6 +190,8 @@ def indexer_topk_ref(
     cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if tie_break not in TIE_BREAKS:
+        raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
     dt = compute_dtype(q_idx, k_idx, weights)
     t = q_idx.shape[0]
     indices = torch.full((t, topk), -1, dtype=torch.int32, device=q_idx.device)
@@ -184,9 +204,11 @@ def indexer_topk_ref(
             for s in range(r0, r1, chunk):
                 e = min(s + chunk, r1)
                 t_rel = torch.arange(s - r0, e - r0, device=q.device)
-                n_vis = (e - r0) // ratio  # visible entries of the chunk's last row: a causal prefix suffices
-                scores = _chunk_scores(q[s:e], w[s:e], t_rel, k[c0 : c0 + n_vis], ratio)  # [n, n_vis]
-                cols, vals = _select(scores, topk)
+                # the visible entries of the chunk's last row (a causal prefix) suffice, except for torch_topk,
+                # whose CPU tie order depends on the whole masked row
+                n_row = n_c if tie_break == "torch_topk" else (e - r0) // ratio
+                scores = _chunk_scores(q[s:e], w[s:e], t_rel, k[c0 : c0 + n_row], ratio)  # [n, n_row]
+                cols, vals = _select(scores, topk, tie_break)
                 indices[s:e] = torch.where(cols >= 0, cols + c0, -1).to(torch.int32)
                 values[s:e] = vals
     if not torch.is_grad_enabled() or not any(x.requires_grad for x in (q_idx, k_idx, weights)):
