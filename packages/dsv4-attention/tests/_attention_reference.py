@@ -109,8 +109,8 @@ def reference_document(module, p, x, *, dense=None, pos_offset=0):
             extras["visible"] = vis
         allowed = torch.cat((allowed, sel), 1)
     K = torch.cat(keys, 0)  # [L + n, c]
-    z = torch.einsum("thc,jc->htj", q, K) * c**-0.5
-    z = z.masked_fill(~allowed[None], float("-inf"))
+    logits = torch.einsum("thc,jc->htj", q, K) * c**-0.5
+    z = logits.masked_fill(~allowed[None], float("-inf"))
     sink = p["core_attention.attn_sink"][:, None, None].expand(nh, L, 1)
     full = torch.cat((z, sink), -1)
     prob = torch.softmax(full, -1)[..., :-1]  # [H, L, L + n] sink takes the rest
@@ -120,13 +120,14 @@ def reference_document(module, p, x, *, dense=None, pos_offset=0):
     wa = p["linear_o_group_proj.weight"].view(g, r, nh * c // g)
     u = torch.einsum("tgi,gri->tgr", o.reshape(L, g, nh * c // g), wa).reshape(L, g * r)
     y = u @ p["linear_proj.weight"].T
-    extras["comp_prob"] = prob[:, :, L:]  # [H, L, n]
+    # teacher mass of every compressed entry under the attention's actual (full) denominator, attended or not
+    extras["comp_mass"] = torch.exp(logits[:, :, L:] - torch.logsumexp(full, -1, keepdim=True))  # [H, L, n]
     return y, extras
 
 
 def reference_indexer_kl(extras, loss_set) -> tuple[torch.Tensor, int]:
     """Sum over rows of KL(teacher || softmax(scores)) on ``loss_set [L, n]`` and the number of rows with entries."""
-    teacher = extras["comp_prob"].detach().sum(0).masked_fill(~loss_set, 0.0)  # [L, n]
+    teacher = extras["comp_mass"].detach().sum(0).masked_fill(~loss_set, 0.0)  # [L, n]
     rows = loss_set.any(1)
     total = extras["scores"].new_zeros(())
     for t in torch.nonzero(rows).flatten().tolist():

@@ -11,6 +11,7 @@ Public API (see the package README):
 - :class:`IndexerLossAutoScaler`, :class:`IndexerLossTracker`, :func:`get_indexer_loss_tracker`: indexer-loss
   scheduling and logging.
 - :func:`token_layout`, :class:`TokenLayout`: SBHD / THD plumbing.
+- :func:`parameter_table`: analytic parameter counts per layer kind.
 """
 
 from dsv4_attention.attention import DSv4HybridAttention, DSv4HybridAttentionSubmodules
@@ -32,6 +33,7 @@ from dsv4_attention.indexer_loss import (
     indexer_loss_tracker_slot,
 )
 from dsv4_attention.layout import TokenLayout, sbhd_layout, thd_layout, token_layout
+from dsv4_attention.param_counts import parameter_table
 from dsv4_attention.specs import (
     DSv4TransformerLayer,
     csa_attention_spec,
@@ -74,6 +76,7 @@ __all__ = [
     "get_indexer_loss_tracker",
     "hca_attention_spec",
     "indexer_loss_tracker_slot",
+    "parameter_table",
     "sbhd_layout",
     "te_backend",
     "thd_layout",

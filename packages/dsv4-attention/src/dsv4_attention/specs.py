@@ -83,14 +83,18 @@ def _compressor_spec(backend: BackendSpecProvider, norm) -> ModuleSpec:
 
 
 def get_core_attention_spec(
-    compress_ratio: int, backend: BackendSpecProvider | None = None, norm=RMSNorm
+    compress_ratio: int | None, backend: BackendSpecProvider | None = None, norm=RMSNorm
 ) -> ModuleSpec:
-    """Spec of :class:`CompressedSparseAttention` for one layer kind (compressor / indexer only where needed)."""
-    ratio = check_compress_ratio(compress_ratio)
+    """Spec of :class:`CompressedSparseAttention` for one layer kind (compressor / indexer only where needed).
+
+    ``compress_ratio=None`` gives the superset spec (compressor and indexer); the module builds only what its ratio
+    needs.
+    """
+    ratio = None if compress_ratio is None else check_compress_ratio(compress_ratio)
     backend = backend if backend is not None else default_backend()
-    compressor = _compressor_spec(backend, norm) if ratio else None
+    compressor = _compressor_spec(backend, norm) if ratio != 0 else None
     indexer = None
-    if ratio == 4:
+    if ratio in (4, None):
         indexer = ModuleSpec(
             module=LightningIndexer,
             submodules=LightningIndexerSubmodules(
@@ -106,16 +110,22 @@ def get_core_attention_spec(
 
 
 def get_dsv4_attention_spec(
-    compress_ratio: int,
+    compress_ratio: int | None,
     backend: BackendSpecProvider | None = None,
     *,
     is_mtp_layer: bool = False,
     norm=RMSNorm,
 ) -> ModuleSpec:
-    """Spec of one :class:`DSv4HybridAttention` (``compress_ratio`` 0 window, 4 CSA, 128 HCA)."""
-    ratio = check_compress_ratio(compress_ratio)
+    """Spec of one :class:`DSv4HybridAttention` (``compress_ratio`` 0 window, 4 CSA, 128 HCA).
+
+    ``compress_ratio=None``: one spec for every layer; each layer reads its ratio from
+    ``config.csa_compress_ratios[layer_number - 1]`` (MTP layers: ``[num_layers + layer_number - 1]``).
+    """
+    ratio = None if compress_ratio is None else check_compress_ratio(compress_ratio)
     backend = backend if backend is not None else default_backend()
-    params = {"compress_ratio": ratio, "attn_mask_type": AttnMaskType.causal}
+    params = {"attn_mask_type": AttnMaskType.causal}
+    if ratio is not None:
+        params["compress_ratio"] = ratio
     if is_mtp_layer:
         params["is_mtp_layer"] = True
     return ModuleSpec(
@@ -172,7 +182,7 @@ class DSv4TransformerLayer(TransformerLayer):
 
 
 def get_dsv4_layer_spec(
-    compress_ratio: int,
+    compress_ratio: int | None,
     backend: BackendSpecProvider | None = None,
     *,
     is_mtp_layer: bool = False,
