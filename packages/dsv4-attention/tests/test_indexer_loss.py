@@ -73,7 +73,7 @@ def test_loss_value_and_indexer_grads_match_reference(build, dense_mode, sparse_
     def ref(dtype):
         p = params_of(m, dtype)
         total, rows = 0.0, 0
-        for y, ex in reference_forward(m, p, [x[:, b].to(dtype) for b in range(2)]):
+        for _y, ex in reference_forward(m, p, [x[:, b].to(dtype) for b in range(2)]):
             loss_set = ex["selected"] if (sparse_loss and not dense_mode) else ex["visible"]
             s, r = reference_indexer_kl(ex, loss_set)
             total, rows = total + s, rows + r
@@ -82,7 +82,7 @@ def test_loss_value_and_indexer_grads_match_reference(build, dense_mode, sparse_
         return kl, dict(zip(names, torch.autograd.grad(kl, [p[n] for n in names])))
 
     kl64, g64 = ref(torch.float64)
-    kl32, g32 = ref(torch.float32)
+    _kl32, g32 = ref(torch.float32)
     assert tracked == pytest.approx(float(kl64), rel=1e-4)
     for n in g64:
         assert_close_to_ref(f"d{n}", grads[n], g64[n], g32[n])
