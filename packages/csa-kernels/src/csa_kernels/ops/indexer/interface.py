@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_shape, reference_only
+from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref, indexer_scores_ref, indexer_topk_ref
 from csa_kernels.varlen import compressed_cu_seqlens, sbhd_cu_seqlens, sbhd_to_thd, thd_to_sbhd
 
@@ -56,7 +57,10 @@ def indexer_topk(
 
     Math, tie rule and memory: :func:`indexer_topk_ref`.
     """
-    reference_only(backend, "indexer_topk", q_idx)
+    if resolve_backend(backend, q_idx, k_idx) == "triton":
+        from csa_kernels.ops.indexer.triton import indexer_topk_checked
+
+        return indexer_topk_checked(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size)
     return indexer_topk_ref(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size)
 
 

@@ -1,0 +1,561 @@
+#!/usr/bin/env python3
+"""csa-kernels benchmark on one GPU: correctness gate first, then one side-by-side table, JSON to --out and results/.
+
+Run on the GPU box (no uv, no network), from the repository root:
+
+    PYTHONPATH=packages/dsv4-primitives/src:packages/csa-kernels/src python3 \\
+        packages/csa-kernels/benchmarks/bench_csa.py --out /tmp/bench
+
+Implementations per shape: ours (fused Triton), the eager fp32 reference of this package, FlexAttention where it
+applies (SWA-only and mask-over-concatenated-KV forms; Flex has no sink, so it computes a slightly easier function)
+and cuDNN SDPA dense causal at d=128 on the same token count (the FA3-class anchor). Columns: median ms (p10/p90),
+useful TFLOP/s (only valid query-key pairs: fwd ``2*H*pairs*(d_qk+d_v)``, bwd 2.5x fwd), % of the measured 804
+TFLOP/s peak (and of the 989 datasheet), peak extra memory, speedup vs eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+PEAK = 804e12
+PEAK_DATASHEET = 989e12
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def timeit(fn, grad_to_none=None, rep=200) -> tuple[float, float, float]:
+    """(median, p10, p90) in ms via triton's do_bench (events; warmup 25 ms)."""
+    q = do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.1, 0.9])
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def peak_extra_gib(fn) -> float:
+    """max_memory_allocated - allocated before, in GiB, for one call of ``fn`` (inputs already allocated)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**30
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+ROWS: list[dict] = []
+GATES: list[dict] = []
+
+
+def record(section, shape, impl, mode, ms3, flop, mem_gib, note="") -> dict:
+    ms, p10, p90 = ms3
+    tf = flop / (ms * 1e-3) / 1e12 if flop else float("nan")
+    row = dict(
+        section=section,
+        shape=shape,
+        impl=impl,
+        mode=mode,
+        ms=ms,
+        p10=p10,
+        p90=p90,
+        useful_tflops=tf,
+        pct_804=100 * tf * 1e12 / PEAK,
+        pct_989=100 * tf * 1e12 / PEAK_DATASHEET,
+        extra_mem_gib=mem_gib,
+        note=note,
+    )
+    ROWS.append(row)
+    print(
+        f"  {section:10s} {shape:22s} {impl:14s} {mode:8s} {ms:9.3f} ms  {tf:7.1f} TF/s  "
+        f"{row['pct_804']:5.1f}%  +{mem_gib:6.2f} GiB  {note}",
+        flush=True,
+    )
+    return row
+
+
+def gate(name, got: torch.Tensor, ref: torch.Tensor, tol=1e-2, cos_min=0.9999) -> bool:
+    finite = bool(torch.isfinite(got).all())
+    r, c = rel_l2(got, ref), cosine(got, ref)
+    ok = finite and r <= tol and c >= cos_min
+    GATES.append(dict(name=name, rel_l2=r, cos=c, finite=finite, ok=ok))
+    print(f"  gate {name:40s} rel_l2={r:.2e} cos={c:.6f} {'OK' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+# ----------------------------------------------------------------------------------- sparse attention inputs
+def window_part(T: int, W: int, device) -> torch.Tensor:
+    """[T, W] rows t-W+1..t of one document starting at 0 (-1 before the start)."""
+    t = torch.arange(T, device=device)[:, None]
+    idx = t - W + 1 + torch.arange(W, device=device)[None, :]
+    return torch.where(idx >= 0, idx, -1).to(torch.int32)
+
+
+def compressed_part(T: int, ratio: int, topk: int, dense: bool, device, gen) -> tuple[torch.Tensor, int]:
+    """[T, K] rows ``T + w`` of visible entries (``w < (t+1)//ratio``): random top-k (CSA) or all (HCA)."""
+    Tc = T // ratio
+    t = torch.arange(T, device=device)[:, None]
+    w = torch.arange(Tc, device=device)[None, :]
+    visible = w < (t + 1) // ratio  # [T, Tc]
+    if dense:
+        idx = torch.where(visible, T + w, -1)
+        return idx.to(torch.int32), Tc
+    scores = torch.rand(T, Tc, device=device, generator=gen).masked_fill(~visible, -1.0)
+    k = min(topk, Tc)
+    val, sel = scores.topk(k, dim=1)
+    idx = torch.where(val >= 0, T + sel, -1)
+    if k < topk:
+        idx = torch.cat([idx, idx.new_full((T, topk - k), -1)], 1)
+    return idx.to(torch.int32), Tc
+
+
+def attn_inputs(S, H, D, W, ratio, topk, dense, seed=0, dtype=torch.bfloat16):
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    parts = [window_part(S, W, dev)] if W else []
+    Tc = 0
+    if ratio:
+        cp, Tc = compressed_part(S, ratio, topk, dense, dev, gen)
+        parts.append(cp)
+    idx = torch.cat(parts, 1).contiguous()
+    q = torch.randn(S, H, D, device=dev, generator=gen, dtype=torch.float32).to(dtype)
+    kv = torch.randn(S + Tc, D, device=dev, generator=gen, dtype=torch.float32).to(dtype)
+    sink = torch.randn(H, device=dev, generator=gen) * 2
+    return q, kv, sink, idx
+
+
+# ------------------------------------------------------------------------------------------ sparse attention
+def attn_gate():
+    from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
+    from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
+
+    print("correctness gate: sparse attention (bf16 kernel vs fp32 reference)", flush=True)
+    ok = True
+    for S, H, D, W, ratio, topk, dense in [
+        (1024, 64, 512, 128, 4, 512, False),
+        (700, 128, 512, 128, 4, 96, False),
+    ]:
+        q, kv, sink, idx = attn_inputs(S, H, D, W, ratio, topk, dense, seed=123)
+        idx[::7, 3] = -1  # scattered holes besides the natural ones
+        scale = D**-0.5
+        do = torch.randn_like(q)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, kv, sink)]
+        o, lse = sparse_attn_triton(*leaves, idx, scale)
+        o.backward(do)
+        ref_leaves = [x.detach().float().clone().requires_grad_() for x in (q, kv, sink)]
+        ro, rlse = sparse_attn_ref(*ref_leaves, idx, scale)
+        ro.backward(do.float())
+        tag = f"attn S{S} H{H} K{idx.shape[1]}"
+        ok &= gate(f"{tag} o", o, ro)
+        ok &= gate(f"{tag} lse", lse, rlse, tol=1e-3)
+        for n, a, b in zip(("dq", "dkv", "dsink"), leaves, ref_leaves):
+            ok &= gate(f"{tag} {n}", a.grad, b.grad)
+    return ok
+
+
+def attn_flops(idx: torch.Tensor, H: int, D: int) -> float:
+    pairs = int((idx >= 0).sum())
+    return 2.0 * H * pairs * (D + D)
+
+
+def bench_attention(shapes, eager_max_s: int, flex: bool):
+    from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
+    from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
+
+    for key, shp in shapes:
+        _bench_attention_shape(
+            sparse_attn_triton, sparse_attn_ref, *shp, eager_max_s=eager_max_s, flex=key in flex
+        )
+        torch.cuda.empty_cache()
+
+
+def _bench_attention_shape(
+    sparse_attn_triton, sparse_attn_ref, name, S, H, D, W, ratio, topk, dense, eager_max_s, flex
+):
+    if True:
+        q, kv, sink, idx = attn_inputs(S, H, D, W, ratio, topk, dense)
+        scale = D**-0.5
+        fl = attn_flops(idx, H, D)
+        shape = f"{name} S{S}"
+        leaves = [x.detach().clone().requires_grad_() for x in (q, kv, sink)]
+        do = torch.randn_like(q)
+
+        def ours_fwd():
+            with torch.no_grad():
+                return sparse_attn_triton(q, kv, sink, idx, scale)
+
+        def ours_fb():
+            o, _ = sparse_attn_triton(*leaves, idx, scale)
+            o.backward(do)
+            return o
+
+        eager_fwd_ms = eager_fb_ms = None
+        ours_f = record("attention", shape, "ours", "fwd", timeit(ours_fwd), fl, peak_extra_gib(ours_fwd))
+        ours_b = record(
+            "attention", shape, "ours", "fwd+bwd", timeit(ours_fb, leaves), 3.5 * fl, peak_extra_gib(ours_fb)
+        )
+        if eager_max_s >= S:
+
+            def eager_fwd():
+                with torch.no_grad():
+                    return sparse_attn_ref(q, kv, sink, idx, scale)
+
+            def eager_fb():
+                o, _ = sparse_attn_ref(*leaves, idx, scale)
+                o.backward(do)
+                return o
+
+            e = record(
+                "attention",
+                shape,
+                "eager-ref",
+                "fwd",
+                timeit(eager_fwd, rep=60),
+                fl,
+                peak_extra_gib(eager_fwd),
+            )
+            eager_fwd_ms = e["ms"]
+            e = record(
+                "attention",
+                shape,
+                "eager-ref",
+                "fwd+bwd",
+                timeit(eager_fb, leaves, rep=60),
+                3.5 * fl,
+                peak_extra_gib(eager_fb),
+            )
+            eager_fb_ms = e["ms"]
+            ours_f["speedup_vs_eager"] = eager_fwd_ms / ours_f["ms"]
+            ours_b["speedup_vs_eager"] = eager_fb_ms / ours_b["ms"]
+        if flex:
+            try:
+                bench_flex(shape, q, kv, idx, H, D, W, ratio, scale, fl, do)
+            except Exception as exc:  # a baseline failing must not hide our numbers
+                print(f"  flex failed on {shape}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        bench_cudnn_dense(shape, S)
+
+
+_FLEX = None
+
+
+def bench_flex(shape, q, kv, idx, H, D, W, ratio, scale, fl, do):
+    """FlexAttention over the concatenated KV with a mask (window: analytic; compressed: dense bool lookup)."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    S = q.shape[0]
+    Nkv = kv.shape[0]
+    if ratio == 0:
+
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki < W)
+
+        note = "SWA mask, no sink"
+    else:
+        dense = torch.zeros(S, Nkv, dtype=torch.bool, device="cuda")
+        rows = torch.arange(S, device="cuda")[:, None].expand_as(idx)
+        v = idx >= 0
+        dense[rows[v], idx[v].long()] = True
+
+        def mask_mod(b, h, qi, ki):
+            return dense[qi, ki]
+
+        note = "bool mask over [kv|entries], no sink"
+    bm = create_block_mask(mask_mod, 1, 1, S, Nkv, device="cuda")
+    qf = q.transpose(0, 1)[None]  # [1, H, S, D]
+    kf = kv[None, None].expand(1, 1, Nkv, D)
+    qg = qf.detach().clone().requires_grad_()
+    kg = kv.detach().clone().requires_grad_()
+    dof = do.transpose(0, 1)[None]
+
+    def fwd():
+        with torch.no_grad():
+            return _FLEX(qf, kf, kf, block_mask=bm, scale=scale, enable_gqa=True)
+
+    def fb():
+        k4 = kg[None, None]
+        o = _FLEX(qg, k4, k4, block_mask=bm, scale=scale, enable_gqa=True)
+        o.backward(dof)
+        return o
+
+    record("attention", shape, "flex", "fwd", timeit(fwd), fl, peak_extra_gib(fwd), note)
+    record("attention", shape, "flex", "fwd+bwd", timeit(fb, [qg, kg]), 3.5 * fl, peak_extra_gib(fb), note)
+
+
+_CUDNN_DONE: set[int] = set()
+
+
+def bench_cudnn_dense(shape, S):
+    """cuDNN SDPA, dense causal, d=128, H=16 (H*d = 2048), same token count: the FA3-class anchor."""
+    if S in _CUDNN_DONE:
+        return
+    _CUDNN_DONE.add(S)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, d = 16, 128
+    q, k, v = (
+        torch.randn(1, H, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    do = torch.randn_like(q)
+    fl = 2.0 * H * (S * (S + 1) / 2) * (2 * d)
+    F = torch.nn.functional.scaled_dot_product_attention
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+            return F(q, k, v, is_causal=True)
+
+    def fb():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F(q, k, v, is_causal=True)
+        o.backward(do)
+        return o
+
+    sh = f"dense-causal S{S}"
+    record("anchor", sh, "cudnn-sdpa", "fwd", timeit(fwd), fl, peak_extra_gib(fwd), "d=128 H=16")
+    record(
+        "anchor",
+        sh,
+        "cudnn-sdpa",
+        "fwd+bwd",
+        timeit(fb, [q, k, v]),
+        3.5 * fl,
+        peak_extra_gib(fb),
+        "d=128 H=16",
+    )
+
+
+def sweep_attention():
+    """Launch-config sweep of the sparse attention kernels at the V4-Flash shape (S=4096)."""
+    from csa_kernels.ops.sparse_attn import triton as K
+    from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
+
+    q, kv, sink, idx = attn_inputs(4096, 64, 512, 128, 4, 512, False)
+    scale = 512**-0.5
+    fl = attn_flops(idx, 64, 512)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, kv, sink)]
+    do = torch.randn_like(q)
+    for cfg in [(64, 32, 8, 2), (64, 16, 8, 2), (64, 64, 8, 1), (64, 32, 8, 1)]:
+        K.FWD_CONFIG_OVERRIDE = cfg
+        try:
+            ms = timeit(lambda: sparse_attn_triton(q, kv, sink, idx, scale))
+            record("sweep", "flash S4096", f"fwd{cfg}", "fwd", ms, fl, 0.0)
+        except Exception as exc:
+            print("  sweep fwd", cfg, "failed:", str(exc)[:200])
+    K.FWD_CONFIG_OVERRIDE = None
+    o, lse = sparse_attn_triton(q, kv, sink, idx, scale)
+    idx_c, cnt = K.compact_indices(idx)
+    default_dkv = K.BWD_DKV_CONFIG
+    for cfg, dkv_cfg in [
+        ((64, 32, 8, 1), (64, 64, 8, 1)),
+        ((64, 16, 8, 1), (32, 64, 8, 1)),
+        ((64, 64, 8, 1), (64, 128, 8, 1)),
+    ]:
+        K.BWD_CONFIG_OVERRIDE = cfg
+        K.BWD_DKV_CONFIG = dkv_cfg
+        try:
+            ms = timeit(lambda: K.sparse_attn_bwd(q, kv, sink, idx_c, cnt, scale, o, lse, do))
+            record("sweep", "flash S4096", f"bwd{cfg}{dkv_cfg}", "bwd", ms, 2.5 * fl, 0.0)
+        except Exception as exc:
+            print("  sweep bwd", cfg, "failed:", str(exc)[:200])
+    K.BWD_CONFIG_OVERRIDE = None
+    K.BWD_DKV_CONFIG = default_dkv
+    del leaves
+
+
+# ---------------------------------------------------------------------------------------------- indexer
+def _indexer_inputs(S, HI, DI, ratio, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(S, HI, DI, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(S // ratio, DI, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(S, HI, device="cuda", generator=gen) * (HI * DI) ** -0.5).to(torch.bfloat16)
+    cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+    cuc = torch.tensor([0, S // ratio], dtype=torch.int32, device="cuda")
+    return q, k, w, cu, cuc
+
+
+def section_indexer() -> bool:
+    from csa_kernels.ops.indexer.reference import indexer_topk_ref
+    from csa_kernels.ops.indexer.triton import indexer_topk_triton
+
+    print("correctness gate: indexer + top-k (bf16 inputs, fp32 reference)", flush=True)
+    S, HI, DI, ratio, topk = 2048, 64, 128, 4, 128
+    q, k, w, cu, cuc = _indexer_inputs(S, HI, DI, ratio, seed=7)
+    idx, val = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc)
+    ridx, rval = indexer_topk_ref(q.float(), k.float(), w.float(), ratio, topk, cu, cuc)
+    same_valid = bool(torch.equal((idx >= 0).sum(1), (ridx >= 0).sum(1)))
+    hits = 0
+    for a, b in zip(idx.tolist(), ridx.tolist()):
+        hits += len({x for x in a if x >= 0} & {x for x in b if x >= 0})
+    recall = hits / max(int((ridx >= 0).sum()), 1)
+    fin = torch.isfinite(rval)
+    ok = same_valid and recall >= 0.99 and gate("indexer top-k scores", val[fin], rval[fin])
+    GATES.append(dict(name="indexer top-k set recall", recall=recall, same_valid_counts=same_valid, ok=ok))
+    print(f"  gate indexer top-k recall={recall:.5f} same -1 counts={same_valid} {'OK' if ok else 'FAIL'}")
+
+    S, HI, DI, ratio, topk = 8192, 64, 128, 4, 512
+    q, k, w, cu, cuc = _indexer_inputs(S, HI, DI, ratio)
+    Tc = S // ratio
+    pairs = sum((t + 1) // ratio for t in range(S))
+    fl = 2.0 * HI * DI * pairs
+    shape = f"idx S{S} C{Tc} k{topk}"
+
+    def ours():
+        return indexer_topk_triton(q, k, w, ratio, topk, cu, cuc)
+
+    o = record("indexer", shape, "ours", "fwd", timeit(ours), fl, peak_extra_gib(ours), "scores+topk")
+    vis = torch.arange(Tc, device="cuda")[None, :] < ((torch.arange(S, device="cuda") + 1) // ratio)[:, None]
+
+    def eager():  # Megatron-style: materialise [S, H, C], relu, weight, mask, topk
+        s = torch.einsum("thd,cd->thc", q, k)
+        sc = torch.einsum("thc,th->tc", torch.relu(s).float(), w.float()).masked_fill(~vis, float("-inf"))
+        return sc.topk(topk, dim=1)
+
+    e = record(
+        "indexer", shape, "eager", "fwd", timeit(eager, rep=100), fl, peak_extra_gib(eager), "[S,H,C] bf16"
+    )
+    o["speedup_vs_eager"] = e["ms"] / o["ms"]
+
+    def ref():
+        return indexer_topk_ref(q, k, w, ratio, topk, cu, cuc)
+
+    record(
+        "indexer",
+        shape,
+        "eager-ref",
+        "fwd",
+        timeit(ref, rep=100),
+        fl,
+        peak_extra_gib(ref),
+        "package reference",
+    )
+    qf = q.reshape(S * HI, DI)
+
+    def gemm():
+        return qf @ k.T
+
+    record(
+        "indexer",
+        shape,
+        "gemm-bound",
+        "fwd",
+        timeit(gemm),
+        2.0 * S * HI * DI * Tc / 2,
+        0.0,
+        "bf16 QK GEMM, half",
+    )
+    buf = torch.randn(S, Tc, device="cuda")
+
+    def topk_only():
+        return buf.topk(topk, dim=1)
+
+    record("indexer", shape, "torch.topk", "fwd", timeit(topk_only), 0.0, 0.0, "[S, C] fp32 top-k alone")
+    return ok
+
+
+ATTN_SHAPES = {
+    # name, S, H, D, W, ratio, topk, dense-compressed
+    "flash": ("v4-flash-csa", 4096, 64, 512, 128, 4, 512, False),
+    "flash16k": ("v4-flash-csa", 16384, 64, 512, 128, 4, 512, False),
+    "pro": ("v4-pro-csa", 4096, 128, 512, 128, 4, 1024, False),
+    "swa": ("swa-only", 4096, 64, 512, 128, 0, 0, False),
+    "hca": ("hca", 4096, 64, 512, 128, 128, 0, True),
+    "hca64k": ("hca", 65536, 64, 512, 128, 128, 0, True),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="directory for the JSON result")
+    ap.add_argument("--sections", default="attention,indexer,compressor,indexer_loss")
+    ap.add_argument("--attn-shapes", default="flash,flash16k,pro,swa,hca,hca64k")
+    ap.add_argument("--eager-max-s", type=int, default=4096, help="skip the eager reference above this S")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--flex-shapes", default="flash,swa", help="attention shapes that also run FlexAttention")
+    ap.add_argument("--sweep", action="store_true", help="also sweep launch configs of the attention kernels")
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_csa: no CUDA device; nothing to measure (exit 0)")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sections = set(args.sections.split(","))
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    failed = []
+    if "attention" in sections:
+        if not attn_gate():
+            failed.append("attention gate")
+        if args.sweep:
+            sweep_attention()
+        shapes = [(s, ATTN_SHAPES[s]) for s in args.attn_shapes.split(",") if s]
+        flex_shapes = set() if args.no_flex else set(args.flex_shapes.split(","))
+        bench_attention(shapes, args.eager_max_s, flex_shapes)
+    for sec in ("indexer", "compressor", "indexer_loss"):
+        if sec in sections:
+            fn = globals().get(f"section_{sec}")
+            if fn is None:
+                continue
+            try:
+                if not fn():
+                    failed.append(f"{sec} gate")
+            except Exception:
+                traceback.print_exc()
+                failed.append(f"{sec} crashed")
+    result = dict(
+        timestamp=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        peak_tflops=PEAK / 1e12,
+        gates=GATES,
+        rows=ROWS,
+        failed=failed,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"bench_csa_{args.tag}.json"
+    for d in (args.out, RESULTS_DIR):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / name).write_text(json.dumps(result, indent=1))
+        except OSError as exc:
+            print(f"could not write {d / name}: {exc}")
+    print_table()
+    print("FAILED: " + ", ".join(failed) if failed else "all correctness gates passed")
+    return 1 if failed else 0
+
+
+def print_table():
+    print()
+    print(
+        f"{'section':10s} {'shape':22s} {'impl':14s} {'mode':8s} {'ms':>9s} {'TF/s':>7s} {'%804':>6s} {'xEager':>7s} {'+GiB':>7s}"
+    )
+    for r in ROWS:
+        sp = r.get("speedup_vs_eager")
+        sps = f"{sp:7.1f}" if sp else "      -"
+        print(
+            f"{r['section']:10s} {r['shape']:22s} {r['impl']:14s} {r['mode']:8s} {r['ms']:9.3f} "
+            f"{r['useful_tflops']:7.1f} {r['pct_804']:6.1f} {sps} {r['extra_mem_gib']:7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Fused Triton lightning-indexer scores + GPU top-k (spec §4.2), chunked so ``[T, HI, C]`` is never formed.
+
+    I[t, s] = sum_h w[t, h] * ReLU(<q_idx[t, h], k_idx[s]>),   -inf unless (s_local + 1) * ratio <= t_rel + 1
+
+Schedule: the query rows of each document are cut into blocks of BLOCK_T rows (blocks never straddle documents);
+one program per (row block, block of BLOCK_N entries of that document) keeps its key tile in shared memory and loops
+over the HI heads: per head one [BLOCK_T, DI] x [DI, BLOCK_N] MMA, then ReLU and the per-row head weight are folded
+into an fp32 accumulator. Tiles entirely past the block's last visible entry are skipped (causal prefix only).
+Scores land in a ``[rows_of_chunk, C_max]`` fp32 buffer (one chunk of rows at a time); ``torch.topk`` on the GPU
+selects (CUDA's top-k keeps the lowest-indexed entries among ties, the rule of oracle I6).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    Q,
+    K,
+    W,
+    OUT,
+    BLK_T0,
+    BLK_T1,
+    BLK_POS0,
+    BLK_C0,
+    BLK_NC,
+    stride_qt,
+    stride_qh,
+    stride_kc,
+    stride_wt,
+    stride_ot,
+    row0,
+    ratio,
+    HI,
+    DI: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    t0 = tl.load(BLK_T0 + b)
+    t1 = tl.load(BLK_T1 + b)
+    p0 = tl.load(BLK_POS0 + b)
+    c0 = tl.load(BLK_C0 + b)
+    n_c = tl.load(BLK_NC + b)
+    max_vis = (p0 + (t1 - t0)) // ratio  # visible entries of the block's last row
+    if nb * BLOCK_N < max_vis:
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mt = offs_t < t1
+        pos = p0 + tl.arange(0, BLOCK_T)
+        n_vis = (pos + 1) // ratio  # [BLOCK_T]
+        offs_j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mj = offs_j < n_c
+        offs_d = tl.arange(0, BLOCK_DI)
+        md = offs_d < DI
+        k = tl.load(
+            K + (c0 + offs_j).to(tl.int64)[:, None] * stride_kc + offs_d[None, :],
+            mask=mj[:, None] & md[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_DI]
+        if UPCAST:
+            k = k.to(tl.float32)
+        q_ptr = Q + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+        w_ptr = W + offs_t.to(tl.int64) * stride_wt
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for h in range(HI):
+            q = tl.load(
+                q_ptr + h * stride_qh, mask=mt[:, None] & md[None, :], other=0.0
+            )  # [BLOCK_T, BLOCK_DI]
+            if UPCAST:
+                q = q.to(tl.float32)
+            w = tl.load(w_ptr + h, mask=mt, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            acc += w[:, None] * tl.maximum(s, 0.0)
+        vis = offs_j[None, :] < n_vis[:, None]
+        acc = tl.where(vis, acc, -float("inf"))
+        tl.store(
+            OUT + (offs_t - row0).to(tl.int64)[:, None] * stride_ot + offs_j[None, :],
+            acc,
+            mask=mt[:, None] & mj[None, :],
+        )
+
+
+def _row_blocks(cu: list[int], cuc: list[int], block_t: int) -> list[tuple[int, int, int, int, int]]:
+    """(t0, t1, doc-relative pos of t0, entry start, entries of the doc) for blocks of rows inside documents."""
+    out = []
+    for i in range(len(cu) - 1):
+        for t0 in range(cu[i], cu[i + 1], block_t):
+            out.append((t0, min(t0 + block_t, cu[i + 1]), t0 - cu[i], cuc[i], cuc[i + 1] - cuc[i]))
+    return out
+
+
+def _config(DI: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, num_warps, num_stages); fp32 inputs take smaller tiles (shared memory) and IEEE dots."""
+    if interpreting():
+        return 16, 16, 4, 1
+    if dtype == torch.float32:
+        return 64, 64, 4, 2
+    return 128, 128, 8, 3
+
+
+def indexer_topk_triton(
+    q_idx: torch.Tensor,  # [T, HI, DI]
+    k_idx: torch.Tensor,  # [Tc, DI]
+    weights: torch.Tensor,  # [T, HI]
+    ratio: int,
+    topk: int,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_c: torch.Tensor,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused scores + top-k: ``(indices [T, topk] int32 global compressed rows, -1 padded; scores [T, topk] fp32)``.
+
+    Scores are not differentiable here (the caller re-attaches a gradient path, see the public ``indexer_topk``).
+    ``chunk_size`` bounds the rows of one score buffer (default: as many rows as keep it <= 256 MiB).
+    """
+    check_triton_device(q_idx, k_idx, weights)
+    T, HI, DI = q_idx.shape
+    cu = [int(v) for v in cu_seqlens.tolist()]
+    cuc = [int(v) for v in cu_seqlens_c.tolist()]
+    indices = torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
+    values = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=q_idx.device)
+    c_max = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
+    if T == 0 or c_max == 0:
+        return indices, values
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    k_idx = k_idx.contiguous()
+    weights = weights.contiguous()
+    block_t, block_n, warps, stages = _config(DI, q_idx.dtype)
+    blocks = _row_blocks(cu, cuc, block_t)
+    if chunk_size is None:
+        chunk_size = max(block_t, (1 << 26) // max(c_max, 1))
+    meta = torch.tensor(blocks, dtype=torch.int32).T.contiguous().to(q_idx.device)  # [5, nblocks]
+    # chunks of whole row blocks
+    i = 0
+    while i < len(blocks):
+        j, rows = i, 0
+        while j < len(blocks) and (rows == 0 or rows + blocks[j][1] - blocks[j][0] <= chunk_size):
+            rows += blocks[j][1] - blocks[j][0]
+            j += 1
+        r0, r1 = blocks[i][0], blocks[j - 1][1]
+        n_vis_max = max((b[2] + b[1] - b[0]) // ratio for b in blocks[i:j])
+        width = min(c_max, n_vis_max)
+        if width > 0:
+            buf = torch.full((r1 - r0, width), float("-inf"), dtype=torch.float32, device=q_idx.device)
+            grid = (j - i, triton.cdiv(width, block_n))
+            _indexer_scores_kernel[grid](
+                q_idx,
+                k_idx,
+                weights,
+                buf,
+                meta[0, i:j],
+                meta[1, i:j],
+                meta[2, i:j],
+                meta[3, i:j],
+                meta[4, i:j].clamp(max=width),
+                q_idx.stride(0),
+                q_idx.stride(1),
+                k_idx.stride(0),
+                weights.stride(0),
+                buf.stride(0),
+                r0,
+                ratio,
+                HI,
+                DI=DI,
+                BLOCK_DI=next_pow2(DI),
+                BLOCK_T=block_t,
+                BLOCK_N=block_n,
+                UPCAST=interpreting(),
+                PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
+                num_warps=warps,
+                num_stages=stages,
+            )
+            k = min(topk, width)
+            if buf.is_cuda:  # CUDA top-k keeps the lowest-indexed entries among ties (oracle I6)
+                vals, cols = buf.topk(k, dim=1, sorted=True)
+            else:  # CPU top-k does not: a stable descending sort gives the same rule
+                vals, cols = torch.sort(buf, dim=1, descending=True, stable=True)
+                vals, cols = vals[:, :k], cols[:, :k]
+            entry0 = torch.repeat_interleave(
+                meta[3, i:j].long(), (meta[1, i:j] - meta[0, i:j]).long(), output_size=r1 - r0
+            )
+            glob = torch.where(torch.isneginf(vals), -1, cols + entry0[:, None]).to(torch.int32)
+            indices[r0:r1, :k] = glob
+            values[r0:r1, :k] = vals
+        i = j
+    return indices, values
+
+
+def indexer_topk_checked(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size=None):
+    """Public-contract form of :func:`indexer_topk_triton`: validates like the reference and, when any input
+    requires grad, re-attaches differentiable scores at the selected entries (forward value unchanged)."""
+    from csa_kernels.ops.indexer.reference import _check_inputs, indexer_scores_at_ref
+
+    _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
+    if not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    idx, vals = indexer_topk_triton(
+        q_idx.detach(), k_idx.detach(), weights.detach(), ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size
+    )
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q_idx, k_idx, weights)):
+        live = indexer_scores_at_ref(q_idx, k_idx, weights, idx, chunk_size)
+        live = torch.where(idx >= 0, live, 0.0)
+        vals = vals + (live - live.detach())
+    return idx, vals
