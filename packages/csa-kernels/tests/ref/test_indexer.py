@@ -277,3 +277,10 @@ def test_torch_topk_tie_break_for_hf_cpu_parity():
         assert torch.equal(idx[r0 : r0 + n, : expect.shape[1]].long(), expect)
     with pytest.raises(ValueError, match="tie_break"):
         indexer_topk_ref(q, k, w, 4, 5, cu, cuc, tie_break="random")
+
+
+def test_dtype_policy():
+    q, k, w, cu, cuc = _inputs([37, 9], dtype=torch.float32)
+    dense = indexer_scores(q.bfloat16(), k.bfloat16(), w.bfloat16(), 4, cu, cuc)
+    idx, vals = indexer_topk(q.bfloat16(), k.bfloat16(), w.bfloat16(), 4, 3, cu, cuc, backend="reference")
+    assert dense.dtype == torch.float32 and vals.dtype == torch.float32 and idx.dtype == torch.int32
