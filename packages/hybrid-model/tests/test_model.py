@@ -36,8 +36,8 @@ def test_tiny_structure_and_hash_layers(megatron_cpu):
     moes = [layer.inner_layer.mlp for layer in model.decoder.layers[1::2]]
     assert all(isinstance(m, DSv4MoELayer) for m in moes)
     assert [m.is_hash_layer for m in moes] == [True, True, False, False, False, False]
-    assert not model.mtp.layers[1].inner_layer.mlp.is_hash_layer
-    assert model.mtp.layers[0].inner_layer.self_attention.compress_ratio == 0
+    assert not model.mtp.block[1].inner_layer.mlp.is_hash_layer
+    assert model.mtp.block[0].inner_layer.self_attention.compress_ratio == 0
     c = count_model_params(model, cfg)
     assert c.total == analytic_param_counts(cfg).total
 

@@ -155,7 +155,7 @@ class DSv4Model(HybridModel):
         """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``)."""
         next_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
         e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
-        self.mtp.layers[1].inner_layer.mlp.set_input_ids(next_ids, None)
+        self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, None)
         h = self.mtp(
             streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask
         )

@@ -49,16 +49,22 @@ class DSv4MultiTokenPrediction(MegatronModule):
                 add_layer_offset=False,
             )
             layers.append(HyperConnectionLayer(config, inner, mhc=mhc))
-        self.layers = nn.ModuleList(layers)
+        self.block = nn.ModuleList(layers)  # [window attention layer, MoE layer]
         self.hyper_head = HyperHead(mhc)
         self.norm = RMSNorm(d, eps=eps, config=config)
+
+    @property
+    def layers(self) -> tuple:
+        """megatron's schedules walk ``model.mtp.layers`` for its own (CUDA-graphed) MTP layers; this depth has
+        none of those (its layers are :attr:`block`)."""
+        return ()
 
     def forward(self, streams: torch.Tensor, next_embedding: torch.Tensor, **layer_kwargs) -> torch.Tensor:
         s, b, n, d = streams.shape  # [s, b, n, d]
         e = self.e_proj(self.enorm(next_embedding))  # [s, b, d]
         h = self.h_proj(self.hnorm(streams).to(self.h_proj.weight.dtype))  # [s, b, n, d]
         x = (h + e[:, :, None, :]).to(self.mhc_config.stream_dtype).reshape(s, b, n * d)
-        for layer in self.layers:
+        for layer in self.block:
             x, _ = layer(x, **layer_kwargs)
         out_dtype = torch.bfloat16 if self.config.bf16 else None
         return self.norm(self.hyper_head(x.view(s, b, n, d), out_dtype=out_dtype))  # [s, b, d]

@@ -1,0 +1,79 @@
+"""``TrainConfig``: everything ``dsv4 train`` needs besides the model architecture (a preset + overrides)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainConfig:
+    """Training-run settings (CLI flags map 1:1 onto these fields; a JSON/YAML-free ``--config`` file may set any).
+
+    ``model_overrides`` changes fields of the preset's :class:`~hybrid_model.config.DSv4ModelConfig`.
+    """
+
+    preset: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    steps: int = 150
+    seq_len: int = 256
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    packed: bool = False
+    dense_steps: int = 0
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    balance_loss_coeff: float = 1e-4
+    indexer_loss_coeff: float = 1.0
+    seed: int = 1234
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    data: list[str] = field(default_factory=list)
+    tokenizer: str | None = None
+    out: str = "runs/dsv4"
+    resume: bool = False
+    save_interval: int = 0
+    log_interval: int = 1
+    peak_tflops: float | None = None
+    progress: bool = True
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "tp", "pp", "ep", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dense_steps < 0 or self.save_interval < 0 or self.warmup_steps < 0:
+            raise ValueError("--dense-steps, --save-interval and --warmup-steps must be >= 0")
+        if self.tp != 1:
+            raise ValueError("--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        """Read a JSON config file (keys = field names); ``overrides`` (explicit CLI flags) win."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError as e:
+            raise ValueError(f"config file {p} does not exist") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {p} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {p} must hold a JSON object of TrainConfig fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config file {p}: unknown keys {unknown}; valid keys: {sorted(known)}")
+        data.update(overrides)
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

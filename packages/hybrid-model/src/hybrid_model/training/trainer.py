@@ -1,0 +1,399 @@
+"""The training loop of ``dsv4 train`` on megatron-core: parallel state, DDP + distributed optimizer, the
+forward-backward schedule, dist-checkpointing with exact resume, and the run's outputs.
+
+One process (CPU or one GPU) or ``torchrun`` (gloo on CPU, NCCL on GPU) with ``--pp/--ep`` (DP is the rest).
+Outputs in ``out``: ``metrics.jsonl`` (one JSON object per step), ``loss.png``, ``tb/`` (TensorBoard),
+``checkpoints/iter_XXXXXXX`` (megatron dist checkpoints; ``latest`` names the newest).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.presets import get_preset
+from hybrid_model.training.config import TrainConfig
+
+DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _init_distributed() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        return rank, world
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(backend, rank=0, world_size=1)
+    return 0, 1
+
+
+def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
+    cfg = get_preset(tc.preset)
+    changes = dict(tc.model_overrides)
+    if tc.pp > 1:
+        changes.setdefault("pipeline_stages", tc.pp)
+    return cfg.replace(**changes) if changes else cfg
+
+
+class Trainer:
+    """Builds everything from a :class:`TrainConfig`; :meth:`run` trains and returns the per-step metrics."""
+
+    def __init__(self, tc: TrainConfig) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dsv4_primitives.megatron_cpu import apply_cpu_shims, init_rng_tracker
+        from hybrid_model._cpu_optimizer_shim import apply_optimizer_cpu_shims
+
+        self.tc = tc
+        apply_cpu_shims()
+        apply_optimizer_cpu_shims()
+        self.rank, self.world = _init_distributed()
+        if self.world % (tc.pp * tc.tp):
+            raise ValueError(f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp}")
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tc.tp, pipeline_model_parallel_size=tc.pp, expert_model_parallel_size=tc.ep
+        )
+        init_rng_tracker(tc.seed)
+        self.ps = ps
+        self.pg = ProcessGroupCollection.use_mpu_process_groups()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model_config = model_config_for(tc)
+        self.out = Path(tc.out)
+        self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
+        self._stop = False
+        self._build_model_and_optimizer()
+        self._build_data()
+        self.step = 0
+        self.metrics: list[dict] = []
+
+    # ------------------------------------------------------------------ construction
+    def _build_model_and_optimizer(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from hybrid_model._cpu_optimizer_shim import cuda_type_names
+        from hybrid_model.model import build_model
+
+        tc, ps = self.tc, self.ps
+        pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        torch.manual_seed(tc.seed)
+        model = build_model(
+            self.model_config,
+            pre_process=pre,
+            post_process=post,
+            pg_collection=self.pg,
+            pipeline_model_parallel_size=tc.pp,
+            expert_model_parallel_size=tc.ep,
+            balance_loss_coeff=tc.balance_loss_coeff,
+            indexer_loss_coeff=tc.indexer_loss_coeff,
+            bf16=tc.bf16,
+        ).to(self.device)
+        self.config = model.config
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+        )
+        self.model = DistributedDataParallel(self.config, ddp_config, model)
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=tc.lr,
+            min_lr=tc.min_lr,
+            weight_decay=tc.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_eps=1e-8,
+            clip_grad=tc.clip_grad,
+            use_distributed_optimizer=True,
+            bf16=tc.bf16,
+            params_dtype=torch.float32,
+        )
+        with cuda_type_names():
+            self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=tc.lr,
+            min_lr=tc.min_lr,
+            lr_warmup_steps=min(tc.warmup_steps, tc.steps - 1),
+            lr_decay_steps=max(tc.steps, 2),
+            lr_decay_style="cosine",
+            start_wd=tc.weight_decay,
+            end_wd=tc.weight_decay,
+            wd_incr_steps=tc.steps,
+            wd_incr_style="constant",
+        )
+        from megatron.core.distributed import finalize_model_grads
+
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = None
+        self.config.no_sync_func = self.model.no_sync
+
+    def _build_data(self) -> None:
+        from thd_packing import BatchConfig, PackedBatchIterator, RawTextDataset, TextDatasetConfig, default_corpus_dataset
+
+        tc = self.tc
+        if tc.data:
+            ds = RawTextDataset.from_paths(tc.data, TextDatasetConfig(tc.seq_len), tc.tokenizer)
+        else:
+            ds = default_corpus_dataset(tc.seq_len, tokenizer=tc.tokenizer)
+        vocab = ds.tokenizer.vocab_size if hasattr(ds, "tokenizer") else None
+        if vocab is not None and vocab > self.model_config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {vocab} ids but preset {tc.preset!r} has vocab_size={self.model_config.vocab_size}; "
+                "choose a larger preset or set model_overrides.vocab_size in the config file"
+            )
+        dp_size, dp_rank = self.ps.get_data_parallel_world_size(), self.ps.get_data_parallel_rank()
+        if tc.global_batch_size % dp_size:
+            raise ValueError(f"--global-batch-size {tc.global_batch_size} must be divisible by DP size {dp_size}")
+        self.batches = PackedBatchIterator(
+            ds,
+            BatchConfig(
+                global_batch_size=tc.global_batch_size,
+                max_seqlen_per_dp_cp_rank=tc.seq_len,
+                layout="thd" if tc.packed else "sbhd",
+                micro_batch_size=tc.micro_batch_size,
+                dp_size=dp_size,
+                dp_rank=dp_rank,
+                static_shape=True,
+                seed=tc.seed,
+            ),
+        )
+        self.dataset = ds
+
+    # ------------------------------------------------------------------ one step
+    def _forward_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        unwrapped = self.model.module
+        if self.tc.packed:
+            psp = mb.packed_seq_params()
+            tokens, labels = mb.tokens[None].to(self.device), mb.labels[None].to(self.device)
+            loss_mask = mb.loss_mask[None].to(self.device)
+            pos = mb.position_ids[None].to(self.device)
+        else:
+            psp = None
+            tokens, labels = mb.tokens.to(self.device), mb.labels.to(self.device)
+            loss_mask, pos = mb.loss_mask.to(self.device), mb.position_ids.to(self.device)
+        out = model(tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp)
+
+        def loss_func(output):
+            mask = loss_mask.float()
+            num = mask.sum().clamp(min=1.0)
+            loss = (output.float() * mask).sum() / num
+            report = {"lm loss": loss.detach().clone()}  # megatron divides the returned loss in place
+            if unwrapped.mtp_process and unwrapped.last_mtp_loss is not None:
+                report["mtp loss"] = unwrapped.last_mtp_loss
+            return loss, report
+
+        return out, loss_func
+
+    def _train_step(self, batch) -> dict:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from hybrid_model._cpu_optimizer_shim import cuda_type_names
+        from hash_moe.megatron import update_selection_biases
+
+        tc = self.tc
+        self.config.csa_dense_mode = self.step < tc.dense_steps
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        fb = get_forward_backward_func()
+        kwargs = {}
+        seq = tc.seq_len if tc.packed else tc.seq_len
+        mbs = 1 if tc.packed else tc.micro_batch_size
+        if tc.pp > 1:
+            from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
+
+            kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
+        reports = fb(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(batch.microbatches),
+            model=[self.model],
+            num_microbatches=batch.num_microbatches,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+            **kwargs,
+        )
+        with cuda_type_names():
+            ok, grad_norm, _ = self.optimizer.step()
+        update_selection_biases(self.model.module, group=self.ps.get_data_parallel_group(with_context_parallel=True))
+        self.scheduler.step(increment=1)
+        m: dict = {"step": self.step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
+        m["lr"] = self.optimizer.param_groups[0]["lr"]
+        for key in ("lm loss", "mtp loss"):
+            vals = [r[key] for r in reports if key in r]
+            if vals:
+                m[key.replace(" ", "_")] = float(torch.stack([v.float() for v in vals]).mean())
+        m.update(self._aux_losses())
+        m["skipped"] = not ok
+        return m
+
+    def _aux_losses(self) -> dict:
+        out = {}
+        balance = [
+            float(mod.last_balance_loss) for mod in self.model.module.modules() if getattr(mod, "last_balance_loss", None) is not None
+        ]
+        if balance:
+            out["balance_loss"] = sum(balance) / len(balance)
+        from dsv4_attention import get_indexer_loss_tracker
+
+        tracker = get_indexer_loss_tracker()
+        vals = getattr(tracker, "values", None)
+        if isinstance(vals, torch.Tensor) and vals.numel():
+            nz = vals[vals != 0]
+            if nz.numel():
+                out["indexer_loss"] = float(nz.float().mean())
+            tracker.clean()
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        get_moe_metrics_tracker().clear()
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _sharded_state(self, loading: bool):
+        model_sd = self.model.module.sharded_state_dict()
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(
+                self.model.module.sharded_state_dict(), is_loading=loading, metadata=DISTOPT_FORMAT
+            ),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "data": self.batches.state_dict(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        from megatron.core import dist_checkpointing
+
+        _sync_saver_queue()
+        path = self.out / "checkpoints" / f"iter_{self.step:07d}"
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(loading=False), str(path))
+        dist.barrier()
+        if self.rank == 0:
+            (self.out / "checkpoints" / "latest").write_text(path.name)
+        return path
+
+    def load_checkpoint(self) -> bool:
+        from megatron.core import dist_checkpointing
+
+        latest = self.out / "checkpoints" / "latest"
+        if not latest.exists():
+            return False
+        path = self.out / "checkpoints" / latest.read_text().strip()
+        state = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
+        self.model.module.load_state_dict(state["model"])
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.batches.load_state_dict(state["data"])
+        return True
+
+    # ------------------------------------------------------------------ run
+    def _handle_signal(self, signum, frame) -> None:
+        self._stop = True
+
+    def run(self) -> list[dict]:
+        from hybrid_model.flops import forward_flops_from_stats
+        from hybrid_model.training.outputs import RunOutputs
+
+        tc = self.tc
+        resumed = tc.resume and self.load_checkpoint()
+        outputs = RunOutputs(self.out, enabled=self.is_logger, append=resumed, total=tc.steps, progress=tc.progress)
+        old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        peak = (tc.peak_tflops or _default_peak_tflops()) * 1e12
+        try:
+            outputs.start(initial=self.step)
+            self.model.train()
+            while self.step < tc.steps:
+                batch = next(self.batches)
+                t0 = time.perf_counter()
+                m = self._train_step(batch)
+                dt = time.perf_counter() - t0
+                self.step += 1
+                flops = forward_flops_from_stats(self.model_config, batch.seqlen_sum, batch.seqlen_squared_sum)
+                m["tokens_per_s"] = batch.seqlen_sum / dt
+                m["mfu"] = flops.training / dt / peak / self.world
+                m["step_time_s"] = dt
+                self.metrics.append(m)
+                outputs.log(m)
+                if tc.save_interval and self.step % tc.save_interval == 0:
+                    self.save_checkpoint()
+                if self._stop:
+                    outputs.note(f"signal received: saving a checkpoint at step {self.step} and stopping")
+                    self.save_checkpoint()
+                    break
+            else:
+                if tc.save_interval or tc.resume:
+                    self.save_checkpoint()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            outputs.close()
+        return self.metrics
+
+    def close(self) -> None:
+        self.ps.destroy_model_parallel()
+
+
+def _sync_saver_queue() -> None:
+    """Single-process (sync) saves collect their write results in-process instead of through a spawned manager."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _default_peak_tflops() -> float:
+    """Dense BF16 peak of the device for MFU (H200 989 TFLOP/s); a nominal 1 TFLOP/s on CPU."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        if "H200" in name or "H100" in name:
+            return 989.0
+        return 312.0
+    return 1.0
+
+
+def train(tc: TrainConfig) -> list[dict]:
+    """Run ``dsv4 train`` with ``tc``; returns the per-step metrics (rank-local)."""
+    trainer = Trainer(tc)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def loss_is_falling(metrics: list[dict], key: str = "lm_loss") -> bool:
+    vals = [m[key] for m in metrics if key in m and m[key] is not None and math.isfinite(m[key])]
+    if len(vals) < 4:
+        return False
+    k = max(1, len(vals) // 5)
+    return sum(vals[-k:]) / k < sum(vals[:k]) / k
+
+
+__all__ = ["Trainer", "json", "loss_is_falling", "train"]
