@@ -199,3 +199,32 @@ def test_default_corpus_feeds_the_iterator():
     assert batch.num_microbatches >= 2 and batch.seqlen_sum == int(ds.lengths[it.documents_of(0)].sum())
     mb = batch.microbatches[0]
     assert mb.tokens.shape == (128,) and int(mb.tokens.max()) < ds.vocab_size
+
+
+def test_build_dataset_entry_point(tmp_path):
+    from thd_packing import RawTextDataset, build_dataset
+
+    default = build_dataset(seq_capacity=64, default_corpus_max_bytes=50_000)
+    assert isinstance(default, RawTextDataset) and default.lengths.max() <= 64
+    mock = build_dataset("mock", seq_capacity=32)
+    assert isinstance(mock, MockVarlenDataset) and mock.lengths.max() <= 32
+    (tmp_path / "a.jsonl").write_text('{"text": "abc"}\n')
+    files = build_dataset([tmp_path / "a.jsonl"], seq_capacity=8, eod_mask_loss=True)
+    assert files[0].loss_mask.tolist() == [1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="exceeds seq_capacity"):
+        build_dataset("mock", seq_capacity=8, mock=MockVarlenConfig(seq_length=16))
+    with pytest.raises(ValueError, match="only applies"):
+        build_dataset(tmp_path / "a.jsonl", seq_capacity=8, mock=MockVarlenConfig(seq_length=8))
+
+
+@pytest.mark.gpu
+def test_batches_and_roll_move_to_cuda(mock):
+    from thd_packing import roll_left
+
+    mb = next(
+        PackedBatchIterator(mock, BatchConfig(global_batch_size=4, max_seqlen_per_dp_cp_rank=64))
+    ).microbatches[0]
+    cuda = mb.to("cuda")
+    assert cuda.tokens.is_cuda and cuda.packed_seqs.cu_seqlens.is_cuda
+    rolled = roll_left(cuda.labels, cuda.packed_seqs, fill_value=0)
+    assert torch.equal(rolled.cpu(), roll_left(mb.labels, mb.packed_seqs, fill_value=0))

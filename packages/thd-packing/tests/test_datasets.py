@@ -44,6 +44,18 @@ def test_short_text_keeps_every_token_and_ends_with_eod():
     assert ds[0].tokens.tolist() == _bytes("ab") and ds[0].labels.tolist() == [_bytes("b")[0], 256]
 
 
+def test_split_long_documents_keeps_every_token():
+    text = "0123456789"
+    ds = RawTextDataset.from_texts([text, "ab"], TextDatasetConfig(seq_capacity=4, long_documents="split"))
+    full = _bytes(text) + [256]
+    assert ds.lengths.tolist() == [4, 4, 2, 2]
+    assert torch.cat([ds[i].tokens for i in range(3)]).tolist() == full[:-1]
+    assert torch.cat([ds[i].labels for i in range(3)]).tolist() == full[1:]
+    assert ds.ids(3).tolist() == _bytes("ab") + [256]
+    with pytest.raises(ValueError, match="long_documents"):
+        TextDatasetConfig(4, long_documents="drop")
+
+
 def test_eod_mask_loss():
     ds = RawTextDataset.from_texts(["abc", ""], TextDatasetConfig(seq_capacity=8, eod_mask_loss=True))
     assert ds[0].loss_mask.tolist() == [1.0, 1.0, 0.0]
@@ -189,7 +201,10 @@ def test_default_corpus_is_real_deterministic_and_capped():
 
 def test_default_corpus_dataset():
     ds = default_corpus_dataset(seq_capacity=256, max_bytes=200_000)
-    assert len(ds) == len(ds.corpus_info.files) and ds.lengths.max() <= 256
+    # long source files are split, not truncated: every byte of the corpus is a training row
+    assert len(ds) > len(ds.corpus_info.files) and ds.lengths.max() <= 256
+    empty = sum(1 for d in default_corpus_documents(200_000) if not d)  # an empty file is one [EOD, EOD] row
+    assert ds.num_tokens == ds.corpus_info.num_bytes + empty
     assert ds.tokenizer.decode(ds[0].tokens.tolist()) == default_corpus_documents(200_000)[0][:256]
     with pytest.raises(ValueError, match="max_bytes"):
         default_corpus(max_bytes=0)

@@ -13,6 +13,7 @@ from thd_packing.batches import (
 )
 from thd_packing.cp_layout import contiguous_cp_interval, shard_contiguous_cp
 from thd_packing.cp_roll import roll_left_contiguous_cp
+from thd_packing.dataset_factory import build_dataset
 from thd_packing.default_corpus import (
     DEFAULT_CORPUS_MAX_BYTES,
     DefaultCorpusInfo,
@@ -70,6 +71,7 @@ __all__ = [
     "Tokenizer",
     "VarlenDataset",
     "__version__",
+    "build_dataset",
     "build_pack",
     "contiguous_cp_interval",
     "cu_seqlens_from_lengths",

@@ -107,11 +107,12 @@ def default_corpus_dataset(
 ) -> RawTextDataset:
     """A :class:`RawTextDataset` over :func:`default_corpus_documents` (byte-level tokenizer by default).
 
-    ``dataset.corpus_info`` holds the :class:`DefaultCorpusInfo`.
+    Source files longer than ``seq_capacity`` tokens are split into consecutive samples
+    (``long_documents='split'``), so the whole corpus is used. ``dataset.corpus_info`` holds the
+    :class:`DefaultCorpusInfo`.
     """
     docs, info = default_corpus(max_bytes)
-    ds = RawTextDataset.from_texts(
-        docs, TextDatasetConfig(seq_capacity, eod_mask_loss=eod_mask_loss), tokenizer
-    )
+    config = TextDatasetConfig(seq_capacity, eod_mask_loss=eod_mask_loss, long_documents="split")
+    ds = RawTextDataset.from_texts(docs, config, tokenizer)
     ds.corpus_info = info
     return ds

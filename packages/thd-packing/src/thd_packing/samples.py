@@ -24,8 +24,8 @@ class DocumentSample:
 
     @classmethod
     def from_ids(cls, ids: np.ndarray, eod: int, *, eod_mask_loss: bool = False) -> DocumentSample:
-        """Sample of a full id sequence ``ids`` (``>= 2`` ids, the last one EOD)."""
-        assert ids.size >= 2 and int(ids[-1]) == eod, "a document's ids end with EOD and hold >= 2 ids"
+        """Sample of an id sequence ``ids`` (``>= 2`` ids; a whole document's last id is EOD)."""
+        assert ids.size >= 2, "a sample needs at least 2 ids (one row)"
         ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
         tokens, labels = ids[:-1], ids[1:]
         loss_mask = torch.ones(tokens.numel(), dtype=torch.float32)

@@ -1,7 +1,13 @@
 """Raw-text dataset (P8): documents from JSONL / JSON / Parquet / ``.txt`` (or in-memory strings), tokenized once.
 
-Each document becomes ``ids = tokenize(text)[:seq_capacity] + [EOD]`` (empty text gives ``[EOD, EOD]``), so a
-sample has ``1 <= L <= seq_capacity`` rows; see :mod:`thd_packing.samples` for tokens / labels / loss mask.
+Each document's ids are ``tokenize(text) + [EOD]`` (empty text gives ``[EOD, EOD]``); a sample has
+``1 <= L <= seq_capacity`` rows (see :mod:`thd_packing.samples` for tokens / labels / loss mask). Longer documents
+are, by ``long_documents``:
+
+- ``'truncate'`` (upstream): ``ids = tokenize(text)[:seq_capacity] + [EOD]``, the rest of the text is not used;
+- ``'split'``: consecutive samples of ``seq_capacity`` rows, sample ``k`` taking ids
+  ``[k * C, (k + 1) * C + 1)`` so its last label is the next sample's first token; only the last sample ends with
+  EOD. Every token of the text is trained on.
 """
 
 from __future__ import annotations
@@ -29,20 +35,27 @@ class TextDatasetConfig:
         eod_mask_loss: zero the loss mask where the label is EOD.
         text_key: the record field holding the text.
         errors: ``'raise'`` on the first bad record, or ``'skip'`` bad records and count them.
+        long_documents: ``'truncate'`` or ``'split'`` documents longer than ``seq_capacity`` (module docstring).
     """
 
     seq_capacity: int
     eod_mask_loss: bool = False
     text_key: str = "text"
     errors: Literal["raise", "skip"] = "raise"
+    long_documents: Literal["truncate", "split"] = "truncate"
 
     def __post_init__(self) -> None:
         if self.seq_capacity < 1:
             raise ValueError(f"TextDatasetConfig.seq_capacity must be >= 1, got {self.seq_capacity}")
+        if self.long_documents not in ("truncate", "split"):
+            raise ValueError(
+                f"TextDatasetConfig.long_documents must be 'truncate' or 'split', got {self.long_documents!r}"
+            )
 
 
 class RawTextDataset:
-    """Tokenized documents held as one flat int32 id array plus offsets (map-style, ``VarlenDataset``).
+    """Tokenized documents held as one flat int32 id array plus offsets (map-style, ``VarlenDataset``; with
+    ``long_documents='split'`` an index addresses one piece of a document).
 
     Build with :meth:`from_paths` (files) or :meth:`from_texts` (strings). ``report`` counts files, records and
     skipped records (with ``errors='skip'`` a warning summarises them).
@@ -64,15 +77,22 @@ class RawTextDataset:
         offsets = [0]
         batch: list[str] = []
 
+        cap = config.seq_capacity
+        split = config.long_documents == "split"
+
         def flush() -> None:
             for ids in self.tokenizer.encode_batch(batch):
-                ids = ids[: config.seq_capacity]
                 if ids.size == 0:
-                    doc = np.array([eod, eod], dtype=np.int32)
+                    pieces = [np.array([eod, eod], dtype=np.int32)]
                 else:
-                    doc = np.concatenate([ids.astype(np.int32, copy=False), np.array([eod], dtype=np.int32)])
-                chunks.append(doc)
-                offsets.append(offsets[-1] + doc.size)
+                    if not split:
+                        ids = ids[:cap]
+                    full = np.concatenate([ids.astype(np.int32, copy=False), np.array([eod], dtype=np.int32)])
+                    rows = full.size - 1
+                    pieces = [full[k : min(k + cap, rows) + 1] for k in range(0, rows, cap)]
+                for piece in pieces:
+                    chunks.append(piece)
+                    offsets.append(offsets[-1] + piece.size)
             batch.clear()
 
         for text in texts:
@@ -137,7 +157,7 @@ class RawTextDataset:
         return self._lengths.size
 
     def ids(self, index: int) -> np.ndarray:
-        """The full id sequence of document ``index`` (ending with EOD)."""
+        """The id sequence of sample ``index`` (``len + 1`` ids; a whole document's ends with EOD)."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"document index {index} out of range for {len(self)} documents")
         index %= len(self)
