@@ -89,3 +89,23 @@ def test_invalid_configs_are_rejected(overrides, match):
 def test_invalid_compress_ratio(ratio):
     with pytest.raises(ValueError, match="compress_ratio must be one of"):
         check_compress_ratio(ratio)
+
+
+def test_parameter_totals_match_spec():
+    """S2 / §9.3: all attention parameters of the main model are 5.09 B (Flash) and 19.47 B (Pro)."""
+    from dsv4_attention import parameter_table
+
+    flash = DSv4AttentionConfig(num_layers=43, hidden_size=4096, num_attention_heads=64)
+    pro = DSv4AttentionConfig(
+        num_layers=61,
+        hidden_size=7168,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        output_projection_groups=16,
+    )
+    tf, tp = parameter_table(flash), parameter_table(pro)
+    flash_total = 2 * tf[0]["total"] + 21 * tf[4]["total"] + 20 * tf[128]["total"]
+    pro_total = 30 * tp[4]["total"] + 31 * tp[128]["total"]
+    assert round(flash_total / 1e9, 2) == 5.09
+    assert round(pro_total / 1e9, 2) == 19.47
+    assert tf[4]["indexer"] == 8192 * 1024 + 64 * 4096 + 2 * 256 * 4096 + 4 * 256 + 128

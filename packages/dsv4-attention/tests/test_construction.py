@@ -83,6 +83,11 @@ def test_sink_and_ape_stay_fp32_after_bf16(build, ratio):
     seq = 131 if ratio == 128 else 21
     y, _ = m(torch.randn(seq, 1, 64, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    # the P1 runtime conversion of dsv4-primitives agrees
+    from dsv4_primitives import convert_module_to_dtype_except_fp32_marked
+
+    m2 = convert_module_to_dtype_except_fp32_marked(build(ratio), torch.bfloat16)
+    assert {n for n, p in m2.named_parameters() if p.dtype == torch.float32} == expect
 
 
 def test_ratio_from_config_list_and_spec_wins(pg):

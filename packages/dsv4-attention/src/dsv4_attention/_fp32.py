@@ -1,7 +1,8 @@
 """Keep-in-FP32 parameters (attention sink, compressor ``ape``) under ``module.bfloat16()`` / ``.half()``.
 
-Parameters are marked with ``dsv4_primitives.mark_keep_in_fp32`` when that helper exists (P1), else with the same
-``.keep_in_fp32 = True`` attribute. megatron-core 0.19.2's ``Float16Module`` still calls ``module.bfloat16()``,
+Parameters are marked with ``dsv4_primitives.mark_keep_in_fp32`` (P1), which
+``dsv4_primitives.convert_module_to_dtype_except_fp32_marked`` honours. megatron-core 0.19.2's ``Float16Module``
+still calls ``module.bfloat16()``,
 which casts every floating tensor; :class:`KeepFP32Mixin` therefore restores marked parameters (and their grads)
 of the owning module to fp32 after any ``_apply`` (``.to``, ``.bfloat16()``, ``.half()``, ``.cuda()``).
 """
@@ -10,17 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_primitives import mark_keep_in_fp32
 
-def mark_keep_in_fp32(param: torch.Tensor) -> torch.Tensor:
-    """Mark ``param`` as keep-in-FP32 (P1 convention) and return it."""
-    try:
-        from dsv4_primitives import mark_keep_in_fp32 as _mark  # P1 runtime, when present
-    except ImportError:
-        _mark = None
-    if _mark is not None:
-        return _mark(param)
-    param.keep_in_fp32 = True
-    return param
+__all__ = ["KeepFP32Mixin", "mark_keep_in_fp32"]
 
 
 class KeepFP32Mixin:
