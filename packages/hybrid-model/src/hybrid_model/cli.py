@@ -45,7 +45,9 @@ def _cmd_train(args) -> int:
     if metrics and "lm_loss" in metrics[-1]:
         first, last = metrics[0]["lm_loss"], metrics[-1]["lm_loss"]
         trend = "falling" if loss_is_falling(metrics) else "NOT falling"
-        print(f"dsv4 train: {len(metrics)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}); outputs in {tc.out}")
+        print(
+            f"dsv4 train: {len(metrics)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}); outputs in {tc.out}"
+        )
     return 0
 
 
@@ -56,8 +58,15 @@ def _cmd_inspect(args) -> int:
     cfg = get_preset(args.preset)
     counts = analytic_param_counts(cfg)
     layers = [
-        {"index": li.index, "symbol": li.symbol, "kind": li.kind, "compress_ratio": li.compress_ratio,
-         "stage": li.stage, "mtp_depth": li.mtp_depth, "router": li.router}
+        {
+            "index": li.index,
+            "symbol": li.symbol,
+            "kind": li.kind,
+            "compress_ratio": li.compress_ratio,
+            "stage": li.stage,
+            "mtp_depth": li.mtp_depth,
+            "router": li.router,
+        }
         for li in cfg.layers()
     ]
     report = {"preset": cfg.name, "pattern": cfg.layer_pattern, "layers": layers, "params": counts.to_dict()}
@@ -70,8 +79,10 @@ def _cmd_inspect(args) -> int:
         where = f"mtp depth {li['mtp_depth']}" if li["mtp_depth"] else f"stage {li['stage']}"
         print(f"  {li['index']:3d} {li['symbol']} {li['kind']:<7}{extra:<14} {where}")
     b = lambda n: f"{n / 1e9:,.4f} B"
-    print(f"parameters: main {b(counts.main)} | MTP {b(counts.mtp)} | total {b(counts.total)} | "
-          f"activated {b(counts.activated)} | one expert {counts.one_expert / 1e6:.2f} M")
+    print(
+        f"parameters: main {b(counts.main)} | MTP {b(counts.mtp)} | total {b(counts.total)} | "
+        f"activated {b(counts.activated)} | one expert {counts.one_expert / 1e6:.2f} M"
+    )
     for k, v in sorted(counts.components.items()):
         print(f"  {k:<36} {b(v)}")
     return 0
@@ -83,14 +94,23 @@ def _cmd_flops(args) -> int:
 
     cfg = get_preset(args.preset)
     br = forward_flops_sbhd(cfg, args.seq_len, args.batch, dense=args.dense)
-    report = {"preset": cfg.name, "seq_len": args.seq_len, "batch": args.batch, "tokens": br.tokens,
-              "forward": br.forward, "training": br.training, "by_kind": summarize_by_kind(br),
-              "components": br.components}
+    report = {
+        "preset": cfg.name,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "tokens": br.tokens,
+        "forward": br.forward,
+        "training": br.training,
+        "by_kind": summarize_by_kind(br),
+        "components": br.components,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"preset {cfg.name}, {args.batch} x {args.seq_len} tokens: forward {br.forward:.4e} FLOPs, "
-          f"training {br.training:.4e} ({br.training / br.tokens:.4e} per token)")
+    print(
+        f"preset {cfg.name}, {args.batch} x {args.seq_len} tokens: forward {br.forward:.4e} FLOPs, "
+        f"training {br.training:.4e} ({br.training / br.tokens:.4e} per token)"
+    )
     for k, v in sorted(br.components.items(), key=lambda kv: -kv[1]):
         print(f"  {k:<32} {v:.4e}  {100 * v / br.forward:5.1f}%")
     return 0
@@ -107,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dense", action="store_true", help="dense-attention phase (CSA attends every visible entry)")
+    p.add_argument(
+        "--dense", action="store_true", help="dense-attention phase (CSA attends every visible entry)"
+    )
     p.add_argument("--json", action="store_true")
     return parser
 

@@ -46,13 +46,24 @@ class TrainConfig:
     bf16: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "tp", "pp", "ep", "log_interval"):
+        for name in (
+            "steps",
+            "seq_len",
+            "global_batch_size",
+            "micro_batch_size",
+            "tp",
+            "pp",
+            "ep",
+            "log_interval",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.dense_steps < 0 or self.save_interval < 0 or self.warmup_steps < 0:
             raise ValueError("--dense-steps, --save-interval and --warmup-steps must be >= 0")
         if self.tp != 1:
-            raise ValueError("--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)")
+            raise ValueError(
+                "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
+            )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
 

@@ -22,7 +22,9 @@ class RunOutputs:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "metrics.jsonl"
         if self._append and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= initial]
+            kept = [
+                line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= initial
+            ]
             path.write_text("".join(line + "\n" for line in kept))
         elif path.exists():
             path.unlink()
@@ -33,7 +35,9 @@ class RunOutputs:
         if self._progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, initial=initial, desc="dsv4 train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.total, initial=initial, desc="dsv4 train", unit="step", dynamic_ncols=True
+            )
 
     def log(self, m: dict) -> None:
         if not self.enabled:

@@ -8,7 +8,6 @@ Outputs in ``out``: ``metrics.jsonl`` (one JSON object per step), ``loss.png``, 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -71,12 +70,18 @@ class Trainer:
         if self.world % (tc.pp * tc.tp):
             raise ValueError(f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp}")
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tc.tp, pipeline_model_parallel_size=tc.pp, expert_model_parallel_size=tc.ep
+            tensor_model_parallel_size=tc.tp,
+            pipeline_model_parallel_size=tc.pp,
+            expert_model_parallel_size=tc.ep,
         )
         init_rng_tracker(tc.seed)
         self.ps = ps
         self.pg = ProcessGroupCollection.use_mpu_process_groups()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         self.model_config = model_config_for(tc)
         self.out = Path(tc.out)
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
@@ -149,7 +154,13 @@ class Trainer:
         self.config.no_sync_func = self.model.no_sync
 
     def _build_data(self) -> None:
-        from thd_packing import BatchConfig, PackedBatchIterator, RawTextDataset, TextDatasetConfig, default_corpus_dataset
+        from thd_packing import (
+            BatchConfig,
+            PackedBatchIterator,
+            RawTextDataset,
+            TextDatasetConfig,
+            default_corpus_dataset,
+        )
 
         tc = self.tc
         if tc.data:
@@ -164,7 +175,9 @@ class Trainer:
             )
         dp_size, dp_rank = self.ps.get_data_parallel_world_size(), self.ps.get_data_parallel_rank()
         if tc.global_batch_size % dp_size:
-            raise ValueError(f"--global-batch-size {tc.global_batch_size} must be divisible by DP size {dp_size}")
+            raise ValueError(
+                f"--global-batch-size {tc.global_batch_size} must be divisible by DP size {dp_size}"
+            )
         self.batches = PackedBatchIterator(
             ds,
             BatchConfig(
@@ -209,8 +222,8 @@ class Trainer:
     def _train_step(self, batch) -> dict:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from hybrid_model._cpu_optimizer_shim import cuda_type_names
         from hash_moe.megatron import update_selection_biases
+        from hybrid_model._cpu_optimizer_shim import cuda_type_names
 
         tc = self.tc
         self.config.csa_dense_mode = self.step < tc.dense_steps
@@ -218,7 +231,7 @@ class Trainer:
         self.optimizer.zero_grad()
         fb = get_forward_backward_func()
         kwargs = {}
-        seq = tc.seq_len if tc.packed else tc.seq_len
+        seq = tc.seq_len  # THD packs are padded to the static capacity seq_len
         mbs = 1 if tc.packed else tc.micro_batch_size
         if tc.pp > 1:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
@@ -236,7 +249,9 @@ class Trainer:
         )
         with cuda_type_names():
             ok, grad_norm, _ = self.optimizer.step()
-        update_selection_biases(self.model.module, group=self.ps.get_data_parallel_group(with_context_parallel=True))
+        update_selection_biases(
+            self.model.module, group=self.ps.get_data_parallel_group(with_context_parallel=True)
+        )
         self.scheduler.step(increment=1)
         m: dict = {"step": self.step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
         m["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -251,7 +266,9 @@ class Trainer:
     def _aux_losses(self) -> dict:
         out = {}
         balance = [
-            float(mod.last_balance_loss) for mod in self.model.module.modules() if getattr(mod, "last_balance_loss", None) is not None
+            float(mod.last_balance_loss)
+            for mod in self.model.module.modules()
+            if getattr(mod, "last_balance_loss", None) is not None
         ]
         if balance:
             out["balance_loss"] = sum(balance) / len(balance)
@@ -322,7 +339,9 @@ class Trainer:
 
         tc = self.tc
         resumed = tc.resume and self.load_checkpoint()
-        outputs = RunOutputs(self.out, enabled=self.is_logger, append=resumed, total=tc.steps, progress=tc.progress)
+        outputs = RunOutputs(
+            self.out, enabled=self.is_logger, append=resumed, total=tc.steps, progress=tc.progress
+        )
         old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         peak = (tc.peak_tflops or _default_peak_tflops()) * 1e12
         try:
@@ -334,7 +353,9 @@ class Trainer:
                 m = self._train_step(batch)
                 dt = time.perf_counter() - t0
                 self.step += 1
-                flops = forward_flops_from_stats(self.model_config, batch.seqlen_sum, batch.seqlen_squared_sum)
+                flops = forward_flops_from_stats(
+                    self.model_config, batch.seqlen_sum, batch.seqlen_squared_sum
+                )
                 m["tokens_per_s"] = batch.seqlen_sum / dt
                 m["mfu"] = flops.training / dt / peak / self.world
                 m["step_time_s"] = dt
@@ -396,4 +417,4 @@ def loss_is_falling(metrics: list[dict], key: str = "lm_loss") -> bool:
     return sum(vals[-k:]) / k < sum(vals[:k]) / k
 
 
-__all__ = ["Trainer", "json", "loss_is_falling", "train"]
+__all__ = ["Trainer", "loss_is_falling", "train"]
