@@ -42,6 +42,17 @@ def test_run_distributed_gloo_allreduce():
     assert out == [3.0, 3.0]
 
 
+def _tensors(rank, world_size):
+    return {"rank": torch.full((3,), float(rank)), "nested": [torch.arange(rank + 1)]}
+
+
+@pytest.mark.distributed
+def test_run_distributed_returns_tensors():
+    out = run_distributed(_tensors, 2)
+    assert torch.equal(out[1]["rank"], torch.ones(3))
+    assert torch.equal(out[1]["nested"][0], torch.arange(2))
+
+
 def _boom(rank, world_size):
     if rank == 1:
         raise ValueError("rank one failed")

@@ -2,12 +2,13 @@
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process group on
 127.0.0.1 in each, calls ``fn(rank, world_size, *args)`` and returns the list of per-rank return values (which
-must be picklable; tensors are fine). An exception on any rank is re-raised in the parent with that rank's
+must be serialisable by ``torch.save``; tensors are fine). An exception on any rank is re-raised in the parent with that rank's
 traceback. Workers never touch anything but the loopback address.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -36,7 +37,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Serialise through torch.save: tensors put on a multiprocessing queue live in the worker's shared memory,
+        # which is gone once the worker exits.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # report every failure to the parent, then exit
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -75,7 +80,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             continue
         rank, ok, payload = queue.get()
         if ok:
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")
     for p in procs:
