@@ -1,6 +1,6 @@
 """An independent dense reference of one DSv4 attention layer (spec §2–§5), written from the spec, for tests.
 
-It shares no code with the package or with csa-kernels: explicit per-document loops, a slot-by-slot compressor,
+It shares no code with the package or with csa-kernels: explicit per-document loops, a block-by-block compressor,
 a dense ``[H, L, L + n]`` logit matrix with ``-inf`` masks, the sink in the denominator, a stable-sort top-k
 (ties toward the lower entry index), and the indexer KL teacher from the full attention probabilities. Only
 ``apply_rope_ref`` / ``rms_norm_ref`` of dsv4-primitives are reused (tested there against R1–R3).
@@ -26,7 +26,7 @@ def params_of(module, dtype=torch.float64, requires_grad=True) -> dict[str, torc
 
 
 def _compress(x, p, prefix, ratio, cfg_rope, eps):
-    """Slot-by-slot compressor of one document: ``x [L, d]`` -> ``[L // ratio, c]``."""
+    """Block-by-block compressor of one document: ``x [L, d]`` -> ``[L // ratio, c]`` (spec §3.2 / §3.3)."""
     kv = x @ p[prefix + "linear_wkv.weight"].T
     sc = x @ p[prefix + "linear_wgate.weight"].T
     ape = p[prefix + "ape"]
@@ -35,27 +35,19 @@ def _compress(x, p, prefix, ratio, cfg_rope, eps):
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
     out = []
     for w in range(n):
-        slots_kv, slots_lg = [], []
+        own = slice(w * ratio, (w + 1) * ratio)  # the block's tokens, slot j = token w*ratio + j
         if overlap:
-            for j in range(ratio):  # previous block, P-half [0, c)
-                tok = (w - 1) * ratio + j
-                if w == 0:
-                    slots_kv.append(torch.zeros(c, dtype=x.dtype))
-                    slots_lg.append(torch.full((c,), float("-inf"), dtype=x.dtype))
-                else:
-                    slots_kv.append(kv[tok, :c])
-                    slots_lg.append(sc[tok, :c] + ape[j, :c])
-            for j in range(ratio):  # own block, Q-half [c, 2c)
-                tok = w * ratio + j
-                slots_kv.append(kv[tok, c:])
-                slots_lg.append(sc[tok, c:] + ape[j, c:])
+            if w == 0:  # previous half empty: kv 0, logit -inf
+                prev_kv = x.new_zeros(ratio, c)
+                prev_lg = x.new_full((ratio, c), float("-inf"))
+            else:
+                prev = slice((w - 1) * ratio, w * ratio)
+                prev_kv, prev_lg = kv[prev, :c], sc[prev, :c] + ape[:, :c]
+            slots_kv = torch.cat((prev_kv, kv[own, c:]), 0)  # [2m, c]
+            slots_lg = torch.cat((prev_lg, sc[own, c:] + ape[:, c:]), 0)
         else:
-            for j in range(ratio):
-                tok = w * ratio + j
-                slots_kv.append(kv[tok])
-                slots_lg.append(sc[tok] + ape[j])
-        wts = torch.softmax(torch.stack(slots_lg), 0)
-        out.append((wts * torch.stack(slots_kv)).sum(0))
+            slots_kv, slots_lg = kv[own], sc[own] + ape  # [m, c]
+        out.append((torch.softmax(slots_lg, 0) * slots_kv).sum(0))
     if not out:
         return x.new_zeros(0, c)
     ent = _rms(torch.stack(out), p[prefix + "norm.weight"], eps)

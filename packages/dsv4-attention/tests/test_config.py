@@ -78,6 +78,9 @@ def test_rope_config_per_layer_kind():
         (dict(dsa_indexer_loss_coeff=-1.0), "dsa_indexer_loss_coeff"),
         (dict(csa_kernel_backend="cuda"), "csa_kernel_backend"),
         (dict(output_projection_lora_rank=0), "output_projection_lora_rank"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+        (dict(apply_rope_fusion=True, rope_type="yarn"), "apply_rope_fusion"),
+        (dict(q_lora_rank=None), "q_lora_rank"),
     ],
 )
 def test_invalid_configs_are_rejected(overrides, match):

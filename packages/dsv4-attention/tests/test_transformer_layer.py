@@ -59,3 +59,12 @@ def test_mtp_identity_is_propagated(pg):
     assert main.self_attention.compress_ratio == 4 and not main.self_attention.is_mtp_layer
     assert mtp.self_attention.compress_ratio == 0 and mtp.self_attention.is_mtp_layer
     assert (main.self_attention.tracker_slot, mtp.self_attention.tracker_slot) == (0, 3)
+
+
+def test_sharded_state_dict_covers_every_parameter(pg):
+    """Distributed checkpointing: every parameter (incl. the fp32 sink / ape and the grouped wo_a) is sharded."""
+    layer = build_module(get_dsv4_layer_spec(4), config=tiny_config(), layer_number=1, pg_collection=pg)
+    sd = layer.sharded_state_dict(prefix="layers.0.")
+    names = {f"layers.0.{n}" for n, _ in layer.named_parameters()}
+    assert names <= set(sd)
+    assert tuple(sd["layers.0.self_attention.core_attention.attn_sink"].global_shape) == (4,)

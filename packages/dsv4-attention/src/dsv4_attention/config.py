@@ -54,6 +54,7 @@ class DSv4AttentionConfig(MLATransformerConfig):
     # --- megatron fields whose defaults differ for DSv4 ---
     experimental_attention_variant: str | None = "dsv4_hybrid"
     add_bias_linear: bool = False
+    attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-6
     q_lora_rank: int = 1024
     v_head_dim: int = 512
@@ -137,6 +138,11 @@ class DSv4AttentionConfig(MLATransformerConfig):
         if self.output_projection_lora_rank <= 0:
             raise ValueError(
                 f"output_projection_lora_rank must be positive, got {self.output_projection_lora_rank}"
+            )
+        if self.attention_dropout:
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout}: DSv4 attention has no attention-probability dropout; "
+                "set attention_dropout=0.0"
             )
         if self.csa_window_size < 1:
             raise ValueError(f"csa_window_size must be >= 1, got {self.csa_window_size}")
