@@ -94,7 +94,10 @@ class DSv4HybridAttention(MegatronModule):
             )
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"DSv4 attention is causal; attn_mask_type={attn_mask_type} is not supported")
-        tp_size = pg_collection.tp.size() if pg_collection.tp is not None else 1
+        tp = getattr(pg_collection, "tp", None)
+        if tp is None:
+            raise ValueError("pg_collection.tp must be set (the tensor-parallel group of the linear layers)")
+        tp_size = tp.size()
         if tp_size > 1:
             raise ValueError(
                 f"DSv4 attention supports tensor-parallel size 1 only, pg_collection.tp has {tp_size}"
