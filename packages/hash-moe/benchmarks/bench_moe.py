@@ -6,7 +6,8 @@ One run, one table:
   ``--experts`` local experts (default 8/64/256) at ``--tokens x --topk`` rows (default 4096 x 6 = 24576), against
   (a) the per-expert loop (``torch.split``, one matmul per expert) and (b) the dense MLP of equal FLOPs (the same
   rows through one expert's shapes): TFLOP/s and % of dense;
-- routing (sqrt-softplus scores + selection-bias top-6 + normalised, scaled weights) in GB/s;
+- routing (sqrt-softplus scores + selection-bias top-6 + normalised, scaled weights), fused Triton kernel vs the
+  PyTorch ops, in GB/s, at ``--tokens`` and at ``--bw-tokens`` (65536: the bandwidth regime);
 - permute / unpermute of the tokens (megatron-core's ``moe_utils`` ops used by the dispatchers) in GB/s.
 
 Correctness is checked first (grouped vs loop, bf16 vs an fp32 reference, project tolerance rule). Results go to
@@ -160,19 +161,39 @@ def bench_experts(experts: int, args) -> dict:
     return res
 
 
-def bench_routing(args, hbm: float) -> dict:
+def bench_routing(args, hbm: float) -> list[dict]:
+    """Routing at the issue's token count and at ``--bw-tokens`` (where launch latency no longer dominates)."""
     cfg = RouterConfig(num_experts=args.num_experts_total, topk=args.topk, routed_scaling_factor=1.5)
-    logits = torch.randn(args.tokens, cfg.num_experts, device=DEVICE)
-    bias = torch.randn(cfg.num_experts, device=DEVICE) * 1e-2
-    ms = bench(lambda: topk_route(logits, cfg, selection_bias=bias), args.warmup, args.rep)
-    nbytes = logits.numel() * 4 + bias.numel() * 4 + args.tokens * args.topk * (4 + 8)
-    return {
-        "op": "routing",
-        "ms": ms,
-        "bytes": nbytes,
-        "gbps": nbytes / ms / 1e6,
-        "pct_hbm": nbytes / ms / 1e-3 / hbm,
-    }
+    out = []
+    for tokens in (args.tokens, args.bw_tokens):
+        logits = torch.randn(tokens, cfg.num_experts, device=DEVICE)
+        bias = torch.randn(cfg.num_experts, device=DEVICE) * 1e-2
+        fused = topk_route(logits, cfg, selection_bias=bias, backend="triton")
+        ref = topk_route(logits.double(), cfg, selection_bias=bias, backend="torch")
+        ok = (
+            bool((fused.experts == ref.experts).float().mean() > 0.999)
+            and max_err(fused.weights, ref.weights) < 1e-4
+        )
+        print(f"  check routing T={tokens} triton vs torch {'ok' if ok else 'FAIL'}")
+        # logits read, bias read, scores + weights + expert ids written
+        nbytes = logits.numel() * 4 * 2 + bias.numel() * 4 + tokens * args.topk * (4 + 8)
+        for backend in ("triton", "torch"):
+            ms = bench(
+                lambda b=backend, z=logits, sb=bias: topk_route(z, cfg, selection_bias=sb, backend=b),
+                args.warmup,
+                args.rep,
+            )
+            out.append(
+                {
+                    "op": f"routing {backend} T={tokens}",
+                    "ms": ms,
+                    "bytes": nbytes,
+                    "gbps": nbytes / ms / 1e6,
+                    "pct_hbm": nbytes / ms / 1e-3 / hbm,
+                    "ok": ok,
+                }
+            )
+    return out
 
 
 def bench_permute(args, hbm: float) -> list[dict]:
@@ -230,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--experts", type=str, default="8,64,256", help="local expert counts")
     ap.add_argument("--num-experts-total", type=int, default=256, help="experts seen by the router")
+    ap.add_argument("--bw-tokens", type=int, default=65536, help="token count of the bandwidth-regime rows")
     ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rep", type=int, default=20)
@@ -257,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         mlp.append(bench_experts(e, args))
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    memory = [bench_routing(args, hbm), *bench_permute(args, hbm)]
+    memory = [*bench_routing(args, hbm), *bench_permute(args, hbm)]
 
     print(
         "\n| experts | rows/expert | mode | grouped TFLOP/s | loop TFLOP/s | dense TFLOP/s | grouped % dense | loop % dense | target |"

@@ -259,6 +259,10 @@ def test_spec_and_router_validation(megatron_cpu):
     assert isinstance(mtp.router, LearnedTopKRouter) and not mtp.is_hash_layer
     with pytest.raises(ValueError, match="seq_aux_loss"):
         LearnedTopKRouter(make_config(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1))
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap"):
+        get_dsv4_moe_spec(hash_routing=False)(
+            config=make_config(moe_shared_expert_overlap=True), pg_collection=None, is_mtp_layer=False
+        )
     with pytest.raises(ValueError, match="swiglu limit"):
         get_dsv4_moe_spec(hash_routing=False)(
             config=make_config(limit=-1.0), pg_collection=None, is_mtp_layer=False

@@ -103,6 +103,7 @@ def topk_route(
     *,
     selection_bias: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> RoutingResult:
     """Learned top-k routing with an aux-loss-free selection bias.
 
@@ -114,19 +115,36 @@ def topk_route(
         cfg: routing hyper-parameters.
         selection_bias: ``[E]`` fp32 bias added for selection only (no gradient flows into it).
         valid: ``[N]`` bool, False marks padding tokens (zero weights).
+        backend: ``"torch"`` (this function's PyTorch ops), ``"triton"`` (the fused kernel of
+            :mod:`hash_moe.kernels.routing_triton`, fp32 scores) or ``"auto"`` (Triton on CUDA for fp32/bf16/fp16
+            logits, PyTorch otherwise).
     """
     _check_logits(logits, cfg)
     _check_valid(valid, logits.shape[0])
+    if selection_bias is not None and selection_bias.shape != (cfg.num_experts,):
+        raise ValueError(
+            f"selection_bias must be [num_experts={cfg.num_experts}], got {tuple(selection_bias.shape)}"
+        )
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if logits.is_cuda and logits.dtype != torch.float64 else "torch"
+    if backend == "triton":
+        from hash_moe.kernels.routing_triton import fused_topk_route
+
+        weights, experts, scores = fused_topk_route(
+            logits,
+            topk=cfg.topk,
+            score_function=cfg.score_function,
+            scale=cfg.routed_scaling_factor,
+            normalize=cfg.normalize_topk,
+            selection_bias=selection_bias,
+            valid=valid,
+        )
+        return RoutingResult(weights, experts, scores, valid)
     scores = routing_scores(logits, cfg.score_function)  # [N, E]
     with torch.no_grad():
-        if selection_bias is None:
-            select = scores
-        else:
-            if selection_bias.shape != (cfg.num_experts,):
-                raise ValueError(
-                    f"selection_bias must be [num_experts={cfg.num_experts}], got {tuple(selection_bias.shape)}"
-                )
-            select = scores + selection_bias.float()
+        select = scores if selection_bias is None else scores + selection_bias.float()
         experts = select.topk(cfg.topk, dim=-1).indices  # [N, K]
     return RoutingResult(_weights_from_scores(scores, experts, cfg, valid), experts, scores, valid)
 

@@ -55,6 +55,11 @@ class DSv4MoELayer(MoELayer):
             raise ValueError("DSv4MoELayer does not support moe_latent_size (latent MoE projections)")
         if config.moe_expert_capacity_factor is not None:
             raise ValueError("DSv4 MoE is dropless; set moe_expert_capacity_factor=None")
+        if config.moe_shared_expert_overlap:
+            raise ValueError(
+                "moe_shared_expert_overlap drives megatron's SharedExpertMLP internals; the clamped shared expert "
+                "runs beside the dispatch instead: set moe_shared_expert_overlap=False"
+            )
         super().__init__(
             config=config,
             submodules=submodules,
