@@ -78,12 +78,14 @@ def check_index(t: torch.Tensor, name: str, rows: int, upper: int) -> None:
 
 
 def reference_only(backend: str, op: str, *tensors: torch.Tensor) -> None:
-    """Backend check for an op that has no Triton kernel yet: an explicit ``backend="triton"`` raises
-    NotImplementedError; ``"auto"`` (and the environment override) runs the reference on every device."""
+    """Backend check of an op that has no Triton kernel (today only ``indexer_scores_at``, a small gather used to
+    re-attach gradients): ``"auto"`` (and the environment override) runs the reference on every device; an explicit
+    ``backend="triton"`` is a caller error and raises ValueError naming the fix."""
     from csa_kernels._dispatch import resolve_backend
 
     resolve_backend(backend, *tensors)  # validates the name and the environment variable
     if backend == "triton":
-        raise NotImplementedError(
-            f"csa_kernels: no Triton kernel is registered for {op}; use backend='reference'"
+        raise ValueError(
+            f"csa_kernels.{op} has no Triton kernel (it is a small gather + dot used to re-attach gradients); "
+            "call it with backend='auto' or backend='reference'"
         )

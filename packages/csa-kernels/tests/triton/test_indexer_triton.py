@@ -102,3 +102,37 @@ def test_public_indexer_topk_triton_backend_gradients():
     assert torch.equal(outs[0][0], outs[1][0])
     for a, b in zip(outs[0][1], outs[1][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _check_scores(lengths, HI, DI, ratio, device, dtype, extra_cols=0):
+    """indexer_scores(backend='triton') (fused forward, reference backward) vs the reference, values and grads."""
+    from csa_kernels.ops.indexer import indexer_scores
+
+    q, k, w, cu, cuc = _inputs(lengths, HI, DI, ratio, device, dtype, seed=2)
+    need = max((n // ratio for n in lengths), default=0)
+    g = torch.randn(sum(lengths), need + extra_cols, generator=torch.Generator().manual_seed(9)).to(device)
+    outs = []
+    for backend, dt in (("triton", dtype), ("reference", torch.float64)):
+        leaves = [x.to(dt).clone().requires_grad_() for x in (q, k, w)]
+        s = indexer_scores(*leaves, ratio, cu, cuc, max_entries=need + extra_cols, backend=backend)
+        torch.where(torch.isfinite(s), s * g.to(s.dtype), 0.0).sum().backward()
+        outs.append([s] + [x.grad for x in leaves])
+    (s, *grads), (rs, *rgrads) = outs
+    assert s.dtype == torch.float32 and s.shape == rs.shape
+    assert torch.equal(torch.isfinite(s), torch.isfinite(rs))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    fin = torch.isfinite(rs)
+    torch.testing.assert_close(s[fin].double(), rs[fin], atol=tol, rtol=tol)
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol)
+
+
+@interpreter_only
+def test_indexer_scores_triton_interpreter():
+    _check_scores([1, 0, 9, 23], 2, 24, 4, "cpu", torch.float32, extra_cols=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths,HI,DI", [([1, 0, 9, 23], 2, 24), ([700, 3, 517], 64, 128)])
+def test_indexer_scores_triton_gpu(lengths, HI, DI):
+    _check_scores(lengths, HI, DI, 4, "cuda", torch.float32, extra_cols=1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_shape, reference_only
+from csa_kernels._checks import check_shape
+from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.compressor.reference import compress_ref, compressor_pool_ref
 from csa_kernels.varlen import sbhd_cu_seqlens, sbhd_to_thd, thd_to_sbhd
 from dsv4_primitives import RopeConfig
@@ -21,7 +22,10 @@ def compressor_pool(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax-gated block pooling, THD. Shapes and math: :func:`compressor_pool_ref`."""
-    reference_only(backend, "compressor_pool")
+    if resolve_backend(backend, kv, score) == "triton":
+        from csa_kernels.ops.compressor.autograd import compressor_pool_triton
+
+        return compressor_pool_triton(kv, score, ape, ratio, overlap, cu_seqlens)
     return compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens)
 
 
@@ -40,7 +44,10 @@ def compress(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full compressor, THD: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``. Math: :func:`compress_ref`."""
-    reference_only(backend, "compress")
+    if resolve_backend(backend, x) == "triton":
+        from csa_kernels.ops.compressor.autograd import compress_triton
+
+        return compress_triton(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
     return compress_ref(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
 
 

@@ -107,6 +107,20 @@ def compressed_positions(cu_seqlens_c: torch.Tensor, ratio: int) -> torch.Tensor
     return (torch.arange(doc.numel(), device=cu.device) - cu[doc]) * ratio
 
 
+def _check_compress_inputs(x, wkv, wgate, norm_weight, overlap, rope_cfg) -> None:
+    """Shape / type checks of the full compressor (shared with the Triton path)."""
+    check_shape(x, "x", (None, None))
+    check_float(x, "x")
+    check_shape(wkv, "wkv", (None, x.shape[1]))
+    check_shape(wgate, "wgate", tuple(wkv.shape))
+    c = wkv.shape[0] // 2 if overlap else wkv.shape[0]
+    check_shape(norm_weight, "norm_weight", (c,))
+    if not isinstance(rope_cfg, RopeConfig):
+        raise ValueError(f"rope_cfg must be a dsv4_primitives.RopeConfig, got {type(rope_cfg).__name__}")
+    if rope_cfg.rope_dim > c:
+        raise ValueError(f"rope_cfg.rope_dim = {rope_cfg.rope_dim} exceeds the entry width c = {c}")
+
+
 def compress_ref(
     x: torch.Tensor,
     wkv: torch.Tensor,
@@ -133,16 +147,7 @@ def compress_ref(
     Returns:
         ``entries [Tc, c]`` in ``x.dtype`` and ``cu_seqlens_c`` int32 ``[N+1]``.
     """
-    check_shape(x, "x", (None, None))
-    check_float(x, "x")
-    check_shape(wkv, "wkv", (None, x.shape[1]))
-    check_shape(wgate, "wgate", tuple(wkv.shape))
-    c = wkv.shape[0] // 2 if overlap else wkv.shape[0]
-    check_shape(norm_weight, "norm_weight", (c,))
-    if not isinstance(rope_cfg, RopeConfig):
-        raise ValueError(f"rope_cfg must be a dsv4_primitives.RopeConfig, got {type(rope_cfg).__name__}")
-    if rope_cfg.rope_dim > c:
-        raise ValueError(f"rope_cfg.rope_dim = {rope_cfg.rope_dim} exceeds the entry width c = {c}")
+    _check_compress_inputs(x, wkv, wgate, norm_weight, overlap, rope_cfg)
     dt = compute_dtype(x, wkv, wgate, ape, norm_weight)
     xf = x.to(dt)
     kv = xf @ wkv.to(dt).T  # [T, Dk]

@@ -23,7 +23,12 @@ def indexer_scores(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Dense index scores ``[T, max_entries]`` (column = local entry, ``-inf`` invisible): :func:`indexer_scores_ref`."""
-    reference_only(backend, "indexer_scores", q_idx)
+    if resolve_backend(backend, q_idx, k_idx) == "triton":
+        from csa_kernels.ops.indexer.scores_autograd import indexer_scores_triton_checked
+
+        return indexer_scores_triton_checked(
+            q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, chunk_size
+        )
     return indexer_scores_ref(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, chunk_size)
 
 

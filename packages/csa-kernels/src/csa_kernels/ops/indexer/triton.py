@@ -212,3 +212,59 @@ def indexer_topk_checked(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seql
         live = torch.where(idx >= 0, live, 0.0)
         vals = vals + (live - live.detach())
     return idx, vals
+
+
+def indexer_scores_triton(
+    q_idx: torch.Tensor,  # [T, HI, DI]
+    k_idx: torch.Tensor,  # [Tc, DI]
+    weights: torch.Tensor,  # [T, HI]
+    ratio: int,
+    cu: list[int],
+    cuc: list[int],
+    max_entries: int,
+) -> torch.Tensor:
+    """Dense scores ``[T, max_entries]`` fp32 (column = local entry, ``-inf`` invisible) from the fused score pass.
+
+    ``cu`` / ``cuc`` are the validated host lists of ``cu_seqlens`` / ``cu_seqlens_c``. Not differentiable (see
+    :class:`csa_kernels.ops.indexer.scores_autograd.IndexerScoresTritonFunction`).
+    """
+    check_triton_device(q_idx, k_idx, weights)
+    T, HI, DI = q_idx.shape
+    out = torch.full((T, max_entries), float("-inf"), dtype=torch.float32, device=q_idx.device)
+    c_max = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
+    if T == 0 or c_max == 0:
+        return out
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    k_idx = k_idx.contiguous()
+    weights = weights.contiguous()
+    block_t, block_n, warps, stages = _config(DI, q_idx.dtype)
+    blocks = _row_blocks(cu, cuc, block_t)
+    meta = torch.tensor(blocks, dtype=torch.int32).T.contiguous().to(q_idx.device)  # [5, nblocks]
+    _indexer_scores_kernel[(len(blocks), triton.cdiv(c_max, block_n))](
+        q_idx,
+        k_idx,
+        weights,
+        out,
+        meta[0],
+        meta[1],
+        meta[2],
+        meta[3],
+        meta[4],
+        q_idx.stride(0),
+        q_idx.stride(1),
+        k_idx.stride(0),
+        weights.stride(0),
+        out.stride(0),
+        0,
+        ratio,
+        HI,
+        DI=DI,
+        BLOCK_DI=next_pow2(DI),
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        UPCAST=interpreting(),
+        PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_shape, reference_only
+from csa_kernels._checks import check_shape
+from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer_loss.reference import indexer_loss_ref
 from csa_kernels.ops.sparse_attn.interface import local_to_global_rows
 from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
@@ -22,7 +23,10 @@ def indexer_loss(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer KL loss, THD: ``(loss, per_row_kl [T])``; gradient only into ``index_scores``. :func:`indexer_loss_ref`."""
-    reference_only(backend, "indexer_loss", q)
+    if resolve_backend(backend, q, kv_all) == "triton":
+        from csa_kernels.ops.indexer_loss.autograd import indexer_loss_triton
+
+        return indexer_loss_triton(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale)
     return indexer_loss_ref(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale)
 
 

@@ -1,0 +1,79 @@
+"""Autograd binding of the fused compressor pooling kernels (``compressor_pool_triton``)."""
+
+from __future__ import annotations
+
+import torch
+
+from csa_kernels.ops.compressor.reference import (
+    _check_compress_inputs,
+    _check_pool_inputs,
+    compressed_positions,
+)
+from csa_kernels.ops.compressor.triton import compressor_pool_bwd, compressor_pool_fwd, entry_blocks
+from csa_kernels.varlen import compressed_cu_seqlens
+from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
+
+
+class CompressorPoolTritonFunction(torch.autograd.Function):
+    """pooled = pool(kv, score, ape); saves the inputs and recomputes the softmax weights in backward."""
+
+    @staticmethod
+    def forward(ctx, kv, score, ape, start, blk, ratio, overlap):
+        ape32 = ape.float().contiguous()
+        pooled = compressor_pool_fwd(kv, score, ape32, start, blk, ratio, overlap)
+        ctx.save_for_backward(kv, score, ape32, start, blk)
+        ctx.ratio, ctx.overlap, ctx.ape_dtype = ratio, overlap, ape.dtype
+        return pooled
+
+    @staticmethod
+    def backward(ctx, dpooled):
+        kv, score, ape32, start, blk = ctx.saved_tensors
+        dkv, dscore, dape = compressor_pool_bwd(kv, score, ape32, start, blk, ctx.ratio, ctx.overlap, dpooled)
+        return dkv, dscore, dape.to(ctx.ape_dtype), None, None, None, None
+
+
+def compressor_pool_triton(
+    kv: torch.Tensor,  # [T, Dk]
+    score: torch.Tensor,  # [T, Dk]
+    ape: torch.Tensor,  # [ratio, Dk]
+    ratio: int,
+    overlap: bool,
+    cu_seqlens: torch.Tensor,  # [N+1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused Triton form of :func:`~csa_kernels.ops.compressor.reference.compressor_pool_ref`.
+
+    Same contract and validation; math in fp32 (fp64 inputs are computed in fp32 too), ``pooled [Tc, c]`` fp32,
+    differentiable in ``kv``, ``score`` and ``ape`` (gradients in their own dtypes).
+    """
+    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens)
+    start, blk = entry_blocks(cu_seqlens, cu, ratio)
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    score = score if score.stride(-1) == 1 else score.contiguous()
+    pooled = CompressorPoolTritonFunction.apply(kv, score, ape, start, blk, ratio, overlap)
+    return pooled, compressed_cu_seqlens(cu_seqlens, ratio)
+
+
+def compress_triton(
+    x: torch.Tensor,  # [T, d]
+    wkv: torch.Tensor,  # [Dk, d]
+    wgate: torch.Tensor,  # [Dk, d]
+    ape: torch.Tensor,  # [ratio, Dk]
+    norm_weight: torch.Tensor,  # [c]
+    ratio: int,
+    overlap: bool,
+    rope_cfg: RopeConfig,
+    cu_seqlens: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full compressor with the fused pooling kernel: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``.
+
+    Projections run as GEMMs in ``x.dtype`` (bf16 on GPU: fp32 accumulation, bf16 ``kv`` / ``score``), pooling in
+    the Triton kernel (fp32 softmax), RMSNorm and RoPE on the fp32 pooled rows as in :func:`compress_ref`.
+    """
+    _check_compress_inputs(x, wkv, wgate, norm_weight, overlap, rope_cfg)
+    kv = torch.nn.functional.linear(x, wkv.to(x.dtype))  # [T, Dk]
+    score = torch.nn.functional.linear(x, wgate.to(x.dtype))  # [T, Dk]
+    pooled, cu_c = compressor_pool_triton(kv, score, ape, ratio, overlap, cu_seqlens)  # [Tc, c] fp32
+    normed = rms_norm_ref(pooled, norm_weight.to(pooled.dtype), eps)
+    rotated = apply_rope_ref(normed, compressed_positions(cu_c, ratio), rope_cfg)
+    return rotated.to(x.dtype), cu_c
