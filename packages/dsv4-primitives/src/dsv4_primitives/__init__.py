@@ -1,5 +1,12 @@
 """dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm."""
 
+from dsv4_primitives.precision import (
+    KEEP_IN_FP32_ATTR,
+    convert_module_to_dtype_except_fp32_marked,
+    fp8_disabled_context,
+    is_keep_in_fp32,
+    mark_keep_in_fp32,
+)
 from dsv4_primitives.rmsnorm import RMSNorm, rms_norm_ref
 from dsv4_primitives.rope import (
     RopeConfig,
@@ -18,6 +25,7 @@ from dsv4_primitives.rope import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "KEEP_IN_FP32_ATTR",
     "RMSNorm",
     "RopeConfig",
     "YarnConfig",
@@ -25,6 +33,10 @@ __all__ = [
     "apply_rope",
     "apply_rope_ref",
     "clear_rope_cache",
+    "convert_module_to_dtype_except_fp32_marked",
+    "fp8_disabled_context",
+    "is_keep_in_fp32",
+    "mark_keep_in_fp32",
     "positions_from_cu_seqlens",
     "positions_sbhd",
     "rms_norm_ref",

@@ -9,11 +9,30 @@ the test fixtures in ``dsv4-testkit``.
 2. ``model_parallel_cuda_manual_seed`` needs a CUDA driver, and without it ``get_cuda_rng_tracker().fork()`` raises
    "cuda rng state model-parallel-rng is not added": the tracker is initialised in its inference mode, whose
    ``fork()`` is a null context (dropout then draws from the default CPU generator).
+3. megatron-core's optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``clip_grads``)
+   create scalars with ``device='cuda'``, call ``.cuda()`` on state, and classify params by
+   ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` / ``== 'torch.cuda.FloatTensor'``.
+   :func:`cuda_as_cpu` is a ``TorchFunctionMode`` that, while active and only without CUDA, maps ``device='cuda'``
+   (factory functions and ``Tensor.to``) to the CPU, makes ``Tensor.cuda()`` a no-op and reports CPU tensors'
+   ``Tensor.type()`` with the ``torch.cuda.`` prefix megatron expects. Wrap optimizer construction, ``step()`` and
+   checkpoint save/load in it on CPU. Nothing else about tensor behaviour changes.
+4. ``_ParamAndGradBucketGroup.start_grad_sync`` (DDP) calls ``torch.cuda.current_stream()`` to wait for CUDA-graph
+   events, and dist-checkpointing's ``FileSystemWriterAsync.preload_tensors`` calls ``torch.cuda.synchronize()``;
+   inside :func:`cuda_as_cpu` the first returns a CPU stand-in whose ``wait_event``/``wait_stream``/
+   ``synchronize`` do nothing and the second does nothing (CPU work is synchronous). Both are restored on exit.
+
+Not CPU-specific: megatron-core 0.19.2's dist-checkpointing *save* (``FileSystemWriterAsync.write_preloaded_data``)
+calls ``_process_memory()``, which needs ``psutil``, a package megatron-core does not declare (and the workspace
+lock does not hold). :func:`dist_ckpt_memory_probe_without_psutil` replaces that probe (used only for a debug log
+line) by an equivalent RSS reader of ``/proc/self/statm`` when psutil is absent; with psutil it does nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _patched = False
 
@@ -36,3 +55,80 @@ def init_rng_tracker(seed: int = 1234) -> None:
         model_parallel_cuda_manual_seed(seed)
     else:
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.split(":")[0] == "cuda"
+    return False
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    """Shim 3 (see the module docstring): ``cuda`` placements become CPU ones; CPU ``type()`` names look CUDA."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if (
+                args[0].device.type == "cpu"
+                and name.startswith("torch.")
+                and not name.startswith("torch.cuda.")
+            ):
+                return "torch.cuda." + name[len("torch.") :]
+            return name
+        return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """What ``torch.cuda.current_stream()`` returns inside :func:`cuda_as_cpu` (shim 4): CPU work is synchronous."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def cuda_as_cpu():
+    """Run megatron-core DDP/optimizer code on CPU tensors (shims 3 and 4); a null context with CUDA."""
+    if torch.cuda.is_available():
+        yield
+        return
+    apply_cpu_shims()
+    saved = torch.cuda.current_stream, torch.cuda.synchronize
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        with _CudaAsCpuMode():
+            yield
+    finally:
+        torch.cuda.current_stream, torch.cuda.synchronize = saved
+
+
+def _rss_bytes_from_proc() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def dist_ckpt_memory_probe_without_psutil() -> None:
+    """Let megatron-core dist-checkpointing save without psutil (see the module docstring); idempotent."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not filesystem_async.HAVE_PSUTIL:
+        filesystem_async._process_memory = _rss_bytes_from_proc
