@@ -7,7 +7,7 @@ out[rows of group g] = x[rows of group g] @ w[g].T          x: [M, K], w: [G, N,
 Backends (forward and backward give the same results):
 
 - ``"torch"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper; bf16 with 16-byte aligned ``K``/``N``; on
-  CPU it also runs in fp32).
+  CPU it also runs in fp32). Groups whose row counts are not 16-byte multiples are padded with zero rows.
 - ``"loop"``: ``torch.split`` + one matmul per group (any device and dtype).
 - ``"auto"``: ``"torch"`` on CUDA when the dtype is bf16 and ``K``, ``N`` are multiples of 8, else ``"loop"``.
 
@@ -84,5 +84,26 @@ def grouped_mm(
         raise ValueError(
             f"backend 'torch' needs 16-byte aligned rows (K={x.shape[1]}, N={w.shape[1]} in {x.dtype}); use 'loop'"
         )
-    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-    return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offs)
+    return _grouped_mm_aligned(x.contiguous(), w, counts)
+
+
+def _grouped_mm_aligned(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``torch._grouped_mm`` with every group starting on a 16-byte row boundary.
+
+    The backward's weight gradient contracts over the token dimension, so a group boundary that is not a multiple
+    of ``16 / element_size`` rows gives misaligned TMA loads. Unaligned groups are spread into a zero-padded buffer
+    (``index_copy``) and gathered back (``index_select``); both are differentiable and the zero rows add nothing.
+    """
+    align = 16 // x.element_size()
+    padded = [-(-c // align) * align for c in counts]
+    if padded == counts:
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    m, dev = x.shape[0], x.device
+    cnt = torch.tensor(counts, dtype=torch.int64).to(dev)
+    pad = torch.tensor(padded, dtype=torch.int64).to(dev)
+    shift = (pad.cumsum(0) - pad) - (cnt.cumsum(0) - cnt)  # [G] destination minus source start
+    rows = torch.arange(m, device=dev) + torch.repeat_interleave(shift, cnt, output_size=m)  # [M]
+    xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)  # [M_pad, K]
+    offs = pad.cumsum(0).to(torch.int32)
+    return torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs).index_select(0, rows)
