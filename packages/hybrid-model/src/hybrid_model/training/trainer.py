@@ -320,6 +320,9 @@ class Trainer:
         if not latest.exists():
             return False
         path = self.out / "checkpoints" / latest.read_text().strip()
+        # a fresh optimizer has no Adam state yet; megatron's loader fills dummy states that the load overwrites
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt._init_optimizer_states_with_dummy_values()
         state = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
         self.model.module.load_state_dict(state["model"])
         with torch.no_grad():
