@@ -12,11 +12,20 @@ from torch import nn
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """Reference RMSNorm over the last dim. ``x [..., D]``, ``weight [D]`` or ``None``; output dtype = ``x.dtype``."""
-    xf = x.float()
+    """Reference RMSNorm over the last dim. ``x [..., D]``, ``weight [D]`` or ``None``; output dtype = ``x.dtype``.
+
+    Computed in fp32 (in fp64 for fp64 inputs, so the reference can be gradchecked); differentiable through
+    autograd with respect to ``x`` and ``weight``.
+    """
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        if weight.shape != x.shape[-1:]:
+            raise ValueError(
+                f"weight shape {tuple(weight.shape)} must be [{x.shape[-1]}] (the last dim of x)"
+            )
+        y = y * weight.to(ct)
     return y.to(x.dtype)
 
 
