@@ -343,8 +343,27 @@ def bench_cudnn_dense(shape, S):
     )
 
 
-def sweep_attention():
-    """Launch-config sweep of the sparse attention kernels at the V4-Flash shape (S=4096)."""
+def _sweep_fwd(K, fn, shape, args, fl, cfgs):
+    """Time forward configs; each is checked against the default config's output (gated above) first."""
+    with torch.no_grad():
+        o_ref, lse_ref = fn(*args)
+    default_split = K.FWD_SPLIT_D
+    for cfg in cfgs:
+        K.FWD_CONFIG_OVERRIDE, K.FWD_SPLIT_D = cfg[:4], cfg[4]
+        try:
+            with torch.no_grad():
+                o, lse = fn(*args)
+            same = rel_l2(o, o_ref) <= 1e-3 and rel_l2(lse, lse_ref) <= 1e-5
+            ms = timeit(lambda: fn(*args))
+            record("sweep", shape, f"fwd{cfg}", "fwd", ms, fl, 0.0, "same o" if same else "WRONG o")
+        except Exception as exc:
+            print("  sweep fwd", cfg, "failed:", str(exc)[:200])
+    K.FWD_CONFIG_OVERRIDE, K.FWD_SPLIT_D = None, default_split
+
+
+def sweep_attention(backward: bool = False):
+    """Launch-config sweep of the sparse attention kernels at the V4-Flash shape (S=4096); forward configs also
+    at the SWA-only shape, backward configs only with ``backward``."""
     from csa_kernels.ops.sparse_attn import triton as K
     from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 
@@ -353,21 +372,29 @@ def sweep_attention():
     fl = attn_flops(idx, 64, 512)
     leaves = [x.detach().clone().requires_grad_() for x in (q, kv, sink)]
     do = torch.randn_like(q)
-    for cfg in [(64, 32, 8, 2), (64, 16, 8, 2), (64, 64, 8, 1), (64, 32, 8, 1)]:
-        K.FWD_CONFIG_OVERRIDE = cfg
-        try:
-            ms = timeit(lambda: sparse_attn_triton(q, kv, sink, idx, scale))
-            record("sweep", "flash S4096", f"fwd{cfg}", "fwd", ms, fl, 0.0)
-        except Exception as exc:
-            print("  sweep fwd", cfg, "failed:", str(exc)[:200])
-    K.FWD_CONFIG_OVERRIDE = None
+    # (BLOCK_H, BLOCK_N, warps, stages, SPLIT_D): SPLIT_D 2 = the [64, 512] output accumulator split over two
+    # programs (score GEMM recomputed), 16 warps = the accumulator spread over four warp groups.
+    fwd_cfgs = [
+        (64, 64, 8, 1, 1),  # the default
+        (64, 128, 8, 1, 1),
+        (64, 64, 16, 1, 1),
+        (64, 64, 8, 1, 2),
+        (64, 64, 4, 1, 2),
+        (64, 32, 8, 2, 2),
+    ]
+    _sweep_fwd(K, sparse_attn_triton, "flash S4096", (q, kv, sink, idx, scale), fl, fwd_cfgs)
+    swa = attn_inputs(4096, 64, 512, 128, 0, 0, False)
+    swa_cfgs = [fwd_cfgs[0], fwd_cfgs[2], fwd_cfgs[3]]
+    _sweep_fwd(K, sparse_attn_triton, "swa S4096", (*swa, scale), attn_flops(swa[3], 64, 512), swa_cfgs)
+    if not backward:
+        return
     o, lse = sparse_attn_triton(q, kv, sink, idx, scale)
     idx_c, cnt = K.compact_indices(idx)
     default_dkv = K.BWD_DKV_CONFIG
     for cfg, dkv_cfg in [
-        ((64, 32, 8, 1), (64, 64, 8, 1)),
-        ((64, 16, 8, 1), (32, 64, 8, 1)),
         ((64, 64, 8, 1), (64, 128, 8, 1)),
+        ((64, 64, 16, 1), (64, 128, 8, 1)),
+        ((64, 64, 8, 1), (64, 256, 16, 1)),
     ]:
         K.BWD_CONFIG_OVERRIDE = cfg
         K.BWD_DKV_CONFIG = dkv_cfg
@@ -471,6 +498,165 @@ def section_indexer() -> bool:
     return ok
 
 
+# ------------------------------------------------------------------------------------------- compressor
+HBM_BW = 4.8e12  # H200 datasheet HBM3e bandwidth, bytes/s
+
+
+def section_compressor() -> bool:
+    """Pooling of the CSA attention compressor (ratio 4, overlap, c = 512, Dk = 1024) and the HCA one (ratio 128,
+    c = 512): bf16 kv / score, fp32 ape; memory bound, so the table reports GB/s of compulsory traffic."""
+    ok = True
+    for case in [(8192, 512, 4, True, "csa-r4"), (8192, 512, 128, False, "hca-r128")]:
+        ok &= _compressor_case(*case)
+        torch.cuda.empty_cache()
+    return ok
+
+
+def _compressor_case(S, c, ratio, overlap, name) -> bool:
+    from csa_kernels.ops.compressor.autograd import compressor_pool_triton
+    from csa_kernels.ops.compressor.reference import compressor_pool_ref
+
+    ok = True
+    dk = 2 * c if overlap else c
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lengths = [S - 1000, 997, 3]  # varlen: tails, a doc shorter than the ratio
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    kv = torch.randn(S, dk, device="cuda", generator=gen).to(torch.bfloat16)
+    score = (2 * torch.randn(S, dk, device="cuda", generator=gen)).to(torch.bfloat16)
+    ape = torch.randn(ratio, dk, device="cuda", generator=gen)
+    leaves = [x.detach().clone().requires_grad_() for x in (kv, score, ape)]
+    pooled, _ = compressor_pool_triton(*leaves, ratio, overlap, cu)
+    dout = torch.randn_like(pooled)
+    pooled.backward(dout)
+    ref_leaves = [x.detach().float().clone().requires_grad_() for x in (kv, score, ape)]
+    rp, _ = compressor_pool_ref(*ref_leaves, ratio, overlap, cu)
+    rp.backward(dout)
+    tag = f"compressor {name}"
+    ok &= gate(f"{tag} pooled", pooled, rp)
+    for n, a, b in zip(("dkv", "dscore", "dape"), leaves, ref_leaves):
+        ok &= gate(f"{tag} {n}", a.grad, b.grad)
+    tc = pooled.shape[0]
+    bytes_f = 2 * S * dk * 2 + tc * c * 4 + ratio * dk * 4
+    bytes_b = bytes_f + 2 * S * dk * 2 + ratio * dk * 4  # + dkv, dscore writes, dape
+    shape = f"{name} S{S} c{c}"
+
+    def ours_f():
+        with torch.no_grad():
+            return compressor_pool_triton(kv, score, ape, ratio, overlap, cu)
+
+    def ours_fb():
+        p, _ = compressor_pool_triton(*leaves, ratio, overlap, cu)
+        p.backward(dout)
+        return p
+
+    def eager_f():
+        with torch.no_grad():
+            return compressor_pool_ref(kv, score, ape, ratio, overlap, cu)
+
+    def eager_fb():
+        p, _ = compressor_pool_ref(*leaves, ratio, overlap, cu)
+        p.backward(dout)
+        return p
+
+    rows = {}
+    for impl, f, fb in (("ours", ours_f, ours_fb), ("eager-ref", eager_f, eager_fb)):
+        for mode, fn, nbytes in (("fwd", f, bytes_f), ("fwd+bwd", fb, bytes_f + bytes_b)):
+            ms3 = timeit(fn, leaves if mode != "fwd" else None, rep=100)
+            gbps = nbytes / (ms3[0] * 1e-3) / 1e9
+            r = record("compressor", shape, impl, mode, ms3, 0.0, peak_extra_gib(fn), f"{gbps:.0f} GB/s")
+            r["gbps"] = gbps
+            r["pct_hbm"] = 100 * gbps * 1e9 / HBM_BW
+            rows[impl, mode] = r
+    for mode in ("fwd", "fwd+bwd"):
+        rows["ours", mode]["speedup_vs_eager"] = rows["eager-ref", mode]["ms"] / rows["ours", mode]["ms"]
+    return ok
+
+
+# -------------------------------------------------------------------------------------------- indexer loss
+def section_indexer_loss() -> bool:
+    """Sparse-phase indexer KL loss at the V4-Flash / V4-Pro attention shapes (teacher over the top-k compressed
+    rows with the attention's full-denominator LSE). Useful FLOPs: the teacher's score GEMM, ``2*H*pairs*D``."""
+    ok = True
+    for case in [
+        ("v4-flash", 4096, 64, 512, 128, 4, 512, True),
+        ("v4-pro", 4096, 128, 512, 128, 4, 1024, False),
+    ]:
+        ok &= _indexer_loss_case(*case)
+        torch.cuda.empty_cache()
+    return ok
+
+
+def _indexer_loss_case(name, S, H, D, W, ratio, topk, eager) -> bool:
+    from csa_kernels.ops.indexer_loss.autograd import indexer_loss_triton
+    from csa_kernels.ops.indexer_loss.reference import indexer_loss_ref
+    from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
+
+    ok = True
+    q, kv, sink, idx = attn_inputs(S, H, D, W, ratio, topk, False, seed=5)
+    scale = D**-0.5
+    with torch.no_grad():
+        _, lse = sparse_attn_triton(q, kv, sink, idx, scale)
+    comp = idx[:, W:].contiguous()  # [S, topk] compressed rows of kv_all, -1 where not visible
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(S, topk, device="cuda", generator=gen) * 3
+    xl = x.clone().requires_grad_()
+    loss, per_row = indexer_loss_triton(q, kv, sink, lse, comp, xl, scale)
+    loss.backward()
+    xr = x.clone().requires_grad_()
+    rloss, rper_row = indexer_loss_ref(q.float(), kv.float(), sink, lse, comp, xr, scale)
+    rloss.backward()
+    tag = f"indexer-loss {name}"
+    ok &= gate(f"{tag} loss", loss.detach().reshape(1), rloss.detach().reshape(1), tol=1e-3)
+    ok &= gate(f"{tag} per_row", per_row, rper_row)
+    ok &= gate(f"{tag} d_index_scores", xl.grad, xr.grad)
+    fl = 2.0 * H * int((comp >= 0).sum()) * D
+    shape = f"{name} S{S} k{topk}"
+
+    def ours_f():
+        with torch.no_grad():
+            return indexer_loss_triton(q, kv, sink, lse, comp, x, scale)
+
+    def ours_fb():
+        lo, _ = indexer_loss_triton(q, kv, sink, lse, comp, xl, scale)
+        lo.backward()
+        return lo
+
+    f = record("indexer_loss", shape, "ours", "fwd", timeit(ours_f), fl, peak_extra_gib(ours_f))
+    b = record("indexer_loss", shape, "ours", "fwd+bwd", timeit(ours_fb, [xl]), fl, peak_extra_gib(ours_fb))
+    if eager:
+
+        def eager_f():
+            with torch.no_grad():
+                return indexer_loss_ref(q, kv, sink, lse, comp, x, scale)
+
+        def eager_fb():
+            lo, _ = indexer_loss_ref(q, kv, sink, lse, comp, xr, scale)
+            lo.backward()
+            return lo
+
+        ef = record(
+            "indexer_loss",
+            shape,
+            "eager-ref",
+            "fwd",
+            timeit(eager_f, rep=60),
+            fl,
+            peak_extra_gib(eager_f),
+        )
+        eb = record(
+            "indexer_loss",
+            shape,
+            "eager-ref",
+            "fwd+bwd",
+            timeit(eager_fb, [xr], rep=60),
+            fl,
+            peak_extra_gib(eager_fb),
+        )
+        f["speedup_vs_eager"] = ef["ms"] / f["ms"]
+        b["speedup_vs_eager"] = eb["ms"] / b["ms"]
+    return ok
+
+
 ATTN_SHAPES = {
     # name, S, H, D, W, ratio, topk, dense-compressed
     "flash": ("v4-flash-csa", 4096, 64, 512, 128, 4, 512, False),
@@ -491,7 +677,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager-max-s", type=int, default=4096, help="skip the eager reference above this S")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--flex-shapes", default="flash,swa", help="attention shapes that also run FlexAttention")
-    ap.add_argument("--sweep", action="store_true", help="also sweep launch configs of the attention kernels")
+    ap.add_argument("--sweep", action="store_true", help="also sweep launch configs of the attention forward")
+    ap.add_argument("--sweep-bwd", action="store_true", help="with --sweep: backward configs too")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -501,14 +688,17 @@ def main(argv=None) -> int:
     sections = set(args.sections.split(","))
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     failed = []
+    args.out.mkdir(parents=True, exist_ok=True)
     if "attention" in sections:
         if not attn_gate():
             failed.append("attention gate")
         if args.sweep:
-            sweep_attention()
+            sweep_attention(args.sweep_bwd)
+            _dump_partial(args.out, args.tag, failed)
         shapes = [(s, ATTN_SHAPES[s]) for s in args.attn_shapes.split(",") if s]
         flex_shapes = set() if args.no_flex else set(args.flex_shapes.split(","))
         bench_attention(shapes, args.eager_max_s, flex_shapes)
+        _dump_partial(args.out, args.tag, failed)
     for sec in ("indexer", "compressor", "indexer_loss"):
         if sec in sections:
             fn = globals().get(f"section_{sec}")
@@ -520,6 +710,7 @@ def main(argv=None) -> int:
             except Exception:
                 traceback.print_exc()
                 failed.append(f"{sec} crashed")
+            _dump_partial(args.out, args.tag, failed)
     result = dict(
         timestamp=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=torch.cuda.get_device_name(),
@@ -541,6 +732,12 @@ def main(argv=None) -> int:
     print_table()
     print("FAILED: " + ", ".join(failed) if failed else "all correctness gates passed")
     return 1 if failed else 0
+
+
+def _dump_partial(out: Path, tag: str, failed: list[str]) -> None:
+    """Rows so far to ``out/bench_csa_<tag>.partial.json`` (a run cut short still leaves its numbers)."""
+    part = dict(gates=GATES, rows=ROWS, failed=failed, partial=True)
+    (out / f"bench_csa_{tag}.partial.json").write_text(json.dumps(part, indent=1))
 
 
 def print_table():
