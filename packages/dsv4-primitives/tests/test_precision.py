@@ -36,7 +36,7 @@ def test_mark_and_query():
     assert mark_keep_in_fp32(t) is t and is_keep_in_fp32(t)
     with pytest.raises(ValueError, match="never cast"):
         mark_keep_in_fp32(torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="torch.Tensor"):
+    with pytest.raises(ValueError, match=r"torch\.Tensor"):
         mark_keep_in_fp32([1.0])
 
 
@@ -116,7 +116,7 @@ def test_float16_module_keep_fp32_forward_and_training(megatron_cpu, fp16):
         opt.zero_grad()
     assert ours.module.seen[0] == (half, half, torch.float32)
     assert ours.module.sink.dtype == torch.float32 and not torch.equal(ours.module.sink, sink0)
-    with pytest.raises(ValueError, match="fp16 or config.bf16"):
+    with pytest.raises(ValueError, match=r"fp16 or config\.bf16"):
         Float16ModuleKeepFP32(
             TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1), _toy(cfg)
         )

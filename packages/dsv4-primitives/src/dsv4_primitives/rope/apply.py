@@ -72,8 +72,10 @@ def _launch_triton(
     half = cos.shape[-1]
     block_half = triton.next_power_of_2(half)
     block_nope = min(128, triton.next_power_of_2(max(nope, 1)))
-    if x3.is_cuda:
-        block_r = max(1, min(triton.next_power_of_2(rows), 4096 // max(block_half, block_nope)))
+    copy_nope = y3.data_ptr() != x3.data_ptr()
+    if x3.is_cuda:  # ~4K elements per tile: [BLOCK_R, 32] rope pairs, [BLOCK_R, 128] nope chunks
+        width = max(block_half, block_nope) if copy_nope else block_half
+        block_r = max(1, min(triton.next_power_of_2(rows), 4096 // width))
         num_warps = 4
     else:  # interpreter: few, large programs
         block_r = max(1, min(triton.next_power_of_2(rows), 1024))
@@ -96,7 +98,7 @@ def _launch_triton(
         BLOCK_R=block_r,
         BLOCK_HALF=block_half,
         BLOCK_NOPE=block_nope,
-        COPY_NOPE=y3.data_ptr() != x3.data_ptr(),
+        COPY_NOPE=copy_nope,
         INVERSE=bool(inverse),
         num_warps=num_warps,
     )
