@@ -11,11 +11,16 @@ from dsv4_primitives import (
     positions_from_cu_seqlens,
     positions_sbhd,
 )
-from dsv4_testkit import assert_close_to_ref
+from dsv4_testkit import assert_close_to_ref, interpreting
 
 PLAIN = RopeConfig(8, 10000.0)
 YARN = RopeConfig(8, 160000.0, YarnConfig(4.0, 32))
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif("not interpreting()"))]
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton", marks=pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on CPU")
+    ),
+]
 if torch.cuda.is_available():
     BACKENDS = ["torch", "triton"]
 
