@@ -347,18 +347,17 @@ def _sweep_fwd(K, fn, shape, args, fl, cfgs):
     """Time forward configs; each is checked against the default config's output (gated above) first."""
     with torch.no_grad():
         o_ref, lse_ref = fn(*args)
-    default_split = K.FWD_SPLIT_D
     for cfg in cfgs:
-        K.FWD_CONFIG_OVERRIDE, K.FWD_SPLIT_D = cfg[:4], cfg[4]
+        K.FWD_CONFIG_OVERRIDE = cfg
         try:
             with torch.no_grad():
                 o, lse = fn(*args)
-            same = rel_l2(o, o_ref) <= 1e-3 and rel_l2(lse, lse_ref) <= 1e-5
+            same = rel_l2(o, o_ref) <= 1e-2 and rel_l2(lse, lse_ref) <= 1e-4  # bf16 o: rounding-level changes
             ms = timeit(lambda: fn(*args))
             record("sweep", shape, f"fwd{cfg}", "fwd", ms, fl, 0.0, "same o" if same else "WRONG o")
         except Exception as exc:
             print("  sweep fwd", cfg, "failed:", str(exc)[:200])
-    K.FWD_CONFIG_OVERRIDE, K.FWD_SPLIT_D = None, default_split
+    K.FWD_CONFIG_OVERRIDE = None
 
 
 def sweep_attention(backward: bool = False):
@@ -372,19 +371,12 @@ def sweep_attention(backward: bool = False):
     fl = attn_flops(idx, 64, 512)
     leaves = [x.detach().clone().requires_grad_() for x in (q, kv, sink)]
     do = torch.randn_like(q)
-    # (BLOCK_H, BLOCK_N, warps, stages, SPLIT_D): SPLIT_D 2 = the [64, 512] output accumulator split over two
-    # programs (score GEMM recomputed), 16 warps = the accumulator spread over four warp groups.
-    fwd_cfgs = [
-        (64, 64, 8, 1, 1),  # the default
-        (64, 128, 8, 1, 1),
-        (64, 64, 16, 1, 1),
-        (64, 64, 8, 1, 2),
-        (64, 64, 4, 1, 2),
-        (64, 32, 8, 2, 2),
-    ]
+    # (BLOCK_H, BLOCK_N, warps, stages); 16 warps = the [64, 512] accumulator spread over four warp groups.
+    # (An output-channel split over two programs, score GEMM recomputed, measured 2x slower: see the README.)
+    fwd_cfgs = [(64, 64, 8, 1), (64, 128, 8, 1), (64, 64, 16, 1), (64, 32, 8, 2)]
     _sweep_fwd(K, sparse_attn_triton, "flash S4096", (q, kv, sink, idx, scale), fl, fwd_cfgs)
     swa = attn_inputs(4096, 64, 512, 128, 0, 0, False)
-    swa_cfgs = [fwd_cfgs[0], fwd_cfgs[2], fwd_cfgs[3]]
+    swa_cfgs = [fwd_cfgs[0], fwd_cfgs[2]]
     _sweep_fwd(K, sparse_attn_triton, "swa S4096", (*swa, scale), attn_flops(swa[3], 64, 512), swa_cfgs)
     if not backward:
         return
@@ -621,6 +613,28 @@ def _indexer_loss_case(name, S, H, D, W, ratio, topk, eager) -> bool:
         lo.backward()
         return lo
 
+    if (
+        eager
+    ):  # launch-config sweep of the fused forward at the Flash shape, each checked against the reference
+        from csa_kernels.ops.indexer_loss import triton as LK
+
+        for cfg in [
+            (64, 32, 8, 1),
+            (64, 64, 8, 1),
+            (64, 64, 4, 1),
+            (64, 128, 8, 1),
+            (64, 64, 8, 2),
+            (64, 32, 4, 2),
+        ]:
+            LK.FWD_CONFIG_OVERRIDE = cfg
+            try:
+                with torch.no_grad():
+                    _, pr = indexer_loss_triton(q, kv, sink, lse, comp, x, scale)
+                note = "ok" if rel_l2(pr, rper_row) <= 1e-2 else "WRONG"
+                record("sweep", shape, f"loss{cfg}", "fwd", timeit(ours_f), fl, 0.0, note)
+            except Exception as exc:
+                print("  sweep loss", cfg, "failed:", str(exc)[:200])
+        LK.FWD_CONFIG_OVERRIDE = None
     f = record("indexer_loss", shape, "ours", "fwd", timeit(ours_f), fl, peak_extra_gib(ours_f))
     b = record("indexer_loss", shape, "ours", "fwd+bwd", timeit(ours_fb, [xl]), fl, peak_extra_gib(ours_fb))
     if eager:

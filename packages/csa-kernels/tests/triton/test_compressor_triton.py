@@ -70,6 +70,7 @@ CPU_CASES = [
     ([9, 5, 2], 5, 4, False),  # non-overlapping ratio 4
     ([300, 0, 100, 129, 1], 3, 128, False),  # HCA ratio 128: doc shorter than the ratio, one-token tail
     ([13], 4, 3, True),  # ratio not a power of two
+    ([0, 0, 9, 0, 2, 5, 0], 3, 2, True),  # leading / consecutive / trailing empty docs (entry -> doc search)
 ]
 
 

@@ -105,26 +105,28 @@ def test_public_indexer_topk_triton_backend_gradients():
 
 
 def _check_scores(lengths, HI, DI, ratio, device, dtype, extra_cols=0):
-    """indexer_scores(backend='triton') (fused forward, reference backward) vs the reference, values and grads."""
+    """indexer_scores(backend='triton') vs the reference: forward values against fp64; gradients (the backward IS
+    the reference recomputed under autograd) against the reference in the same dtype, because ReLU's kink makes
+    fp32 and fp64 gradients differ wherever a dot product sits within rounding of 0."""
     from csa_kernels.ops.indexer import indexer_scores
 
     q, k, w, cu, cuc = _inputs(lengths, HI, DI, ratio, device, dtype, seed=2)
     need = max((n // ratio for n in lengths), default=0)
     g = torch.randn(sum(lengths), need + extra_cols, generator=torch.Generator().manual_seed(9)).to(device)
     outs = []
-    for backend, dt in (("triton", dtype), ("reference", torch.float64)):
+    for backend, dt in (("triton", dtype), ("reference", dtype), ("reference", torch.float64)):
         leaves = [x.to(dt).clone().requires_grad_() for x in (q, k, w)]
         s = indexer_scores(*leaves, ratio, cu, cuc, max_entries=need + extra_cols, backend=backend)
         torch.where(torch.isfinite(s), s * g.to(s.dtype), 0.0).sum().backward()
         outs.append([s] + [x.grad for x in leaves])
-    (s, *grads), (rs, *rgrads) = outs
+    (s, *grads), (_, *dgrads), (rs, *_) = outs
     assert s.dtype == torch.float32 and s.shape == rs.shape
     assert torch.equal(torch.isfinite(s), torch.isfinite(rs))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     fin = torch.isfinite(rs)
     torch.testing.assert_close(s[fin].double(), rs[fin], atol=tol, rtol=tol)
-    for a, b in zip(grads, rgrads):
-        torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol)
+    for a, b in zip(grads, dgrads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @interpreter_only

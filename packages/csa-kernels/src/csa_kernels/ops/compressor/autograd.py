@@ -9,8 +9,7 @@ from csa_kernels.ops.compressor.reference import (
     _check_pool_inputs,
     compressed_positions,
 )
-from csa_kernels.ops.compressor.triton import compressor_pool_bwd, compressor_pool_fwd, entry_blocks
-from csa_kernels.varlen import compressed_cu_seqlens
+from csa_kernels.ops.compressor.triton import compressed_offsets, compressor_pool_bwd, compressor_pool_fwd
 from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
 
 
@@ -18,18 +17,20 @@ class CompressorPoolTritonFunction(torch.autograd.Function):
     """pooled = pool(kv, score, ape); saves the inputs and recomputes the softmax weights in backward."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, start, blk, ratio, overlap):
+    def forward(ctx, kv, score, ape, cu, cuc, tc, ratio, overlap):
         ape32 = ape.float().contiguous()
-        pooled = compressor_pool_fwd(kv, score, ape32, start, blk, ratio, overlap)
-        ctx.save_for_backward(kv, score, ape32, start, blk)
-        ctx.ratio, ctx.overlap, ctx.ape_dtype = ratio, overlap, ape.dtype
+        pooled = compressor_pool_fwd(kv, score, ape32, cu, cuc, tc, ratio, overlap)
+        ctx.save_for_backward(kv, score, ape32, cu, cuc)
+        ctx.tc, ctx.ratio, ctx.overlap, ctx.ape_dtype = tc, ratio, overlap, ape.dtype
         return pooled
 
     @staticmethod
     def backward(ctx, dpooled):
-        kv, score, ape32, start, blk = ctx.saved_tensors
-        dkv, dscore, dape = compressor_pool_bwd(kv, score, ape32, start, blk, ctx.ratio, ctx.overlap, dpooled)
-        return dkv, dscore, dape.to(ctx.ape_dtype), None, None, None, None
+        kv, score, ape32, cu, cuc = ctx.saved_tensors
+        dkv, dscore, dape = compressor_pool_bwd(
+            kv, score, ape32, cu, cuc, ctx.tc, ctx.ratio, ctx.overlap, dpooled
+        )
+        return dkv, dscore, dape.to(ctx.ape_dtype), None, None, None, None, None
 
 
 def compressor_pool_triton(
@@ -45,12 +46,16 @@ def compressor_pool_triton(
     Same contract and validation; math in fp32 (fp64 inputs are computed in fp32 too), ``pooled [Tc, c]`` fp32,
     differentiable in ``kv``, ``score`` and ``ape`` (gradients in their own dtypes).
     """
-    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens)
-    start, blk = entry_blocks(cu_seqlens, cu, ratio)
+    cu = _check_pool_inputs(
+        kv, score, ape, ratio, overlap, cu_seqlens
+    )  # host list (one sync, as the reference)
+    cuc_list = compressed_offsets(cu, ratio)
+    cuc = torch.tensor(cuc_list, dtype=torch.int32).to(kv.device, non_blocking=True)  # [N+1]
+    cu_dev = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     score = score if score.stride(-1) == 1 else score.contiguous()
-    pooled = CompressorPoolTritonFunction.apply(kv, score, ape, start, blk, ratio, overlap)
-    return pooled, compressed_cu_seqlens(cu_seqlens, ratio)
+    pooled = CompressorPoolTritonFunction.apply(kv, score, ape, cu_dev, cuc, cuc_list[-1], ratio, overlap)
+    return pooled, cuc
 
 
 def compress_triton(

@@ -60,12 +60,28 @@ def _pool_stats(v_own, l_own, v_prev, l_prev, OVERLAP: tl.constexpr):
 
 
 @triton.jit
+def _entry_block(CU, CUC, e, N_DOCS, SEARCH_STEPS):
+    """(first row of entry ``e``'s own block, its block index in the document): binary search of the document
+    ``d`` with ``cu_seqlens_c[d] <= e < cu_seqlens_c[d+1]`` (empty documents never match)."""
+    lo = e * 0  # int scalar
+    hi = lo + N_DOCS - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(CUC + mid) <= e
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    c0 = tl.load(CUC + lo)
+    blk = e - c0
+    return tl.load(CU + lo).to(tl.int64), blk
+
+
+@triton.jit
 def _compressor_pool_kernel(
     KV,
     SCORE,
     APE,
-    START,
-    BLK,
+    CU,
+    CUC,
     OUT,
     DOUT,
     DKV,
@@ -80,6 +96,8 @@ def _compressor_pool_kernel(
     C,
     C_OFF,
     RATIO,
+    N_DOCS,
+    SEARCH_STEPS,
     OVERLAP: tl.constexpr,
     BACKWARD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -87,8 +105,8 @@ def _compressor_pool_kernel(
 ):
     e = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
-    r0 = tl.load(START + e).to(tl.int64)  # first row of the entry's own block
-    w = tl.load(BLK + e)  # block index inside the document (0: no previous half)
+    doc_start, w = _entry_block(CU, CUC, e, N_DOCS, SEARCH_STEPS)  # w = block index (0: no previous half)
+    r0 = doc_start + w * RATIO  # first row of the entry's own block
     offs_m = tl.arange(0, BLOCK_M)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     mm = offs_m < RATIO
@@ -143,22 +161,12 @@ def _compressor_pool_kernel(
             )
 
 
-def entry_blocks(cu_seqlens: torch.Tensor, cu: list[int], ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per compressed entry: ``(first row of its own block [Tc] int32, block index in its document [Tc] int32)``.
-
-    ``cu`` is ``cu_seqlens`` as a host list (already validated); the tensors are built on ``cu_seqlens.device``.
-    """
-    dev = cu_seqlens.device
-    lens_c = [(b - a) // ratio for a, b in itertools.pairwise(cu)]
-    tc = sum(lens_c)
-    cu_t = cu_seqlens.to(torch.int64)
-    n_c = torch.tensor(lens_c, dtype=torch.int64, device=dev)
-    cuc = torch.zeros(len(lens_c) + 1, dtype=torch.int64, device=dev)
-    cuc[1:] = n_c.cumsum(0)
-    doc = torch.repeat_interleave(torch.arange(len(lens_c), device=dev), n_c, output_size=tc)  # [Tc]
-    blk = torch.arange(tc, device=dev) - cuc[doc]
-    start = cu_t[doc] + blk * ratio
-    return start.to(torch.int32), blk.to(torch.int32)
+def compressed_offsets(cu: list[int], ratio: int) -> list[int]:
+    """Host list ``cu_seqlens_c`` from the validated host list ``cu`` (``floor(len_i / ratio)`` entries per doc)."""
+    out = [0]
+    for a, b in itertools.pairwise(cu):
+        out.append(out[-1] + (b - a) // ratio)
+    return out
 
 
 def _config(ratio: int, c: int) -> tuple[int, int, int]:
@@ -170,8 +178,8 @@ def _config(ratio: int, c: int) -> tuple[int, int, int]:
     return block_m, block_c, 4
 
 
-def _launch(kv, score, ape, start, blk, ratio, overlap, out, dout=None, dkv=None, dscore=None, dape=None):
-    tc = start.shape[0]
+def _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=None, dscore=None, dape=None):
+    n_docs = cu.shape[0] - 1
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
     block_m, block_c, warps = _config(ratio, c)
     backward = dout is not None
@@ -180,8 +188,8 @@ def _launch(kv, score, ape, start, blk, ratio, overlap, out, dout=None, dkv=None
         kv,
         score,
         ape,
-        start,
-        blk,
+        cu,
+        cuc,
         dummy,
         dout if backward else dummy,
         dkv if backward else kv,
@@ -196,6 +204,8 @@ def _launch(kv, score, ape, start, blk, ratio, overlap, out, dout=None, dkv=None
         c,
         c if overlap else 0,
         ratio,
+        n_docs,
+        max(1, n_docs).bit_length(),
         OVERLAP=overlap,
         BACKWARD=backward,
         BLOCK_M=block_m,
@@ -204,21 +214,22 @@ def _launch(kv, score, ape, start, blk, ratio, overlap, out, dout=None, dkv=None
     )
 
 
-def compressor_pool_fwd(kv, score, ape, start, blk, ratio: int, overlap: bool) -> torch.Tensor:
-    """``pooled [Tc, c]`` fp32 (inputs contiguous in the channel dim; ``ape`` fp32)."""
+def compressor_pool_fwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool) -> torch.Tensor:
+    """``pooled [Tc, c]`` fp32 (inputs contiguous in the channel dim; ``ape`` fp32; ``cu``, ``cuc`` int32 on the
+    device, ``tc`` their entry count)."""
     check_triton_device(kv, score, ape)
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
-    out = torch.empty((start.shape[0], c), dtype=torch.float32, device=kv.device)
-    if start.shape[0] and c:
-        _launch(kv, score, ape, start, blk, ratio, overlap, out)
+    out = torch.empty((tc, c), dtype=torch.float32, device=kv.device)
+    if tc and c:
+        _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out)
     return out
 
 
-def compressor_pool_bwd(kv, score, ape, start, blk, ratio: int, overlap: bool, dout: torch.Tensor):
+def compressor_pool_bwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool, dout: torch.Tensor):
     """``(dkv [T, Dk] kv.dtype, dscore [T, Dk] score.dtype, dape [ratio, Dk] fp32)``."""
     dkv = torch.zeros_like(kv)
     dscore = torch.zeros_like(score)
     dape = torch.zeros(ape.shape, dtype=torch.float32, device=ape.device)
-    if start.shape[0] and kv.shape[1]:
-        _launch(kv, score, ape, start, blk, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape)
+    if tc and kv.shape[1]:
+        _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape)
     return dkv, dscore, dape

@@ -53,7 +53,6 @@ def _sparse_attn_fwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -62,10 +61,6 @@ def _sparse_attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < H
     mask_d = offs_d < D
-    # SPLIT_D > 1: this program accumulates only its 1/SPLIT_D slice of the output channels (the score GEMM still
-    # spans all of D), so the fp32 accumulator shrinks by SPLIT_D at the price of recomputing the scores.
-    offs_v = tl.program_id(2) * (BLOCK_D // SPLIT_D) + tl.arange(0, BLOCK_D // SPLIT_D)
-    mask_v = offs_v < D
     q = tl.load(
         Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :],
@@ -76,7 +71,7 @@ def _sparse_attn_fwd_kernel(
     cnt = tl.load(CNT + t)
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D // SPLIT_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for start in range(0, cnt, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < cnt
@@ -93,17 +88,7 @@ def _sparse_attn_fwd_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if SPLIT_D == 1:
-            acc = tl.dot(p.to(kv.dtype), kv, acc)
-        else:
-            v = tl.load(
-                KV + idx[:, None] * stride_kvn + offs_v[None, :],
-                mask=valid[:, None] & mask_v[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D // SPLIT_D] (L1 hit: the same rows as kv)
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(kv.dtype), kv, acc)
         m_i = m_new
     sink = tl.load(SINK + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
     m_fin = tl.maximum(m_i, sink)
@@ -111,12 +96,12 @@ def _sparse_attn_fwd_kernel(
     l_fin = l_i * alpha + tl.exp2(sink - m_fin)
     o = acc * (alpha / l_fin)[:, None]
     tl.store(
-        O + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :],
+        O + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
         o.to(O.dtype.element_ty),
-        mask=mask_h[:, None] & mask_v[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
     )
     lse = (m_fin + tl.log2(l_fin)) * 0.6931471805599453
-    tl.store(LSE + t * H + offs_h, lse, mask=mask_h & (tl.program_id(2) == 0))
+    tl.store(LSE + t * H + offs_h, lse, mask=mask_h)
 
 
 @triton.jit
@@ -316,8 +301,6 @@ def compact_indices(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Benchmarks may pin a launch config here: (BLOCK_H, BLOCK_N, num_warps, num_stages) or None for the default.
 FWD_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
-# Output-channel split of the forward on the GPU (1: one program holds the whole [BLOCK_H, D] accumulator).
-FWD_SPLIT_D: int = 1
 BWD_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
 # (BLOCK_N, BLOCK_DC, num_warps, num_stages) of the dkv kernel on the GPU.
 BWD_DKV_CONFIG: tuple[int, int, int, int] = (64, 128, 8, 1)
@@ -360,9 +343,7 @@ def sparse_attn_fwd(
     if T == 0:
         return o, lse
     block_h, block_n, warps, stages = _fwd_config(D, H)
-    bd = next_pow2(D)
-    split = 1 if interpreting() else max(1, min(FWD_SPLIT_D, bd // 64))
-    grid = (T, triton.cdiv(H, block_h), split)
+    grid = (T, triton.cdiv(H, block_h))
     _sparse_attn_fwd_kernel[grid](
         q,
         kv,
@@ -380,10 +361,9 @@ def sparse_attn_fwd(
         H,
         softmax_scale * LOG2E,
         D=D,
-        BLOCK_D=bd,
+        BLOCK_D=next_pow2(D),
         BLOCK_H=block_h,
         BLOCK_N=block_n,
-        SPLIT_D=split,
         UPCAST=interpreting(),
         num_warps=warps,
         num_stages=stages,
