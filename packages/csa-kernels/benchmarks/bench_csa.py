@@ -11,6 +11,10 @@ applies (SWA-only and mask-over-concatenated-KV forms; Flex has no sink, so it c
 and cuDNN SDPA dense causal at d=128 on the same token count (the FA3-class anchor). Columns: median ms (p10/p90),
 useful TFLOP/s (only valid query-key pairs: fwd ``2*H*pairs*(d_qk+d_v)``, bwd 2.5x fwd), % of the measured 804
 TFLOP/s peak (and of the 989 datasheet), peak extra memory, speedup vs eager.
+
+Sections (``--sections``): attention (with ``--sweep``: forward launch configs at V4-Flash and SWA-only, each
+checked against the default's output), indexer (+ top-k), compressor (ratio 4 overlap and ratio 128; GB/s of
+compulsory traffic, memory bound), indexer_loss (V4-Flash / V4-Pro sparse phase, with a launch-config sweep).
 """
 
 from __future__ import annotations
