@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 4096, 8192])
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--max-seq-len", type=int, default=65536, help="stop doubling S here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_flash_smoke: no CUDA device; nothing measured")
@@ -132,6 +133,13 @@ def main() -> None:
     _init()
     model = _model(bf16=True)
     result = {"device": torch.cuda.get_device_name(), "check": _check(model), "fwd_bwd": {}}
+
+    def save() -> None:  # after every measurement, so a run cut short keeps its numbers
+        text = json.dumps(result, indent=2, default=str)
+        for d in (Path(args.out), Path(__file__).parent / "results"):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "flash_smoke.json").write_text(text)
+
     seqs = list(args.seq_lens)
     S = seqs[-1]
     while True:
@@ -141,7 +149,9 @@ def main() -> None:
             except torch.OutOfMemoryError:
                 result["fwd_bwd"][s] = "OOM"
                 torch.cuda.empty_cache()
-        if result["fwd_bwd"][seqs[-1]] == "OOM":
+            print(f"S={s}: {result['fwd_bwd'][s]}", flush=True)
+            save()
+        if result["fwd_bwd"][seqs[-1]] == "OOM" or S * 2 > args.max_seq_len:
             break
         S *= 2
         seqs = [S]
@@ -165,10 +175,7 @@ def main() -> None:
         print(
             f"{s:>7} | {r['tokens_per_s']:>11,.0f} | {100 * r['mfu']:5.1f}% | {r['peak_gib']:>8.1f} | {hf_t} | {hf_m} | {sp}"
         )
-    text = json.dumps(result, indent=2, default=str)
-    for d in (Path(args.out), Path(__file__).parent / "results"):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "flash_smoke.json").write_text(text)
+    save()
 
 
 if __name__ == "__main__":
