@@ -151,7 +151,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             print(f"S={s}: {result['fwd_bwd'][s]}", flush=True)
             save()
-        if result["fwd_bwd"][seqs[-1]] == "OOM" or S * 2 > args.max_seq_len:
+        if result["fwd_bwd"][seqs[-1]] == "OOM" or args.max_seq_len < S * 2:
             break
         S *= 2
         seqs = [S]
