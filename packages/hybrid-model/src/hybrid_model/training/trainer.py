@@ -94,9 +94,10 @@ class Trainer:
     # ------------------------------------------------------------------ construction
     def _build_model_and_optimizer(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+        from dsv4_primitives.precision.megatron import get_megatron_optimizer_keep_fp32
         from hybrid_model._cpu_optimizer_shim import cuda_type_names
         from hybrid_model.model import build_model
 
@@ -133,7 +134,9 @@ class Trainer:
             params_dtype=torch.float32,
         )
         with cuda_type_names():
-            self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+            # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
+            # by the loading template, then shared by all params) — the primitives subclass fixes both
+            self.optimizer = get_megatron_optimizer_keep_fp32(opt_config, [self.model])
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -287,17 +290,55 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state(self, loading: bool):
+    def _rng_layout(self) -> tuple[int, int, int]:
+        ps = self.ps
+        return (
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_data_parallel_world_size(with_context_parallel=True),
+        )
+
+    def _rng_state(self):
+        """This rank's RNG state (CPU generator, CUDA generator + megatron's tracker on GPU) as one ShardedObject
+        at (pp rank, tp rank, dp rank): every rank keeps its own stream across a resume."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        ps = self.ps
+        state = {"cpu": torch.get_rng_state(), "cuda": None, "tracker": None}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+            state["tracker"] = get_cuda_rng_tracker().get_states()
+        offset = (
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_data_parallel_rank(with_context_parallel=True),
+        )
+        return ShardedObject("rng_state", state, self._rng_layout(), offset, replica_id=0)
+
+    def _set_rng_state(self, state: dict) -> None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        torch.set_rng_state(state["cpu"])
+        if torch.cuda.is_available() and state.get("cuda") is not None:
+            torch.cuda.set_rng_state(state["cuda"])
+            get_cuda_rng_tracker().set_states(state["tracker"])
+
+    def _sharded_state(self, loading: bool, *, with_rng: bool = True):
         model_sd = self.model.module.sharded_state_dict()
-        return {
+        state = {
             "model": model_sd,
             "optimizer": self.optimizer.sharded_state_dict(
                 self.model.module.sharded_state_dict(), is_loading=loading, metadata=DISTOPT_FORMAT
             ),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
-            "data": self.batches.state_dict(),
+            "data": self.batches.state_dict(),  # the global iteration (identical on every rank)
+            "rng_layout": list(self._rng_layout()),
         }
+        if with_rng:
+            state["rng_state"] = self._rng_state()
+        return state
 
     def save_checkpoint(self) -> Path:
         from megatron.core import dist_checkpointing
@@ -314,22 +355,26 @@ class Trainer:
         return path
 
     def load_checkpoint(self) -> bool:
+        """Restore model, optimizer (Adam moments + per-param step), LR scheduler, data position and RNG state of
+        ``checkpoints/latest``; ``False`` when there is none. The RNG streams are restored only when the
+        parallel layout (PP, TP, DP) is the saved one."""
         from megatron.core import dist_checkpointing
 
         latest = self.out / "checkpoints" / "latest"
         if not latest.exists():
             return False
         path = self.out / "checkpoints" / latest.read_text().strip()
-        # a fresh optimizer has no Adam state yet; megatron's loader fills dummy states that the load overwrites
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            opt._init_optimizer_states_with_dummy_values()
-        state = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        same_layout = list(common.get("rng_layout", [])) == list(self._rng_layout())
+        state = dist_checkpointing.load(self._sharded_state(loading=True, with_rng=same_layout), str(path))
         self.model.module.load_state_dict(state["model"])
         with torch.no_grad():
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
+        if same_layout:
+            self._set_rng_state(state["rng_state"])
         return True
 
     # ------------------------------------------------------------------ run
