@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dsv4_primitives import (
+    KeepFP32Mixin,
     convert_module_to_dtype_except_fp32_marked,
     fp8_disabled_context,
     is_keep_in_fp32,
@@ -71,6 +72,61 @@ def test_plain_bfloat16_would_cast_marked_tensors():
     """Why the replacement exists: module.bfloat16() (what 0.19.2's Float16Module calls) ignores the mark."""
     blk = _Block().bfloat16()
     assert blk.attn_sink.dtype == torch.bfloat16
+
+
+class _MixinBlock(KeepFP32Mixin, _Block):
+    pass
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half", "to_dtype"])
+def test_mixin_keeps_marked_fp32_through_module_casts(cast):
+    outer = nn.Sequential(
+        _MixinBlock(), nn.Linear(8, 8)
+    )  # parent without the mixin: children handle themselves
+    blk = outer[0]
+    sink, w = blk.attn_sink, blk.proj.weight
+    sink.grad = torch.randn(4)
+    before = {n: t.detach().clone() for n, t in [*blk.named_parameters(), *blk.named_buffers()]}
+    grad0 = sink.grad.clone()
+    half = torch.float16 if cast == "half" else torch.bfloat16
+    if cast == "to_dtype":
+        outer.to(half)
+    else:
+        getattr(outer, cast)()
+    assert blk.attn_sink is sink and is_keep_in_fp32(sink)  # identity (optimizer refs) and mark kept
+    assert sink.dtype == torch.float32 and torch.equal(
+        sink, before["attn_sink"]
+    )  # original values, bit for bit
+    assert sink.grad.dtype == torch.float32 and torch.equal(sink.grad, grad0)
+    assert blk.ape.dtype == torch.float32 and is_keep_in_fp32(blk.ape) and torch.equal(blk.ape, before["ape"])
+    assert w.dtype == half and blk.running.dtype == half and outer[1].weight.dtype == half
+    assert blk.tid2eid.dtype == torch.int64
+
+
+def test_mixin_buffer_marks_survive_device_moves():
+    """A device move replaces buffer tensors; the mixin marks the new ones, so later conversions still see them."""
+    plain, mixed = _Block(), _MixinBlock()
+    for m in (plain, mixed):
+        m._apply(lambda t: t.clone())  # what .to(other_device) does to every tensor (a new object)
+    assert not is_keep_in_fp32(plain.ape)  # the documented loss without the mixin
+    assert is_keep_in_fp32(mixed.ape) and is_keep_in_fp32(mixed.attn_sink)
+    convert_module_to_dtype_except_fp32_marked(mixed, torch.bfloat16)
+    assert mixed.ape.dtype == torch.float32 and mixed.running.dtype == torch.bfloat16
+    moved = _MixinBlock().to("meta", torch.bfloat16)  # device and dtype in one call
+    assert moved.ape.device.type == "meta" and moved.ape.dtype == torch.float32 and is_keep_in_fp32(moved.ape)
+    assert moved.attn_sink.device.type == "meta" and moved.attn_sink.dtype == torch.float32
+    assert moved.proj.weight.dtype == torch.bfloat16
+
+
+def test_mixin_with_replaced_parameters_on_conversion():
+    """Under torch's overwrite_module_params_on_conversion, _apply builds new Parameters: they are marked too."""
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        blk = _MixinBlock().bfloat16()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert blk.attn_sink.dtype == torch.float32 and is_keep_in_fp32(blk.attn_sink)
+    assert blk.proj.weight.dtype == torch.bfloat16
 
 
 def _toy(config):

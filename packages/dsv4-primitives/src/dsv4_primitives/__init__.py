@@ -2,6 +2,7 @@
 
 from dsv4_primitives.precision import (
     KEEP_IN_FP32_ATTR,
+    KeepFP32Mixin,
     convert_module_to_dtype_except_fp32_marked,
     fp8_disabled_context,
     is_keep_in_fp32,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KEEP_IN_FP32_ATTR",
+    "KeepFP32Mixin",
     "RMSNorm",
     "RopeConfig",
     "YarnConfig",

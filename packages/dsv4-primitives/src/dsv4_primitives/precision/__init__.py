@@ -3,6 +3,7 @@
 from dsv4_primitives.precision.fp8 import fp8_disabled_context
 from dsv4_primitives.precision.keep_fp32 import (
     KEEP_IN_FP32_ATTR,
+    KeepFP32Mixin,
     convert_module_to_dtype_except_fp32_marked,
     is_keep_in_fp32,
     mark_keep_in_fp32,
@@ -10,6 +11,7 @@ from dsv4_primitives.precision.keep_fp32 import (
 
 __all__ = [
     "KEEP_IN_FP32_ATTR",
+    "KeepFP32Mixin",
     "convert_module_to_dtype_except_fp32_marked",
     "fp8_disabled_context",
     "is_keep_in_fp32",

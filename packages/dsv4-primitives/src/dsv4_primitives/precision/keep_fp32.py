@@ -6,8 +6,14 @@ marked by setting the attribute ``keep_in_fp32 = True`` on it (the same attribut
 P1, so modules marked here keep working with a later megatron-core).
 
 The mark lives on the tensor object. Parameters keep their object through dtype/device conversions (only ``.data``
-is replaced), buffers do not: ``module.to(device)`` creates new buffer tensors, so mark buffers after moving the
-module (or mark again), then convert the dtype with :func:`convert_module_to_dtype_except_fp32_marked`.
+is replaced), buffers do not: ``nn.Module._apply`` (``.to(device)``, ``.cuda()``, ``.bfloat16()``, ...) puts new
+buffer tensors in place, without the mark. Two ways to convert a model while keeping marked tensors FP32:
+
+- :func:`convert_module_to_dtype_except_fp32_marked` (what ``Float16ModuleKeepFP32`` uses) casts a whole module
+  tree in one call;
+- modules that own marked tensors inherit :class:`KeepFP32Mixin`: then plain ``module.bfloat16()`` / ``.half()`` /
+  ``.to(...)`` (what megatron-core 0.19.2's ``Float16Module`` and user code call) keep them FP32 too, and buffer
+  marks survive device moves (the mixin marks the new buffer tensors again).
 """
 
 from __future__ import annotations
@@ -75,3 +81,46 @@ def convert_module_to_dtype_except_fp32_marked(module: nn.Module, dtype: torch.d
                     mark_keep_in_fp32(new)
                 mod._buffers[name] = new
     return module
+
+
+class KeepFP32Mixin:
+    """Mixin for ``nn.Module`` subclasses owning marked tensors: they stay FP32 (and marked) through ``_apply``.
+
+    Every module conversion (``.to(dtype/device)``, ``.bfloat16()``, ``.half()``, ``.cuda()``, ``.cpu()``) goes
+    through ``nn.Module._apply``, which casts every floating tensor and replaces buffer tensors. For the module's own
+    marked FP32 parameters and buffers, the mixin puts the original FP32 values back after a cast (moved to the new
+    device; a parameter keeps its identity and its gradient stays FP32) and marks replaced tensors again, so buffer
+    marks survive device moves. Children are handled by their own ``_apply``: each module class that owns marked
+    tensors inherits the mixin, listed before the ``nn.Module`` base::
+
+        class CompressedSparseAttention(KeepFP32Mixin, MegatronModule): ...
+    """
+
+    def _apply(self, fn, recurse=True):
+        params = {  # .data aliases: _apply swaps the storage of the param and grad objects in place
+            name: (p.data, None if p.grad is None else p.grad.data)
+            for name, p in self._parameters.items()
+            if p is not None and is_keep_in_fp32(p) and p.dtype == torch.float32
+        }
+        buffers = {
+            name: b
+            for name, b in self._buffers.items()
+            if b is not None and is_keep_in_fp32(b) and b.dtype == torch.float32
+        }
+        module = super()._apply(fn, recurse)
+        for name, (data, grad) in params.items():
+            p = self._parameters[name]
+            if (
+                p.dtype != torch.float32
+            ):  # the cast was lossy: put the original values back, on the new device
+                p.data = data.to(device=p.device)
+                if p.grad is not None:
+                    p.grad = grad.to(device=p.device) if grad is not None else p.grad.float()
+            mark_keep_in_fp32(p)  # a new Parameter object (overwrite_module_params_on_conversion) has no mark
+        for name, old in buffers.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:
+                new = old.to(device=new.device)
+                self._buffers[name] = new
+            mark_keep_in_fp32(new)
+        return module
