@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
 from mhc._dispatch import resolve_backend
-from mhc._fp32 import KeepFP32Mixin, mark_keep_in_fp32
 from mhc.config import MHCConfig
 from mhc.functional import expand_streams, hyper_head, mhc_coefficients, mhc_collapse, mhc_post, mhc_pre
 
