@@ -5,6 +5,7 @@ import pytest
 import torch
 from _moe_setup import EXPERTS, HIDDEN, TOPK, VOCAB, full_weights, load_weights, make_config, tid2eid_table
 
+from dsv4_primitives import is_keep_in_fp32
 from hash_moe import RouterConfig, moe_reference, sequence_balance_loss, topk_route
 from hash_moe.megatron import HashRouter, LearnedTopKRouter, get_dsv4_moe_spec, update_selection_biases
 
@@ -215,6 +216,8 @@ def test_state_dict_holds_table_and_bias(megatron_cpu):
         fresh.load_state_dict(sd)
     # bf16 module conversion keeps the selection bias in fp32
     learned.bfloat16()
+    for buf in (learned.router.e_score_correction_bias, learned.router.local_tokens_per_expert):
+        assert buf.dtype == torch.float32 and is_keep_in_fp32(buf)
     learned(torch.randn(3, 1, HIDDEN, dtype=torch.bfloat16))
     assert learned.router.e_score_correction_bias.dtype == torch.float32
 

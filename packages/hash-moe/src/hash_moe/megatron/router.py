@@ -36,6 +36,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
 from hash_moe.balance import sequence_balance_loss, sequence_ids_from_cu_seqlens, tokens_per_expert
 from hash_moe.hash_table import build_tid2eid_round_robin, validate_tid2eid
 from hash_moe.routing import RouterConfig, RoutingResult, dense_routing, hash_route, topk_route
@@ -192,7 +193,7 @@ class _DSv4Router(Router):
         return self.routing(logits, padding_mask)
 
 
-class LearnedTopKRouter(_DSv4Router):
+class LearnedTopKRouter(KeepFP32Mixin, _DSv4Router):
     """Learned top-k router: ``topk(s + e_score_correction_bias)``, weights from the unbiased ``s``.
 
     Buffers: ``e_score_correction_bias [E]`` fp32 (persistent; kept fp32 under bf16 modules) and
@@ -209,21 +210,15 @@ class LearnedTopKRouter(_DSv4Router):
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         e = self.routing_config.num_experts
         device = self.weight.device
-        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32, device=device))
-        self.register_buffer(
-            "local_tokens_per_expert", torch.zeros(e, dtype=torch.float32, device=device), persistent=False
-        )
+        # fp32 under bf16/fp16 modules (KeepFP32Mixin): bias steps of ~1e-3 and token counts past 256 need it
+        bias = mark_keep_in_fp32(torch.zeros(e, dtype=torch.float32, device=device))
+        self.register_buffer("e_score_correction_bias", bias)
+        loads = mark_keep_in_fp32(torch.zeros(e, dtype=torch.float32, device=device))
+        self.register_buffer("local_tokens_per_expert", loads, persistent=False)
         self.count_loads = bool(config.moe_router_enable_expert_bias)
         self.bias_update_speed = float(config.moe_router_bias_update_rate)
 
-    def _keep_fp32(self) -> None:
-        for name in ("e_score_correction_bias", "local_tokens_per_expert"):
-            buf = getattr(self, name)
-            if buf.dtype != torch.float32:
-                setattr(self, name, buf.float())
-
     def _route(self, logits, valid, s, b):
-        self._keep_fp32()
         return topk_route(
             logits, self.routing_config, selection_bias=self.e_score_correction_bias, valid=valid
         )
@@ -234,10 +229,6 @@ class LearnedTopKRouter(_DSv4Router):
                 self.local_tokens_per_expert += tokens_per_expert(
                     result.experts, self.routing_config.num_experts, result.valid
                 )
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._keep_fp32()
-        return super()._load_from_state_dict(*args, **kwargs)
 
 
 class HashRouter(_DSv4Router):
