@@ -20,10 +20,9 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention._fp32 import KeepFP32Mixin, mark_keep_in_fp32
 from dsv4_attention._kernels import compressed_positions, compressor_pool
 from dsv4_attention._rope import rope
-from dsv4_primitives import RopeConfig
+from dsv4_primitives import KeepFP32Mixin, RopeConfig, mark_keep_in_fp32
 
 
 @dataclass

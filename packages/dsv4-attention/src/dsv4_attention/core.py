@@ -28,7 +28,6 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention._fp32 import KeepFP32Mixin, mark_keep_in_fp32
 from dsv4_attention._kernels import (
     attention_indices,
     indexer_loss,
@@ -38,7 +37,7 @@ from dsv4_attention._kernels import (
 )
 from dsv4_attention.config import LAYER_KINDS, check_compress_ratio
 from dsv4_attention.layout import TokenLayout
-from dsv4_primitives import RopeConfig
+from dsv4_primitives import KeepFP32Mixin, RopeConfig, mark_keep_in_fp32
 
 
 @dataclass
