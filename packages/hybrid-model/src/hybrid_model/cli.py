@@ -1,4 +1,4 @@
-"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``.
+"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``, ``convert`` (:mod:`hybrid_model.hf.cli`).
 
 ``dsv4 train`` with no arguments trains the ``tiny`` preset on the embedded default corpus (CPU, or the GPU when
 present); several processes through ``torchrun`` (gloo on CPU, NCCL on GPU) with ``--pp``/``--ep``.
@@ -30,6 +30,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--ep", type=int)
     p.add_argument("--out", help="output directory (metrics.jsonl, loss.png, tb/, checkpoints/)")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
+    p.add_argument(
+        "--init-from", help="initial weights from a dist checkpoint (iter_XXXXXXX or run dir), any layout"
+    )
     p.add_argument("--save-interval", type=int)
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s (in TFLOP/s) for MFU")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
@@ -131,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dense", action="store_true", help="dense-attention phase (CSA attends every visible entry)"
     )
     p.add_argument("--json", action="store_true")
+    from hybrid_model.hf.cli import add_convert_parser
+
+    add_convert_parser(sub)
     return parser
 
 
@@ -140,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         args = build_parser().parse_args(["train"])
     try:
-        return {"train": _cmd_train, "inspect": _cmd_inspect, "flops": _cmd_flops}[cmd](args)
+        from hybrid_model.hf.cli import run_convert
+
+        commands = {"train": _cmd_train, "inspect": _cmd_inspect, "flops": _cmd_flops, "convert": run_convert}
+        return commands[cmd](args)
     except ValueError as e:
         print(f"dsv4 {cmd}: error: {e}", file=sys.stderr)
         return 2

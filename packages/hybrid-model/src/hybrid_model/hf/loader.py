@@ -1,0 +1,113 @@
+"""``load_hf_checkpoint``: a Hugging Face / official DeepSeek-V4 checkpoint directory -> :class:`DSv4Model` (fp32,
+eval), and the indexer tie rule for logit parity with transformers on CPU (spec §4.2 rule 1, oracle I6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hybrid_model.hf.config_map import model_config_from_hf
+from hybrid_model.hf.io import read_config, read_tensors
+from hybrid_model.hf.runtime import ensure_single_stage_parallel_state
+from hybrid_model.hf.weights import canonicalize, load_official_state_dict
+
+
+def read_official_checkpoint(path: str | Path, *, mtp: bool | None = None):
+    """``(DSv4ModelConfig, official tensors)`` of a checkpoint directory.
+
+    ``mtp``: ``None`` builds the MTP module iff the checkpoint holds ``mtp.*`` tensors (and ``config.json`` asks for
+    one; transformers' ``save_pretrained`` never writes them), ``True`` requires them, ``False`` drops them.
+    """
+    config = read_config(path)
+    official, unknown = canonicalize(read_tensors(path))
+    if unknown:
+        hint = (
+            " (FP8/FP4 scale tensors? dequantize the checkpoint first)"
+            if any(u.endswith("scale") for u in unknown)
+            else ""
+        )
+        raise ValueError(
+            f"{path}: {len(unknown)} tensor(s) are not DeepSeek-V4 model tensors, e.g. {unknown[:6]}{hint}"
+        )
+    has_mtp = any(k.startswith("mtp.") for k in official)
+    wants = int(config.get("num_nextn_predict_layers", config.get("n_mtp_layers", 1)) or 0) > 0
+    if mtp is True and not (has_mtp and wants):
+        raise ValueError(
+            f"{path}: mtp=True but the checkpoint has {'no mtp.* tensors' if not has_mtp else 'num_nextn_predict_layers=0'}"
+        )
+    with_mtp = has_mtp and wants if mtp is None else bool(mtp)
+    if not with_mtp:
+        official = {k: v for k, v in official.items() if not k.startswith("mtp.")}
+    return model_config_from_hf(config, with_mtp=with_mtp, name=Path(path).name), official
+
+
+def build_empty_model(model_config, device: str | torch.device = "cpu"):
+    """A :class:`DSv4Model` of ``model_config`` without weight initialisation (fp32, single stage)."""
+    from hybrid_model.model import build_model
+
+    ensure_single_stage_parallel_state()
+    model = build_model(model_config, perform_initialization=False)
+    return model.to(device=device, dtype=torch.float32)
+
+
+def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, mtp: bool | None = None):
+    """Build our :class:`~hybrid_model.model.DSv4Model` from a DeepSeek-V4 checkpoint directory.
+
+    Args:
+        path: directory with ``config.json`` (transformers, released or official spelling) and safetensors
+            (HF ``save_pretrained`` names, HF module names or official names; see :mod:`hybrid_model.hf.names`).
+        device: where the returned model lives.
+        mtp: MTP module policy (:func:`read_official_checkpoint`).
+    Returns:
+        the model, fp32, in eval mode; ``model.compute_logits(input_ids [B, T]) -> [B, T, V]``.
+    Raises:
+        ValueError: unsupported config fields, missing/extra/misshapen tensors, quantized weights, invalid hash
+            tables.
+
+    Creates a single-process megatron parallel state if none exists (:mod:`hybrid_model.hf.runtime`).
+    """
+    cfg, official = read_official_checkpoint(path, mtp=mtp)
+    model = build_empty_model(cfg, device)
+    load_official_state_dict(model, official)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def hf_cpu_topk_ties(model) -> Iterator[None]:
+    """Inside the block, every CSA lightning indexer of ``model`` picks its top-k with CPU ``torch.topk`` over each
+    query's full masked row (csa-kernels ``indexer_topk_ref(tie_break="torch_topk")``), which is how transformers
+    (and the official code) break exact score ties on CPU. Use it only to reproduce logits computed by transformers
+    on CPU (spec §4.2 rule 1); everywhere else ties go to the lower entry index (rule 2)."""
+    from csa_kernels import indexer_topk_ref
+    from dsv4_attention.indexer import LightningIndexer
+
+    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+
+    def cpu_select(ix):
+        def select(state, cu_seqlens, backend="auto"):
+            dev = state.q.device
+            idx, scores = indexer_topk_ref(
+                state.q.cpu(),
+                state.k.cpu(),
+                state.weights.cpu(),
+                ix.compress_ratio,
+                ix.topk,
+                cu_seqlens.cpu(),
+                state.cu_seqlens_c.cpu(),
+                tie_break="torch_topk",
+            )
+            return idx.to(dev), scores.to(dev)
+
+        return select
+
+    for ix in indexers:
+        ix.select = cpu_select(ix)
+    try:
+        yield
+    finally:
+        for ix in indexers:
+            del ix.select
