@@ -139,9 +139,8 @@ VARIANTS = [
 def _lifecycle(rank, world_size, ckpt_root):
     from megatron.core import dist_checkpointing
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu, dist_ckpt_memory_probe_without_psutil
+    from dsv4_primitives.megatron_cpu import cuda_as_cpu
 
-    dist_ckpt_memory_probe_without_psutil()
     results = {}
     with megatron_cpu_context(), cuda_as_cpu():
         for dist_opt, overrides, sharding in VARIANTS:

@@ -21,10 +21,8 @@ the test fixtures in ``dsv4-testkit``.
    inside :func:`cuda_as_cpu` the first returns a CPU stand-in whose ``wait_event``/``wait_stream``/
    ``synchronize`` do nothing and the second does nothing (CPU work is synchronous). Both are restored on exit.
 
-Not CPU-specific: megatron-core 0.19.2's dist-checkpointing *save* (``FileSystemWriterAsync.write_preloaded_data``)
-calls ``_process_memory()``, which needs ``psutil``, a package megatron-core does not declare (and the workspace
-lock does not hold). :func:`dist_ckpt_memory_probe_without_psutil` replaces that probe (used only for a debug log
-line) by an equivalent RSS reader of ``/proc/self/statm`` when psutil is absent; with psutil it does nothing.
+Not CPU-specific: megatron-core 0.19.2's dist-checkpointing *save* calls ``psutil``, which megatron-core does not
+declare; dsv4-primitives declares it as a dependency.
 """
 
 from __future__ import annotations
@@ -116,19 +114,3 @@ def cuda_as_cpu():
             yield
     finally:
         torch.cuda.current_stream, torch.cuda.synchronize = saved
-
-
-def _rss_bytes_from_proc() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        resident_pages = int(f.read().split()[1])
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def dist_ckpt_memory_probe_without_psutil() -> None:
-    """Let megatron-core dist-checkpointing save without psutil (see the module docstring); idempotent."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not filesystem_async.HAVE_PSUTIL:
-        filesystem_async._process_memory = _rss_bytes_from_proc
