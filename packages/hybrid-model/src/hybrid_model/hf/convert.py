@@ -39,9 +39,9 @@ _CARRIED = (
 
 
 def _dist_ckpt_context():
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu, dist_ckpt_memory_probe_without_psutil
+    """megatron's checkpoint writer synchronises CUDA streams; on CPU that is redirected (a no-op with CUDA)."""
+    from dsv4_primitives.megatron_cpu import cuda_as_cpu
 
-    dist_ckpt_memory_probe_without_psutil()
     return cuda_as_cpu()
 
 

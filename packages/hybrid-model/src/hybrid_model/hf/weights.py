@@ -11,8 +11,6 @@ Hash tables ``ffn.gate.tid2eid`` are int64 in checkpoints and int32 in our route
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from hybrid_model.hf.names import FUSED_DOWN, FUSED_GATE_UP, canonical_name
@@ -82,7 +80,6 @@ _MTP_TOP = {
     "hc_head_base": "mtp.hyper_head.base",
     "hc_head_scale": "mtp.hyper_head.scale",
 }
-_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
 
 def _blocks(model_config) -> list[tuple[str, str, str]]:
@@ -243,9 +240,3 @@ def load_official_state_dict(model, official: dict[str, torch.Tensor], *, strict
             "(config.json and weights disagree?)"
         )
     model.load_state_dict(new, strict=True)
-
-
-def expert_key(name: str) -> tuple[str, int, str] | None:
-    """``(scope, expert, w1|w2|w3)`` of an official routed-expert tensor name, else ``None``."""
-    m = _EXPERT.match(name)
-    return None if m is None else (f"{m.group(1)}.{m.group(2)}", int(m.group(3)), m.group(4))
