@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from _attention_testconfig import tiny_config
 
 from dsv4_attention import DSv4AttentionConfig, IndexerLossAutoScaler, check_compress_ratio
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _attention_reference import params_of, reference_forward
-from conftest import tiny_config
+from _attention_testconfig import tiny_config
 from megatron.core.transformer.spec_utils import build_module
 
 from dsv4_attention import IndexerLossAutoScaler, get_dsv4_attention_spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from _attention_testconfig import tiny_config
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import build_module
 
