@@ -195,6 +195,10 @@ def test_mtp_tensors_load_and_survive_round_trip(megatron_cpu, hf_tiny, tmp_path
     got = official_state_dict(model)
     for k, v in mtp.items():
         assert torch.equal(got[k], v), k
+    ids = hf_tiny[2][:, :40]
+    model.train()
+    assert torch.isfinite(model(ids, None, None, labels=torch.roll(ids, -1, 1))).all()
+    assert torch.isfinite(model.last_mtp_loss)
     with pytest.raises(ValueError, match="mtp=True"):
         load_hf_checkpoint(path, mtp=True)
     assert not hasattr(load_hf_checkpoint(src, mtp=False), "mtp")
@@ -206,6 +210,26 @@ def test_mtp_tensors_load_and_survive_round_trip(megatron_cpu, hf_tiny, tmp_path
     # transformers ignores mtp.* and still loads everything else
     _, info = transformers.DeepseekV4ForCausalLM.from_pretrained(back, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]
+
+
+def test_dsv4_convert_in_a_fresh_process(tmp_path):
+    """The console command as users run it: no parallel state beforehand (created by the command itself)."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(3)
+    hf_model = transformers.DeepseekV4ForCausalLM(_hf_config("rope"))
+    _randomize(hf_model, seed=3)
+    hf_model.save_pretrained(tmp_path / "hf")
+    script = (
+        "import sys; from hybrid_model.cli import main; "
+        "sys.exit(main(['convert', sys.argv[1], sys.argv[2]]) or main(['convert', sys.argv[2], sys.argv[3]]))"
+    )
+    args = [str(tmp_path / d) for d in ("hf", "megatron", "back")]
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    a, b = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _official_name(hf_name: str) -> str:
