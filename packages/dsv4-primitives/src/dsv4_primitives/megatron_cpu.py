@@ -10,12 +10,14 @@ the test fixtures in ``dsv4-testkit``.
    "cuda rng state model-parallel-rng is not added": the tracker is initialised in its inference mode, whose
    ``fork()`` is a null context (dropout then draws from the default CPU generator).
 3. megatron-core's optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``clip_grads``)
-   create scalars with ``device='cuda'``, call ``.cuda()`` on state, and classify params by
-   ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` / ``== 'torch.cuda.FloatTensor'``.
-   :func:`cuda_as_cpu` is a ``TorchFunctionMode`` that, while active and only without CUDA, maps ``device='cuda'``
-   (factory functions and ``Tensor.to``) to the CPU, makes ``Tensor.cuda()`` a no-op and reports CPU tensors'
-   ``Tensor.type()`` with the ``torch.cuda.`` prefix megatron expects. Wrap optimizer construction, ``step()`` and
-   checkpoint save/load in it on CPU. Nothing else about tensor behaviour changes.
+   and pipeline schedules (``total_num_tokens = torch.zeros(..., device="cuda")`` in all three
+   ``forward_backward_*`` functions) create tensors with ``device='cuda'``, call ``.cuda()`` on state, and
+   classify params by ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` /
+   ``== 'torch.cuda.FloatTensor'``. :func:`cuda_as_cpu` is a ``TorchFunctionMode`` that, while active and only
+   without CUDA, maps ``device='cuda'`` (factory functions and ``Tensor.to``) to the CPU, makes ``Tensor.cuda()`` a
+   no-op and reports CPU tensors' ``Tensor.type()`` with the ``torch.cuda.`` prefix megatron expects. Wrap
+   optimizer construction, ``step()``, ``get_forward_backward_func()(...)`` calls and checkpoint save/load in it on
+   CPU. Nothing else about tensor behaviour changes.
 4. ``_ParamAndGradBucketGroup.start_grad_sync`` (DDP) calls ``torch.cuda.current_stream()`` to wait for CUDA-graph
    events, and dist-checkpointing's ``FileSystemWriterAsync.preload_tensors`` calls ``torch.cuda.synchronize()``;
    inside :func:`cuda_as_cpu` the first returns a CPU stand-in whose ``wait_event``/``wait_stream``/
