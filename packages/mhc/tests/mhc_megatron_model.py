@@ -5,9 +5,7 @@ Module-level functions only (``run_distributed`` pickles them into spawned gloo 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import types
 
 import torch
 
@@ -102,42 +100,14 @@ def _forward_step(data_iterator, model):
     return out, loss_func
 
 
-class _TorchOnCPU(types.ModuleType):
-    """``torch`` seen by megatron's schedules, with ``device="cuda"`` allocations redirected to the CPU.
-
-    0.19.2's schedules allocate ``total_num_tokens`` with a literal ``device="cuda"``; this is a CPU-test shim.
-    """
-
-    def __init__(self):
-        super().__init__("torch")
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, **kwargs):
-        if kwargs.get("device") == "cuda" and not torch.cuda.is_available():
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _cpu_schedules():
-    from megatron.core.pipeline_parallel import schedules
-
-    saved = schedules.torch
-    schedules.torch = _TorchOnCPU()
-    try:
-        yield schedules
-    finally:
-        schedules.torch = saved
-
-
 def run_stage(rank: int, world_size: int) -> dict:
-    """One step's forward+backward on ``world_size`` pipeline stages; returns the loss and named grads (numpy).
+    """One step's forward+backward on ``world_size`` pipeline stages; returns the loss and named grads.
 
     Every stage copies its shard out of the same deterministic PP=1 parameter set (:func:`initial_state`).
     """
+    from megatron.core.pipeline_parallel import schedules
+
+    from dsv4_primitives.megatron_cpu import cuda_as_cpu
     from dsv4_testkit import megatron_cpu_context
     from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
@@ -153,7 +123,7 @@ def run_stage(rank: int, world_size: int) -> dict:
             own[name] = _global_name(name, rank * layers_per_stage)
             with torch.no_grad():
                 p.copy_(state[own[name]])
-        with _cpu_schedules() as schedules:
+        with cuda_as_cpu():  # 0.19.2's schedules allocate with a literal device="cuda"
             fb = schedules.get_forward_backward_func()
             kwargs = dict(
                 forward_step_func=_forward_step,
@@ -168,10 +138,7 @@ def run_stage(rank: int, world_size: int) -> dict:
                 kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(STREAMS)
             losses = fb(**kwargs)
         assert ps.get_pipeline_model_parallel_world_size() == pp
-        # numpy, not tensors: torch's shared-memory pickling would outlive the worker
-        grads = {
-            own[n]: p.grad.detach().numpy().copy() for n, p in model.named_parameters() if p.grad is not None
-        }
+        grads = {own[n]: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
         loss = torch.stack([x["lm loss"] for x in losses]).mean().item() if losses else None
         return {"loss": loss, "grads": grads}
 
