@@ -232,6 +232,34 @@ def test_dsv4_convert_in_a_fresh_process(tmp_path):
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_our_checkpoint_exports_to_transformers_with_equal_logits(megatron_cpu, tmp_path):
+    """Export direction: a ``dsv4 train``-style checkpoint of the ``tiny`` preset (randomly initialised by us, MTP
+    included) -> ``dsv4 convert --preset tiny`` -> transformers computes our logits."""
+    from hybrid_model.cli import main
+    from hybrid_model.hf.convert import MODEL_CONFIG_FILE, save_megatron_checkpoint
+    from hybrid_model.model import build_model
+    from hybrid_model.presets import get_preset
+
+    torch.manual_seed(4)
+    model = build_model(get_preset("tiny")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ck = tmp_path / "run" / "checkpoints" / "iter_0000003"
+    save_megatron_checkpoint(model, ck)
+    (ck / MODEL_CONFIG_FILE).unlink()  # as dsv4 train writes it: the model config comes from --preset
+    (ck.parent / "latest").write_text(ck.name)
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--preset", "tiny"]) == 0
+    hf_model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    ids = torch.randint(0, 512, (2, 140), generator=torch.Generator().manual_seed(4))  # one HCA entry
+    with torch.no_grad():
+        ref = hf_model.eval()(ids).logits
+    assert _rel_err(_logits(model, ids), ref) < 1e-5
+
+
 def _official_name(hf_name: str) -> str:
     from hybrid_model.hf import canonical_name
 
