@@ -52,6 +52,30 @@ class DSv4MultiTokenPrediction(MegatronModule):
         self.block = nn.ModuleList(layers)  # [window attention layer, MoE layer]
         self.hyper_head = HyperHead(mhc)
         self.norm = RMSNorm(d, eps=eps, config=config)
+        self.tp_group = pg_collection.tp
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """megatron's default treats the plain ``nn.ModuleList`` :attr:`block` as replicated tensors, which loses
+        the layers' own sharding (experts split over EP): ask every block layer for its sharded state instead."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        out = {}
+        for name, child in self.named_children():
+            subs = (
+                [(f"{name}.{i}.", m) for i, m in enumerate(child)]
+                if name == "block"
+                else [(f"{name}.", child)]
+            )
+            for sub_prefix, module in subs:
+                out.update(
+                    sharded_state_dict_default(
+                        module, prefix + sub_prefix, sharded_offsets, metadata, tp_group=self.tp_group
+                    )
+                )
+        assert not list(self.named_parameters(recurse=False)), (
+            "DSv4MultiTokenPrediction has no own parameters"
+        )
+        return out
 
     @property
     def layers(self) -> tuple:

@@ -14,6 +14,7 @@ class TrainConfig:
     """Training-run settings (CLI flags map 1:1 onto these fields; a JSON/YAML-free ``--config`` file may set any).
 
     ``model_overrides`` changes fields of the preset's :class:`~hybrid_model.config.DSv4ModelConfig`.
+    ``init_from`` initialises the weights from a dist checkpoint (any parallel layout) when not resuming.
     """
 
     preset: str = "tiny"
@@ -39,6 +40,7 @@ class TrainConfig:
     tokenizer: str | None = None
     out: str = "runs/dsv4"
     resume: bool = False
+    init_from: str | None = None
     save_interval: int = 0
     log_interval: int = 1
     peak_tflops: float | None = None

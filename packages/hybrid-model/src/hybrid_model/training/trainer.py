@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsv4_primitives.megatron_cpu import cuda_as_cpu
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.presets import get_preset
 from hybrid_model.training.config import TrainConfig
@@ -104,17 +105,18 @@ class Trainer:
         tc, ps = self.tc, self.ps
         pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         torch.manual_seed(tc.seed)
-        model = build_model(
-            self.model_config,
-            pre_process=pre,
-            post_process=post,
-            pg_collection=self.pg,
-            pipeline_model_parallel_size=tc.pp,
-            expert_model_parallel_size=tc.ep,
-            balance_loss_coeff=tc.balance_loss_coeff,
-            indexer_loss_coeff=tc.indexer_loss_coeff,
-            bf16=tc.bf16,
-        ).to(self.device)
+        with cuda_as_cpu():  # PP + MTP: megatron moves the last stage's embedding copy with .cuda()
+            model = build_model(
+                self.model_config,
+                pre_process=pre,
+                post_process=post,
+                pg_collection=self.pg,
+                pipeline_model_parallel_size=tc.pp,
+                expert_model_parallel_size=tc.ep,
+                balance_loss_coeff=tc.balance_loss_coeff,
+                indexer_loss_coeff=tc.indexer_loss_coeff,
+                bf16=tc.bf16,
+            ).to(self.device)
         self.config = model.config
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
@@ -258,36 +260,48 @@ class Trainer:
         self.scheduler.step(increment=1)
         m: dict = {"step": self.step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
         m["lr"] = self.optimizer.param_groups[0]["lr"]
-        for key in ("lm loss", "mtp loss"):
-            vals = [r[key] for r in reports if key in r]
-            if vals:
-                m[key.replace(" ", "_")] = float(torch.stack([v.float() for v in vals]).mean())
-        m.update(self._aux_losses())
+        m.update(self._reduced_losses(reports, batch.num_microbatches))
         m["skipped"] = not ok
         return m
 
-    def _aux_losses(self) -> dict:
-        out = {}
-        balance = [
-            float(mod.last_balance_loss)
-            for mod in self.model.module.modules()
-            if getattr(mod, "last_balance_loss", None) is not None
-        ]
-        if balance:
-            out["balance_loss"] = sum(balance) / len(balance)
+    _LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
+
+    def _reduced_losses(self, reports: list[dict], num_microbatches: int) -> dict:
+        """The step's losses averaged over every rank that computed them: LM/MTP losses over the DP replicas of the
+        last stage, balance/indexer losses over all MoE/CSA layers of all stages and replicas (one all-reduce of
+        (sum, count) pairs over the world; each rank holds its own stage's layers and its own data)."""
+        local = torch.zeros(2 * len(self._LOSS_KEYS), dtype=torch.float64, device=self.device)
+
+        def add(key: str, values: list[float]) -> None:
+            i = self._LOSS_KEYS.index(key)
+            local[2 * i] += sum(values)
+            local[2 * i + 1] += len(values)
+
+        for key in ("lm loss", "mtp loss"):
+            add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r])
+        # per-layer trackers accumulate one value per micro-batch; layers of other stages stay 0
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
         from dsv4_attention import get_indexer_loss_tracker
 
+        moe_tracker = get_moe_metrics_tracker()
+        entry = moe_tracker.metrics.get("seq_load_balancing_loss")
+        if entry is not None:  # recorded as loss / coeff: report the applied (coefficient-scaled) loss
+            vals = entry.values[entry.values != 0].double() * self.tc.balance_loss_coeff / num_microbatches
+            add("balance_loss", vals.tolist())
+        moe_tracker.clear()
         tracker = get_indexer_loss_tracker()
         vals = getattr(tracker, "values", None)
         if isinstance(vals, torch.Tensor) and vals.numel():
-            nz = vals[vals != 0]
-            if nz.numel():
-                out["indexer_loss"] = float(nz.float().mean())
+            add("indexer_loss", (vals[vals != 0].double() / num_microbatches).tolist())
             tracker.clean()
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        get_moe_metrics_tracker().clear()
-        return out
+        if self.world > 1:
+            dist.all_reduce(local)
+        return {
+            key: float(local[2 * i] / local[2 * i + 1])
+            for i, key in enumerate(self._LOSS_KEYS)
+            if local[2 * i + 1] > 0
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def _rng_layout(self) -> tuple[int, int, int]:
@@ -377,6 +391,25 @@ class Trainer:
             self._set_rng_state(state["rng_state"])
         return True
 
+    def load_model_weights(self, path: str | Path) -> Path:
+        """Initialise the model (weights and buffers only) from the dist checkpoint ``path``: an ``iter_XXXXXXX``
+        directory, or a run directory (its ``checkpoints/latest``). Any PP/EP/DP layout can read a checkpoint
+        written by another (megatron resharding); optimizer, scheduler, data and RNG state start fresh."""
+        from megatron.core import dist_checkpointing
+
+        p = Path(path)
+        if (p / "checkpoints" / "latest").exists():
+            p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
+        if not dist_checkpointing.check_is_distributed_checkpoint(str(p)):
+            raise ValueError(
+                f"--init-from {path}: not a megatron dist checkpoint (give an iter_XXXXXXX directory or a run "
+                "directory with checkpoints/latest)"
+            )
+        state = dist_checkpointing.load({"model": self.model.module.sharded_state_dict()}, str(p))
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
+        return p
+
     # ------------------------------------------------------------------ run
     def _handle_signal(self, signum, frame) -> None:
         self._stop = True
@@ -387,6 +420,8 @@ class Trainer:
 
         tc = self.tc
         resumed = tc.resume and self.load_checkpoint()
+        if not resumed and tc.init_from:
+            self.load_model_weights(tc.init_from)
         outputs = RunOutputs(
             self.out, enabled=self.is_logger, append=resumed, total=tc.steps, progress=tc.progress
         )
