@@ -32,9 +32,8 @@ def _run_cases(group: dist.ProcessGroup, cases: list) -> list:
         grad = None
         if local.requires_grad:
             (out * case["weights"][rank]).sum().backward()
-            grad = local.grad.detach().numpy()
-        # numpy, not tensors: torch's queue pickler shares tensor storage by fd, which dies with the worker
-        results.append((out.detach().numpy(), grad))
+            grad = local.grad.detach()
+        results.append((out.detach(), grad))
     return results
 
 

@@ -70,10 +70,10 @@ def test_contiguous_cp_roll_equals_single_rank(cp, gloo_results):
         if xr.requires_grad:
             (ref * case["weight"]).sum().backward()
         for ranks in groups:
-            got = torch.cat([torch.from_numpy(results[r][cp][i][0]) for r in ranks], dim=dim)
+            got = torch.cat([results[r][cp][i][0] for r in ranks], dim=dim)
             assert torch.equal(got, ref.detach()), f"case {i}: CP={cp} roll differs from the single-rank roll"
             if xr.requires_grad:
-                grad = torch.cat([torch.from_numpy(results[r][cp][i][1]) for r in ranks], dim=dim)
+                grad = torch.cat([results[r][cp][i][1] for r in ranks], dim=dim)
                 assert torch.allclose(grad, xr.grad, rtol=0, atol=1e-12), (
                     f"case {i}: CP={cp} gradient differs"
                 )
