@@ -12,13 +12,9 @@ import os
 import torch
 import triton
 
-from mhc.ops.coefficients_triton import (
-    _coeff_bwd_dx_kernel,
-    _coeff_bwd_kernel,
-    _coeff_fwd_kernel,
-    _dfn_kernel,
-)
+from mhc.ops.coefficients_triton import _coeff_bwd_dx_dfn_kernel, _coeff_bwd_kernel, _coeff_fwd_kernel
 from mhc.ops.mixing_triton import _post_bwd_kernel, _post_fwd_kernel, _pre_bwd_kernel, _pre_fwd_kernel
+from mhc.ops.precision import dot_plan
 
 
 def _interpreting() -> bool:
@@ -29,9 +25,15 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _prec() -> str:
-    # the coefficient GEMMs are tiny (24 columns): TF32 on tensor cores on GPU, exact fp32 in the interpreter
-    return "ieee" if _interpreting() else "tf32"
+def _cfg(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """GPU launch config, overridable for tuning runs: ``MHC_<NAME>_CFG="a,b,c,..."``."""
+    raw = os.environ.get(f"MHC_{name}_CFG")
+    if not raw:
+        return default
+    vals = tuple(int(v) for v in raw.split(","))
+    if len(vals) != len(default):
+        raise ValueError(f"MHC_{name}_CFG={raw!r}: expected {len(default)} comma-separated integers")
+    return vals
 
 
 def _pads(n: int) -> tuple[int, int]:
@@ -56,15 +58,20 @@ def coefficients_fwd(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply
     rstd = torch.empty(t, device=dev, dtype=torch.float32)
     if t == 0:
         return pre, post, comb, out, mix, rstd
-    if _interpreting():
-        bt, bk, bd, warps = 16, min(_pow2(n * d), 1024), min(_pow2(d), 512), 4
+    interp = _interpreting()
+    plan = dot_plan(x.dtype, interp)
+    if interp:
+        bt, bk, bd, warps, stages = 16, min(_pow2(n * d), 1024), min(_pow2(d), 512), 4, 1
     else:
-        bt, bk, bd, warps = 16, 128, 256, 4
+        # BT=64 rows per program: the fn tile [BK, 32] fp32 re-read per K-chunk costs 0.75x the streams' bytes
+        # (3x at BT=16) and 256 programs still fill 132 SMs
+        bt, bk, bd, warps, stages = _cfg("COEFF_FWD", (64, 64, 256, 4, 3))
     _coeff_fwd_kernel[(triton.cdiv(t, bt),)](
         x, fn, scale, base, pre, post, comb, out, mix, rstd,
         t, d, float(norm_eps), float(hc_eps), int(iters),
-        N=n, NP=np_, PW=pw, M=m, HAS_RES=has_res, APPLY=apply,
-        BT=bt, BK=bk, BD=bd, PREC=_prec(), num_warps=warps,
+        N=n, NP=np_, PW=pw, M=m, MP=max(16, _pow2(m)), HAS_RES=has_res, APPLY=apply,
+        BT=bt, BK=bk, BD=bd, SPLIT=plan.fwd_split, PREC=plan.prec, INTERP=interp,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return pre, post, comb, out, mix, rstd
 
@@ -93,32 +100,31 @@ def coefficients_bwd(
     dout = dout.contiguous() if apply else mix.new_empty(0)
     dz = torch.empty(t, m, device=dev, dtype=f32)
     dmix = torch.empty(t, m, device=dev, dtype=f32)
+    c = torch.empty(t, device=dev, dtype=f32)
     interp = _interpreting()
+    plan = dot_plan(x.dtype, interp)
     bt, bd = (16, min(_pow2(d), 512)) if interp else (16, 256)
     _coeff_bwd_kernel[(triton.cdiv(t, bt),)](
-        x, dout, pre, dpre, dpost, dcomb, mix, scale, base, dz, dmix,
+        x, dout, pre, dpre, dpost, dcomb, mix, scale, base, dz, dmix, rstd, c,
         t, d, float(hc_eps), int(iters),
         N=n, NP=np_, PW=pw, M=m, HAS_RES=has_res, APPLY=apply, HAS_DPRE=has_dpre,
         BT=bt, BD=bd, num_warps=4,
     )  # fmt: skip
+    # dX and dfn in one pass over X: programs = (column chunk, token range); dfn partials reduced here
     dx = torch.empty_like(x)
-    bt, bd = (16, min(_pow2(d), 512)) if interp else (16, 128)
-    _coeff_bwd_dx_kernel[(triton.cdiv(t, bt),)](
-        x, dout, pre, dmix, mix, rstd, fn, dx, t, d,
-        N=n, M=m, MP=mp, APPLY=apply, BT=bt, BD=bd, PREC=_prec(), num_warps=4,
-    )  # fmt: skip
-    # dfn = Σ_t (rstd·dmix)ᵀ X, split over tokens for parallelism, partials reduced here
     if interp:
-        bt, bk, split = 16, min(_pow2(k), 1024), 1
+        bt, bk, split, warps, stages = 16, min(_pow2(k), 1024), 1, 4, 1
     else:
-        bt, bk = 32, 64
-        split = max(1, min(triton.cdiv(t, 256), triton.cdiv(4 * 132, triton.cdiv(k, bk))))
+        bt, bk, warps, stages = _cfg("COEFF_BWD", (32, 128, 4, 3))
+        split = max(1, min(triton.cdiv(t, 512), triton.cdiv(4 * 132, triton.cdiv(k, bk))))
     rows_per_split = triton.cdiv(triton.cdiv(t, split), bt) * bt
     split = triton.cdiv(t, rows_per_split)
     part = torch.empty(split, m, k, device=dev, dtype=f32)
-    _dfn_kernel[(triton.cdiv(k, bk), split)](
-        x, dmix, rstd, part, t, k, rows_per_split, M=m, MP=mp, BT=bt, BK=bk, PREC=_prec(), num_warps=4
-    )
+    _coeff_bwd_dx_dfn_kernel[(triton.cdiv(k, bk), split)](
+        x, dout, pre, dmix, c, rstd, fn, dx, part, t, d, rows_per_split,
+        N=n, M=m, MP=mp, APPLY=apply, BT=bt, BK=bk, SPLIT=plan.dfn_split, PREC=plan.prec, INTERP=interp,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     dfn = part.sum(0) if split > 1 else part[0]
     # the gate pre-activation is u = α_g · mix + base:  dbase = Σ_t du,  dα_g = Σ_t Σ_{c in g} du · mix
     dbase = dz.sum(0)

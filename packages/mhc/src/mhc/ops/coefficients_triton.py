@@ -121,7 +121,9 @@ def _coeff_fwd_kernel(
     rstd = 1.0 / tl.sqrt(sumsq / K + norm_eps)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
     # mix goes to memory (saved for backward) and is read back per group in the layouts the gates need
-    tl.store(mix_ptr + rows[:, None] * M + cm[None, :], acc * rstd[:, None], mask=rmask[:, None] & cm_ok[None, :])
+    tl.store(
+        mix_ptr + rows[:, None] * M + cm[None, :], acc * rstd[:, None], mask=rmask[:, None] & cm_ok[None, :]
+    )
     tl.debug_barrier()
 
     cp = tl.arange(0, PW)  # pre / post column
@@ -293,7 +295,9 @@ def _coeff_bwd_dx_dfn_kernel(
     kmask = kk < K
     cm = tl.arange(0, MP)
     cm_ok = cm < M
-    w = tl.load(fn_ptr + cm[:, None] * K + kk[None, :], mask=cm_ok[:, None] & kmask[None, :], other=0.0)  # [MP, BK]
+    w = tl.load(
+        fn_ptr + cm[:, None] * K + kk[None, :], mask=cm_ok[:, None] & kmask[None, :], other=0.0
+    )  # [MP, BK]
     if APPLY:
         si = kk // D  # stream of each column
         dcol = kk - si * D
@@ -304,7 +308,9 @@ def _coeff_bwd_dx_dfn_kernel(
         rows = (t_start + local).to(tl.int64)
         rmask = (rows < T) & (local < rows_per_split)
         m2 = rmask[:, None] & kmask[None, :]
-        dmix = tl.load(dmix_ptr + rows[:, None] * M + cm[None, :], mask=rmask[:, None] & cm_ok[None, :], other=0.0)
+        dmix = tl.load(
+            dmix_ptr + rows[:, None] * M + cm[None, :], mask=rmask[:, None] & cm_ok[None, :], other=0.0
+        )
         rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
         c = tl.load(c_ptr + rows, mask=rmask, other=0.0)
         xt = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=m2, other=0.0)  # [BT, BK]
