@@ -160,6 +160,7 @@ def _set(path: str, value):
         (_set("model_type", "deepseek_v3"), "model_type"),
         (_set("n_group", 8), "group-limited"),
         (_set("hidden_act", "gelu"), "silu"),
+        (_set("sliding_window", None), "sliding_window"),
         (_set("layer_types", ["sliding_attention"] * 3), "schedule has 3 entries"),
     ],
 )

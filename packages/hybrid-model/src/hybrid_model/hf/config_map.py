@@ -94,6 +94,10 @@ def _check_unsupported(c: dict[str, Any]) -> None:
         not c.get("attention_dropout", 0.0),
         f"attention_dropout={c.get('attention_dropout')} (DSv4 attention has no dropout; set 0.0)",
     )
+    _require(
+        "sliding_window" not in c or c["sliding_window"] is not None,
+        "sliding_window=null (every DSv4 attention layer has the window branch; give its size, e.g. 128)",
+    )
     q = c.get("quantization_config")
     _require(
         q is None,
