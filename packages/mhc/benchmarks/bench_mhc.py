@@ -10,6 +10,11 @@ bf16 (``--dtype``), parameters fp32. Ops, forward and backward:
 - ``coeff``: coefficients alone (RMS + projection + Sinkhorn; ours is the same fused kernel without the collapse)
 - ``sinkhorn``: the 4x4 Sinkhorn alone on [T, 4, 4] logits (baselines only: ours is fused into ``pre``/``coeff``)
 
+``pre`` and ``coeff`` (ours) are measured under every coefficient dot precision (``MHC_DOT_PRECISION``:
+bf16split, tf32x3, tf32, ieee; see ``mhc/ops/precision.py``) side by side, each after its own accuracy check:
+max relative error of mix / pre / post / comb / x_in and of the gradients dX / dfn / dscale / dbase vs the float64
+reference on the same inputs (the fp32 eager reference is printed as the yardstick).
+
 Bandwidth = minimum bytes (every input read once, every output written once) / time, and % of the measured
 4.27 TB/s device-to-device copy of the H200. Correctness is checked against the fp32 reference first.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -98,20 +104,82 @@ def main() -> int:
     ours_post = lambda f, x, p, c: mhc_post(f, x, p, c, backend="triton")
     ref_sk = lambda z: sinkhorn_ref(z, it, 1e-6)
 
-    # ---- correctness first (vs the fp32 reference on the same inputs)
+    # ---- correctness first: every precision mode (and the fp32 eager reference) vs float64
+    from mhc.ops.autograd import coefficients_fwd
+    from mhc.ops.precision import DEFAULT, ENV, MODES
+
+    ts = min(T, 2048)
+    xs = x[:ts]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    dys = [  # exact in bf16 so every implementation sees the same output grads
+        torch.randn(ts, d, device=dev, generator=gen).to(dt).float(),
+        torch.randn(ts, n, device=dev, generator=gen).to(dt).float(),
+        torch.randn(ts, n, n, device=dev, generator=gen).to(dt).float(),
+    ]
+
+    def rel(a, b):
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+    def pre_with_grads(f_, dtype_x, dtype_p):
+        ins = [
+            _leaf(xs.to(dtype_x)),
+            _leaf(fn.to(dtype_p)),
+            _leaf(scale.to(dtype_p)),
+            _leaf(base.to(dtype_p)),
+        ]
+        outs = f_(*ins)
+        loss = sum((o.double() * g.double()).sum() for o, g in zip(outs, dys))
+        grads = torch.autograd.grad(loss, ins)
+        return [o.detach() for o in outs], grads
+
+    f64 = torch.float64
+    truth_out, truth_g = pre_with_grads(ref_pre, f64, f64)
+    xd = xs.double().reshape(ts, -1)
+    truth_mix = (xd @ fn.double().T) * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    truth_pre = mhc_coefficients_ref(
+        xs.double(), fn.double(), scale.double(), base.double(), sinkhorn_iters=it
+    )[0]
+
+    def check(label, outs, grads, mix, pre):
+        c = {"mix": rel(mix, truth_mix), "pre": rel(pre, truth_pre)}
+        for k_, a, b in zip(("x_in", "post", "comb"), outs, truth_out):
+            c[k_] = rel(a, b)
+        for k_, a, b in zip(("dX", "dfn", "dscale", "dbase"), grads, truth_g):
+            c[k_] = rel(a, b)
+        checks[label] = c
+
     checks = {}
+    ref_outs, ref_g = pre_with_grads(ref_pre, dt, torch.float32)  # the fp32 reference (streams in dt)
     with torch.no_grad():
-        xs = x[:2048]
-        a, b_ = ours_pre(xs, fn, scale, base), ref_pre(xs.float(), fn, scale, base)
-        checks["pre.x_in"] = (a[0].float() - b_[0]).abs().max().item() / max(b_[0].abs().max().item(), 1e-9)
-        checks["pre.comb"] = (a[2] - b_[2]).abs().max().item()
-        o = ours_post(f[:2048], xs, post[:2048], comb[:2048])
-        r = mhc_post_ref(f[:2048].float(), xs.float(), post[:2048], comb[:2048])
-        checks["post"] = (o.float() - r).abs().max().item() / max(r.abs().max().item(), 1e-9)
-    bad = {k: v for k, v in checks.items() if not v < 2e-2}
-    print("correctness (max rel err vs fp32 reference):", {k: f"{v:.2e}" for k, v in checks.items()})
-    if bad:
-        print(f"bench_mhc: correctness check FAILED: {bad}")
+        xr = xs.float().reshape(ts, -1)
+        ref_mix = (xr @ fn.T) * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6)
+        ref_pre_c = mhc_coefficients_ref(xs.float(), fn, scale, base, sinkhorn_iters=it)[0]
+    check("fp32-ref", ref_outs, ref_g, ref_mix, ref_pre_c)
+    modes_ok = []
+    for mode in MODES:
+        os.environ[ENV] = mode
+        try:
+            outs, grads = pre_with_grads(ours_pre, dt, torch.float32)
+            with torch.no_grad():
+                pre_k, *_, mix_k, _ = coefficients_fwd(xs, fn, scale, base, it, 1e-6, 1e-6, True, False, dt)
+            check(mode, outs, grads, mix_k, pre_k)
+            if mode == "tf32" or all(v < 2e-2 for v in checks[mode].values()):
+                modes_ok.append(mode)
+        except Exception as e:  # one mode failing to compile must not hide the others
+            print(f"  precision {mode}: failed: {type(e).__name__}: {e}")
+    os.environ[ENV] = DEFAULT
+    cols = list(next(iter(checks.values())))
+    print("correctness: max rel err vs float64 reference (outputs | grads of mhc_pre)")
+    print(f"{'impl':<10}" + "".join(f"{c_:>9}" for c_ in cols))
+    for label, c in checks.items():
+        print(f"{label:<10}" + "".join(f"{c[c_]:9.1e}" for c_ in cols))
+    with torch.no_grad():
+        o = ours_post(f[:ts], xs, post[:ts], comb[:ts])
+        r = mhc_post_ref(f[:ts].float(), xs.float(), post[:ts], comb[:ts])
+        checks["post"] = {"out": rel(o.float(), r)}
+    print(f"post: {checks['post']['out']:.1e}")
+    if DEFAULT not in modes_ok or checks["post"]["out"] > 2e-2:
+        print(f"bench_mhc: correctness check FAILED for the default ({DEFAULT}) or post")
         return 1
 
     def compiled(fn_):
@@ -123,7 +191,7 @@ def main() -> int:
     cases = {
         # name: (impls {label: fn}, input builder, fwd bytes, bwd bytes)
         "pre": (
-            {"ours": ours_pre, "eager": ref_pre, "compile": compiled(ref_pre)},
+            {**{m_: ours_pre for m_ in modes_ok}, "eager": ref_pre, "compile": compiled(ref_pre)},
             lambda: [_leaf(x), _leaf(fn), _leaf(scale), _leaf(base)],
             x_b + h_b + coef_b,  # read X, write x_in (+ post/comb)
             2 * x_b + h_b + coef_b,  # read X and dx_in (+ dpost/dcomb), write dX
@@ -135,7 +203,7 @@ def main() -> int:
             3 * x_b + 2 * h_b + 2 * coef_b,  # read dX', X, F; write dX, dF, dpost, dcomb
         ),
         "coeff": (
-            {"ours": ours_coeff, "eager": ref_coeff, "compile": compiled(ref_coeff)},
+            {**{m_: ours_coeff for m_ in modes_ok}, "eager": ref_coeff, "compile": compiled(ref_coeff)},
             lambda: [_leaf(x), _leaf(fn), _leaf(scale), _leaf(base)],
             x_b + coef_b,
             2 * x_b + coef_b,  # read X (twice is not minimal: once), write dX
@@ -152,6 +220,8 @@ def main() -> int:
         for label, impl in impls.items():
             if impl is None:
                 continue
+            if label in MODES:
+                os.environ[ENV] = label
             try:
                 inp = make()
                 with torch.no_grad():
@@ -160,12 +230,15 @@ def main() -> int:
             except Exception as e:  # a baseline failing (e.g. compile OOM) must not hide the others
                 print(f"  {name}/{label}: failed: {type(e).__name__}: {e}")
                 continue
+            finally:
+                os.environ[ENV] = DEFAULT
             for phase, t, nbytes in (("fwd", t_f, fwd_b), ("bwd", t_b, bwd_b)):
                 gbs = nbytes / (t * 1e-3) / 1e9
                 rows.append(
                     dict(
                         op=name,
-                        impl=label,
+                        impl="ours" if label in MODES else label,
+                        precision=label if label in MODES else None,
                         phase=phase,
                         ms=t,
                         gb_s=gbs,
@@ -178,14 +251,20 @@ def main() -> int:
     print(
         f"\nmHC  T={T} n={n} d={d} iters={it} streams={args.dtype}  (GB/s of minimum bytes; % of 4.27 TB/s)"
     )
-    print(f"{'op':<9}{'phase':<6}" + "".join(f"{lbl:>24}" for lbl in ("ours", "eager", "compile")))
+    labels = [m_ for m_ in MODES if m_ in modes_ok] + ["ours", "eager", "compile"]
+    print(f"ours = default precision ({DEFAULT}) for pre/coeff; post has no GEMM")
+    print(f"{'op':<9}{'phase':<6}" + "".join(f"{lbl:>24}" for lbl in labels))
     for name in cases:
         for phase in ("fwd", "bwd"):
             cells = []
-            for lbl in ("ours", "eager", "compile"):
-                r = next(
-                    (r for r in rows if r["op"] == name and r["impl"] == lbl and r["phase"] == phase), None
-                )
+            for lbl in labels:
+                if lbl == "ours" and name in ("pre", "coeff"):
+                    pick = lambda r: r["precision"] == DEFAULT
+                elif lbl in MODES:
+                    pick = lambda r, lbl=lbl: r["precision"] == lbl
+                else:
+                    pick = lambda r, lbl=lbl: r["impl"] == lbl and r["precision"] is None
+                r = next((r for r in rows if r["op"] == name and r["phase"] == phase and pick(r)), None)
                 cells.append(
                     f"{r['ms']:8.3f} ms {r['gb_s']:6.0f} {r['pct_hbm']:4.0f}%" if r else f"{'-':>24}"
                 )
@@ -199,6 +278,7 @@ def main() -> int:
         torch=torch.__version__,
         python=platform.python_version(),
         time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        default_precision=DEFAULT,
         correctness=checks,
         rows=rows,
     )
