@@ -62,7 +62,8 @@ class _HFLikeConfig(SimpleNamespace):
     ],
 )
 def test_yarn_matches_hf_transformers(rope_dim, base, factor, orig):
-    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import modeling_rope_utils as rope_utils
+
     cfg = _HFLikeConfig(
         head_dim=rope_dim,
         hidden_size=rope_dim,
