@@ -1,6 +1,9 @@
-"""Shared builders for the megatron-level tests (tiny DSv4 MoE configs and a full fp64 weight set)."""
+"""Shared builders for the megatron-level tests (tiny DSv4 MoE configs, a full fp64 weight set, the fp64 layer
+reference) and the CPU stand-in for the all-to-all dispatcher's CUDA side stream."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -71,3 +74,98 @@ def tid2eid_table() -> torch.Tensor:
 
     counts = torch.arange(VOCAB, dtype=torch.float64) % 7 + 1
     return build_tid2eid_balanced(counts, EXPERTS, TOPK, seed=3)
+
+
+def ref_leaves(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fresh leaf tensors (requires_grad) of the reference's parameters, from :func:`full_weights`' set."""
+    leaves = {
+        "gate": w["gate"],
+        "gate_up": w["gate_up"],
+        "down": w["down"],
+        "shared_gate_up": torch.cat([w["shared_gate"], w["shared_up"]]),
+        "shared_down": w["shared_down"],
+    }
+    return {k: v.clone().requires_grad_() for k, v in leaves.items()}
+
+
+def layer_reference(x_sbh, ids_bs, pad_bs, w, leaves, hash_routing, limit=0.5):
+    """:func:`hash_moe.moe_reference` of a whole layer on megatron's ``[S, B, H]`` input (ids / padding ``[B, S]``)."""
+    from hash_moe import RouterConfig, moe_reference
+
+    s, b, h = x_sbh.shape
+    u = x_sbh.reshape(s * b, h)  # megatron's [S, B] token order
+    return moe_reference(
+        u,
+        gate_weight=leaves["gate"],
+        expert_gate_up=leaves["gate_up"],
+        expert_down=leaves["down"],
+        cfg=RouterConfig(num_experts=EXPERTS, topk=TOPK, routed_scaling_factor=1.5),
+        limit=limit,
+        shared_gate_up=leaves["shared_gate_up"],
+        shared_down=leaves["shared_down"],
+        selection_bias=None if hash_routing else w["bias"],
+        token_ids=ids_bs.t().reshape(-1),
+        tid2eid=tid2eid_table() if hash_routing else None,
+        valid=None if pad_bs is None else ~pad_bs.t().reshape(-1),
+    ).reshape(s, b, h)
+
+
+class _CpuSideStream:
+    """Stand-in for the all-to-all dispatcher's device-to-host side stream and its event, on CPU.
+
+    megatron's ``MoEAlltoAllTokenDispatcher`` creates ``torch.cuda.Stream()`` once per process (a class attribute)
+    and, at its D2H point, calls ``stream.wait_stream``, enters ``torch.cuda.stream(stream)``, records an event and
+    later ``event.synchronize()``. CPU ops are synchronous, so each of these is a no-op here.
+    """
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> _CpuSideStream:
+        return self  # the "event"; its synchronize() is a no-op
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def alltoall_dispatcher_on_cpu():
+    """Run megatron-core 0.19.2's ``alltoall`` token dispatcher on CPU (test-only; a null context with CUDA).
+
+    ``dsv4_primitives.megatron_cpu.cuda_as_cpu`` already stands in for ``torch.cuda.current_stream``; this adds:
+
+    1. the dispatcher's side stream, preset as the class attribute (so ``__init__`` never calls
+       ``torch.cuda.Stream()``), and ``torch.cuda.stream(<that stand-in>)`` as a null context;
+    2. the device-to-host copy ``maybe_move_tensor_to_cpu(t, as_numpy=True)``: on GPU it turns the all-to-all split
+       sizes into numpy arrays (which ``all_to_all_single`` accepts as sequences); for a tensor already on the CPU
+       megatron returns the tensor itself, which gloo's ``alltoall_base`` rejects. Here CPU tensors get the same
+       numpy conversion.
+
+    Everything is restored on exit. The dispatcher's real logic (counts, splits, permutation, all-to-all over gloo,
+    chunk sort, unpermute) runs unchanged.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+
+    side = _CpuSideStream()
+    cls = td.MoEAlltoAllTokenDispatcher
+    saved = cls.__dict__["cuda_dtoh_stream"], torch.cuda.stream, td.maybe_move_tensor_to_cpu
+    move = saved[2]
+
+    def move_to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()  # what the GPU path returns after its copy
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    cls.cuda_dtoh_stream = side
+    torch.cuda.stream = lambda s: contextlib.nullcontext() if s is side else saved[1](s)
+    td.maybe_move_tensor_to_cpu = move_to_host
+    try:
+        with cuda_as_cpu():
+            yield
+    finally:
+        cls.cuda_dtoh_stream, torch.cuda.stream, td.maybe_move_tensor_to_cpu = saved

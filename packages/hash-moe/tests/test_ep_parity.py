@@ -1,12 +1,25 @@
 """EP=2 equals EP=1 over gloo: outputs and every gradient, with uneven token counts per rank and padding tokens,
-for a learned and a hash-routed layer; plus the data-parallel reductions (bias step, split balance loss)."""
+for a learned and a hash-routed layer, through megatron's all-gather and all-to-all dispatchers (the latter with the
+CPU stand-in for its CUDA side stream, see ``_moe_setup``); plus the data-parallel reductions (bias step, split
+balance loss)."""
 
 import pytest
 import torch
-from _moe_setup import EXPERTS, HIDDEN, VOCAB, full_weights, load_weights, make_config, tid2eid_table
+from _moe_setup import (
+    EXPERTS,
+    HIDDEN,
+    TOPK,
+    VOCAB,
+    alltoall_dispatcher_on_cpu,
+    full_weights,
+    load_weights,
+    make_config,
+    tid2eid_table,
+)
 
 # rank 0: 7 tokens in one sequence; rank 1: 2 sequences of 3 with 2 padding tokens (uneven, dispatch pads to 64)
 SHAPES = [(7, 1), (3, 2)]
+DISPATCHERS = ("allgather", "alltoall")
 NAMES = ("out", "dx", "dgate", "dgate_up", "ddown", "dshared_gate", "dshared_down", "loads")
 
 
@@ -22,13 +35,14 @@ def _batch(rank):
     return x, ids, pad, grad
 
 
-def _layer(hash_routing, ep, local_experts):
+def _layer(hash_routing, ep, local_experts, dispatcher="allgather"):
     from hash_moe.megatron import get_dsv4_moe_spec
 
     spec = get_dsv4_moe_spec(
         hash_routing=hash_routing, vocab_size=VOCAB, tid2eid=tid2eid_table() if hash_routing else None
     )
-    layer = spec(config=make_config(ep=ep), pg_collection=None, is_mtp_layer=False)
+    cfg = make_config(ep=ep, moe_token_dispatcher_type=dispatcher)
+    layer = spec(config=cfg, pg_collection=None, is_mtp_layer=False)
     load_weights(layer, full_weights(), local_experts)
     return layer.train()
 
@@ -61,19 +75,21 @@ def _ep2_worker(rank, world_size):
     from hash_moe.megatron import update_selection_biases
 
     out = {}
-    with megatron_cpu_context(ep=2):
-        for hash_routing in (False, True):
-            layer = _layer(hash_routing, 2, [2 * rank, 2 * rank + 1])
-            assert layer.experts.num_local_experts == 2
-            res = _step(layer, rank)
-            assert tuple(layer.token_dispatcher.hidden_shape) == (
-                64,
-                HIDDEN,
-            )  # both ranks padded to the alignment
-            if not hash_routing:
-                update_selection_biases(layer, group=dist.group.WORLD)
-                res["bias"] = layer.router.e_score_correction_bias.clone()
-            out[hash_routing] = res
+    with megatron_cpu_context(ep=2), alltoall_dispatcher_on_cpu():
+        for dispatcher in DISPATCHERS:
+            for hash_routing in (False, True):
+                layer = _layer(hash_routing, 2, [2 * rank, 2 * rank + 1], dispatcher)
+                assert layer.experts.num_local_experts == 2
+                res = _step(layer, rank)
+                if dispatcher == "allgather":  # both ranks padded to the alignment
+                    assert tuple(layer.token_dispatcher.hidden_shape) == (64, HIDDEN)
+                else:  # uneven counts as they are; rank 1's padding tokens are not sent
+                    assert layer.token_dispatcher.hidden_shape[:-1].numel() == (7, 6)[rank]
+                    assert int(layer.token_dispatcher.num_out_tokens) == (7, 4)[rank] * TOPK
+                if not hash_routing:
+                    update_selection_biases(layer, group=dist.group.WORLD)
+                    res["bias"] = layer.router.e_score_correction_bias.clone()
+                out[dispatcher, hash_routing] = res
     # the plain functions with an explicit group: bias step and a sequence split over two ranks
     local = [torch.tensor([4.0, 0.0, 1.0, 1.0]), torch.tensor([0.0, 2.0, 1.0, 3.0])][rank]
     bias = torch.full((4,), 0.5)
@@ -93,20 +109,22 @@ def test_ep2_equals_ep1_outputs_and_gradients(megatron_cpu):
     from dsv4_testkit import run_distributed
 
     ep2 = run_distributed(_ep2_worker, 2)
-    for hash_routing in (False, True):
+    for dispatcher, hash_routing in ((d, h) for d in DISPATCHERS for h in (False, True)):
         ref = [_step(_layer(hash_routing, 1, list(range(EXPERTS))), r) for r in range(2)]
         loads_sum = ref[0]["loads"] + ref[1]["loads"]
         for rank in range(2):
-            got = ep2[rank][hash_routing]
+            got = ep2[rank][dispatcher, hash_routing]
             mine = slice(2 * rank, 2 * rank + 2)
             for name in ("out", "dx", "dgate", "dshared_gate", "dshared_down", "loads"):
                 torch.testing.assert_close(
-                    got[name], ref[rank][name], rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank}"
+                    got[name], ref[rank][name], rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank} {dispatcher}"
                 )
             # experts see the tokens of both ranks: their gradients are the EP=1 sums over both batches
             for name in ("dgate_up", "ddown"):
                 want = (ref[0][name] + ref[1][name])[mine]
-                torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank}")
+                torch.testing.assert_close(
+                    got[name], want, rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank} {dispatcher}"
+                )
             if not hash_routing:
                 step = torch.sign(loads_sum.mean() - loads_sum) * 1e-3
                 want_bias = full_weights()["bias"] + step.float()

@@ -3,10 +3,21 @@ padding never dispatched, token-id threading, balance loss, bias step, state dic
 
 import pytest
 import torch
-from _moe_setup import EXPERTS, HIDDEN, TOPK, VOCAB, full_weights, load_weights, make_config, tid2eid_table
+from _moe_setup import (
+    EXPERTS,
+    HIDDEN,
+    TOPK,
+    VOCAB,
+    full_weights,
+    layer_reference,
+    load_weights,
+    make_config,
+    ref_leaves,
+    tid2eid_table,
+)
 
 from dsv4_primitives import is_keep_in_fp32
-from hash_moe import RouterConfig, moe_reference, sequence_balance_loss, topk_route
+from hash_moe import RouterConfig, sequence_balance_loss, topk_route
 from hash_moe.megatron import HashRouter, LearnedTopKRouter, get_dsv4_moe_spec, update_selection_biases
 
 RC = RouterConfig(num_experts=EXPERTS, topk=TOPK, routed_scaling_factor=1.5)
@@ -21,36 +32,6 @@ def _build(hash_routing, **cfg_kw):
     w = full_weights()
     load_weights(layer, w, list(range(EXPERTS)))
     return layer, w
-
-
-def _ref_leaves(w):
-    leaves = {
-        "gate": w["gate"],
-        "gate_up": w["gate_up"],
-        "down": w["down"],
-        "shared_gate_up": torch.cat([w["shared_gate"], w["shared_up"]]),
-        "shared_down": w["shared_down"],
-    }
-    return {k: v.clone().requires_grad_() for k, v in leaves.items()}
-
-
-def _reference(x_sbh, ids_bs, pad_bs, w, leaves, hash_routing, limit=0.5):
-    s, b, h = x_sbh.shape
-    u = x_sbh.reshape(s * b, h)  # megatron's [S, B] token order
-    return moe_reference(
-        u,
-        gate_weight=leaves["gate"],
-        expert_gate_up=leaves["gate_up"],
-        expert_down=leaves["down"],
-        cfg=RC,
-        limit=limit,
-        shared_gate_up=leaves["shared_gate_up"],
-        shared_down=leaves["shared_down"],
-        selection_bias=None if hash_routing else w["bias"],
-        token_ids=ids_bs.t().reshape(-1),
-        tid2eid=tid2eid_table() if hash_routing else None,
-        valid=None if pad_bs is None else ~pad_bs.t().reshape(-1),
-    ).reshape(s, b, h)
 
 
 @pytest.mark.parametrize("hash_routing", [False, True])
@@ -70,9 +51,9 @@ def test_layer_matches_reference_outputs_and_grads(megatron_cpu, hash_routing, s
     grads = torch.autograd.grad(
         (out * g).sum(), [x, layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj]
     )
-    leaves = _ref_leaves(w)
+    leaves = ref_leaves(w)
     x64 = x.detach().clone().requires_grad_()
-    ref = _reference(x64, ids, pad, w, leaves, hash_routing)
+    ref = layer_reference(x64, ids, pad, w, leaves, hash_routing)
     ref_grads = torch.autograd.grad((ref * g).sum(), [x64, leaves["gate"], leaves["gate_up"], leaves["down"]])
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     for name, a, r in zip(("dx", "dgate", "dgate_up", "ddown"), grads, ref_grads):
@@ -297,9 +278,9 @@ def test_layer_bf16_alltoall_on_gpu_matches_reference(megatron_cpu, hash_routing
     refs = {}
     for dt in (torch.float64, torch.bfloat16):
         wd = {k: (v if k == "bias" else v.to(dt)) for k, v in w.items()}
-        leaves = _ref_leaves(wd)
+        leaves = ref_leaves(wd)
         xr = x.clone().to(dt).requires_grad_()
-        ref = _reference(xr, ids, pad, wd, leaves, hash_routing)
+        ref = layer_reference(xr, ids, pad, wd, leaves, hash_routing)
         ref.backward(g.to(dt))
         refs[dt] = (ref.detach(), xr.grad, leaves["gate_up"].grad)
     got = (out.detach().cpu(), xc.grad.cpu(), layer.experts.gate_up_proj.grad.cpu())

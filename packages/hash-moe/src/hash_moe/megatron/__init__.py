@@ -13,10 +13,12 @@ from hash_moe.megatron.router import (
     router_config_from_transformer_config,
 )
 from hash_moe.megatron.spec import get_dsv4_moe_spec
+from hash_moe.megatron.token_dispatcher import DSv4AlltoAllTokenDispatcher
 
 __all__ = [
     "ClampedSwiGLUExperts",
     "ClampedSwiGLUSharedExpert",
+    "DSv4AlltoAllTokenDispatcher",
     "DSv4MoELayer",
     "HashRouter",
     "LearnedTopKRouter",

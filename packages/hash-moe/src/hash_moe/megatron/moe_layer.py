@@ -15,7 +15,9 @@ What it adds to ``MoELayer`` (router, experts and shared expert come from the sp
    output is trimmed back. The all-to-all dispatcher takes uneven counts as they are (no padding).
 3. **Padding tokens** (``padding_mask`` ``[B, S]``, True = padding, megatron's convention) get zero routing weight,
    are never dispatched, and are ignored by the balance loss and the expert-load counts. Their output is the
-   shared expert's alone.
+   shared expert's alone. With the all-to-all dispatcher this needs
+   :class:`~hash_moe.megatron.token_dispatcher.DSv4AlltoAllTokenDispatcher` (installed here in place of megatron's
+   ``MoEAlltoAllTokenDispatcher``), which sizes the permutation by the routed count instead of ``tokens * topk``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hash_moe.megatron.token_dispatcher import DSv4AlltoAllTokenDispatcher
 
 
 class DSv4MoELayer(MoELayer):
@@ -60,6 +68,8 @@ class DSv4MoELayer(MoELayer):
                 "moe_shared_expert_overlap drives megatron's SharedExpertMLP internals; the clamped shared expert "
                 "runs beside the dispatch instead: set moe_shared_expert_overlap=False"
             )
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
         super().__init__(
             config=config,
             submodules=submodules,
@@ -68,6 +78,16 @@ class DSv4MoELayer(MoELayer):
             is_mtp_layer=is_mtp_layer,
             name=name,
         )
+        if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher:
+            # padding tokens are never dispatched: the all-to-all must count routed tokens, not tokens * topk
+            self.token_dispatcher = DSv4AlltoAllTokenDispatcher(
+                self.num_local_experts,
+                self.local_expert_indices,
+                config=self.config,
+                pg_collection=pg_collection,
+            )
+            if hasattr(self, "_training_token_dispatcher"):  # inference-optimized layers keep both
+                self._training_token_dispatcher = self.token_dispatcher
         if self.moe_layer_recompute and (config.fp8 or config.fp4):
             raise ValueError("DSv4MoELayer's moe recompute supports bf16/fp32 only (not fp8/fp4)")
         self.dispatch_alignment = dispatch_alignment
@@ -127,6 +147,8 @@ class DSv4MoELayer(MoELayer):
         self, hidden_states, padding_mask, input_ids, cu_seqlens, intermediate_tensors=None
     ):
         self.router.set_routing_inputs(input_ids, cu_seqlens)
+        if isinstance(self.token_dispatcher, DSv4AlltoAllTokenDispatcher):
+            self.token_dispatcher.may_have_unrouted_tokens = padding_mask is not None
         try:
             return MoELayer.forward(self, hidden_states, intermediate_tensors, padding_mask)
         finally:
