@@ -218,3 +218,17 @@ def test_gpu_bf16_triton_q_kv_shapes(inverse, inplace):
         assert_close_to_ref("y", y, yr, ys)
         (gx,) = torch.autograd.grad(y, leaf, gy)
         assert_close_to_ref("dx", gx, gxr, gxs)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_reference_computes_in_fp64_for_fp64_input(inverse):
+    """fp64 in -> fp64 math (callers gradcheck through the reference); fp32 and bf16 inputs compute in fp32."""
+    torch.manual_seed(3)
+    x = torch.randn(5, 2, 12, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([0, 1, 7, -3, 1000])
+    y = apply_rope_ref(x, pos, YARN, inverse=inverse)
+    assert y.dtype == torch.float64
+    y32 = apply_rope_ref(x.detach().float(), pos, YARN, inverse=inverse)
+    assert 0 < (y.detach() - y32.double()).abs().max() < 1e-5  # fp64 math is not fp32 math cast up
+    assert torch.autograd.gradcheck(lambda t: apply_rope_ref(t, pos, YARN, inverse=inverse), [x])
+    assert apply_rope_ref(x.detach().bfloat16(), pos, YARN).dtype == torch.bfloat16
