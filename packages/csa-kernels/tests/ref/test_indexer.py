@@ -202,6 +202,25 @@ def test_gradcheck_scores_topk_and_scores_at():
         assert torch.autograd.gradcheck(fn, ins)
 
 
+@pytest.mark.parametrize("lengths", [[3, 0, 2], [], [1]], ids=["short_docs", "no_docs", "one_token"])
+def test_empty_compressed_buffer(lengths):
+    """Tc = 0 (every document shorter than the ratio): all -1 / -inf, zero gradients, no IndexError."""
+    q, k, w, cu, cuc = _inputs(lengths)
+    assert k.shape[0] == 0
+    ins = [x.clone().requires_grad_() for x in (q, k, w)]
+    for fn in (indexer_topk, indexer_topk_ref):
+        idx, vals = fn(*ins, 4, 3, cu, cuc)
+        assert idx.shape == (len(q), 3) and idx.dtype == torch.int32 and (idx == -1).all()
+        assert vals.shape == (len(q), 3) and torch.isneginf(vals).all()
+        grads = torch.autograd.grad(torch.where(idx >= 0, vals, 0.0).sum(), ins, allow_unused=True)
+        for g, x in zip(grads, ins, strict=True):
+            assert g is None or (g.shape == x.shape and (g == 0).all())
+    at = indexer_scores_at(*ins, torch.full((len(q), 2), -1, dtype=torch.int32))
+    assert at.shape == (len(q), 2) and torch.isneginf(at).all()
+    dense = indexer_scores(*ins, 4, cu, cuc)
+    assert dense.shape == (len(q), 0)
+
+
 def test_chunking_bounds_the_largest_intermediate(largest_allocation):
     # one long document: T = 512, HI = 8, C = 128, DI = 16: [T, HI, C] would be 524288 elements
     t, h, d, ratio, topk, chunk = 512, 8, 16, 4, 8, 16

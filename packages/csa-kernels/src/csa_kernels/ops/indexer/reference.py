@@ -134,6 +134,8 @@ def indexer_scores_at_ref(
 
 def _scores_at_chunk(q, w, idx, k):
     valid = idx >= 0  # [n, K]
+    if k.shape[0] == 0:  # empty compressed buffer (Tc = 0): every index is -1; gather from one zero row
+        k = torch.cat((k, k.new_zeros(1, k.shape[1])))
     rows = k[idx.clamp(min=0).long()]  # [n, K, DI]
     dots = torch.einsum("nhd,nkd->nhk", q, rows)  # [n, H, K]
     scores = torch.einsum("nhk,nh->nk", torch.relu(dots), w)  # [n, K]
