@@ -135,8 +135,7 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         )  # [Tc, c]
         kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
         max_c = _max_entries(cu_c)
-        # no complete block anywhere: nothing to select (the dense path attaches the empty, zero loss)
-        dense = self.indexer is None or self.config.csa_dense_mode or max_c == 0
+        dense = self.indexer is None or self.config.csa_dense_mode
         want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
         state = topk_scores = None
         if self.indexer is not None:
