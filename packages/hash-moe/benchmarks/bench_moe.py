@@ -10,16 +10,23 @@ One run, one table:
   PyTorch ops, in GB/s, at ``--tokens`` and at ``--bw-tokens`` (65536: the bandwidth regime);
 - permute / unpermute of the tokens (megatron-core's ``moe_utils`` ops used by the dispatchers) in GB/s.
 
-Correctness is checked first (grouped vs loop, bf16 vs an fp32 reference, project tolerance rule). Results go to
-``--out DIR/bench_moe.json`` and ``packages/hash-moe/benchmarks/results/bench_moe.json``.
+Correctness is checked first (grouped vs loop, bf16 vs an fp32 reference, project tolerance rule). Each table row
+is printed as soon as it is measured and ``bench_moe.json`` is rewritten after every row (``"complete": false``
+until the end), in ``--out DIR`` and ``packages/hash-moe/benchmarks/results/`` (GPU runs), so a cut run keeps its
+numbers. Every measurement is capped at about ``--max-s`` seconds of timed calls (``--rep`` at most, 3 at least);
+the whole run takes well under a minute on an H200.
 
 Run on the GPU box (plain python3, sources on PYTHONPATH):  ``python3 packages/hash-moe/benchmarks/bench_moe.py --out DIR``
+CPU smoke test of the script (tiny shapes, Triton interpreter):
+``python3 packages/hash-moe/benchmarks/bench_moe.py --device cpu --tokens 64 --hidden 64 --ffn 32 --experts 2,4
+--num-experts-total 8 --bw-tokens 256 --out /tmp/bench_moe``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -27,28 +34,44 @@ from pathlib import Path
 
 import torch
 
-from hash_moe import RouterConfig, grouped_swiglu_experts, topk_route
-
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 TARGETS = {"mlp_ge512": 0.85, "mlp_96_128": 0.60, "bandwidth": 0.70}
 
 
 DEVICE = "cuda"
+T_START = time.perf_counter()
 
 
-def bench(fn, warmup: int = 5, rep: int = 20) -> float:
-    """Median milliseconds of ``fn`` (CUDA events, L2 not flushed; wall clock with ``--device cpu``)."""
-    for _ in range(warmup):
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _wall(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def bench(fn, warmup: int = 5, rep: int = 20, max_s: float = 0.5) -> tuple[float, int]:
+    """``(median milliseconds, timed calls)`` of ``fn`` (CUDA events, L2 not flushed; wall clock on CPU).
+
+    One untimed call (compilation, allocation), then warm-up and timed calls cut to about ``max_s`` seconds of
+    timed work from the second call's wall time: at most ``rep`` and at least 3 timed calls.
+    """
+    fn()
+    est = max(_wall(fn), 1e-6)
+    for _ in range(min(max(warmup - 2, 0), int(0.25 * max_s / est))):
         fn()
+    n = max(3, min(rep, int(max_s / est)))
     times = []
     if DEVICE != "cuda":
-        for _ in range(rep):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
+        for _ in range(n):
+            times.append(_wall(fn) * 1e3)
+        return sorted(times)[n // 2], n
     torch.cuda.synchronize()
-    for _ in range(rep):
+    for _ in range(n):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -56,7 +79,30 @@ def bench(fn, warmup: int = 5, rep: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     times.sort()
-    return times[len(times) // 2]
+    return times[n // 2], n
+
+
+class Results:
+    """The JSON record, rewritten (atomically) to every output directory after each added row."""
+
+    def __init__(self, record: dict, dirs: list[Path]) -> None:
+        self.record, self.dirs = record, dirs
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def add(self, section: str, row: dict) -> None:
+        row["t_s"] = round(time.perf_counter() - T_START, 2)
+        self.record.setdefault(section, []).append(row)
+        self.save()
+
+    def save(self) -> None:
+        self.record["elapsed_s"] = round(time.perf_counter() - T_START, 2)
+        text = json.dumps(self.record, indent=2)
+        for d in self.dirs:
+            tmp = d / "bench_moe.json.tmp"
+            tmp.write_text(text)
+            tmp.replace(d / "bench_moe.json")
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,12 +118,15 @@ def check(name: str, out: torch.Tensor, ref32: torch.Tensor, same: torch.Tensor,
     return {"name": name, "err": err, "same_dtype_err": base, "ok": ok}
 
 
-def make_expert_inputs(rows: int, experts: int, hidden: int, ffn: int, seed: int = 0):
+def make_expert_inputs(
+    rows: int, experts: int, hidden: int, ffn: int, seed: int = 0, dtype: torch.dtype = torch.float32
+):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(rows, hidden, device=DEVICE, generator=g)
-    gu = torch.randn(experts, 2 * ffn, hidden, device=DEVICE, generator=g) * hidden**-0.5
-    dn = torch.randn(experts, hidden, ffn, device=DEVICE, generator=g) * ffn**-0.5
-    p = torch.rand(rows, device=DEVICE, generator=g)
+    kw = dict(device=DEVICE, generator=g, dtype=dtype)
+    x = torch.randn(rows, hidden, **kw)
+    gu = torch.randn(experts, 2 * ffn, hidden, **kw).mul_(hidden**-0.5)
+    dn = torch.randn(experts, hidden, ffn, **kw).mul_(ffn**-0.5)
+    p = torch.rand(rows, **kw)
     base, extra = divmod(rows, experts)
     counts = torch.tensor([base + (e < extra) for e in range(experts)], dtype=torch.int64)  # balanced, on CPU
     return x, gu, dn, p, counts
@@ -85,6 +134,8 @@ def make_expert_inputs(rows: int, experts: int, hidden: int, ffn: int, seed: int
 
 def correctness(experts: int, args) -> list[dict]:
     """Grouped (bf16) vs loop (bf16) vs fp32 loop, forward and backward, on 1/8 of the rows and 1/4 of the width."""
+    from hash_moe import grouped_swiglu_experts
+
     rows = max(experts, args.tokens * args.topk // 8)
     x, gu, dn, p, counts = make_expert_inputs(rows, experts, args.hidden, max(8, args.ffn // 4), seed=1)
     g = torch.randn(rows, args.hidden, device=DEVICE)
@@ -108,63 +159,73 @@ def correctness(experts: int, args) -> list[dict]:
     ]
 
 
-def bench_experts(experts: int, args) -> dict:
+def bench_experts(experts: int, args, emit) -> dict:
+    """Grouped vs per-expert loop vs dense of equal FLOPs, forward and forward+backward; ``emit(row, mode)`` per mode.
+
+    The backward uses ``torch.autograd.grad`` (no ``.grad`` accumulation: at 256 experts the weight gradients are
+    13 GB, and accumulating them would add an extra pass to every timed call).
+    """
+    from hash_moe import grouped_swiglu_experts
+
     rows = args.tokens * args.topk
-    x, gu, dn, p, counts = make_expert_inputs(rows, experts, args.hidden, args.ffn)
-    x, gu, dn, p = (t.bfloat16() for t in (x, gu, dn, p))
+    x, gu, dn, p, counts = make_expert_inputs(rows, experts, args.hidden, args.ffn, dtype=torch.bfloat16)
     flops_fwd = 6.0 * rows * args.hidden * args.ffn
     res = {"experts": experts, "rows": rows, "rows_per_expert": rows / experts}
+    dout = torch.ones(rows, args.hidden, device=DEVICE, dtype=torch.bfloat16)
 
-    def run(backend, grad):
-        leaves = [t.detach().requires_grad_(grad) for t in (x, gu, dn, p)]
-        dout = torch.ones(rows, args.hidden, device=DEVICE, dtype=torch.bfloat16)
-
-        def fn():
-            out = grouped_swiglu_experts(
-                leaves[0], counts, leaves[1], leaves[2], limit=args.limit, probs=leaves[3], backend=backend
-            )
-            if grad:
-                out.backward(dout)
-
-        return fn
-
-    # dense MLP of equal FLOPs: all rows through one expert's weights
-    gu1, dn1 = gu[:1].contiguous(), dn[:1].contiguous()
-    dense_counts = torch.tensor([rows])
-
-    def dense(grad):
-        leaves = [t.detach().requires_grad_(grad) for t in (x, gu1, dn1, p)]
-        dout = torch.ones(rows, args.hidden, device=DEVICE, dtype=torch.bfloat16)
+    def mlp(weights, group_counts, backend, grad):
+        leaves = [t.detach().requires_grad_(grad) for t in (x, *weights, p)]
 
         def fn():
             out = grouped_swiglu_experts(
                 leaves[0],
-                dense_counts,
+                group_counts,
                 leaves[1],
                 leaves[2],
                 limit=args.limit,
                 probs=leaves[3],
-                backend="loop",
+                backend=backend,
             )
             if grad:
-                out.backward(dout)
+                torch.autograd.grad(out, leaves, dout)
 
         return fn
 
+    # dense MLP of equal FLOPs: all rows through one expert's weights
+    dense_w, dense_counts = (gu[:1].contiguous(), dn[:1].contiguous()), torch.tensor([rows])
     for mode, grad, flops in (("fwd", False, flops_fwd), ("fwd_bwd", True, 3 * flops_fwd)):
-        for name, fn in (("grouped", run("auto", grad)), ("loop", run("loop", grad)), ("dense", dense(grad))):
-            ms = bench(fn, args.warmup, args.rep)
+        for name, fn in (
+            ("grouped", mlp((gu, dn), counts, "auto", grad)),
+            ("loop", mlp((gu, dn), counts, "loop", grad)),
+            ("dense", mlp(dense_w, dense_counts, "loop", grad)),
+        ):
+            ms, n = bench(fn, args.warmup, args.rep, args.max_s)
             res[f"{name}_{mode}_ms"] = ms
+            res[f"{name}_{mode}_reps"] = n
             res[f"{name}_{mode}_tflops"] = flops / ms / 1e9
         res[f"grouped_{mode}_pct_dense"] = res[f"grouped_{mode}_tflops"] / res[f"dense_{mode}_tflops"]
         res[f"loop_{mode}_pct_dense"] = res[f"loop_{mode}_tflops"] / res[f"dense_{mode}_tflops"]
+        emit(res, mode)
     return res
 
 
-def bench_routing(args, hbm: float) -> list[dict]:
+def memory_row(op: str, ms: float, reps: int, nbytes: int, hbm: float, ok: bool) -> dict:
+    return {
+        "op": op,
+        "ms": ms,
+        "reps": reps,
+        "bytes": nbytes,
+        "gbps": nbytes / ms / 1e6,
+        "pct_hbm": nbytes / ms / 1e-3 / hbm,
+        "ok": ok,
+    }
+
+
+def bench_routing(args, hbm: float, emit) -> None:
     """Routing at the issue's token count and at ``--bw-tokens`` (where launch latency no longer dominates)."""
+    from hash_moe import RouterConfig, topk_route
+
     cfg = RouterConfig(num_experts=args.num_experts_total, topk=args.topk, routed_scaling_factor=1.5)
-    out = []
     for tokens in (args.tokens, args.bw_tokens):
         logits = torch.randn(tokens, cfg.num_experts, device=DEVICE)
         bias = torch.randn(cfg.num_experts, device=DEVICE) * 1e-2
@@ -178,29 +239,21 @@ def bench_routing(args, hbm: float) -> list[dict]:
         # logits read, bias read, scores + weights + expert ids written
         nbytes = logits.numel() * 4 * 2 + bias.numel() * 4 + tokens * args.topk * (4 + 8)
         for backend in ("triton", "torch"):
-            ms = bench(
+            ms, n = bench(
                 lambda b=backend, z=logits, sb=bias: topk_route(z, cfg, selection_bias=sb, backend=b),
                 args.warmup,
                 args.rep,
+                args.max_s,
             )
-            out.append(
-                {
-                    "op": f"routing {backend} T={tokens}",
-                    "ms": ms,
-                    "bytes": nbytes,
-                    "gbps": nbytes / ms / 1e6,
-                    "pct_hbm": nbytes / ms / 1e-3 / hbm,
-                    "ok": ok,
-                }
-            )
-    return out
+            emit(memory_row(f"routing {backend} T={tokens}", ms, n, nbytes, hbm, ok))
 
 
-def bench_permute(args, hbm: float) -> list[dict]:
+def bench_permute(args, hbm: float, emit) -> None:
     try:
         from megatron.core.transformer.moe.moe_utils import permute, unpermute
     except Exception as exc:  # megatron-core missing on the box: say so in the table
-        return [{"op": "permute", "skipped": f"megatron-core not importable: {exc}"}]
+        emit({"op": "permute", "skipped": f"megatron-core not importable: {exc}"})
+        return
     e, k, t, h = args.num_experts_total, args.topk, args.tokens, args.hidden
     tokens = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
     idx = torch.rand(t, e, device=DEVICE).topk(k, dim=-1).indices
@@ -211,35 +264,17 @@ def bench_permute(args, hbm: float) -> list[dict]:
     ok = max_err(back, tokens) <= 1e-2 * tokens.abs().max().item()
     print(f"  check permute/unpermute roundtrip {'ok' if ok else 'FAIL'}")
     moved = t * k * h * 2
-    out = []
-    ms = bench(lambda: permute(tokens, routing_map, num_out_tokens=t * k), args.warmup, args.rep)
-    out.append(
-        {
-            "op": "permute",
-            "ms": ms,
-            "bytes": 2 * moved,
-            "gbps": 2 * moved / ms / 1e6,
-            "pct_hbm": 2 * moved / ms / 1e-3 / hbm,
-            "ok": ok,
-        }
+    ms, n = bench(
+        lambda: permute(tokens, routing_map, num_out_tokens=t * k), args.warmup, args.rep, args.max_s
     )
-    nbytes = moved + t * h * 2
-    ms = bench(
+    emit(memory_row("permute", ms, n, 2 * moved, hbm, ok))
+    ms, n = bench(
         lambda: unpermute(permuted, sorted_idx, tokens.shape, probs=probs, routing_map=routing_map),
         args.warmup,
         args.rep,
+        args.max_s,
     )
-    out.append(
-        {
-            "op": "unpermute",
-            "ms": ms,
-            "bytes": nbytes,
-            "gbps": nbytes / ms / 1e6,
-            "pct_hbm": nbytes / ms / 1e-3 / hbm,
-            "ok": ok,
-        }
-    )
-    return out
+    emit(memory_row("unpermute", ms, n, moved + t * h * 2, hbm, ok))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bw-tokens", type=int, default=65536, help="token count of the bandwidth-regime rows")
     ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rep", type=int, default=20)
+    ap.add_argument("--rep", type=int, default=20, help="most timed calls per measurement")
+    ap.add_argument(
+        "--max-s", type=float, default=0.5, help="about this many seconds of timed calls per measurement"
+    )
     ap.add_argument("--device", default="cuda", help="'cpu' only to smoke-test this script with tiny shapes")
     args = ap.parse_args(argv)
     global DEVICE
@@ -262,50 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_moe: CUDA is not available; nothing measured")
         return 0
+    if DEVICE == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused routing kernel, interpreted
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu"
     hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), 4.8e12)
     experts = [int(e) for e in args.experts.split(",")]
     print(
-        f"bench_moe on {name}: tokens {args.tokens} x top-{args.topk}, hidden {args.hidden}, ffn {args.ffn}"
+        f"bench_moe on {name}: tokens {args.tokens} x top-{args.topk}, hidden {args.hidden}, ffn {args.ffn}",
+        flush=True,
     )
-
-    checks = []
-    for e in experts:
-        checks += correctness(e, args)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    mlp = []
-    for e in experts:
-        mlp.append(bench_experts(e, args))
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    memory = [*bench_routing(args, hbm), *bench_permute(args, hbm)]
-
-    print(
-        "\n| experts | rows/expert | mode | grouped TFLOP/s | loop TFLOP/s | dense TFLOP/s | grouped % dense | loop % dense | target |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in mlp:
-        rpe = r["rows_per_expert"]
-        target = TARGETS["mlp_ge512"] if rpe >= 512 else TARGETS["mlp_96_128"] if rpe >= 96 else None
-        for mode in ("fwd", "fwd_bwd"):
-            g, lo, d = (r[f"{n}_{mode}_tflops"] for n in ("grouped", "loop", "dense"))
-            pct = r[f"grouped_{mode}_pct_dense"]
-            verdict = "-" if target is None else f">= {target:.0%} {'met' if pct >= target else 'MISSED'}"
-            print(
-                f"| {r['experts']} | {rpe:.0f} | {mode} | {g:.1f} | {lo:.1f} | {d:.1f} | {pct:.0%} | "
-                f"{r[f'loop_{mode}_pct_dense']:.0%} | {verdict} |"
-            )
-    print("\n| op | ms | GB/s | % HBM | target |")
-    print("|---|---|---|---|---|")
-    for m in memory:
-        if "skipped" in m:
-            print(f"| {m['op']} | - | - | - | skipped: {m['skipped']} |")
-            continue
-        met = "met" if m["pct_hbm"] >= TARGETS["bandwidth"] else "MISSED"
-        print(f"| {m['op']} | {m['ms']:.3f} | {m['gbps']:.0f} | {m['pct_hbm']:.0%} | >= 70% {met} |")
-
-    all_ok = all(c["ok"] for c in checks) and all(m.get("ok", True) for m in memory)
     record = {
         "benchmark": "bench_moe",
         "device": name,
@@ -315,16 +318,72 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
         "hbm_bytes_per_s": hbm,
         "targets": TARGETS,
-        "correct": all_ok,
-        "checks": checks,
-        "expert_mlp": mlp,
-        "memory_bound": memory,
+        "complete": False,
+        "checks": [],
+        "expert_mlp": [],
+        "memory_bound": [],
     }
     dirs = [args.out] + ([Path(__file__).parent / "results"] if DEVICE == "cuda" else [])
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "bench_moe.json").write_text(json.dumps(record, indent=2))
-    print(f"\nwrote bench_moe.json to {', '.join(map(str, dirs))}; correct={all_ok}")
+    results = Results(record, dirs)
+
+    for e in experts:
+        for c in correctness(e, args):
+            results.add("checks", c)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    print(f"  (checks done at {time.perf_counter() - T_START:.1f} s)", flush=True)
+
+    print(
+        "\n| experts | rows/expert | mode | grouped TFLOP/s | loop TFLOP/s | dense TFLOP/s | grouped % dense "
+        "| loop % dense | target |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+
+    def emit_mlp(r: dict, mode: str) -> None:
+        rpe = r["rows_per_expert"]
+        target = TARGETS["mlp_ge512"] if rpe >= 512 else TARGETS["mlp_96_128"] if rpe >= 96 else None
+        g, lo, d = (r[f"{n}_{mode}_tflops"] for n in ("grouped", "loop", "dense"))
+        pct = r[f"grouped_{mode}_pct_dense"]
+        verdict = "-" if target is None else f">= {target:.0%} {'met' if pct >= target else 'MISSED'}"
+        print(
+            f"| {r['experts']} | {rpe:.0f} | {mode} | {g:.4g} | {lo:.4g} | {d:.4g} | {pct:.0%} | "
+            f"{r[f'loop_{mode}_pct_dense']:.0%} | {verdict} |",
+            flush=True,
+        )
+        if mode == "fwd":
+            results.add("expert_mlp", r)  # the same dict gets the fwd_bwd numbers next
+        else:
+            results.save()
+
+    for e in experts:
+        bench_experts(e, args, emit_mlp)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+    print("\n| op | ms | GB/s | % HBM | target |")
+    print("|---|---|---|---|---|", flush=True)
+
+    def emit_memory(m: dict) -> None:
+        if "skipped" in m:
+            print(f"| {m['op']} | - | - | - | skipped: {m['skipped']} |", flush=True)
+        else:
+            met = "met" if m["pct_hbm"] >= TARGETS["bandwidth"] else "MISSED"
+            print(
+                f"| {m['op']} | {m['ms']:.4g} | {m['gbps']:.4g} | {m['pct_hbm']:.0%} | >= 70% {met} |",
+                flush=True,
+            )
+        results.add("memory_bound", m)
+
+    bench_routing(args, hbm, emit_memory)
+    bench_permute(args, hbm, emit_memory)
+
+    all_ok = all(c["ok"] for c in record["checks"]) and all(m.get("ok", True) for m in record["memory_bound"])
+    record["correct"], record["complete"] = all_ok, True
+    results.save()
+    print(
+        f"\nwrote bench_moe.json to {', '.join(map(str, dirs))}; correct={all_ok}; "
+        f"{time.perf_counter() - T_START:.1f} s"
+    )
     return 0 if all_ok else 1
 
 
