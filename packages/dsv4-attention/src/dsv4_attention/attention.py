@@ -30,6 +30,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from dsv4_attention._linears import column_parallel_kwargs
 from dsv4_attention._rope import rope
 from dsv4_attention.config import LAYER_KINDS, DSv4AttentionConfig, check_compress_ratio
 from dsv4_attention.indexer_loss import (
@@ -119,15 +120,7 @@ class DSv4HybridAttention(MegatronModule):
         self.groups = config.output_projection_groups
         self.eps = config.layernorm_epsilon
 
-        col = dict(
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=False,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_group=pg_collection.tp,
-        )
+        col = column_parallel_kwargs(config, pg_collection.tp)
         self.linear_q_down_proj = build_module(
             submodules.linear_q_down_proj,
             config.hidden_size,

@@ -21,6 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from dsv4_attention._kernels import compressed_positions, compressor_pool
+from dsv4_attention._linears import column_parallel_kwargs
 from dsv4_attention._rope import rope
 from dsv4_primitives import KeepFP32Mixin, RopeConfig, mark_keep_in_fp32
 
@@ -66,15 +67,7 @@ class Compressor(KeepFP32Mixin, MegatronModule):
         self.rope_cfg = rope_cfg
         coff = 2 if self.overlap else 1
         width = coff * head_dim
-        common = dict(
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=False,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_group=pg_collection.tp,
-        )
+        common = column_parallel_kwargs(config, pg_collection.tp)
         self.linear_wkv = build_module(
             submodules.linear_wkv,
             config.hidden_size,

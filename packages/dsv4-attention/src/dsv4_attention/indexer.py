@@ -22,6 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from dsv4_attention._kernels import indexer_scores, indexer_topk
+from dsv4_attention._linears import column_parallel_kwargs
 from dsv4_attention._rope import rope
 from dsv4_primitives import RopeConfig
 
@@ -59,15 +60,7 @@ class LightningIndexer(MegatronModule):
         self.topk = config.dsa_indexer_topk
         self.compress_ratio = 4
         self.rope_cfg = rope_cfg
-        common = dict(
-            config=config,
-            init_method=config.init_method,
-            gather_output=False,
-            bias=False,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_group=pg_collection.tp,
-        )
+        common = column_parallel_kwargs(config, pg_collection.tp)
         self.linear_wq_b = build_module(
             submodules.linear_wq_b,
             config.q_lora_rank,
