@@ -18,7 +18,34 @@ from mhc.config import MHCConfig
 from mhc.functional import expand_streams, hyper_head, mhc_coefficients, mhc_collapse, mhc_post, mhc_pre
 
 
-class ManifoldHyperConnection(KeepFP32Mixin, nn.Module):
+class _StreamProjection(KeepFP32Mixin, nn.Module):
+    """The parameters shared by :class:`ManifoldHyperConnection` and :class:`HyperHead`: ``fn [rows, N·D]``,
+    ``base [rows]``, ``scale [scales]``, fp32 and keep-in-FP32, initialised per §6.5; and the streams check."""
+
+    def __init__(self, config: MHCConfig, rows: int, scales: int) -> None:
+        super().__init__()
+        self.config = config
+        n, d = config.num_streams, config.hidden_size
+        self.fn = nn.Parameter(torch.empty(rows, n * d, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(rows, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(scales, dtype=torch.float32))
+        for p in (self.fn, self.base, self.scale):
+            mark_keep_in_fp32(p)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.fn, std=self.config.init_std)
+            self.base.zero_()
+            self.scale.fill_(self.config.init_gating_factor)
+
+    def _check(self, x: torch.Tensor) -> None:
+        n, d = self.config.num_streams, self.config.hidden_size
+        if x.dim() < 3 or x.shape[-2:] != (n, d):
+            raise ValueError(f"streams must be [..., {n}, {d}] (N streams x hidden), got {tuple(x.shape)}")
+
+
+class ManifoldHyperConnection(_StreamProjection):
     """One mHC instance around a sub-layer ``F`` (attention or FFN): ``X -> pre -> F -> post``.
 
     Parameters: ``fn [(2+N)·N, N·D]`` (rows ``[pre, post, comb]``), ``base [(2+N)·N]``, ``scale [3]``
@@ -31,22 +58,7 @@ class ManifoldHyperConnection(KeepFP32Mixin, nn.Module):
     """
 
     def __init__(self, config: MHCConfig) -> None:
-        super().__init__()
-        self.config = config
-        n, d = config.num_streams, config.hidden_size
-        m = config.num_mixes
-        self.fn = nn.Parameter(torch.empty(m, n * d, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros(m, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.full((3,), float(config.init_gating_factor), dtype=torch.float32))
-        for p in (self.fn, self.base, self.scale):
-            mark_keep_in_fp32(p)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.fn, std=self.config.init_std)
-            self.base.zero_()
-            self.scale.fill_(self.config.init_gating_factor)
+        super().__init__(config, rows=config.num_mixes, scales=3)
 
     def _kw(self) -> dict:
         c = self.config
@@ -74,17 +86,12 @@ class ManifoldHyperConnection(KeepFP32Mixin, nn.Module):
         """``X' = post ⊗ F + combᵀ X`` in ``x.dtype``; ``f [..., D]``, ``x [..., N, D]``."""
         return mhc_post(f, x, post, comb, backend=self.config.backend)
 
-    def _check(self, x: torch.Tensor) -> None:
-        n, d = self.config.num_streams, self.config.hidden_size
-        if x.dim() < 3 or x.shape[-2:] != (n, d):
-            raise ValueError(f"streams must be [..., {n}, {d}] (N streams x hidden), got {tuple(x.shape)}")
-
     def extra_repr(self) -> str:
         c = self.config
         return f"streams={c.num_streams}, hidden={c.hidden_size}, sinkhorn_iters={c.sinkhorn_iters}"
 
 
-class HyperHead(KeepFP32Mixin, nn.Module):
+class HyperHead(_StreamProjection):
     """Learned collapse of the streams before the final norm (§6.4; official ``hc_head_fn/base/scale``).
 
     ``forward(x [..., N, D]) -> h [..., D]`` with ``h = Σ_i w_i X_i``, ``w = sigmoid(scale · RMS(X) @ fn.T + base)
@@ -92,26 +99,11 @@ class HyperHead(KeepFP32Mixin, nn.Module):
     """
 
     def __init__(self, config: MHCConfig) -> None:
-        super().__init__()
-        self.config = config
-        n, d = config.num_streams, config.hidden_size
-        self.fn = nn.Parameter(torch.empty(n, n * d, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.full((1,), float(config.init_gating_factor), dtype=torch.float32))
-        for p in (self.fn, self.base, self.scale):
-            mark_keep_in_fp32(p)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.fn, std=self.config.init_std)
-            self.base.zero_()
-            self.scale.fill_(self.config.init_gating_factor)
+        super().__init__(config, rows=config.num_streams, scales=1)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        self._check(x)
         c = self.config
-        if x.dim() < 3 or x.shape[-2:] != (c.num_streams, c.hidden_size):
-            raise ValueError(f"streams must be [..., {c.num_streams}, {c.hidden_size}], got {tuple(x.shape)}")
         return hyper_head(
             x, self.fn, self.scale, self.base, norm_eps=c.norm_eps, hc_eps=c.hc_eps, out_dtype=out_dtype,
             backend=c.backend,
