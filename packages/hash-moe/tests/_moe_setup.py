@@ -76,6 +76,19 @@ def tid2eid_table() -> torch.Tensor:
     return build_tid2eid_balanced(counts, EXPERTS, TOPK, seed=3)
 
 
+def build_layer(hash_routing: bool, local_experts: list[int] | None = None, **cfg_kw):
+    """``(DSv4 MoE layer from get_dsv4_moe_spec, the full weight set loaded into it)``; ``cfg_kw`` go to make_config."""
+    from hash_moe.megatron import get_dsv4_moe_spec
+
+    spec = get_dsv4_moe_spec(
+        hash_routing=hash_routing, vocab_size=VOCAB, tid2eid=tid2eid_table() if hash_routing else None
+    )
+    layer = spec(config=make_config(**cfg_kw), pg_collection=None, is_mtp_layer=False)
+    w = full_weights()
+    load_weights(layer, w, list(range(EXPERTS)) if local_experts is None else local_experts)
+    return layer, w
+
+
 def ref_leaves(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fresh leaf tensors (requires_grad) of the reference's parameters, from :func:`full_weights`' set."""
     leaves = {

@@ -9,20 +9,16 @@ failed (found on an H200 with ``s=37, b=2``, 5 padding tokens). EP=2 over gloo i
 import pytest
 import torch
 from _moe_setup import (
-    EXPERTS,
     HIDDEN,
     TOPK,
     VOCAB,
     alltoall_dispatcher_on_cpu,
-    full_weights,
+    build_layer,
     layer_reference,
-    load_weights,
-    make_config,
     ref_leaves,
-    tid2eid_table,
 )
 
-from hash_moe.megatron import DSv4AlltoAllTokenDispatcher, get_dsv4_moe_spec
+from hash_moe.megatron import DSv4AlltoAllTokenDispatcher
 
 
 @pytest.fixture
@@ -33,14 +29,7 @@ def alltoall_cpu(megatron_cpu):
 
 
 def _build(hash_routing, dispatcher="alltoall"):
-    cfg = make_config(moe_token_dispatcher_type=dispatcher, balance=0.0)
-    spec = get_dsv4_moe_spec(
-        hash_routing=hash_routing, vocab_size=VOCAB, tid2eid=tid2eid_table() if hash_routing else None
-    )
-    layer = spec(config=cfg, pg_collection=None, is_mtp_layer=False)
-    w = full_weights()
-    load_weights(layer, w, list(range(EXPERTS)))
-    return layer, w
+    return build_layer(hash_routing, moe_token_dispatcher_type=dispatcher, balance=0.0)
 
 
 def _grads(out, g, params):

@@ -11,10 +11,8 @@ from _moe_setup import (
     TOPK,
     VOCAB,
     alltoall_dispatcher_on_cpu,
+    build_layer,
     full_weights,
-    load_weights,
-    make_config,
-    tid2eid_table,
 )
 
 # rank 0: 7 tokens in one sequence; rank 1: 2 sequences of 3 with 2 padding tokens (uneven, dispatch pads to 64)
@@ -36,14 +34,7 @@ def _batch(rank):
 
 
 def _layer(hash_routing, ep, local_experts, dispatcher="allgather"):
-    from hash_moe.megatron import get_dsv4_moe_spec
-
-    spec = get_dsv4_moe_spec(
-        hash_routing=hash_routing, vocab_size=VOCAB, tid2eid=tid2eid_table() if hash_routing else None
-    )
-    cfg = make_config(ep=ep, moe_token_dispatcher_type=dispatcher)
-    layer = spec(config=cfg, pg_collection=None, is_mtp_layer=False)
-    load_weights(layer, full_weights(), local_experts)
+    layer, _ = build_layer(hash_routing, local_experts, ep=ep, moe_token_dispatcher_type=dispatcher)
     return layer.train()
 
 

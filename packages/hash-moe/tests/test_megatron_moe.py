@@ -8,6 +8,7 @@ from _moe_setup import (
     HIDDEN,
     TOPK,
     VOCAB,
+    build_layer,
     full_weights,
     layer_reference,
     load_weights,
@@ -23,22 +24,11 @@ from hash_moe.megatron import HashRouter, LearnedTopKRouter, get_dsv4_moe_spec, 
 RC = RouterConfig(num_experts=EXPERTS, topk=TOPK, routed_scaling_factor=1.5)
 
 
-def _build(hash_routing, **cfg_kw):
-    cfg = make_config(**cfg_kw)
-    spec = get_dsv4_moe_spec(
-        hash_routing=hash_routing, vocab_size=VOCAB, tid2eid=tid2eid_table() if hash_routing else None
-    )
-    layer = spec(config=cfg, pg_collection=None, is_mtp_layer=False)
-    w = full_weights()
-    load_weights(layer, w, list(range(EXPERTS)))
-    return layer, w
-
-
 @pytest.mark.parametrize("hash_routing", [False, True])
 @pytest.mark.parametrize("s,b,padded", [(1, 1, False), (7, 2, True), (16, 1, True)])
 def test_layer_matches_reference_outputs_and_grads(megatron_cpu, hash_routing, s, b, padded):
     torch.manual_seed(s * 10 + b)
-    layer, w = _build(hash_routing, balance=0.0)
+    layer, w = build_layer(hash_routing, balance=0.0)
     x = torch.randn(s, b, HIDDEN, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, VOCAB, (b, s))
     pad = None
@@ -62,7 +52,7 @@ def test_layer_matches_reference_outputs_and_grads(megatron_cpu, hash_routing, s
 
 def test_padding_tokens_never_reach_experts(megatron_cpu):
     torch.manual_seed(0)
-    layer, _ = _build(False)
+    layer, _ = build_layer(False)
     seen = []
     layer.experts.register_forward_hook(lambda m, inp, out: seen.append(int(inp[1].sum())))
     x = torch.randn(6, 2, HIDDEN, dtype=torch.float64)
@@ -75,14 +65,14 @@ def test_padding_tokens_never_reach_experts(megatron_cpu):
     with torch.no_grad():
         layer.experts.down_proj.mul_(3.0)
     out2, _ = layer(x, padding_mask=pad)
-    out1, _ = _build(False)[0](x, padding_mask=pad)
+    out1, _ = build_layer(False)[0](x, padding_mask=pad)
     pad_sb = pad.t()
     torch.testing.assert_close(out1[pad_sb], out2[pad_sb])
     assert not torch.allclose(out1[~pad_sb], out2[~pad_sb])
 
 
 def test_hash_layer_needs_input_ids(megatron_cpu):
-    layer, _ = _build(True)
+    layer, _ = build_layer(True)
     assert layer.is_hash_layer and isinstance(layer.router, HashRouter)
     x = torch.randn(4, 1, HIDDEN, dtype=torch.float64)
     with pytest.raises(ValueError, match="input_ids"):
@@ -98,7 +88,7 @@ def test_hash_layer_needs_input_ids(megatron_cpu):
 
 
 def test_e2_hash_layer_routes_by_token_id_only(megatron_cpu):
-    layer, _ = _build(True)
+    layer, _ = build_layer(True)
     chosen = []
     orig = layer.router._route
     layer.router._route = lambda *a: (chosen.append(r := orig(*a)), r)[1]
@@ -113,7 +103,7 @@ def test_e2_hash_layer_routes_by_token_id_only(megatron_cpu):
 
 def test_balance_loss_gradient_and_value(megatron_cpu):
     torch.manual_seed(3)
-    layer, w = _build(False, balance=0.1)
+    layer, w = build_layer(False, balance=0.1)
     layer.train()
     x = torch.randn(5, 2, HIDDEN, dtype=torch.float64)
     pad = torch.zeros(2, 5, dtype=torch.bool)
@@ -135,7 +125,7 @@ def test_balance_loss_gradient_and_value(megatron_cpu):
 
 def test_balance_loss_per_document_with_cu_seqlens(megatron_cpu):
     torch.manual_seed(4)
-    layer, w = _build(False, balance=0.1)
+    layer, w = build_layer(False, balance=0.1)
     x = torch.randn(9, 1, HIDDEN, dtype=torch.float64)
     cu = torch.tensor([0, 4, 4, 9])
     layer(x, cu_seqlens=cu)
@@ -147,8 +137,8 @@ def test_balance_loss_per_document_with_cu_seqlens(megatron_cpu):
 
 def test_selection_bias_step_after_optimizer(megatron_cpu):
     torch.manual_seed(5)
-    learned, w = _build(False)
-    hashed, _ = _build(True)
+    learned, w = build_layer(False)
+    hashed, _ = build_layer(True)
     model = torch.nn.ModuleList([hashed, learned]).train()
     x = torch.randn(6, 2, HIDDEN, dtype=torch.float64)
     pad = torch.zeros(2, 6, dtype=torch.bool)
@@ -180,14 +170,14 @@ def test_selection_bias_step_after_optimizer(megatron_cpu):
 
 
 def test_state_dict_holds_table_and_bias(megatron_cpu):
-    hashed, _ = _build(True)
-    learned, _ = _build(False)
+    hashed, _ = build_layer(True)
+    learned, _ = build_layer(False)
     sd = hashed.state_dict()
     assert sd["router.tid2eid"].dtype == torch.int32 and torch.equal(sd["router.tid2eid"], tid2eid_table())
     assert "router.tid2eid" not in dict(hashed.named_parameters())
     assert "router.e_score_correction_bias" in learned.state_dict()
     assert "router.local_tokens_per_expert" not in learned.state_dict()
-    fresh, _ = _build(True)
+    fresh, _ = build_layer(True)
     other = torch.flip(tid2eid_table(), dims=[0]).long()  # int64, as official/HF checkpoints store it
     sd["router.tid2eid"] = other
     fresh.load_state_dict(sd)
@@ -204,7 +194,7 @@ def test_state_dict_holds_table_and_bias(megatron_cpu):
 
 
 def test_sharded_state_dict_shards_experts(megatron_cpu):
-    layer, _ = _build(True)
+    layer, _ = build_layer(True)
     sh = layer.sharded_state_dict(prefix="decoder.layers.0.mlp.")
     gu = sh["decoder.layers.0.mlp.experts.gate_up_proj"]
     assert gu.global_shape == (EXPERTS, 16, HIDDEN) and gu.axis_fragmentations[0] == 1
@@ -213,8 +203,8 @@ def test_sharded_state_dict_shards_experts(megatron_cpu):
 
 def test_moe_recompute_routes_identically(megatron_cpu):
     torch.manual_seed(6)
-    plain, _ = _build(True, balance=0.1)
-    recomp, _ = _build(True, balance=0.1, recompute_granularity="selective", recompute_modules=["moe"])
+    plain, _ = build_layer(True, balance=0.1)
+    recomp, _ = build_layer(True, balance=0.1, recompute_granularity="selective", recompute_modules=["moe"])
     assert recomp._recompute_moe
     x0 = torch.randn(5, 2, HIDDEN, dtype=torch.float64)
     ids = torch.randint(0, VOCAB, (2, 5))
