@@ -62,11 +62,9 @@ class Trainer:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from dsv4_primitives.megatron_cpu import apply_cpu_shims, init_rng_tracker
-        from hybrid_model._cpu_optimizer_shim import apply_optimizer_cpu_shims
 
         self.tc = tc
         apply_cpu_shims()
-        apply_optimizer_cpu_shims()
         self.rank, self.world = _init_distributed()
         if self.world % (tc.pp * tc.tp):
             raise ValueError(f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp}")
@@ -76,6 +74,7 @@ class Trainer:
             expert_model_parallel_size=tc.ep,
         )
         init_rng_tracker(tc.seed)
+        _reset_metric_trackers()
         self.ps = ps
         self.pg = ProcessGroupCollection.use_mpu_process_groups()
         self.device = (
@@ -99,7 +98,6 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from dsv4_primitives.precision.megatron import get_megatron_optimizer_keep_fp32
-        from hybrid_model._cpu_optimizer_shim import cuda_type_names
         from hybrid_model.model import build_model
 
         tc, ps = self.tc, self.ps
@@ -121,7 +119,8 @@ class Trainer:
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
         )
-        self.model = DistributedDataParallel(self.config, ddp_config, model)
+        with cuda_as_cpu():
+            self.model = DistributedDataParallel(self.config, ddp_config, model)
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=tc.lr,
@@ -135,7 +134,7 @@ class Trainer:
             bf16=tc.bf16,
             params_dtype=torch.float32,
         )
-        with cuda_type_names():
+        with cuda_as_cpu():
             # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
             # by the loading template, then shared by all params) — the primitives subclass fixes both
             self.optimizer = get_megatron_optimizer_keep_fp32(opt_config, [self.model])
@@ -228,7 +227,6 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hash_moe.megatron import update_selection_biases
-        from hybrid_model._cpu_optimizer_shim import cuda_type_names
 
         tc = self.tc
         self.config.csa_dense_mode = self.step < tc.dense_steps
@@ -242,17 +240,17 @@ class Trainer:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
             kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
-        reports = fb(
-            forward_step_func=self._forward_step,
-            data_iterator=iter(batch.microbatches),
-            model=[self.model],
-            num_microbatches=batch.num_microbatches,
-            seq_length=seq,
-            micro_batch_size=mbs,
-            forward_only=False,
-            **kwargs,
-        )
-        with cuda_type_names():
+        with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
+            reports = fb(
+                forward_step_func=self._forward_step,
+                data_iterator=iter(batch.microbatches),
+                model=[self.model],
+                num_microbatches=batch.num_microbatches,
+                seq_length=seq,
+                micro_batch_size=mbs,
+                forward_only=False,
+                **kwargs,
+            )
             ok, grad_norm, _ = self.optimizer.step()
         update_selection_biases(
             self.model.module, group=self.ps.get_data_parallel_group(with_context_parallel=True)
@@ -362,7 +360,8 @@ class Trainer:
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(loading=False), str(path))
+        with cuda_as_cpu():
+            dist_checkpointing.save(self._sharded_state(loading=False), str(path))
         dist.barrier()
         if self.rank == 0:
             (self.out / "checkpoints" / "latest").write_text(path.name)
@@ -380,10 +379,13 @@ class Trainer:
         path = self.out / "checkpoints" / latest.read_text().strip()
         common = dist_checkpointing.load_common_state_dict(str(path))
         same_layout = list(common.get("rng_layout", [])) == list(self._rng_layout())
-        state = dist_checkpointing.load(self._sharded_state(loading=True, with_rng=same_layout), str(path))
-        self.model.module.load_state_dict(state["model"])
-        with torch.no_grad():
-            self.optimizer.load_state_dict(state["optimizer"])
+        with cuda_as_cpu():
+            state = dist_checkpointing.load(
+                self._sharded_state(loading=True, with_rng=same_layout), str(path)
+            )
+            self.model.module.load_state_dict(state["model"])
+            with torch.no_grad():
+                self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
@@ -405,9 +407,10 @@ class Trainer:
                 f"--init-from {path}: not a megatron dist checkpoint (give an iter_XXXXXXX directory or a run "
                 "directory with checkpoints/latest)"
             )
-        state = dist_checkpointing.load({"model": self.model.module.sharded_state_dict()}, str(p))
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
+        with cuda_as_cpu():
+            state = dist_checkpointing.load({"model": self.model.module.sharded_state_dict()}, str(p))
+            self.model.module.load_state_dict(state["model"])
+            self.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
         return p
 
     # ------------------------------------------------------------------ run
@@ -461,6 +464,16 @@ class Trainer:
 
     def close(self) -> None:
         self.ps.destroy_model_parallel()
+
+
+def _reset_metric_trackers() -> None:
+    """Process-wide per-layer loss trackers are sized by the first model that records: start each run fresh."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from dsv4_attention import get_indexer_loss_tracker
+
+    destroy_moe_metrics_tracker()
+    get_indexer_loss_tracker().reset()
 
 
 def _sync_saver_queue() -> None:
