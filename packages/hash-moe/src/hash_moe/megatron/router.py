@@ -112,7 +112,9 @@ class _DSv4Router(Router):
         self._cu_seqlens = cu_seqlens
 
     def _route(self, logits: torch.Tensor, valid: torch.Tensor | None, s: int, b: int) -> RoutingResult:
-        raise NotImplementedError(f"{type(self).__name__} must implement _route (learned top-k or hash routing)")
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _route (learned top-k or hash routing)"
+        )
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """megatron's ``Router.routing`` hook: ``[S, B, E]`` logits (+ ``[S, B]`` padding mask) -> (probs, map)."""
