@@ -34,6 +34,12 @@ def _train_parser(sub) -> None:
         "--init-from", help="initial weights from a dist checkpoint (iter_XXXXXXX or run dir), any layout"
     )
     p.add_argument("--save-interval", type=int)
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 mixed precision (keep-in-fp32 params stay fp32); default: on with CUDA, off (fp32) on CPU",
+    )
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s (in TFLOP/s) for MFU")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 

@@ -15,6 +15,9 @@ class TrainConfig:
 
     ``model_overrides`` changes fields of the preset's :class:`~hybrid_model.config.DSv4ModelConfig`.
     ``init_from`` initialises the weights from a dist checkpoint (any parallel layout) when not resuming.
+    ``bf16``: mixed precision as in megatron's training loop (bf16 params and activations, fp32 main params and
+    gradient reduction in the optimizer, the keep-in-fp32 tensors — mHC, attention sinks, compressor ``ape``, the
+    router selection bias — fp32); ``None`` (the default) resolves to ``True`` on CUDA and ``False`` on CPU.
     """
 
     preset: str = "tiny"
@@ -45,9 +48,13 @@ class TrainConfig:
     log_interval: int = 1
     peak_tflops: float | None = None
     progress: bool = True
-    bf16: bool = False
+    bf16: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.bf16 is None:
+            import torch
+
+            self.bf16 = torch.cuda.is_available()
         for name in (
             "steps",
             "seq_len",

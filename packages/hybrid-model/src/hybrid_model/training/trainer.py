@@ -103,6 +103,11 @@ class Trainer:
         tc, ps = self.tc, self.ps
         pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         torch.manual_seed(tc.seed)
+        # bf16 as megatron's training loop does it: params (and the pipeline p2p buffers) in bf16, the model wrapped
+        # in a Float16Module (bf16 first-stage inputs, fp32 last-stage outputs); the keep-in-fp32 tensors (mHC,
+        # sinks, compressor ape, router selection bias) stay fp32. ``config.bf16`` alone makes the mHC layers cast
+        # activations to bf16, which then meet fp32 weights ("expected mat1 and mat2 to have the same dtype").
+        params_dtype = torch.bfloat16 if tc.bf16 else torch.float32
         with cuda_as_cpu():  # PP + MTP: megatron moves the last stage's embedding copy with .cuda()
             model = build_model(
                 self.model_config,
@@ -114,8 +119,14 @@ class Trainer:
                 balance_loss_coeff=tc.balance_loss_coeff,
                 indexer_loss_coeff=tc.indexer_loss_coeff,
                 bf16=tc.bf16,
+                params_dtype=params_dtype,
             ).to(self.device)
+        self.core = model  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.config = model.config
+        if tc.bf16:
+            from dsv4_primitives.precision.megatron import Float16ModuleKeepFP32
+
+            model = Float16ModuleKeepFP32(self.config, model)
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
         )
@@ -132,7 +143,7 @@ class Trainer:
             clip_grad=tc.clip_grad,
             use_distributed_optimizer=True,
             bf16=tc.bf16,
-            params_dtype=torch.float32,
+            params_dtype=params_dtype,
         )
         with cuda_as_cpu():
             # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
@@ -200,7 +211,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator, model):
         mb = next(data_iterator)
-        unwrapped = self.model.module
+        unwrapped = self.core
         if self.tc.packed:
             psp = mb.packed_seq_params()
             tokens, labels = mb.tokens[None].to(self.device), mb.labels[None].to(self.device)
@@ -252,9 +263,7 @@ class Trainer:
                 **kwargs,
             )
             ok, grad_norm, _ = self.optimizer.step()
-        update_selection_biases(
-            self.model.module, group=self.ps.get_data_parallel_group(with_context_parallel=True)
-        )
+        update_selection_biases(self.core, group=self.ps.get_data_parallel_group(with_context_parallel=True))
         self.scheduler.step(increment=1)
         m: dict = {"step": self.step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
         m["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -337,11 +346,11 @@ class Trainer:
             get_cuda_rng_tracker().set_states(state["tracker"])
 
     def _sharded_state(self, loading: bool, *, with_rng: bool = True):
-        model_sd = self.model.module.sharded_state_dict()
+        model_sd = self.core.sharded_state_dict()
         state = {
             "model": model_sd,
             "optimizer": self.optimizer.sharded_state_dict(
-                self.model.module.sharded_state_dict(), is_loading=loading, metadata=DISTOPT_FORMAT
+                self.core.sharded_state_dict(), is_loading=loading, metadata=DISTOPT_FORMAT
             ),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
@@ -383,7 +392,7 @@ class Trainer:
             state = dist_checkpointing.load(
                 self._sharded_state(loading=True, with_rng=same_layout), str(path)
             )
-            self.model.module.load_state_dict(state["model"])
+            self.core.load_state_dict(state["model"])
             with torch.no_grad():
                 self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -408,8 +417,8 @@ class Trainer:
                 "directory with checkpoints/latest)"
             )
         with cuda_as_cpu():
-            state = dist_checkpointing.load({"model": self.model.module.sharded_state_dict()}, str(p))
-            self.model.module.load_state_dict(state["model"])
+            state = dist_checkpointing.load({"model": self.core.sharded_state_dict()}, str(p))
+            self.core.load_state_dict(state["model"])
             self.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
         return p
 
