@@ -64,17 +64,36 @@ def check_float(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
 
 
-def check_index(t: torch.Tensor, name: str, rows: int, upper: int) -> None:
-    """Index tensors: int32/int64 ``[rows, K]`` with values in ``[-1, upper)`` (-1 = empty slot)."""
+def check_index_layout(t: torch.Tensor, name: str, rows: int) -> None:
+    """Index tensors: int32/int64 ``[rows, K]`` (shape and dtype only, no device sync)."""
     check_shape(t, name, (rows, None))
     if t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be int32 (or int64), got {t.dtype}")
+
+
+def check_index_range(t: torch.Tensor, name: str, upper: int, rows_of: str | None = None) -> None:
+    """Index values in ``[-1, upper)`` (-1 = empty slot); ``rows_of`` names the buffer of local rows (SBHD forms)."""
     if t.numel():
         lo, hi = int(t.min()), int(t.max())
         if lo < -1 or hi >= upper:
-            raise ValueError(
-                f"{name} values must lie in [-1, {upper}) (-1 = empty slot), got range [{lo}, {hi}]"
-            )
+            what = f"local rows of {rows_of}" if rows_of else "-1 = empty slot"
+            raise ValueError(f"{name} values must lie in [-1, {upper}) ({what}), got range [{lo}, {hi}]")
+
+
+def check_index(t: torch.Tensor, name: str, rows: int, upper: int) -> None:
+    """Index tensors: int32/int64 ``[rows, K]`` with values in ``[-1, upper)`` (-1 = empty slot)."""
+    check_index_layout(t, name, rows)
+    check_index_range(t, name, upper)
+
+
+def check_softmax_scale(softmax_scale: float) -> None:
+    if not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+
+
+def check_topk(topk: int) -> None:
+    if not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
 
 
 def reference_only(backend: str, op: str, *tensors: torch.Tensor) -> None:

@@ -47,6 +47,14 @@ def _check_params(x: torch.Tensor, fn, scale, base, head: bool) -> None:
         raise ValueError(f"{what} base must have shape [{m}], got {tuple(base.shape)}")
 
 
+def _check_coefficient_inputs(x, fn, scale, base, sinkhorn_iters: int | None, head: bool = False) -> None:
+    """Streams + parameters of the coefficient ops (mHC: with ``sinkhorn_iters``; HyperHead: ``head=True``)."""
+    _check_streams(x)
+    _check_params(x, fn, scale, base, head=head)
+    if sinkhorn_iters is not None and sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+
+
 def _tokens(x: torch.Tensor) -> torch.Tensor:
     n, d = x.shape[-2], x.shape[-1]
     return x.reshape(-1, n, d).contiguous()
@@ -85,10 +93,7 @@ def mhc_coefficients(
     ``fn [(2+N)·N, N·D]`` rows ``[pre, post, comb]``, ``scale [3]``, ``base [(2+N)·N]``. The Triton path fuses
     RMS, the projection, the gates and Sinkhorn into one kernel and recomputes Sinkhorn in backward.
     """
-    _check_streams(x)
-    _check_params(x, fn, scale, base, head=False)
-    if sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    _check_coefficient_inputs(x, fn, scale, base, sinkhorn_iters)
     if resolve_backend(backend, x, fn) == "reference":
         return mhc_coefficients_ref(
             x, fn, scale, base, sinkhorn_iters=sinkhorn_iters, norm_eps=norm_eps, hc_eps=hc_eps
@@ -115,10 +120,7 @@ def mhc_pre(
 
     Returns ``(x_in [..., D] in out_dtype (default x.dtype), post [..., N], comb [..., N, N])``.
     """
-    _check_streams(x)
-    _check_params(x, fn, scale, base, head=False)
-    if sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    _check_coefficient_inputs(x, fn, scale, base, sinkhorn_iters)
     out_dtype = out_dtype or x.dtype
     if resolve_backend(backend, x, fn) == "reference":
         return mhc_pre_ref(
@@ -198,8 +200,7 @@ def hyper_head(
 
     ``fn [N, N·D]``, ``scale [1]``, ``base [N]``; ``x [..., N, D]`` -> ``[..., D]`` in ``out_dtype`` (default x.dtype).
     """
-    _check_streams(x)
-    _check_params(x, fn, scale, base, head=True)
+    _check_coefficient_inputs(x, fn, scale, base, None, head=True)
     out_dtype = out_dtype or x.dtype
     if resolve_backend(backend, x, fn) == "reference":
         return hyper_head_ref(x, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps).to(out_dtype)

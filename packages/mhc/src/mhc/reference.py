@@ -64,6 +64,11 @@ def mhc_mix_ref(
     return (xf @ _f(fn, upcast).t()) * rstd
 
 
+def _gate(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(scale · mix + base)``: the pre / post / HyperHead gates (scale a 0-dim slice, already cast)."""
+    return torch.sigmoid(scale * mix + base)
+
+
 def mhc_coefficients_ref(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -83,8 +88,8 @@ def mhc_coefficients_ref(
     n = x.shape[-2]
     mix = mhc_mix_ref(x, fn, norm_eps, upcast)
     scale_f, base_f = _f(scale, upcast), _f(base, upcast)
-    pre = torch.sigmoid(scale_f[0] * mix[..., :n] + base_f[:n]) + hc_eps
-    post = 2.0 * torch.sigmoid(scale_f[1] * mix[..., n : 2 * n] + base_f[n : 2 * n])
+    pre = _gate(mix[..., :n], scale_f[0], base_f[:n]) + hc_eps
+    post = 2.0 * _gate(mix[..., n : 2 * n], scale_f[1], base_f[n : 2 * n])
     logits = (scale_f[2] * mix[..., 2 * n :] + base_f[2 * n :]).unflatten(-1, (n, n))
     comb = sinkhorn_ref(logits, sinkhorn_iters, hc_eps, upcast)
     return pre, post, comb
@@ -151,7 +156,7 @@ def hyper_head_weights_ref(
 ) -> torch.Tensor:
     """HyperHead weights ``w = sigmoid(scale · RMS(vec X) @ fn.T + base) + hc_eps`` -> ``[..., N]`` (§6.4)."""
     mix = mhc_mix_ref(x, fn, norm_eps, upcast)
-    return torch.sigmoid(_f(scale, upcast)[0] * mix + _f(base, upcast)) + hc_eps
+    return _gate(mix, _f(scale, upcast)[0], _f(base, upcast)) + hc_eps
 
 
 def hyper_head_ref(

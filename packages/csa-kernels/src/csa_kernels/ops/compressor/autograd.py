@@ -7,10 +7,11 @@ import torch
 from csa_kernels.ops.compressor.reference import (
     _check_compress_inputs,
     _check_pool_inputs,
+    _norm_rope,
     compressed_positions,
 )
 from csa_kernels.ops.compressor.triton import compressed_offsets, compressor_pool_bwd, compressor_pool_fwd
-from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
+from dsv4_primitives import RopeConfig
 
 
 class CompressorPoolTritonFunction(torch.autograd.Function):
@@ -75,10 +76,9 @@ def compress_triton(
     Projections run as GEMMs in ``x.dtype`` (bf16 on GPU: fp32 accumulation, bf16 ``kv`` / ``score``), pooling in
     the Triton kernel (fp32 softmax), RMSNorm and RoPE on the fp32 pooled rows as in :func:`compress_ref`.
     """
-    _check_compress_inputs(x, wkv, wgate, norm_weight, overlap, rope_cfg)
+    _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
     kv = torch.nn.functional.linear(x, wkv.to(x.dtype))  # [T, Dk]
     score = torch.nn.functional.linear(x, wgate.to(x.dtype))  # [T, Dk]
     pooled, cu_c = compressor_pool_triton(kv, score, ape, ratio, overlap, cu_seqlens)  # [Tc, c] fp32
-    normed = rms_norm_ref(pooled, norm_weight.to(pooled.dtype), eps)
-    rotated = apply_rope_ref(normed, compressed_positions(cu_c, ratio), rope_cfg)
+    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions(cu_c, ratio), rope_cfg)
     return rotated.to(x.dtype), cu_c

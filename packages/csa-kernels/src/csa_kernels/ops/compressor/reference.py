@@ -33,6 +33,23 @@ from csa_kernels.varlen import compressed_cu_seqlens
 from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
 
 
+def _empty_half(kv_b: torch.Tensor, logit_b: torch.Tensor, lead: int, ratio: int, c: int):
+    """The empty previous half of entry 0 (overlap): ``kv = 0``, ``logit = -inf`` (weight 0), each ``[lead, m, c]``."""
+    return kv_b.new_zeros(lead, ratio, c), logit_b.new_full((lead, ratio, c), float("-inf"))
+
+
+def _pool_slots(kv_b: torch.Tensor, logit_b: torch.Tensor, prev_kv=None, prev_logit=None) -> torch.Tensor:
+    """Softmax-gated pooling over the slots (dim 1) of ``kv_b, logit_b [n, m, Dk]`` -> ``[n, c]``.
+
+    Overlap (``prev_*`` given, ``[n, m, c]``): slots ``[previous block's P-half ; this block's Q-half]``.
+    """
+    if prev_kv is not None:
+        c = prev_kv.shape[-1]
+        kv_b = torch.cat((prev_kv, kv_b[..., c:]), 1)  # [n, 2m, c]
+        logit_b = torch.cat((prev_logit, logit_b[..., c:]), 1)  # [n, 2m, c]
+    return (torch.softmax(logit_b, dim=1) * kv_b).sum(1)  # [n, c]
+
+
 def _pool_document(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool):
     """Pool one document's complete blocks. ``kv, score [n*ratio, Dk]`` (compute dtype) -> ``[n, c]``."""
     n = kv.shape[0] // ratio
@@ -40,14 +57,19 @@ def _pool_document(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, rat
     kv_b = kv.view(n, ratio, dk)  # [n, m, Dk]
     logit_b = score.view(n, ratio, dk) + ape  # [n, m, Dk]
     if not overlap:
-        return (torch.softmax(logit_b, dim=1) * kv_b).sum(1)  # [n, c]
+        return _pool_slots(kv_b, logit_b)
     c = dk // 2
-    # previous block's P-half; entry 0 gets empty slots (kv 0, logit -inf)
-    prev_kv = torch.cat((kv_b.new_zeros(1, ratio, c), kv_b[:-1, :, :c]), 0)  # [n, m, c]
-    prev_logit = torch.cat((logit_b.new_full((1, ratio, c), float("-inf")), logit_b[:-1, :, :c]), 0)
-    slots_kv = torch.cat((prev_kv, kv_b[:, :, c:]), 1)  # [n, 2m, c]
-    slots_logit = torch.cat((prev_logit, logit_b[:, :, c:]), 1)  # [n, 2m, c]
-    return (torch.softmax(slots_logit, dim=1) * slots_kv).sum(1)  # [n, c]
+    # previous block's P-half; entry 0 gets empty slots
+    empty_kv, empty_logit = _empty_half(kv_b, logit_b, 1, ratio, c)
+    prev_kv = torch.cat((empty_kv, kv_b[:-1, :, :c]), 0)  # [n, m, c]
+    prev_logit = torch.cat((empty_logit, logit_b[:-1, :, :c]), 0)
+    return _pool_slots(kv_b, logit_b, prev_kv, prev_logit)
+
+
+def _norm_rope(pooled, norm_weight, eps, positions, rope_cfg) -> torch.Tensor:
+    """Entry epilogue: ``RMSNorm_{norm_weight}`` of the pooled rows, then RoPE at ``positions`` (compute dtype)."""
+    normed = rms_norm_ref(pooled, norm_weight.to(pooled.dtype), eps)
+    return apply_rope_ref(normed, positions, rope_cfg)
 
 
 def _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens):
@@ -107,18 +129,27 @@ def compressed_positions(cu_seqlens_c: torch.Tensor, ratio: int) -> torch.Tensor
     return (torch.arange(doc.numel(), device=cu.device) - cu[doc]) * ratio
 
 
-def _check_compress_inputs(x, wkv, wgate, norm_weight, overlap, rope_cfg) -> None:
-    """Shape / type checks of the full compressor (shared with the Triton path)."""
-    check_shape(x, "x", (None, None))
-    check_float(x, "x")
-    check_shape(wkv, "wkv", (None, x.shape[1]))
+def _check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg) -> int:
+    """Parameter checks of the full compressor (batch, streaming and Triton forms); returns the entry width ``c``."""
+    check_ratio(ratio, overlap)
+    check_shape(wkv, "wkv", (None, None))
     check_shape(wgate, "wgate", tuple(wkv.shape))
+    check_shape(ape, "ape", (ratio, wkv.shape[0]))
     c = wkv.shape[0] // 2 if overlap else wkv.shape[0]
     check_shape(norm_weight, "norm_weight", (c,))
     if not isinstance(rope_cfg, RopeConfig):
         raise ValueError(f"rope_cfg must be a dsv4_primitives.RopeConfig, got {type(rope_cfg).__name__}")
     if rope_cfg.rope_dim > c:
         raise ValueError(f"rope_cfg.rope_dim = {rope_cfg.rope_dim} exceeds the entry width c = {c}")
+    return c
+
+
+def _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg) -> None:
+    """Shape / type checks of the full compressor (shared with the Triton path)."""
+    check_shape(x, "x", (None, None))
+    check_float(x, "x")
+    check_shape(wkv, "wkv", (None, x.shape[1]))
+    _check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
 
 
 def compress_ref(
@@ -147,12 +178,11 @@ def compress_ref(
     Returns:
         ``entries [Tc, c]`` in ``x.dtype`` and ``cu_seqlens_c`` int32 ``[N+1]``.
     """
-    _check_compress_inputs(x, wkv, wgate, norm_weight, overlap, rope_cfg)
+    _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
     dt = compute_dtype(x, wkv, wgate, ape, norm_weight)
     xf = x.to(dt)
     kv = xf @ wkv.to(dt).T  # [T, Dk]
     score = xf @ wgate.to(dt).T  # [T, Dk]
     pooled, cu_c = compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens)  # [Tc, c]
-    normed = rms_norm_ref(pooled, norm_weight.to(dt), eps)
-    rotated = apply_rope_ref(normed, compressed_positions(cu_c, ratio), rope_cfg)
+    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions(cu_c, ratio), rope_cfg)
     return rotated.to(x.dtype), cu_c

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_ratio, check_shape, compute_dtype
-from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
+from csa_kernels._checks import check_shape, compute_dtype
+from csa_kernels.ops.compressor.reference import (
+    _check_compressor_params,
+    _empty_half,
+    _norm_rope,
+    _pool_slots,
+)
+from dsv4_primitives import RopeConfig
 
 
 class CompressorState:
@@ -35,11 +41,7 @@ class CompressorState:
         eps: float = 1e-6,
         batch: int = 1,
     ) -> None:
-        check_ratio(ratio, overlap)
-        check_shape(wgate, "wgate", tuple(wkv.shape))
-        check_shape(ape, "ape", (ratio, wkv.shape[0]))
-        self.c = wkv.shape[0] // 2 if overlap else wkv.shape[0]
-        check_shape(norm_weight, "norm_weight", (self.c,))
+        self.c = _check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.dtype = compute_dtype(wkv, wgate, ape, norm_weight)
@@ -66,16 +68,11 @@ class CompressorState:
         self._kv, self._logit = [], []
         if self.overlap:
             c = self.c
-            if self._prev is None:
-                prev_kv = kv_b.new_zeros(self.batch, self.ratio, c)
-                prev_logit = logit_b.new_full((self.batch, self.ratio, c), float("-inf"))
-            else:
-                prev_kv, prev_logit = self._prev
+            prev = self._prev or _empty_half(kv_b, logit_b, self.batch, self.ratio, c)  # [B, m, c] x2
             self._prev = (kv_b[..., :c], logit_b[..., :c])
-            kv_b = torch.cat((prev_kv, kv_b[..., c:]), 1)  # [B, 2m, c]
-            logit_b = torch.cat((prev_logit, logit_b[..., c:]), 1)  # [B, 2m, c]
-        pooled = (torch.softmax(logit_b, dim=1) * kv_b).sum(1)  # [B, c]
+            pooled = _pool_slots(kv_b, logit_b, *prev)  # [B, c]
+        else:
+            pooled = _pool_slots(kv_b, logit_b)  # [B, c]
         w = self.position // self.ratio - 1
         pos = torch.full((self.batch,), w * self.ratio, dtype=torch.int64, device=x_t.device)
-        entry = apply_rope_ref(rms_norm_ref(pooled, self.norm_weight, self.eps), pos, self.rope_cfg)
-        return entry.to(x_t.dtype)
+        return _norm_rope(pooled, self.norm_weight, self.eps, pos, self.rope_cfg).to(x_t.dtype)

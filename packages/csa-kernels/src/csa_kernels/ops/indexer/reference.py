@@ -28,6 +28,7 @@ from csa_kernels._checks import (
     check_index,
     check_ratio,
     check_shape,
+    check_topk,
     compute_dtype,
 )
 from csa_kernels._chunking import map_row_chunks, rows_per_chunk
@@ -48,6 +49,18 @@ def _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c):
     if cuc != expected:
         raise ValueError(f"cu_seqlens_c = {cuc} does not match floor(len / ratio) per document ({expected})")
     return cu, cuc
+
+
+def _check_scores_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries):
+    """:func:`_check_inputs` plus the ``max_entries`` rule of the dense scores; returns ``(cu, cuc, max_entries)``."""
+    cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
+    need = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
+    max_entries = need if max_entries is None else max_entries
+    if not isinstance(max_entries, int) or max_entries < need:
+        raise ValueError(
+            f"max_entries must be an int >= {need} (largest document's entries), got {max_entries!r}"
+        )
+    return cu, cuc, max_entries
 
 
 def _chunk_scores(q, w, t_rel, k_doc, ratio):
@@ -87,13 +100,9 @@ def indexer_scores_ref(
         max_entries: output width (default: the largest document's entry count; must not be smaller).
         chunk_size: query rows per chunk (default: automatic, see module docstring).
     """
-    cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
-    need = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
-    max_entries = need if max_entries is None else max_entries
-    if not isinstance(max_entries, int) or max_entries < need:
-        raise ValueError(
-            f"max_entries must be an int >= {need} (largest document's entries), got {max_entries!r}"
-        )
+    cu, cuc, max_entries = _check_scores_inputs(
+        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries
+    )
     dt = compute_dtype(q_idx, k_idx, weights)
     q, k, w = q_idx.to(dt), k_idx.to(dt), weights.to(dt)
     t_all = torch.arange(q.shape[0], device=q.device)
@@ -190,8 +199,7 @@ def indexer_topk_ref(
         ``scores [T, topk]`` (compute dtype, ``-inf`` at ``-1``), differentiable in ``q_idx``, ``k_idx``, ``weights``.
     """
     cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
-    if not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    check_topk(topk)
     if tie_break not in TIE_BREAKS:
         raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
     dt = compute_dtype(q_idx, k_idx, weights)

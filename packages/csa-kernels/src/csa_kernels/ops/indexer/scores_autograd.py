@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels.ops.indexer.reference import _check_inputs, indexer_scores_ref
+from csa_kernels.ops.indexer.reference import _check_scores_inputs, indexer_scores_ref
 from csa_kernels.ops.indexer.triton import indexer_scores_triton
 
 
@@ -54,13 +54,9 @@ def indexer_scores_triton_checked(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Public-contract form (validation and ``max_entries`` rule of :func:`indexer_scores_ref`); fp32 output."""
-    cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
-    need = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
-    max_entries = need if max_entries is None else max_entries
-    if not isinstance(max_entries, int) or max_entries < need:
-        raise ValueError(
-            f"max_entries must be an int >= {need} (largest document's entries), got {max_entries!r}"
-        )
+    cu, cuc, max_entries = _check_scores_inputs(
+        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries
+    )
     return IndexerScoresTritonFunction.apply(
         q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu, cuc, max_entries, chunk_size
     )

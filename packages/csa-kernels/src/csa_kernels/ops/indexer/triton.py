@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
 
 
@@ -202,8 +203,7 @@ def indexer_topk_checked(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seql
     from csa_kernels.ops.indexer.reference import _check_inputs, indexer_scores_at_ref
 
     _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
-    if not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    check_topk(topk)
     idx, vals = indexer_topk_triton(
         q_idx.detach(), k_idx.detach(), weights.detach(), ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_shape
+from csa_kernels._checks import check_index_range, check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer_loss.reference import indexer_loss_ref
 from csa_kernels.ops.sparse_attn.interface import local_to_global_rows
@@ -49,8 +49,7 @@ def indexer_loss_sbhd(
     check_shape(kv_all, "kv_all", (None, b, q.shape[3]))
     check_shape(comp_indices, "comp_indices", (s, b, None))
     check_shape(index_scores, "index_scores", tuple(comp_indices.shape))
-    if comp_indices.numel() and (int(comp_indices.min()) < -1 or int(comp_indices.max()) >= kv_all.shape[0]):
-        raise ValueError(f"comp_indices must lie in [-1, {kv_all.shape[0]}) (local rows of kv_all)")
+    check_index_range(comp_indices, "comp_indices", kv_all.shape[0], rows_of="kv_all")
     loss, per_row = indexer_loss(
         sbhd_to_thd(q),
         sbhd_to_thd(kv_all),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_float, check_index, check_shape, compute_dtype
+from csa_kernels._checks import check_float, check_index, check_shape, check_softmax_scale, compute_dtype
 from csa_kernels._chunking import rows_per_chunk
 
 
@@ -40,8 +40,7 @@ def _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax
     check_index(comp_indices, "comp_indices", t, kv_all.shape[0])
     check_shape(index_scores, "index_scores", tuple(comp_indices.shape))
     check_float(index_scores, "index_scores")
-    if not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    check_softmax_scale(softmax_scale)
 
 
 def indexer_teacher_ref(

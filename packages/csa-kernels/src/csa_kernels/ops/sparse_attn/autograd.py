@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from csa_kernels.ops.sparse_attn.reference import _check_layout
 from csa_kernels.ops.sparse_attn.triton import compact_indices, sparse_attn_bwd, sparse_attn_fwd
 
 
@@ -30,21 +31,11 @@ class SparseAttnTritonFunction(torch.autograd.Function):
 
 
 def _check(q, kv, attn_sink, indices, softmax_scale) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, H, D], got shape {tuple(q.shape)}")
-    t, h, d = q.shape
-    if kv.dim() != 2 or kv.shape[1] != d:
-        raise ValueError(f"kv must be [Nkv, {d}] (same D as q), got shape {tuple(kv.shape)}")
-    if attn_sink.shape != (h,):
-        raise ValueError(f"attn_sink must be [{h}] (one logit per head), got shape {tuple(attn_sink.shape)}")
-    if indices.dim() != 2 or indices.shape[0] != t or indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"indices must be int32 [{t}, K], got {indices.dtype} {tuple(indices.shape)}")
-    if q.dtype != kv.dtype or not q.dtype.is_floating_point:
+    _check_layout(q, kv, attn_sink, indices, softmax_scale)
+    if q.dtype != kv.dtype:
         raise ValueError(
             f"q and kv must share one floating dtype (bf16 on GPU), got {q.dtype} and {kv.dtype}"
         )
-    if not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
 
 
 def sparse_attn_triton(

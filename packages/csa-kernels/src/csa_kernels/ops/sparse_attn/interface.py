@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_shape
+from csa_kernels._checks import check_index_range, check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
 from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
@@ -51,10 +51,7 @@ def sparse_attn_sbhd(
     s, b = q.shape[:2]
     check_shape(kv, "kv", (None, b, q.shape[3]))
     check_shape(indices, "indices", (s, b, None))
-    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= kv.shape[0]):
-        raise ValueError(
-            f"indices must lie in [-1, {kv.shape[0]}) (local rows of kv), got out-of-range values"
-        )
+    check_index_range(indices, "indices", kv.shape[0], rows_of="kv")
     o, lse = sparse_attn(
         sbhd_to_thd(q),
         sbhd_to_thd(kv),

@@ -20,20 +20,32 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_float, check_index, check_shape, compute_dtype
+from csa_kernels._checks import (
+    check_float,
+    check_index_layout,
+    check_index_range,
+    check_shape,
+    check_softmax_scale,
+    compute_dtype,
+)
 from csa_kernels._chunking import map_row_chunks, rows_per_chunk
 
 
-def _check_inputs(q, kv, attn_sink, indices, softmax_scale):
+def _check_layout(q, kv, attn_sink, indices, softmax_scale):
+    """Shapes, dtypes and scale, without a device sync (shared with the Triton path, which trusts index values)."""
     check_shape(q, "q", (None, None, None))
     check_float(q, "q")
     t, h, d = q.shape
     check_shape(kv, "kv", (None, d))
     check_float(kv, "kv")
     check_shape(attn_sink, "attn_sink", (h,))
-    check_index(indices, "indices", t, kv.shape[0])
-    if not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    check_index_layout(indices, "indices", t)
+    check_softmax_scale(softmax_scale)
+
+
+def _check_inputs(q, kv, attn_sink, indices, softmax_scale):
+    _check_layout(q, kv, attn_sink, indices, softmax_scale)
+    check_index_range(indices, "indices", kv.shape[0])
     if attn_sink.numel() and not torch.isfinite(attn_sink).all():
         raise ValueError("attn_sink must be finite (use a large negative value to switch the sink off)")
 
