@@ -95,3 +95,10 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_sparse_attn_gpu_bf16(case):
     _run_case(*case, dtype=torch.bfloat16, device="cuda", sink_scale=2.0)
+
+
+@pytest.mark.gpu
+def test_sparse_attn_gpu_fp32_d512():
+    """fp32 inputs at D = 512 take the smaller fp32 launch tiles (`_fwd_config` / `_bwd_config`, itemsize 4):
+    64 x 64 fp32 q / kv tiles would need 384 KiB of shared memory on the H200. V4-Flash heads, varlen."""
+    _run_case([300, 1, 0, 212], 64, 512, 4, 128, 64, dtype=torch.float32, device="cuda", sink_scale=2.0)
