@@ -65,6 +65,8 @@ def test_loss_falls_and_outputs_written(tmp_path):
         assert key in rows[-1], key
     assert (out / "loss.png").stat().st_size > 0
     assert any((out / "tb").iterdir())
+    # a finished run leaves its final checkpoint
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000030"
 
 
 def test_exact_resume(tmp_path):

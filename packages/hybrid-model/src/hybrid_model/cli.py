@@ -33,7 +33,11 @@ def _train_parser(sub) -> None:
     p.add_argument(
         "--init-from", help="initial weights from a dist checkpoint (iter_XXXXXXX or run dir), any layout"
     )
-    p.add_argument("--save-interval", type=int)
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        help="save every N steps (default 0: only at the end and on SIGINT/SIGTERM)",
+    )
     p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,

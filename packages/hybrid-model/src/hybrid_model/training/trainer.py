@@ -462,9 +462,8 @@ class Trainer:
                     outputs.note(f"signal received: saving a checkpoint at step {self.step} and stopping")
                     self.save_checkpoint()
                     break
-            else:
-                if tc.save_interval or tc.resume:
-                    self.save_checkpoint()
+            else:  # a finished run always leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
+                self.save_checkpoint()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
