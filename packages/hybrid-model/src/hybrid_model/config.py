@@ -8,6 +8,7 @@ in which case both must agree (validated in ``__post_init__``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +133,10 @@ class DSv4ModelConfig:
             raise ValueError(
                 f"compress_ratios has {len(self.compress_ratios)} entries; need num_layers + "
                 f"num_nextn_predict_layers = {n_total} (MTP blocks last)"
+            )
+        if not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
+            raise ValueError(
+                f"mtp_loss_weight must be a finite number >= 0 (spec §8: 0.3, then 0.1), got {self.mtp_loss_weight}"
             )
         if self.num_nextn_predict_layers and self.compress_ratios[self.num_layers] != 0:
             raise ValueError("the MTP block is window-only in DSv4: its compress_ratios entry must be 0")

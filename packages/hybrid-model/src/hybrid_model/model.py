@@ -21,7 +21,7 @@ import torch
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, roll_tensor
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.symbols import PIPE, parse_pattern, register_dsv4_symbols
@@ -153,9 +153,12 @@ class DSv4Model(HybridModel):
 
     def mtp_logits(self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None):
         """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``)."""
-        next_ids, _ = roll_tensor(input_ids, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
+        from hybrid_model.mtp import mtp_roll_left
+
+        next_ids = mtp_roll_left(input_ids, packed_seq_params)  # token t+1 at t (0 at each document's end)
         e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
-        self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, None)
+        cu = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
+        self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, cu)
         h = self.mtp(
             streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask
         )
@@ -165,10 +168,12 @@ class DSv4Model(HybridModel):
     def _attach_mtp_loss(
         self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask
     ):
+        from hybrid_model.mtp import mtp_roll_left
+
         logits = self.mtp_logits(streams, input_ids, position_ids, psp, padding_mask)
-        mtp_labels, _ = roll_tensor(labels, shifts=-1, dims=-1, packed_seq_params=psp)
+        mtp_labels = mtp_roll_left(labels, psp)  # labels[t] = ids[t+1] -> mtp_labels[t] = ids[t+2]
         mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
-        mask, _ = roll_tensor(mask, shifts=-1, dims=-1, packed_seq_params=psp)  # last position has no t+2
+        mask = mtp_roll_left(mask, psp)  # a document's last position has no t+2
         per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
         num = mask.sum().clamp(min=1.0)
         mtp_loss = (per_token * mask).sum() / num

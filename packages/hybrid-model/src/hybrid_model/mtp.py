@@ -20,6 +20,26 @@ from torch import nn
 from dsv4_primitives import RMSNorm
 from mhc import HyperHead
 from mhc.megatron import HyperConnectionLayer
+from thd_packing import roll_left
+
+
+def mtp_roll_left(x: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+    """``x [b, s]`` moved one token left along ``s``: ``out[..., t] = x[..., t + 1]``, 0 where ``t + 1`` is past the
+    sequence or, for a packed THD ``[1, T]`` batch, outside ``t``'s document.
+
+    THD documents are the *padded* intervals ``cu_seqlens_q_padded`` (``cu_seqlens_q`` when there is no padding),
+    the row layout the attention uses: a real token is never fed the next document's first token (megatron's
+    ``roll_tensor`` rolls inside the *unpadded* ``cu_seqlens_q`` intervals, which are not row offsets once a pack has
+    per-document padding). Used for the MTP input ids, labels and loss mask (applied twice: targets ``t + 2``).
+    """
+    if packed_seq_params is None:
+        out = torch.roll(x, shifts=-1, dims=-1)
+        out[..., -1] = 0
+        return out
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    return roll_left(x, cu, shifts=1, fill_value=0, dim=-1)
 
 
 class DSv4MultiTokenPrediction(MegatronModule):
