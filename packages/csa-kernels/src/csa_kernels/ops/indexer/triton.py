@@ -109,6 +109,49 @@ def _config(DI: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+def _prepare_scores(q_idx, k_idx, weights, cu: list[int], cuc: list[int]):
+    """Contiguous inputs, launch config and the per-row-block metadata ``[5, nblocks]`` of the score kernel."""
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    cfg = _config(q_idx.shape[2], q_idx.dtype)
+    blocks = _row_blocks(cu, cuc, cfg[0])
+    meta = torch.tensor(blocks, dtype=torch.int32).T.contiguous().to(q_idx.device)  # [5, nblocks]
+    return q_idx, k_idx.contiguous(), weights.contiguous(), cfg, blocks, meta
+
+
+def _launch_scores(q_idx, k_idx, weights, out, meta, r0: int, ratio: int, width: int, cfg) -> None:
+    """Fused score pass of the row blocks in ``meta`` into ``out`` (row ``r0`` of the pack = row 0 of ``out``),
+    over the first ``width`` entries of each document."""
+    block_t, block_n, warps, stages = cfg
+    _, HI, DI = q_idx.shape
+    _indexer_scores_kernel[(meta.shape[1], triton.cdiv(width, block_n))](
+        q_idx,
+        k_idx,
+        weights,
+        out,
+        meta[0],
+        meta[1],
+        meta[2],
+        meta[3],
+        meta[4].clamp(max=width),
+        q_idx.stride(0),
+        q_idx.stride(1),
+        k_idx.stride(0),
+        weights.stride(0),
+        out.stride(0),
+        r0,
+        ratio,
+        HI,
+        DI=DI,
+        BLOCK_DI=next_pow2(DI),
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        UPCAST=interpreting(),
+        PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
 def indexer_topk_triton(
     q_idx: torch.Tensor,  # [T, HI, DI]
     k_idx: torch.Tensor,  # [Tc, DI]
@@ -125,7 +168,7 @@ def indexer_topk_triton(
     ``chunk_size`` bounds the rows of one score buffer (default: as many rows as keep it <= 256 MiB).
     """
     check_triton_device(q_idx, k_idx, weights)
-    T, HI, DI = q_idx.shape
+    T = q_idx.shape[0]
     cu = [int(v) for v in cu_seqlens.tolist()]
     cuc = [int(v) for v in cu_seqlens_c.tolist()]
     indices = torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
@@ -133,14 +176,9 @@ def indexer_topk_triton(
     c_max = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
     if T == 0 or c_max == 0:
         return indices, values
-    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
-    k_idx = k_idx.contiguous()
-    weights = weights.contiguous()
-    block_t, block_n, warps, stages = _config(DI, q_idx.dtype)
-    blocks = _row_blocks(cu, cuc, block_t)
+    q_idx, k_idx, weights, cfg, blocks, meta = _prepare_scores(q_idx, k_idx, weights, cu, cuc)
     if chunk_size is None:
-        chunk_size = max(block_t, (1 << 26) // max(c_max, 1))
-    meta = torch.tensor(blocks, dtype=torch.int32).T.contiguous().to(q_idx.device)  # [5, nblocks]
+        chunk_size = max(cfg[0], (1 << 26) // max(c_max, 1))
     # chunks of whole row blocks
     i = 0
     while i < len(blocks):
@@ -153,34 +191,7 @@ def indexer_topk_triton(
         width = min(c_max, n_vis_max)
         if width > 0:
             buf = torch.full((r1 - r0, width), float("-inf"), dtype=torch.float32, device=q_idx.device)
-            grid = (j - i, triton.cdiv(width, block_n))
-            _indexer_scores_kernel[grid](
-                q_idx,
-                k_idx,
-                weights,
-                buf,
-                meta[0, i:j],
-                meta[1, i:j],
-                meta[2, i:j],
-                meta[3, i:j],
-                meta[4, i:j].clamp(max=width),
-                q_idx.stride(0),
-                q_idx.stride(1),
-                k_idx.stride(0),
-                weights.stride(0),
-                buf.stride(0),
-                r0,
-                ratio,
-                HI,
-                DI=DI,
-                BLOCK_DI=next_pow2(DI),
-                BLOCK_T=block_t,
-                BLOCK_N=block_n,
-                UPCAST=interpreting(),
-                PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
-                num_warps=warps,
-                num_stages=stages,
-            )
+            _launch_scores(q_idx, k_idx, weights, buf, meta[:, i:j], r0, ratio, width, cfg)
             k = min(topk, width)
             if buf.is_cuda:  # CUDA top-k keeps the lowest-indexed entries among ties (oracle I6)
                 vals, cols = buf.topk(k, dim=1, sorted=True)
@@ -229,42 +240,11 @@ def indexer_scores_triton(
     :class:`csa_kernels.ops.indexer.scores_autograd.IndexerScoresTritonFunction`).
     """
     check_triton_device(q_idx, k_idx, weights)
-    T, HI, DI = q_idx.shape
+    T = q_idx.shape[0]
     out = torch.full((T, max_entries), float("-inf"), dtype=torch.float32, device=q_idx.device)
     c_max = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
     if T == 0 or c_max == 0:
         return out
-    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
-    k_idx = k_idx.contiguous()
-    weights = weights.contiguous()
-    block_t, block_n, warps, stages = _config(DI, q_idx.dtype)
-    blocks = _row_blocks(cu, cuc, block_t)
-    meta = torch.tensor(blocks, dtype=torch.int32).T.contiguous().to(q_idx.device)  # [5, nblocks]
-    _indexer_scores_kernel[(len(blocks), triton.cdiv(c_max, block_n))](
-        q_idx,
-        k_idx,
-        weights,
-        out,
-        meta[0],
-        meta[1],
-        meta[2],
-        meta[3],
-        meta[4],
-        q_idx.stride(0),
-        q_idx.stride(1),
-        k_idx.stride(0),
-        weights.stride(0),
-        out.stride(0),
-        0,
-        ratio,
-        HI,
-        DI=DI,
-        BLOCK_DI=next_pow2(DI),
-        BLOCK_T=block_t,
-        BLOCK_N=block_n,
-        UPCAST=interpreting(),
-        PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
-        num_warps=warps,
-        num_stages=stages,
-    )
+    q_idx, k_idx, weights, cfg, _, meta = _prepare_scores(q_idx, k_idx, weights, cu, cuc)
+    _launch_scores(q_idx, k_idx, weights, out, meta, 0, ratio, c_max, cfg)
     return out
