@@ -377,10 +377,20 @@ def sweep_attention(backward: bool = False):
     do = torch.randn_like(q)
     # (BLOCK_H, BLOCK_N, warps, stages); 16 warps = the [64, 512] accumulator spread over four warp groups.
     # (An output-channel split over two programs, score GEMM recomputed, measured 2x slower: see the README.)
-    fwd_cfgs = [(64, 64, 8, 1), (64, 128, 8, 1), (64, 64, 16, 1), (64, 32, 8, 2)]
+    # Stages > 1 move the gathered KV tile from registers (LDG) to cp.async copies into shared memory (LDGSTS in
+    # the SASS; compiled for sm_90: BN 64 / 1 stage 254 registers, 128 KiB; BN 64 / 2 stages 196 KiB; BN 32 / 3-4
+    # stages 233 registers, 128 KiB).
+    fwd_cfgs = [
+        (64, 64, 8, 1),
+        (64, 64, 8, 2),
+        (64, 64, 8, 3),
+        (64, 32, 8, 3),
+        (64, 32, 8, 4),
+        (64, 16, 8, 4),
+    ]
     _sweep_fwd(K, sparse_attn_triton, "flash S4096", (q, kv, sink, idx, scale), fl, fwd_cfgs)
     swa = attn_inputs(4096, 64, 512, 128, 0, 0, False)
-    swa_cfgs = [fwd_cfgs[0], fwd_cfgs[2]]
+    swa_cfgs = fwd_cfgs[:2] + fwd_cfgs[3:5]
     _sweep_fwd(K, sparse_attn_triton, "swa S4096", (*swa, scale), attn_flops(swa[3], 64, 512), swa_cfgs)
     if not backward:
         return

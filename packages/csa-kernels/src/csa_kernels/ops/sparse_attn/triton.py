@@ -54,6 +54,7 @@ def _sparse_attn_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -81,14 +82,16 @@ def _sparse_attn_fwd_kernel(
         )  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv)) * qk_scale_log2  # [BLOCK_H, BLOCK_N], log2 units
+        s = (
+            tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale_log2
+        )  # [BLOCK_H, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv.dtype), kv, acc)
+        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=PRECISION)
         m_i = m_new
     sink = tl.load(SINK + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
     m_fin = tl.maximum(m_i, sink)
@@ -129,6 +132,7 @@ def _sparse_attn_bwd_dq_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """dq[t,h] = scale * sum_j ds[t,h,j] kv_j with ds = p (dp - delta); one program per (token, head block)."""
     t = tl.program_id(0).to(tl.int64)
@@ -159,12 +163,12 @@ def _sparse_attn_bwd_dq_kernel(
         )  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv)) * qk_scale_log2
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale_log2
         p = tl.exp2(s - lse2[:, None])
         p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)  # [BLOCK_H, BLOCK_N]
-        dp = tl.dot(do, tl.trans(kv))
+        dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])  # dL/dz (z already scaled)
-        dq = tl.dot(ds.to(kv.dtype), kv, dq)
+        dq = tl.dot(ds.to(kv.dtype), kv, dq, input_precision=PRECISION)
     tl.store(
         DQ + t * stride_dqt + offs_h[:, None] * stride_dqh + offs_d[None, :],
         (dq * scale).to(DQ.dtype.element_ty),
@@ -197,6 +201,7 @@ def _sparse_attn_bwd_dkv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_DC: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """dkv[idx_j] += scale * ds_j^T q + p_j^T do (K and V gradients of the shared row) with fp32 atomics.
 
@@ -231,8 +236,8 @@ def _sparse_attn_bwd_dkv_kernel(
                 qc = qc.to(tl.float32)
                 doc = doc.to(tl.float32)
                 kvc = kvc.to(tl.float32)
-            s = tl.dot(qc, tl.trans(kvc), s)
-            dp = tl.dot(doc, tl.trans(kvc), dp)
+            s = tl.dot(qc, tl.trans(kvc), s, input_precision=PRECISION)
+            dp = tl.dot(doc, tl.trans(kvc), dp, input_precision=PRECISION)
         p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
         p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)  # [BLOCK_H, BLOCK_N]
         ds = p * (dp - delta[:, None]) * scale
@@ -250,8 +255,8 @@ def _sparse_attn_bwd_dkv_kernel(
             if UPCAST:
                 qc = qc.to(tl.float32)
                 doc = doc.to(tl.float32)
-            dkv = tl.dot(p_t, doc)  # [BLOCK_N, BLOCK_DC]
-            dkv = tl.dot(ds_t, qc, dkv)
+            dkv = tl.dot(p_t, doc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_DC]
+            dkv = tl.dot(ds_t, qc, dkv, input_precision=PRECISION)
             tl.atomic_add(
                 DKV + idx[:, None] * stride_dkvn + offs_c[None, :],
                 dkv,
@@ -306,6 +311,11 @@ BWD_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
 BWD_DKV_CONFIG: tuple[int, int, int, int] = (64, 128, 8, 1)
 
 
+def _precision(q: torch.Tensor) -> str:
+    """``input_precision`` of the kernels' dots: exact fp32 ("ieee") for fp32 inputs; bf16/fp16 ignore it."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def _fwd_config(D: int, H: int, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages) for the forward kernel."""
     if FWD_CONFIG_OVERRIDE is not None and not interpreting():
@@ -313,9 +323,14 @@ def _fwd_config(D: int, H: int, itemsize: int = 2) -> tuple[int, int, int, int]:
     if interpreting():
         return min(next_pow2(H), 64), 16, 4, 1
     block_h = 64 if H >= 64 else max(16, next_pow2(H))
-    if itemsize >= 4 and D > 256:  # fp32 tiles of q and kv at D=512 need 384 KiB of shared memory at 64 x 64
+    if (
+        itemsize >= 4 and D > 256
+    ):  # fp32 q / kv tiles (exact "ieee" dots): 135 KiB of shared memory at 32 x 32
         return min(block_h, 32), 32, 8, 1
-    return block_h, 64, 8, 1  # H200 sweep at D=512: BN 64 / 1 stage 1.81 ms, BN 32 / 2 stages 2.06 ms
+    # Two stages turn the gathered KV tile into cp.async copies (LDGSTS) into shared memory instead of register
+    # loads whose latency every iteration waited for (ncu: "long scoreboard" the top stall, tensor pipe 25% busy).
+    # H200 at D=512, V4-Flash S=4096: BN 64 / 2 stages 1.285 ms vs 1 stage 1.83 ms; BN 32 / 3-4 stages 1.66 ms.
+    return block_h, 64, 8, 2
 
 
 def _bwd_config(D: int, H: int, itemsize: int = 2) -> tuple[int, int, int, int]:
@@ -324,8 +339,8 @@ def _bwd_config(D: int, H: int, itemsize: int = 2) -> tuple[int, int, int, int]:
     if interpreting():
         return min(next_pow2(H), 64), 16, 4, 1
     block_h = 64 if H >= 64 else max(16, next_pow2(H))
-    if itemsize >= 4 and D > 256:  # see _fwd_config
-        return min(block_h, 32), 32, 8, 1
+    if itemsize >= 4 and D > 256:  # fp32 "ieee" dots: [16, 512] q / do / dq tiles, 99 KiB of shared memory
+        return min(block_h, 16), 16, 8, 1
     return block_h, 64, 8, 1  # H200 sweep at D=512 (with the dkv kernel at BN 64, DC 128): 6.54 ms vs 7.76 ms
 
 
@@ -369,6 +384,7 @@ def sparse_attn_fwd(
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         UPCAST=interpreting(),
+        PRECISION=_precision(q),
         num_warps=warps,
         num_stages=stages,
     )
@@ -405,11 +421,24 @@ def sparse_attn_bwd(
     args = (q, kv, do, lse, delta, indices, counts)
     strides = (q.stride(0), q.stride(1), kv.stride(0), do.stride(0), do.stride(1), indices.stride(0))
     grid = (T, triton.cdiv(H, block_h))
-    meta = dict(D=D, BLOCK_D=bd, BLOCK_H=block_h, UPCAST=interpreting(), num_warps=warps, num_stages=stages)
+    meta = dict(
+        D=D,
+        BLOCK_D=bd,
+        BLOCK_H=block_h,
+        UPCAST=interpreting(),
+        PRECISION=_precision(q),
+        num_warps=warps,
+        num_stages=stages,
+    )
     _sparse_attn_bwd_dq_kernel[grid](
         *args, dq, *strides, dq.stride(0), dq.stride(1), H, softmax_scale, BLOCK_N=block_n, **meta
     )
-    kv_bn, kv_dc, kv_warps, kv_stages = (block_n, min(bd, 64), 4, 1) if interpreting() else BWD_DKV_CONFIG
+    if interpreting():
+        kv_bn, kv_dc, kv_warps, kv_stages = block_n, min(bd, 64), 4, 1
+    elif q.element_size() >= 4 and D > 256:  # fp32: the bf16 tiles would spill 512 B per thread
+        kv_bn, kv_dc, kv_warps, kv_stages = 16, 64, 8, 1
+    else:
+        kv_bn, kv_dc, kv_warps, kv_stages = BWD_DKV_CONFIG
     meta.update(num_warps=kv_warps, num_stages=kv_stages)
     _sparse_attn_bwd_dkv_kernel[grid](
         *args,
