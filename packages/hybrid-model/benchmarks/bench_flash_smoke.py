@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -119,14 +120,93 @@ def _time_fwd_bwd(model, S: int, iters: int) -> dict:
     }
 
 
-def _time_optimizer_step(S: int, iters: int) -> float:
-    """Tokens/s of full training steps through ``dsv4 train``'s loop (DDP + distributed optimizer)."""
-    from megatron.core import parallel_state as ps
+# Kernel-name patterns of the step's parts (first match wins), for the profile's breakdown.
+_CATEGORIES = [
+    ("csa-kernels: sparse attention", r"_sparse_attn|_delta_kernel"),
+    ("csa-kernels: indexer + top-k + loss", r"_indexer|mbtopk|radixSort|sort|topk"),
+    ("csa-kernels: compressor", r"_compressor"),
+    ("mhc kernels", r"_sk_|sinkhorn|_coeff_|_pre_|_post_|_split_bf16|_mm"),
+    ("rope", r"rope"),
+    ("hash-moe routing", r"_topk_route"),
+    ("GEMM (cuBLAS / cutlass)", r"gemm|nvjet|cutlass|xmma|cublas|Kernel2|splitK"),
+    ("cross-entropy / softmax", r"softmax|nll|cross_entropy|log_softmax"),
+    ("MoE permute / gather / scatter", r"index|scatter|gather|sort|cumsum|histc|bincount|nonzero|masked"),
+    ("norm / reductions", r"norm|reduce_kernel|welford"),
+    ("elementwise / copies", r"elementwise|copy|fill|Memcpy|Memset|cat|where|clamp"),
+]
 
+
+def _profile(model, S: int, out: Path, top: int = 40) -> dict:
+    """One profiled fwd+bwd at length S (after a warm-up): kernel time by category, GPU busy share of the wall
+    time, and the top kernels; the full table goes to ``out/flash_smoke_profile_S.txt``."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    V = model.model_config.vocab_size
+    ids = torch.randint(0, V, (1, S), device="cuda")
+    labels = torch.roll(ids, -1, 1)
+
+    def step():
+        loss = model(ids, None, None, labels=labels).float().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    us = {e.key: e.self_device_time_total for e in kernels}
+    counts = {e.key: e.count for e in kernels}
+    total = sum(us.values())
+    cats: dict[str, float] = {}
+    for name, t in us.items():
+        cat = next((c for c, pat in _CATEGORIES if re.search(pat, name, re.I)), "other")
+        cats[cat] = cats.get(cat, 0.0) + t
+    top_rows = sorted(us.items(), key=lambda kv: -kv[1])[:top]
+    lines = [
+        f"flash-smoke fwd+bwd S={S}: wall {wall * 1e3:.1f} ms (profiled), kernel time {total / 1e3:.1f} ms "
+        f"(GPU busy {100 * total / 1e6 / wall:.0f}%), {sum(counts.values())} kernel launches",
+        "",
+        f"{'category':40s} {'ms':>9} {'share':>6}",
+    ]
+    for c, t in sorted(cats.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{c:40s} {t / 1e3:9.2f} {100 * t / total:5.1f}%")
+    lines += ["", f"{'kernel':90s} {'calls':>6} {'ms':>9} {'share':>6}"]
+    for name, t in top_rows:
+        lines.append(f"{name[:90]:90s} {counts[name]:6d} {t / 1e3:9.2f} {100 * t / total:5.1f}%")
+    ops = [
+        e
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
+    ]
+    lines += ["", "PyTorch ops by the kernel time they launched (grouped by input shapes):"]
+    lines.append(f"{'op':34s} {'input shapes':70s} {'calls':>6} {'ms':>8}")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
+        shapes = str(e.input_shapes)[:70]
+        lines.append(f"{e.key[:34]:34s} {shapes:70s} {e.count:6d} {e.self_device_time_total / 1e3:8.2f}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"flash_smoke_profile_{S}.txt").write_text(text + "\n")
+    return {
+        "wall_ms": wall * 1e3,
+        "kernel_ms": total / 1e3,
+        "launches": sum(counts.values()),
+        "categories_ms": {c: t / 1e3 for c, t in cats.items()},
+        "top_kernels_ms": {n[:120]: t / 1e3 for n, t in top_rows[:15]},
+    }
+
+
+def _optimizer_step_child(S: int, iters: int, packed: bool) -> dict:
+    """Full training steps through ``dsv4 train``'s loop (DDP + distributed optimizer, Adam, grad clipping) in this
+    process; run by :func:`_time_optimizer_step` in a fresh process (the Trainer owns its parallel state)."""
     from hybrid_model.training.config import TrainConfig
     from hybrid_model.training.trainer import Trainer
-
-    ps.destroy_model_parallel()  # the Trainer initialises its own parallel state (same process group)
 
     tc = TrainConfig(
         preset="flash-smoke",
@@ -135,14 +215,38 @@ def _time_optimizer_step(S: int, iters: int) -> float:
         global_batch_size=1,
         micro_batch_size=1,
         bf16=True,
-        packed=True,
+        packed=packed,
         out="/tmp/bench_flash_smoke_run",
         progress=False,
         warmup_steps=0,
+        save_final=False,  # a flash-smoke checkpoint with Adam state is ~45 GB
     )
-    tr = Trainer(tc)
-    metrics = tr.run()
-    return sum(m["tokens_per_s"] for m in metrics[1:]) / max(1, len(metrics) - 1)
+    metrics = Trainer(tc).run()
+    timed = metrics[1:] or metrics  # step 1 compiles the kernels
+    return {
+        "tokens_per_s": sum(m["tokens_per_s"] for m in timed) / len(timed),
+        "mfu": sum(m["mfu"] for m in timed) / len(timed),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "lm_loss": [m.get("lm_loss") for m in metrics],
+        "layout": "thd" if packed else "sbhd",
+    }
+
+
+def _time_optimizer_step(S: int, iters: int, packed: bool) -> dict:
+    """:func:`_optimizer_step_child` in a subprocess; raises with the child's output tail when it fails."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, __file__, "--optimizer-step-child", str(S), "--iters", str(iters)]
+    if packed:
+        cmd.append("--packed")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("OPTIMIZER_STEP "):
+            return json.loads(line[len("OPTIMIZER_STEP ") :])
+    raise RuntimeError(
+        f"optimizer-step child failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+    )
 
 
 def main() -> None:
@@ -150,10 +254,18 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--seq-lens", type=int, nargs="*", default=[2048, 4096, 8192])
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--max-seq-len", type=int, default=65536, help="stop doubling S here")
+    ap.add_argument("--max-seq-len", type=int, default=65536, help="stop growing S here")
+    ap.add_argument("--profile-seq-len", type=int, default=4096, help="S of the profiled step (0: none)")
+    ap.add_argument("--no-optimizer-step", action="store_true", help="skip the full optimizer-step timing")
+    ap.add_argument("--optimizer-step-child", type=int, metavar="S", help=argparse.SUPPRESS)
+    ap.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_flash_smoke: no CUDA device; nothing measured")
+        return
+    if args.optimizer_step_child:
+        r = _optimizer_step_child(args.optimizer_step_child, args.iters, args.packed)
+        print("OPTIMIZER_STEP " + json.dumps(r), flush=True)
         return
     _init()
     model = _model(bf16=True)
@@ -165,31 +277,55 @@ def main() -> None:
             d.mkdir(parents=True, exist_ok=True)
             (d / "flash_smoke.json").write_text(text)
 
-    seqs = list(args.seq_lens)
-    S = seqs[-1]
-    while True:
-        for s in seqs:
-            try:
-                result["fwd_bwd"][s] = _time_fwd_bwd(model, s, args.iters)
-            except torch.OutOfMemoryError:
-                result["fwd_bwd"][s] = "OOM"
-                torch.cuda.empty_cache()
-            print(f"S={s}: {result['fwd_bwd'][s]}", flush=True)
-            save()
-        if result["fwd_bwd"][seqs[-1]] == "OOM" or args.max_seq_len < S * 2:
+    def measure(s: int) -> bool:
+        try:
+            result["fwd_bwd"][s] = _time_fwd_bwd(model, s, args.iters)
+        except torch.OutOfMemoryError:
+            result["fwd_bwd"][s] = "OOM"
+            model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        print(f"S={s}: {result['fwd_bwd'][s]}", flush=True)
+        save()
+        return result["fwd_bwd"][s] != "OOM"
+
+    if args.profile_seq_len:
+        result["profile"] = _profile(model, args.profile_seq_len, Path(args.out))
+        save()
+    fits = [s for s in args.seq_lens if measure(s)]
+    # The longest S that fits: double past the last measured length, then bisect in steps of 2048 tokens.
+    lo = max(fits, default=0)
+    hi = None
+    S = lo * 2
+    while lo and args.max_seq_len >= S:
+        if not measure(S):
+            hi = S
             break
-        S *= 2
-        seqs = [S]
-    del model
+        lo, S = S, S * 2
+    while hi is not None and hi - lo > 2048:
+        mid = (lo + hi) // 2 // 2048 * 2048
+        if measure(mid):
+            lo = mid
+        else:
+            hi = mid
+    result["longest_fitting_seq_len"] = lo
+    result["first_oom_seq_len"] = hi
+    save()
+    model = None  # free the weights before the Trainer builds its own model
     torch.cuda.empty_cache()
-    try:
-        result["optimizer_step_tokens_per_s_4096"] = _time_optimizer_step(4096, args.iters)
-    except Exception as e:  # report, do not hide: the fwd/bwd table is still useful
-        result["optimizer_step_error"] = repr(e)
+    if not args.no_optimizer_step:
+        result["optimizer_step"] = {}
+        for packed in (False, True):
+            key = "thd" if packed else "sbhd"
+            try:
+                result["optimizer_step"][key] = _time_optimizer_step(4096, args.iters, packed)
+            except Exception:  # report, do not hide: the fwd/bwd table is still useful
+                result["optimizer_step"][key] = {"error": traceback.format_exc()[-4000:]}
+            print(f"optimizer step S=4096 {key}:", result["optimizer_step"][key], flush=True)
+            save()
     print(
         f"{'S':>7} | {'ours tok/s':>11} | {'MFU':>6} | {'peak GiB':>8} | {'HF eager tok/s':>14} | {'HF GiB':>6} | speedup"
     )
-    for s, r in result["fwd_bwd"].items():
+    for s, r in sorted(result["fwd_bwd"].items()):
         hf = HF_EAGER.get(s)
         if r == "OOM":
             print(f"{s:>7} | {'OOM':>11} |")

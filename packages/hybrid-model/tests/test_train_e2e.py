@@ -77,7 +77,8 @@ def test_exact_resume(tmp_path):
     position and the dense -> sparse CSA switch after the resume point.
     """
     kw = dict(steps=8, warmup_steps=5, dense_steps=4)
-    full = _train_metrics(tmp_path, out=str(tmp_path / "full"), **kw)
+    full = _train_metrics(tmp_path, out=str(tmp_path / "full"), save_final=False, **kw)
+    assert not (tmp_path / "full" / "checkpoints").exists()  # --no-save-final: no checkpoint written
     run = tmp_path / "run"
     saved = _train_metrics(tmp_path, out=str(run), save_interval=3, **kw)
     assert saved == full  # same seed -> identical runs; saving does not perturb training

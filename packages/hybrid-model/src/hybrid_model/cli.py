@@ -39,6 +39,12 @@ def _train_parser(sub) -> None:
         help="save every N steps (default 0: only at the end and on SIGINT/SIGTERM)",
     )
     p.add_argument(
+        "--save-final",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="save a checkpoint when the run finishes (default on; --no-save-final for benchmark runs)",
+    )
+    p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,

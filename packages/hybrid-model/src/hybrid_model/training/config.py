@@ -45,6 +45,7 @@ class TrainConfig:
     resume: bool = False
     init_from: str | None = None
     save_interval: int = 0
+    save_final: bool = True
     log_interval: int = 1
     peak_tflops: float | None = None
     progress: bool = True

@@ -462,8 +462,9 @@ class Trainer:
                     outputs.note(f"signal received: saving a checkpoint at step {self.step} and stopping")
                     self.save_checkpoint()
                     break
-            else:  # a finished run always leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
-                self.save_checkpoint()
+            else:  # a finished run leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
+                if tc.save_final:
+                    self.save_checkpoint()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
