@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybrid_model.mtp import router_cu_seqlens
 from hybrid_model.presets import get_preset
 
 
@@ -83,6 +84,27 @@ def _recorder(seen: dict, key: str):
     return hook
 
 
+def test_router_cu_seqlens_cover_the_pack():
+    """The routers' intervals are the padded documents plus the static-shape tail rows; they end at T."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    psp = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=i32([0, 3, 4, 9]),
+        cu_seqlens_kv=i32([0, 3, 4, 9]),
+        cu_seqlens_q_padded=i32([0, 4, 6, 11]),
+        cu_seqlens_kv_padded=i32([0, 4, 6, 11]),
+    )
+    assert router_cu_seqlens(psp, 11).tolist() == [0, 4, 6, 11]
+    assert router_cu_seqlens(psp, 16).tolist() == [0, 4, 6, 11, 16]  # tail rows: one more interval
+    assert router_cu_seqlens(None, 16) is None
+    unpadded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=i32([0, 3, 4]), cu_seqlens_kv=i32([0, 3, 4]))
+    assert router_cu_seqlens(unpadded, 4).tolist() == [0, 3, 4]
+    with pytest.raises(ValueError, match="cover 11 rows"):
+        router_cu_seqlens(psp, 10)
+
+
 def _thd_batch(cfg, lengths, padded, tail, seed):
     """A packed ``[1, T]`` batch with per-document padding and tail rows; labels/mask per document."""
     from thd_packing import PackedSeqs
@@ -114,10 +136,9 @@ def test_mtp_input_targets_and_masking_thd(megatron_cpu):
     with torch.no_grad():  # non-trivial norm weights, so swapped enorm/hnorm would show
         model.mtp.enorm.weight.uniform_(0.5, 1.5)
         model.mtp.hnorm.weight.uniform_(0.5, 1.5)
-    # the main model's MoE balance loss takes no per-document padding (cu_seqlens must end at T): unpadded pack;
-    # padded layouts are covered by test_mtp_roll_left_never_crosses_padded_documents
+    # per-document padding and tail rows (the routers' balance loss runs over the padded intervals + the tail)
     lengths = [7, 1, 6, 2]
-    ids, labels, mask, pos, psp = _thd_batch(cfg, lengths, lengths, tail=0, seed=1)
+    ids, labels, mask, pos, psp = _thd_batch(cfg, lengths, [8, 2, 6, 4], tail=3, seed=1)
     cu_p = psp.cu_seqlens_q_padded.tolist()
 
     seen = {}
@@ -150,7 +171,7 @@ def test_mtp_input_targets_and_masking_thd(megatron_cpu):
         for t in range(start, start + length - 2):
             targets[0, t], tmask[0, t] = ids[0, t + 2], 1.0
     with torch.no_grad():
-        mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, psp.cu_seqlens_q)
+        mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, router_cu_seqlens(psp, ids.shape[1]))
         h = mtp(streams, e, attention_mask=None, packed_seq_params=psp, padding_mask=None)
         logits, _ = model.output_layer(h)  # the shared head
         ce = F.cross_entropy(logits[:, 0].float(), targets[0], reduction="none")

@@ -24,6 +24,15 @@ def _train_parser(sub) -> None:
     p.add_argument("--data", nargs="+", help="text files (thd-packing formats: JSONL/JSON/Parquet/.txt dirs)")
     p.add_argument("--tokenizer", help="HF tokenizers JSON file (default: byte-level)")
     p.add_argument("--lr", type=float)
+    p.add_argument(
+        "--lr-decay-style", choices=("cosine", "wsd"), help="cosine (default) or warmup-stable-decay"
+    )
+    p.add_argument("--lr-wsd-decay-steps", type=int, help="wsd: length of the final cosine anneal")
+    p.add_argument(
+        "--mtp-loss-weight-decay",
+        type=float,
+        help="MTP loss weight from the start of the LR decay (default 0.1, spec; the preset's weight before)",
+    )
     p.add_argument("--seed", type=int)
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)

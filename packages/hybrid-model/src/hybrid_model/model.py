@@ -125,11 +125,10 @@ class DSv4Model(HybridModel):
             raise ValueError("DSv4Model is causal by construction: pass attention_mask=None")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, d]
-        cu_seqlens = None
-        if packed_seq_params is not None:
-            cu_seqlens = packed_seq_params.cu_seqlens_q
         if input_ids is not None:
-            self.decoder.bind_input_ids(input_ids, cu_seqlens)
+            from hybrid_model.mtp import router_cu_seqlens
+
+            self.decoder.bind_input_ids(input_ids, router_cu_seqlens(packed_seq_params, input_ids.shape[-1]))
         try:
             out = self.decoder(
                 hidden_states=decoder_input,
@@ -153,11 +152,11 @@ class DSv4Model(HybridModel):
 
     def mtp_logits(self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None):
         """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``)."""
-        from hybrid_model.mtp import mtp_roll_left
+        from hybrid_model.mtp import mtp_roll_left, router_cu_seqlens
 
         next_ids = mtp_roll_left(input_ids, packed_seq_params)  # token t+1 at t (0 at each document's end)
         e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
-        cu = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
+        cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1])
         self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, cu)
         h = self.mtp(
             streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask

@@ -42,6 +42,24 @@ def mtp_roll_left(x: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
     return roll_left(x, cu, shifts=1, fill_value=0, dim=-1)
 
 
+def router_cu_seqlens(packed_seq_params, num_tokens: int) -> torch.Tensor | None:
+    """Row intervals ``[D + 1]`` of a THD pack for the MoE routers' per-document balance loss: the *padded* document
+    intervals (``cu_seqlens_q_padded``, else ``cu_seqlens_q``) with the pack's tail rows after the last document
+    (static-shape padding) as one more interval, so that the intervals cover all ``num_tokens`` rows (hash-moe's
+    balance loss needs ``cu_seqlens[-1] == T``). A document's padding rows count with that document."""
+    if packed_seq_params is None:
+        return None
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    end = int(cu[-1])
+    if end > num_tokens:
+        raise ValueError(f"packed_seq_params cover {end} rows but the pack holds {num_tokens} tokens")
+    if end < num_tokens:
+        cu = torch.cat([cu, cu.new_tensor([num_tokens])])
+    return cu
+
+
 class DSv4MultiTokenPrediction(MegatronModule):
     """One DSv4 MTP depth (``mtp.*`` parameters). ``forward(streams, next_embedding, **layer_kwargs) -> h [s, b, d]``."""
 

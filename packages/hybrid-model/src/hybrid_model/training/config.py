@@ -18,6 +18,10 @@ class TrainConfig:
     ``bf16``: mixed precision as in megatron's training loop (bf16 params and activations, fp32 main params and
     gradient reduction in the optimizer, the keep-in-fp32 tensors — mHC, attention sinks, compressor ``ape``, the
     router selection bias — fp32); ``None`` (the default) resolves to ``True`` on CUDA and ``False`` on CPU.
+    ``lr_decay_style``: ``"cosine"`` (warm-up, then cosine decay to ``min_lr``) or ``"wsd"`` (warm-up, constant
+    ``lr``, then a cosine anneal over the last ``lr_wsd_decay_steps`` steps). ``mtp_loss_weight_decay``: the MTP loss
+    weight from the first step of the LR decay on (spec §8: the preset's 0.3, then 0.1); ``None`` keeps the preset's
+    weight throughout. See :meth:`lr_decay_start` and :meth:`mtp_weight_at`.
     """
 
     preset: str = "tiny"
@@ -31,6 +35,9 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 10
+    lr_decay_style: str = "cosine"
+    lr_wsd_decay_steps: int = 0
+    mtp_loss_weight_decay: float | None = 0.1
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     balance_loss_coeff: float = 1e-4
@@ -74,8 +81,32 @@ class TrainConfig:
             raise ValueError(
                 "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
             )
+        if self.lr_decay_style not in ("cosine", "wsd"):
+            raise ValueError(f"--lr-decay-style must be 'cosine' or 'wsd', got {self.lr_decay_style!r}")
+        if self.lr_decay_style == "wsd" and not 0 < self.lr_wsd_decay_steps <= self.steps:
+            raise ValueError(
+                f"--lr-decay-style wsd needs 0 < --lr-wsd-decay-steps <= --steps ({self.steps}), "
+                f"got {self.lr_wsd_decay_steps}"
+            )
+        if self.mtp_loss_weight_decay is not None and not self.mtp_loss_weight_decay >= 0:
+            raise ValueError(f"--mtp-loss-weight-decay must be >= 0, got {self.mtp_loss_weight_decay}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+
+    def lr_decay_start(self) -> int:
+        """Number of optimizer steps before the LR starts to decay (warm-up; WSD: warm-up + the constant phase),
+        with the scheduler's warm-up length ``min(warmup_steps, steps - 1)``."""
+        warmup = min(self.warmup_steps, self.steps - 1)
+        if self.lr_decay_style == "wsd":
+            return max(warmup, self.steps - self.lr_wsd_decay_steps)
+        return warmup
+
+    def mtp_weight_at(self, step: int, base_weight: float) -> float:
+        """MTP loss weight of optimizer step ``step`` (0-based): ``base_weight`` before the LR decay starts,
+        ``mtp_loss_weight_decay`` from then on (unless that is None)."""
+        if self.mtp_loss_weight_decay is None or step < self.lr_decay_start():
+            return base_weight
+        return self.mtp_loss_weight_decay
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:

@@ -156,7 +156,9 @@ class Trainer:
             min_lr=tc.min_lr,
             lr_warmup_steps=min(tc.warmup_steps, tc.steps - 1),
             lr_decay_steps=max(tc.steps, 2),
-            lr_decay_style="cosine",
+            lr_decay_style="WSD" if tc.lr_decay_style == "wsd" else "cosine",
+            wsd_decay_steps=tc.lr_wsd_decay_steps if tc.lr_decay_style == "wsd" else None,
+            lr_wsd_decay_style="cosine" if tc.lr_decay_style == "wsd" else None,
             start_wd=tc.weight_decay,
             end_wd=tc.weight_decay,
             wd_incr_steps=tc.steps,
@@ -241,6 +243,7 @@ class Trainer:
 
         tc = self.tc
         self.config.csa_dense_mode = self.step < tc.dense_steps
+        self.config.mtp_loss_scaling_factor = tc.mtp_weight_at(self.step, self.model_config.mtp_loss_weight)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         fb = get_forward_backward_func()
@@ -267,6 +270,8 @@ class Trainer:
         self.scheduler.step(increment=1)
         m: dict = {"step": self.step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
         m["lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.model_config.num_nextn_predict_layers:
+            m["mtp_weight"] = self.config.mtp_loss_scaling_factor
         m.update(self._reduced_losses(reports, batch.num_microbatches))
         m["skipped"] = not ok
         return m

@@ -1,0 +1,77 @@
+"""LR decay styles and the MTP loss-weight schedule (spec §8: 0.3, then 0.1 from the start of the LR decay)."""
+
+import pytest
+
+from hybrid_model.training.config import TrainConfig
+
+
+def test_cosine_decay_starts_after_warmup():
+    tc = TrainConfig(steps=30, warmup_steps=5)
+    assert tc.lr_decay_start() == 5
+    assert [tc.mtp_weight_at(s, 0.3) for s in (0, 4, 5, 29)] == [0.3, 0.3, 0.1, 0.1]
+
+
+def test_wsd_decay_starts_before_the_anneal():
+    tc = TrainConfig(steps=100, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20)
+    assert tc.lr_decay_start() == 80
+    assert [tc.mtp_weight_at(s, 0.3) for s in (0, 79, 80, 99)] == [0.3, 0.3, 0.1, 0.1]
+    # an anneal longer than the run after warm-up still starts after warm-up
+    assert (
+        TrainConfig(steps=20, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20).lr_decay_start()
+        == 10
+    )
+
+
+def test_constant_mtp_weight_when_disabled():
+    tc = TrainConfig(steps=10, warmup_steps=2, mtp_loss_weight_decay=None)
+    assert {tc.mtp_weight_at(s, 0.3) for s in range(10)} == {0.3}
+
+
+def test_megatron_scheduler_agrees_with_lr_decay_start():
+    """The step that TrainConfig calls the decay start is the last step at the peak LR in megatron's scheduler."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class _Opt:
+        param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    for kw in (
+        dict(steps=30, warmup_steps=5),
+        dict(steps=40, warmup_steps=4, lr_decay_style="wsd", lr_wsd_decay_steps=10),
+    ):
+        tc = TrainConfig(**kw)
+        sched = OptimizerParamScheduler(
+            _Opt(),
+            init_lr=0.0,
+            max_lr=1.0,
+            min_lr=0.1,
+            lr_warmup_steps=tc.warmup_steps,
+            lr_decay_steps=tc.steps,
+            lr_decay_style="WSD" if tc.lr_decay_style == "wsd" else "cosine",
+            wsd_decay_steps=tc.lr_wsd_decay_steps if tc.lr_decay_style == "wsd" else None,
+            lr_wsd_decay_style="cosine" if tc.lr_decay_style == "wsd" else None,
+            start_wd=0.0,
+            end_wd=0.0,
+            wd_incr_steps=tc.steps,
+            wd_incr_style="constant",
+        )
+        lrs = []
+        for s in range(tc.steps):
+            sched.num_steps = s
+            lrs.append(sched.get_lr(_Opt.param_groups[0]))
+        start = tc.lr_decay_start()
+        assert lrs[start] == pytest.approx(1.0) and lrs[start + 1] < 1.0, (kw, lrs)
+        assert all(lr < 1.0 for lr in lrs[start + 1 :])
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(lr_decay_style="linear"), "lr-decay-style"),
+        (dict(lr_decay_style="wsd"), "lr-wsd-decay-steps"),
+        (dict(lr_decay_style="wsd", lr_wsd_decay_steps=500, steps=100), "lr-wsd-decay-steps"),
+        (dict(mtp_loss_weight_decay=-0.1), "mtp-loss-weight-decay"),
+    ],
+)
+def test_schedule_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
