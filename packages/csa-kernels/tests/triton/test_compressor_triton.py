@@ -7,6 +7,7 @@ import torch
 from _cases import cu_from_lengths
 
 from csa_kernels.ops.compressor import compress, compressor_pool
+from csa_kernels.ops.compressor import triton as compressor_triton
 from csa_kernels.ops.compressor.autograd import compressor_pool_triton
 from csa_kernels.ops.compressor.reference import _pool_document, compress_ref, compressor_pool_ref
 from dsv4_primitives import RopeConfig
@@ -39,10 +40,11 @@ def _run(lengths, c, ratio, overlap, dtype, device, seed=0):
     kv, score = kv.to(dtype).float(), score.to(dtype).float()  # values exactly representable in `dtype`
 
     def run(fn, dt, ape_dt):
+        # fresh leaves per run (`.to` returns the same tensor when nothing changes: grads would accumulate)
         leaves = [
-            kv.to(device=device, dtype=dt).requires_grad_(),
-            score.to(device=device, dtype=dt).requires_grad_(),
-            ape.to(device=device, dtype=ape_dt).requires_grad_(),
+            kv.to(device=device, dtype=dt).clone().requires_grad_(),
+            score.to(device=device, dtype=dt).clone().requires_grad_(),
+            ape.to(device=device, dtype=ape_dt).clone().requires_grad_(),
         ]
         out = fn(*leaves, ratio, overlap, cu)
         out = out[0] if isinstance(out, tuple) else out
@@ -71,12 +73,23 @@ CPU_CASES = [
     ([300, 0, 100, 129, 1], 3, 128, False),  # HCA ratio 128: doc shorter than the ratio, one-token tail
     ([13], 4, 3, True),  # ratio not a power of two
     ([0, 0, 9, 0, 2, 5, 0], 3, 2, True),  # leading / consecutive / trailing empty docs (entry -> doc search)
+    ([23, 4, 0, 16, 9], 3, 5, True),  # 10 slots: streamed schedule with overlap, masked tail of the last step
 ]
 
 
 @interpreter_only
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_compressor_pool_interpreter_fp32(case):
+    _run(*case, dtype=torch.float32, device="cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize("held_max_slots", [0, 16])
+@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[2], CPU_CASES[4], CPU_CASES[6]])
+def test_compressor_pool_interpreter_both_schedules(case, held_max_slots, monkeypatch):
+    """The held (slots in registers) and the streamed (online softmax over slot steps) schedules agree with the
+    reference on the same cases: 0 forces streamed everywhere, 16 holds the 10 slots of ratio 5 with overlap."""
+    monkeypatch.setattr(compressor_triton, "_HELD_MAX_SLOTS", held_max_slots)
     _run(*case, dtype=torch.float32, device="cpu")
 
 

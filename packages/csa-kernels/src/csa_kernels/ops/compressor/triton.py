@@ -15,12 +15,27 @@ atomics; rows of incomplete tail blocks and the unused prev half of a document's
 ``dape[j, ch] += dl`` over all entries with fp32 atomics. Softmax statistics are recomputed in backward (the
 pooling reads each input once; recomputation is cheaper than saving the ``[Tc, 2m, c]`` weights).
 
-Schedule: one program per (entry, block of BLOCK_C channels) holding ``[BLOCK_M, BLOCK_C]`` tiles of the own and the
-previous block. Memory bound: it reads ``kv`` and ``score`` once and writes ``[Tc, c]`` fp32.
+Schedule: the softmax runs over the slot axis, which is never a tensor axis: every tensor is a ``[BLOCK_C]``
+channel vector with a fixed number of channels per thread (<= 4, the same for the bf16 and the fp32 loads, so
+no layout conversions), slots are a loop, and all softmax math is per thread (no shared memory, no barriers).
+A program owns ``BLOCK_C`` channels of ``PER_PROG`` consecutive entries (its first entry's document found by a
+binary search over ``cu_seqlens_c``, then walked forward entry by entry); ``PER_PROG`` grows with the input so
+that about two waves of resident programs remain. Two slot schedules:
+
+* held (``2m`` slots with overlap, else ``m``, at most 8: CSA / indexer ratio 4): the slots are unrolled and
+  kept in registers (max, then one ``exp`` per slot, as the reference); in backward ``dape`` is accumulated in
+  registers over the program's entries and added with one (vector) atomic per (slot, channel) per program.
+* streamed (more slots: HCA ratio 128): a dynamic loop over steps of ``UNROLL`` slots (``32 / cpt``, the tail
+  masked) with an online softmax (running max, denominator and numerator, rescaled once per step); backward
+  makes a second pass over the slots for the stores and adds ``dape`` with one atomic per (entry, slot,
+  channel).
+
+Memory bound: it reads ``kv`` and ``score`` once and writes ``[Tc, c]`` fp32 (backward: ``dkv``, ``dscore``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -29,40 +44,13 @@ import triton.language as tl
 
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
 
-
-@triton.jit
-def _load_slots(KV, SCORE, APE, rows, ch, mask, stride_kv, stride_sc, stride_ape, offs_m):
-    """Values and logits (score + ape, -inf where masked) of one half, both ``[BLOCK_M, BLOCK_C]`` fp32."""
-    v = tl.load(KV + rows[:, None] * stride_kv + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(SCORE + rows[:, None] * stride_sc + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(APE + offs_m[:, None] * stride_ape + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-    return v, tl.where(mask, s + a, -float("inf"))
+_HELD_MAX_SLOTS = 8  # slots per entry (2m with overlap) up to which the held schedule is used
 
 
 @triton.jit
-def _pool_stats(v_own, l_own, v_prev, l_prev, OVERLAP: tl.constexpr):
-    """Per-channel softmax over the slots: ``(weights own, weights prev, pooled P)``."""
-    m = tl.max(l_own, 0)
-    if OVERLAP:
-        m = tl.maximum(m, tl.max(l_prev, 0))
-    m = tl.where(m == -float("inf"), 0.0, m)  # channel-masked lanes: keep them finite
-    e_own = tl.exp(l_own - m[None, :])
-    den = tl.sum(e_own, 0)
-    num = tl.sum(e_own * v_own, 0)
-    e_prev = e_own  # placeholder of the right shape when not overlapping (unused)
-    if OVERLAP:
-        e_prev = tl.exp(l_prev - m[None, :])
-        den += tl.sum(e_prev, 0)
-        num += tl.sum(e_prev * v_prev, 0)
-    den = tl.where(den > 0, den, 1.0)
-    inv = 1.0 / den
-    return e_own * inv[None, :], e_prev * inv[None, :], num * inv
-
-
-@triton.jit
-def _entry_block(CU, CUC, e, N_DOCS, SEARCH_STEPS):
-    """(first row of entry ``e``'s own block, its block index in the document): binary search of the document
-    ``d`` with ``cu_seqlens_c[d] <= e < cu_seqlens_c[d+1]`` (empty documents never match)."""
+def _doc_of(CUC, e, N_DOCS, SEARCH_STEPS):
+    """Document ``d`` of entry ``e``: binary search of ``cu_seqlens_c[d] <= e < cu_seqlens_c[d+1]`` (empty
+    documents never match)."""
     lo = e * 0  # int scalar
     hi = lo + N_DOCS - 1
     for _ in range(SEARCH_STEPS):
@@ -70,12 +58,68 @@ def _entry_block(CU, CUC, e, N_DOCS, SEARCH_STEPS):
         go = tl.load(CUC + mid) <= e
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid - 1)
-    c0 = tl.load(CUC + lo)
-    blk = e - c0
-    return tl.load(CU + lo).to(tl.int64), blk
+    return lo
 
 
 @triton.jit
+def _load_slot(KV, SCORE, row, chh, mask, stride_kv, stride_sc):
+    """``kv`` and ``score`` of one slot (row ``row``, channels ``chh``), both ``[BLOCK_C]`` fp32, 0 where masked."""
+    v = tl.load(KV + row * stride_kv + chh, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SCORE + row * stride_sc + chh, mask=mask, other=0.0).to(tl.float32)
+    return v, s
+
+
+@triton.jit
+def _stream_stats(
+    KV, SCORE, APE, r, chh, mask, live, m, den, num, stride_kv, stride_sc, stride_ape, RATIO, UNROLL
+):
+    """Online softmax statistics ``(max, denominator, numerator)`` updated with the ``RATIO`` slots of one half
+    (rows ``r ..``, channels ``chh``); ``live`` false: the half is empty (weight 0)."""
+    for j0 in range(0, RATIO, UNROLL):
+        vs = ()
+        ls = ()
+        for jj in tl.static_range(UNROLL):
+            ok = (j0 + jj) < RATIO
+            msk = mask & ok & live
+            v, s = _load_slot(KV, SCORE, r + j0 + jj, chh, msk, stride_kv, stride_sc)
+            a = tl.load(APE + (j0 + jj) * stride_ape + chh, mask=msk, other=0.0)
+            vs = vs + (v,)
+            ls = ls + (tl.where(ok & live, s + a, -float("inf")),)
+        m_new = m
+        for jj in tl.static_range(UNROLL):
+            m_new = tl.maximum(m_new, ls[jj])
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all slots so far empty: keep exp finite
+        scale = tl.exp(m - m_ref)
+        den = den * scale
+        num = num * scale
+        for jj in tl.static_range(UNROLL):
+            p = tl.exp(ls[jj] - m_ref)
+            den += p
+            num += p * vs[jj]
+        m = m_new
+    return m, den, num
+
+
+@triton.jit
+def _stream_grads(
+    KV, SCORE, APE, DKV, DSCORE, DAPE, r, chh, mask, live, m, inv, pooled, g,
+    stride_kv, stride_sc, stride_ape, stride_dkv, stride_dsc, RATIO, UNROLL,
+):  # fmt: skip
+    """Second backward pass over the slots of one half: ``dkv``, ``dscore`` stores and ``dape`` atomics."""
+    for j0 in range(0, RATIO, UNROLL):
+        for jj in tl.static_range(UNROLL):
+            j = j0 + jj
+            msk = mask & (j < RATIO) & live
+            v, s = _load_slot(KV, SCORE, r + j, chh, msk, stride_kv, stride_sc)
+            a = tl.load(APE + j * stride_ape + chh, mask=msk, other=0.0)
+            ag = tl.where(msk, tl.exp(s + a - m) * inv, 0.0) * g
+            dl = ag * (v - pooled)
+            tl.store(DKV + (r + j) * stride_dkv + chh, ag.to(DKV.dtype.element_ty), mask=msk)
+            tl.store(DSCORE + (r + j) * stride_dsc + chh, dl.to(DSCORE.dtype.element_ty), mask=msk)
+            tl.atomic_add(DAPE + j * stride_ape + chh, dl, mask=msk, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["TC", "N_DOCS", "SEARCH_STEPS", "PER_PROG"])
 def _compressor_pool_kernel(
     KV,
     SCORE,
@@ -93,72 +137,142 @@ def _compressor_pool_kernel(
     stride_o,
     stride_dkv,
     stride_dsc,
+    TC,
     C,
     C_OFF,
-    RATIO,
     N_DOCS,
     SEARCH_STEPS,
+    PER_PROG,
+    RATIO: tl.constexpr,
     OVERLAP: tl.constexpr,
     BACKWARD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    HELD: tl.constexpr,
+    UNROLL: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    e = tl.program_id(0).to(tl.int64)
-    cb = tl.program_id(1)
-    doc_start, w = _entry_block(CU, CUC, e, N_DOCS, SEARCH_STEPS)  # w = block index (0: no previous half)
-    r0 = doc_start + w * RATIO  # first row of the entry's own block
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    mm = offs_m < RATIO
-    mc = offs_c < C
-    own_ch = offs_c + C_OFF  # own-half channels: [c, 2c) when overlapping, [0, c) otherwise
-    rows_own = r0 + offs_m
-    mask_own = mm[:, None] & mc[None, :]
-    v_own, l_own = _load_slots(
-        KV, SCORE, APE, rows_own, own_ch, mask_own, stride_kv, stride_sc, stride_ape, offs_m
-    )
-    rows_prev = tl.maximum(r0 - RATIO + offs_m, 0)
-    mask_prev = mask_own & (w > 0)
-    v_prev = v_own
-    l_prev = l_own
-    if OVERLAP:
-        v_prev, l_prev = _load_slots(
-            KV, SCORE, APE, rows_prev, offs_c, mask_prev, stride_kv, stride_sc, stride_ape, offs_m
-        )
-    a_own, a_prev, pooled = _pool_stats(v_own, l_own, v_prev, l_prev, OVERLAP)
-    if not BACKWARD:
-        tl.store(OUT + e * stride_o + offs_c, pooled, mask=mc)
-    else:
-        g = tl.load(DOUT + e * stride_o + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_C]
-        d_own = a_own * (v_own - pooled[None, :]) * g
-        tl.store(
-            DKV + rows_own[:, None] * stride_dkv + own_ch[None, :],
-            (a_own * g).to(DKV.dtype.element_ty),
-            mask=mask_own,
-        )
-        tl.store(
-            DSCORE + rows_own[:, None] * stride_dsc + own_ch[None, :],
-            d_own.to(DSCORE.dtype.element_ty),
-            mask=mask_own,
-        )
-        tl.atomic_add(
-            DAPE + offs_m[:, None] * stride_ape + own_ch[None, :], d_own, mask=mask_own, sem="relaxed"
-        )
-        if OVERLAP:
-            d_prev = a_prev * (v_prev - pooled[None, :]) * g
-            tl.store(
-                DKV + rows_prev[:, None] * stride_dkv + offs_c[None, :],
-                (a_prev * g).to(DKV.dtype.element_ty),
-                mask=mask_prev,
+    e_first = tl.program_id(0) * PER_PROG
+    e_stop = tl.minimum(e_first + PER_PROG, TC)
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] prev-half / output channels
+    mc = ch < C
+    ch_own = ch + C_OFF  # own-half channels: [c, 2c) when overlapping, [0, c) otherwise
+    NS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO  # slots per entry
+
+    doc = _doc_of(CUC, e_first, N_DOCS, SEARCH_STEPS)
+    c0 = tl.load(CUC + doc)  # first entry of the document
+    c1 = tl.load(CUC + doc + 1)  # first entry of the next one
+    row0 = tl.load(CU + doc).to(tl.int64)  # first row of the document
+
+    dape = ()  # held backward: this program's dape partial sums per slot (own half, then prev half)
+    if HELD and BACKWARD:
+        for _ in tl.static_range(NS):
+            dape = dape + (tl.zeros([BLOCK_C], dtype=tl.float32),)
+
+    for i in range(0, e_stop - e_first):
+        e = e_first + i  # (a tensor also under the interpreter)
+        while c1 <= e:  # next non-empty document
+            doc += 1
+            c0 = c1
+            c1 = tl.load(CUC + doc + 1)
+            row0 = tl.load(CU + doc).to(tl.int64)
+        w = e - c0  # block index in the document (0: no previous half)
+        has_prev = w > 0
+        r0 = row0 + w.to(tl.int64) * RATIO  # first row of the own block
+        r_prev = tl.maximum(r0 - RATIO, 0)  # first row of the previous block (clamped; masked when w = 0)
+        m_prev = mc & has_prev
+        o_off = e.to(tl.int64) * stride_o
+        if HELD:
+            vs = ()  # values of the NS slots (own half, then prev half), [BLOCK_C] fp32 each
+            ls = ()  # their logits (ape re-read per entry from L1: holding it costs 8 registers per channel)
+            for k in tl.static_range(NS):
+                if k < RATIO:
+                    v, s = _load_slot(KV, SCORE, r0 + k, ch_own, mc, stride_kv, stride_sc)
+                    ls = ls + (s + tl.load(APE + k * stride_ape + ch_own, mask=mc, other=0.0),)
+                else:
+                    v, s = _load_slot(KV, SCORE, r_prev + (k - RATIO), ch, m_prev, stride_kv, stride_sc)
+                    a = tl.load(APE + (k - RATIO) * stride_ape + ch, mask=m_prev, other=0.0)
+                    ls = ls + (tl.where(has_prev, s + a, -float("inf")),)
+                vs = vs + (v,)
+            mx = ls[0]  # own slots are never empty: finite
+            for k in tl.static_range(1, NS):
+                mx = tl.maximum(mx, ls[k])
+            ps = ()
+            den = tl.zeros([BLOCK_C], dtype=tl.float32)
+            num = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for k in tl.static_range(NS):
+                p = tl.exp(ls[k] - mx)
+                ps = ps + (p,)
+                den += p
+                num += p * vs[k]
+            inv = 1.0 / den
+            pooled = num * inv
+            if not BACKWARD:
+                tl.store(OUT + o_off + ch, pooled, mask=mc)
+            else:
+                g = tl.load(DOUT + o_off + ch, mask=mc, other=0.0).to(tl.float32)
+                acc = ()
+                for k in tl.static_range(NS):
+                    ag = ps[k] * inv * g  # dv; 0 for empty slots and masked channels
+                    dl = ag * (vs[k] - pooled)
+                    if k < RATIO:
+                        tl.store(DKV + (r0 + k) * stride_dkv + ch_own, ag.to(DKV.dtype.element_ty), mask=mc)
+                        tl.store(
+                            DSCORE + (r0 + k) * stride_dsc + ch_own, dl.to(DSCORE.dtype.element_ty), mask=mc
+                        )
+                    else:
+                        rk = r_prev + (k - RATIO)
+                        tl.store(DKV + rk * stride_dkv + ch, ag.to(DKV.dtype.element_ty), mask=m_prev)
+                        tl.store(DSCORE + rk * stride_dsc + ch, dl.to(DSCORE.dtype.element_ty), mask=m_prev)
+                    acc = acc + (dape[k] + dl,)
+                dape = acc
+        else:
+            mx = tl.full([BLOCK_C], -float("inf"), dtype=tl.float32)
+            den = tl.zeros([BLOCK_C], dtype=tl.float32)
+            num = tl.zeros([BLOCK_C], dtype=tl.float32)
+            own = w >= 0  # always true
+            mx, den, num = _stream_stats(
+                KV,
+                SCORE,
+                APE,
+                r0,
+                ch_own,
+                mc,
+                own,
+                mx,
+                den,
+                num,
+                stride_kv,
+                stride_sc,
+                stride_ape,
+                RATIO,
+                UNROLL,
             )
-            tl.store(
-                DSCORE + rows_prev[:, None] * stride_dsc + offs_c[None, :],
-                d_prev.to(DSCORE.dtype.element_ty),
-                mask=mask_prev,
-            )
-            tl.atomic_add(
-                DAPE + offs_m[:, None] * stride_ape + offs_c[None, :], d_prev, mask=mask_prev, sem="relaxed"
-            )
+            if OVERLAP:
+                mx, den, num = _stream_stats(
+                    KV, SCORE, APE, r_prev, ch, mc, has_prev, mx, den, num,
+                    stride_kv, stride_sc, stride_ape, RATIO, UNROLL,
+                )  # fmt: skip
+            inv = 1.0 / den
+            pooled = num * inv
+            if not BACKWARD:
+                tl.store(OUT + o_off + ch, pooled, mask=mc)
+            else:
+                g = tl.load(DOUT + o_off + ch, mask=mc, other=0.0).to(tl.float32)
+                _stream_grads(
+                    KV, SCORE, APE, DKV, DSCORE, DAPE, r0, ch_own, mc, own, mx, inv, pooled, g,
+                    stride_kv, stride_sc, stride_ape, stride_dkv, stride_dsc, RATIO, UNROLL,
+                )  # fmt: skip
+                if OVERLAP:
+                    _stream_grads(
+                        KV, SCORE, APE, DKV, DSCORE, DAPE, r_prev, ch, mc, has_prev, mx, inv, pooled, g,
+                        stride_kv, stride_sc, stride_ape, stride_dkv, stride_dsc, RATIO, UNROLL,
+                    )  # fmt: skip
+
+    if HELD and BACKWARD:
+        for k in tl.static_range(NS):
+            if k < RATIO:
+                tl.atomic_add(DAPE + k * stride_ape + ch_own, dape[k], mask=mc, sem="relaxed")
+            else:
+                tl.atomic_add(DAPE + (k - RATIO) * stride_ape + ch, dape[k], mask=mc, sem="relaxed")
 
 
 def compressed_offsets(cu: list[int], ratio: int) -> list[int]:
@@ -169,22 +283,66 @@ def compressed_offsets(cu: list[int], ratio: int) -> list[int]:
     return out
 
 
-def _config(ratio: int, c: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_C, num_warps): tiles of about 1-4K elements per half."""
-    block_m = next_pow2(ratio)
+def _config(ratio: int, overlap: bool, c: int, tc: int, sms: int) -> tuple[bool, int, int, int]:
+    """(HELD, UNROLL, BLOCK_C, num_warps).
+
+    Channels per thread (cpt <= 4: 8-byte bf16 / 16-byte fp32 vectors, one layout for every load) shrink when
+    there are too few (entry, channel) pairs to give every SM ~16 warps; the streamed schedule unrolls
+    ``32 / cpt`` slots per step (about 32 loads of kv and score in flight per thread).
+    """
+    held = ratio * (2 if overlap else 1) <= _HELD_MAX_SLOTS
     if interpreting():
-        return block_m, min(next_pow2(c), 64), 4
-    block_c = max(16, min(next_pow2(c), 4096 // block_m, 256))
-    return block_m, block_c, 4
+        return (
+            held,
+            min(4, next_pow2(ratio)),
+            min(next_pow2(c), 64),
+            1,
+        )  # small unroll: several (masked) steps
+    cpt = 4
+    while cpt > 1 and tc * c < sms * 16 * 32 * cpt:
+        cpt //= 2
+    block_c = min(next_pow2(c), 32 * cpt * 4)
+    return held, min(next_pow2(ratio), 32 // cpt), block_c, max(1, block_c // (32 * cpt))
+
+
+@functools.cache
+def _device_limits(index: int) -> tuple[int, int, int]:
+    """(SM count, registers per SM, threads per SM) of CUDA device ``index``."""
+    p = torch.cuda.get_device_properties(index)
+    return p.multi_processor_count, p.regs_per_multiprocessor, p.max_threads_per_multi_processor
+
+
+_RESIDENT: dict[tuple, int] = {}  # launch key -> programs resident on the whole GPU at once
+
+
+def _resident_programs(args: tuple, meta: dict, key: tuple, limits: tuple[int, int, int]) -> int:
+    """How many programs of this compiled variant fit on the GPU at once (from its register count)."""
+    if key not in _RESIDENT:
+        kernel = _compressor_pool_kernel.warmup(*args, grid=(1,), **meta)
+        kernel._init_handles()
+        sms, regs_sm, threads_sm = limits
+        threads = 32 * meta["num_warps"]
+        regs = -(-max(kernel.n_regs, 1) // 8) * 8 * threads  # allocation granularity: 8 registers per thread
+        per_sm = max(1, min(regs_sm // regs, threads_sm // threads, 32))
+        _RESIDENT[key] = sms * per_sm
+    return _RESIDENT[key]
 
 
 def _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=None, dscore=None, dape=None):
+    """One launch of ``cdiv(Tc, PER_PROG)`` x ``cdiv(c, BLOCK_C)`` programs. ``PER_PROG`` (consecutive entries per
+    program) is as large as leaves about two waves of the programs the GPU holds at once (from the compiled
+    kernel's register count), so the hardware scheduler still balances the tail while backward's ``dape``
+    atomics (one per (slot, channel) per program on the held schedule) shrink with larger inputs."""
     n_docs = cu.shape[0] - 1
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
-    block_m, block_c, warps = _config(ratio, c)
     backward = dout is not None
+    interp = interpreting()
+    index = kv.device.index if kv.device.index is not None else 0
+    limits = (1, 0, 0) if interp else _device_limits(index)
+    held, unroll, block_c, warps = _config(ratio, overlap, c, tc, limits[0])
+    n_cb = triton.cdiv(c, block_c)
     dummy = out if out is not None else dout
-    _compressor_pool_kernel[(tc, triton.cdiv(c, block_c))](
+    args = [
         kv,
         score,
         ape,
@@ -201,17 +359,31 @@ def _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=Non
         dummy.stride(0),
         dkv.stride(0) if backward else kv.stride(0),
         dscore.stride(0) if backward else score.stride(0),
+        tc,
         c,
         c if overlap else 0,
-        ratio,
         n_docs,
         max(1, n_docs).bit_length(),
+        1,  # PER_PROG, set below
+    ]
+    meta = dict(
+        RATIO=ratio,
         OVERLAP=overlap,
         BACKWARD=backward,
-        BLOCK_M=block_m,
+        HELD=held,
+        UNROLL=unroll,
         BLOCK_C=block_c,
         num_warps=warps,
+        num_stages=1,
     )
+    if interp:
+        per_prog = 3  # several entries per program: exercises the document walk and the dape partial sums
+    else:
+        key = (kv.device.index, kv.dtype, score.dtype, *meta.values())
+        resident_e = max(1, _resident_programs(tuple(args), meta, key, limits) // n_cb)  # entries in flight
+        per_prog = max(1, tc // (2 * resident_e))
+    args[-1] = per_prog
+    _compressor_pool_kernel[(triton.cdiv(tc, per_prog), n_cb)](*args, **meta)
 
 
 def compressor_pool_fwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool) -> torch.Tensor:
