@@ -11,7 +11,8 @@ with ``c_off = c`` for the overlapping layout (``Dk = 2c``) and ``c_off = 0`` ot
 
 Backward (``g = dP[e, ch]``): ``dv = a * g``, ``dl = a * (v - P) * g``; ``dscore = dl`` and ``dkv = dv`` land in
 the rows / channels the slot was read from (each (row, channel) feeds exactly one entry, so plain stores, no
-atomics; rows of incomplete tail blocks and the unused prev half of a document's last block keep 0), and
+atomics; the kernel writes 0 to the rows of incomplete tail blocks, of documents without a complete block and
+to the unused prev half of a document's last block, so the gradient buffers need no zero fill), and
 ``dape[j, ch] += dl`` over all entries with fp32 atomics. Softmax statistics are recomputed in backward (the
 pooling reads each input once; recomputation is cheaper than saving the ``[Tc, 2m, c]`` weights).
 
@@ -101,6 +102,16 @@ def _stream_stats(
 
 
 @triton.jit
+def _zero_rows(DKV, DSCORE, start, stop, chh, mask, stride_dkv, stride_dsc, BLOCK_C: tl.constexpr):
+    """``dkv = dscore = 0`` on rows ``start .. stop - 1`` (int64), channels ``chh``: rows no slot reads."""
+    z_kv = tl.zeros([BLOCK_C], dtype=DKV.dtype.element_ty)
+    z_sc = tl.zeros([BLOCK_C], dtype=DSCORE.dtype.element_ty)
+    for r in tl.range(start, stop, loop_unroll_factor=1):  # rare, short: keep the code small
+        tl.store(DKV + r * stride_dkv + chh, z_kv, mask=mask)
+        tl.store(DSCORE + r * stride_dsc + chh, z_sc, mask=mask)
+
+
+@triton.jit
 def _stream_grads(
     KV, SCORE, APE, DKV, DSCORE, DAPE, r, chh, mask, live, m, inv, pooled, g,
     stride_kv, stride_sc, stride_ape, stride_dkv, stride_dsc, RATIO, UNROLL,
@@ -117,6 +128,41 @@ def _stream_grads(
             tl.store(DKV + (r + j) * stride_dkv + chh, ag.to(DKV.dtype.element_ty), mask=msk)
             tl.store(DSCORE + (r + j) * stride_dsc + chh, dl.to(DSCORE.dtype.element_ty), mask=msk)
             tl.atomic_add(DAPE + j * stride_ape + chh, dl, mask=msk, sem="relaxed")
+
+
+@triton.jit
+def _zero_unread_rows(
+    CU, CUC, DKV, DSCORE, e_first, e_stop, doc, ch, ch_own, mc,
+    stride_dkv, stride_dsc, N_DOCS, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Zero ``dkv`` / ``dscore`` on the rows (and halves) that no slot of the entries ``e_first .. e_stop - 1`` reads
+    and that no other program owns: before the first entry's document (entry 0), and after each document's last
+    entry: the prev half of its block (overlap), its tail and the following documents without a complete block."""
+    c1 = tl.load(CUC + doc + 1)
+    for i in range(0, e_stop - e_first):
+        e = e_first + i
+        while c1 <= e:
+            doc += 1
+            c1 = tl.load(CUC + doc + 1)
+        if e == 0:
+            r0 = tl.load(CU + doc).to(tl.int64)  # first row of the first document with an entry
+            _zero_rows(DKV, DSCORE, r0 * 0, r0, ch_own, mc, stride_dkv, stride_dsc, BLOCK_C)
+            if OVERLAP:
+                _zero_rows(DKV, DSCORE, r0 * 0, r0, ch, mc, stride_dkv, stride_dsc, BLOCK_C)
+        if e == c1 - 1:  # last entry of its document
+            c0 = tl.load(CUC + doc)
+            r1 = tl.load(CU + doc).to(tl.int64) + (e - c0 + 1).to(tl.int64) * RATIO  # end of its block
+            if OVERLAP:
+                _zero_rows(DKV, DSCORE, r1 - RATIO, r1, ch, mc, stride_dkv, stride_dsc, BLOCK_C)
+            d2 = doc + 1  # the next document with an entry (N_DOCS: none)
+            nxt = tl.load(CUC + tl.minimum(d2 + 1, N_DOCS))
+            while (d2 < N_DOCS) & (nxt <= e + 1):
+                d2 += 1
+                nxt = tl.load(CUC + tl.minimum(d2 + 1, N_DOCS))
+            gap_end = tl.load(CU + d2).to(tl.int64)
+            _zero_rows(DKV, DSCORE, r1, gap_end, ch_own, mc, stride_dkv, stride_dsc, BLOCK_C)
+            if OVERLAP:
+                _zero_rows(DKV, DSCORE, r1, gap_end, ch, mc, stride_dkv, stride_dsc, BLOCK_C)
 
 
 @triton.jit(do_not_specialize=["TC", "N_DOCS", "SEARCH_STEPS", "PER_PROG"])
@@ -157,7 +203,8 @@ def _compressor_pool_kernel(
     ch_own = ch + C_OFF  # own-half channels: [c, 2c) when overlapping, [0, c) otherwise
     NS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO  # slots per entry
 
-    doc = _doc_of(CUC, e_first, N_DOCS, SEARCH_STEPS)
+    doc_first = _doc_of(CUC, e_first, N_DOCS, SEARCH_STEPS)
+    doc = doc_first
     c0 = tl.load(CUC + doc)  # first entry of the document
     c1 = tl.load(CUC + doc + 1)  # first entry of the next one
     row0 = tl.load(CU + doc).to(tl.int64)  # first row of the document
@@ -274,6 +321,13 @@ def _compressor_pool_kernel(
             else:
                 tl.atomic_add(DAPE + (k - RATIO) * stride_ape + ch, dape[k], mask=mc, sem="relaxed")
 
+    if BACKWARD:
+        # rows no slot reads get zero gradients (dkv / dscore are not pre-zeroed): a second, light walk
+        _zero_unread_rows(
+            CU, CUC, DKV, DSCORE, e_first, e_stop, doc_first, ch, ch_own, mc,
+            stride_dkv, stride_dsc, N_DOCS, RATIO, OVERLAP, BLOCK_C,
+        )  # fmt: skip
+
 
 def compressed_offsets(cu: list[int], ratio: int) -> list[int]:
     """Host list ``cu_seqlens_c`` from the validated host list ``cu`` (``floor(len_i / ratio)`` entries per doc)."""
@@ -291,13 +345,8 @@ def _config(ratio: int, overlap: bool, c: int, tc: int, sms: int) -> tuple[bool,
     ``32 / cpt`` slots per step (about 32 loads of kv and score in flight per thread).
     """
     held = ratio * (2 if overlap else 1) <= _HELD_MAX_SLOTS
-    if interpreting():
-        return (
-            held,
-            min(4, next_pow2(ratio)),
-            min(next_pow2(c), 64),
-            1,
-        )  # small unroll: several (masked) steps
+    if interpreting():  # small unroll: several (masked) streamed steps
+        return held, min(4, next_pow2(ratio)), min(next_pow2(c), 64), 1
     cpt = 4
     while cpt > 1 and tc * c < sms * 16 * 32 * cpt:
         cpt //= 2
@@ -398,10 +447,20 @@ def compressor_pool_fwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: b
 
 
 def compressor_pool_bwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool, dout: torch.Tensor):
-    """``(dkv [T, Dk] kv.dtype, dscore [T, Dk] score.dtype, dape [ratio, Dk] fp32)``."""
-    dkv = torch.zeros_like(kv)
-    dscore = torch.zeros_like(score)
+    """``(dkv [T, Dk] kv.dtype, dscore [T, Dk] score.dtype, dape [ratio, Dk] fp32)``.
+
+    The kernel writes every row of ``dkv`` / ``dscore`` (zeros where no slot reads the row), so they start
+    uninitialised unless there is no entry at all.
+    """
     dape = torch.zeros(ape.shape, dtype=torch.float32, device=ape.device)
-    if tc and kv.shape[1]:
-        _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape)
+    if not (tc and kv.shape[1]):
+        return torch.zeros_like(kv), torch.zeros_like(score), dape
+    dkv = _grad_buffer(kv)
+    dscore = _grad_buffer(score)
+    _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape)
     return dkv, dscore, dape
+
+
+def _grad_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Uninitialised gradient buffer like ``t`` (tests poison it to check that the kernel writes every row)."""
+    return torch.empty_like(t)
