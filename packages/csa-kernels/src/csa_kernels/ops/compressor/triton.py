@@ -106,7 +106,7 @@ def _zero_rows(DKV, DSCORE, start, stop, chh, mask, stride_dkv, stride_dsc, BLOC
     """``dkv = dscore = 0`` on rows ``start .. stop - 1`` (int64), channels ``chh``: rows no slot reads."""
     z_kv = tl.zeros([BLOCK_C], dtype=DKV.dtype.element_ty)
     z_sc = tl.zeros([BLOCK_C], dtype=DSCORE.dtype.element_ty)
-    for r in tl.range(start, stop, loop_unroll_factor=1):  # rare, short: keep the code small
+    for r in range(start, stop):
         tl.store(DKV + r * stride_dkv + chh, z_kv, mask=mask)
         tl.store(DSCORE + r * stride_dsc + chh, z_sc, mask=mask)
 
