@@ -62,6 +62,31 @@ def test_tiny_forward_backward_and_mtp(megatron_cpu):
     assert logits.shape == (2, 37, cfg.vocab_size)
 
 
+def test_indexer_loss_set_follows_the_phase(megatron_cpu, monkeypatch):
+    """Spec §5.2: the sparse phase's KL runs over the selected top-k (no dense student), the dense phase over every
+    visible entry (the dense student ``LightningIndexer.scores``)."""
+    from dsv4_attention.indexer import LightningIndexer
+    from hybrid_model.model import build_model
+
+    torch.manual_seed(0)
+    cfg = get_preset("tiny")
+    model = build_model(cfg).train()
+    assert model.config.dsa_indexer_use_sparse_loss
+    calls = []
+    original = LightningIndexer.scores
+    monkeypatch.setattr(
+        LightningIndexer, "scores", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    ids = torch.randint(0, cfg.vocab_size, (1, 300))  # > 128 tokens: HCA and CSA entries exist
+    for dense, want_calls in ((False, 0), (True, 3)):  # three CSA layers in tiny's main stack
+        calls.clear()
+        model.config.csa_dense_mode = dense
+        loss = model(ids, None, None, labels=torch.roll(ids, -1, 1))
+        loss.mean().backward()
+        assert len(calls) == want_calls, (dense, len(calls))
+    model.config.csa_dense_mode = False
+
+
 def test_causality_of_logits(megatron_cpu):
     """Oracle M2: logits at position t do not change when tokens > t change.
 

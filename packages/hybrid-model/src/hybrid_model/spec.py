@@ -89,6 +89,9 @@ def transformer_config(
         dsa_indexer_head_dim=cfg.index_head_dim,
         dsa_indexer_topk=cfg.index_topk,
         dsa_indexer_loss_coeff=indexer_loss_coeff,
+        # spec §5.2: the sparse phase's KL runs over the selected top-k (megatron's default False would score and
+        # back-propagate the student over every visible entry, [T, HI, C] through the chunked reference)
+        dsa_indexer_use_sparse_loss=True,
         csa_dense_mode=dense_attention,
         rotary_base=cfg.rope_theta,
         csa_compress_rotary_base=cfg.compress_rope_theta,
