@@ -64,10 +64,10 @@ def _ops():
     ]
 
 
-def run() -> None:
+def run(only: str | None = None) -> None:
     import torch
 
-    ops = _ops()
+    ops = [(n, f) for n, f in _ops() if only is None or only in n]
     for _, fn in ops:  # warm-up: compile every kernel outside the capture range
         fn()
     torch.cuda.synchronize()
@@ -152,11 +152,12 @@ def main() -> None:
         "--summarize", metavar="RAW_CSV", help="print the table from ncu's --page raw CSV (no GPU)"
     )
     ap.add_argument("--all", action="store_true", help="with --summarize: PyTorch's kernels too")
+    ap.add_argument("--only", help="profile only the ops whose name contains this string (e.g. compressor)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize, args.all)
     else:
-        run()
+        run(args.only)
 
 
 if __name__ == "__main__":
