@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from hash_moe.grouped_gemm import GroupedBackend, grouped_mm
-from hash_moe.swiglu import clamped_swiglu
+from hash_moe.swiglu import SwiGLUBackend, clamped_swiglu
 
 
 def grouped_swiglu_experts(
@@ -33,6 +33,7 @@ def grouped_swiglu_experts(
     limit: float | None,
     probs: torch.Tensor | None = None,
     backend: GroupedBackend = "auto",
+    activation_backend: SwiGLUBackend = "auto",
 ) -> torch.Tensor:
     """Routed experts on expert-sorted rows: ``[M, H] -> [M, H]``.
 
@@ -44,15 +45,21 @@ def grouped_swiglu_experts(
         limit: SwiGLU clamp (``None`` = plain SwiGLU).
         probs: ``[M]`` routing weight of each row, multiplied into ``h`` in fp32 (``None`` = 1).
         backend: grouped GEMM backend (:mod:`hash_moe.grouped_gemm`).
+        activation_backend: :func:`hash_moe.swiglu.clamped_swiglu` backend (``"auto"``: fused Triton on CUDA).
     """
     gate_up_out = grouped_mm(x, gate_up, tokens_per_expert, backend=backend)  # [M, 2F]
-    h = clamped_swiglu(gate_up_out, limit, probs)  # [M, F]
+    h = clamped_swiglu(gate_up_out, limit, probs, backend=activation_backend)  # [M, F]
     return grouped_mm(h, down, tokens_per_expert, backend=backend)  # [M, H]
 
 
 def swiglu_mlp(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, limit: float | None
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    limit: float | None,
+    activation_backend: SwiGLUBackend = "auto",
 ) -> torch.Tensor:
     """One clamped-SwiGLU MLP (the shared expert): ``[..., H] -> [..., H]`` with ``gate_up [2F, H]``, ``down [H, F]``."""
-    h = clamped_swiglu(x @ gate_up.t(), limit)
+    h = clamped_swiglu(x @ gate_up.t(), limit, backend=activation_backend)
     return h @ down.t()

@@ -9,7 +9,8 @@ h  = silu(a') · b'  (· p)             # p: optional per-token routing weight, 
 ``limit = None`` is the plain SwiGLU (oracle E4). :func:`clamped_swiglu` takes the fc1 output ``[gate | up]``,
 upcasts to fp32, and returns the input dtype; its backward recomputes the activation in fp32 from the saved
 inputs (no fp32 intermediates are kept), with the clamp gradients of ``torch.clamp`` (pass-through where the
-value is inside the closed interval).
+value is inside the closed interval). On CUDA (``backend="auto"``) the fused Triton kernels of
+:mod:`hash_moe.kernels.swiglu_triton` do the same math in one pass each way (fp64 inputs keep the PyTorch path).
 
 Shape legend: ``M`` rows (tokens, or token-expert pairs), ``F`` expert width.
 """
@@ -17,6 +18,7 @@ Shape legend: ``M`` rows (tokens, or token-expert pairs), ``F`` expert width.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -81,16 +83,44 @@ class _ClampedSwiGLU(torch.autograd.Function):
         return grad_gate_up, grad_probs, None
 
 
-def clamped_swiglu(
-    gate_up: torch.Tensor, limit: float | None, probs: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Clamped SwiGLU of ``gate_up = [gate | up]`` (``[M, 2F]``), optionally times ``probs`` (``[M]``).
+SwiGLUBackend = Literal["auto", "triton", "torch"]
 
-    Computed in fp32 (fp64 for fp64 inputs), returned in ``gate_up.dtype``; differentiable in ``gate_up`` and ``probs``.
+
+def clamped_swiglu(
+    gate_up: torch.Tensor,
+    limit: float | None,
+    probs: torch.Tensor | None = None,
+    *,
+    backend: SwiGLUBackend = "auto",
+) -> torch.Tensor:
+    """Clamped SwiGLU of ``gate_up = [gate | up]`` (``[..., 2F]``), optionally times ``probs`` (``[...]``).
+
+    Computed in fp32 (fp64 for fp64 inputs), returned in ``gate_up.dtype``; differentiable in ``gate_up`` and ``probs``
+    (``d probs`` in ``probs.dtype``).
+
+    Args:
+        gate_up: ``[..., 2F]`` fc1 output, gate half first.
+        limit: the clamp ``L`` (``None`` = plain SwiGLU).
+        probs: ``[...]`` per-row routing weight multiplied into ``h`` in fp32, or ``None``.
+        backend: ``"torch"`` (the PyTorch ops of :class:`_ClampedSwiGLU`), ``"triton"`` (the fused one-pass kernels
+            of :mod:`hash_moe.kernels.swiglu_triton`; not for fp64) or ``"auto"`` (Triton on CUDA unless
+            ``gate_up`` is fp64, PyTorch otherwise).
     """
     check_swiglu_limit(limit)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even ([gate | up]), got {gate_up.shape[-1]}")
     if probs is not None and probs.shape != gate_up.shape[:-1]:
         raise ValueError(f"probs must be {tuple(gate_up.shape[:-1])}, got {tuple(probs.shape)}")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if gate_up.is_cuda and gate_up.dtype != torch.float64 else "torch"
+    if backend == "triton":
+        if gate_up.dtype == torch.float64:
+            raise ValueError(
+                "backend='triton' computes in fp32; fp64 gate_up takes the PyTorch path (backend='torch' or 'auto')"
+            )
+        from hash_moe.kernels.swiglu_triton import fused_clamped_swiglu
+
+        return fused_clamped_swiglu(gate_up, limit, probs)
     return _ClampedSwiGLU.apply(gate_up, probs, limit)
