@@ -232,3 +232,22 @@ def test_reference_computes_in_fp64_for_fp64_input(inverse):
     assert 0 < (y.detach() - y32.double()).abs().max() < 1e-5  # fp64 math is not fp32 math cast up
     assert torch.autograd.gradcheck(lambda t: apply_rope_ref(t, pos, YARN, inverse=inverse), [x])
     assert apply_rope_ref(x.detach().bfloat16(), pos, YARN).dtype == torch.bfloat16
+
+
+def test_backend_env_var_overrides_auto(monkeypatch):
+    from dsv4_primitives._dispatch import ENV_VAR
+
+    x, pos = torch.randn(3, 2, 16), torch.arange(3)
+    monkeypatch.setenv(ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        apply_rope(x, pos, PLAIN)
+    monkeypatch.setenv(ENV_VAR, "reference")
+    torch.testing.assert_close(apply_rope(x, pos, PLAIN), apply_rope_ref(x, pos, PLAIN), rtol=0, atol=1e-6)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    if interpreting():
+        torch.testing.assert_close(
+            apply_rope(x, pos, PLAIN), apply_rope_ref(x, pos, PLAIN), rtol=0, atol=1e-6
+        )
+    elif not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=f"{ENV_VAR}=triton"):
+            apply_rope(x, pos, PLAIN)

@@ -1,4 +1,4 @@
-"""dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm."""
+"""dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm with a fused Triton path."""
 
 from dsv4_primitives.precision import (
     KEEP_IN_FP32_ATTR,
@@ -8,7 +8,7 @@ from dsv4_primitives.precision import (
     is_keep_in_fp32,
     mark_keep_in_fp32,
 )
-from dsv4_primitives.rmsnorm import RMSNorm, rms_norm_ref
+from dsv4_primitives.rmsnorm import RMSNorm, rms_norm, rms_norm_ref
 from dsv4_primitives.rope import (
     RopeConfig,
     YarnConfig,
@@ -23,7 +23,7 @@ from dsv4_primitives.rope import (
     yarn_ramp_bounds,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "KEEP_IN_FP32_ATTR",
@@ -41,6 +41,7 @@ __all__ = [
     "mark_keep_in_fp32",
     "positions_from_cu_seqlens",
     "positions_sbhd",
+    "rms_norm",
     "rms_norm_ref",
     "rope_angles",
     "rope_cos_sin",

@@ -19,15 +19,8 @@ import math
 
 import torch
 
+from dsv4_primitives._dispatch import resolve_backend
 from dsv4_primitives.rope.frequencies import RopeConfig, rope_cos_sin
-
-_BACKENDS = ("auto", "triton", "torch")
-
-
-def _triton_usable(x: torch.Tensor) -> bool:
-    import os
-
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _rotate_torch(
@@ -159,11 +152,9 @@ class _RopeFunction(torch.autograd.Function):
         return gx, None, None, None, None, None, None, None, None
 
 
-def _check_inputs(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, backend: str) -> None:
+def _check_inputs(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig) -> None:
     if not isinstance(cfg, RopeConfig):
         raise ValueError(f"cfg must be a RopeConfig, got {type(cfg).__name__}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"apply_rope needs a floating-point x, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] < cfg.rope_dim:
@@ -180,10 +171,6 @@ def _check_inputs(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, bac
         )
     if positions.device != x.device:
         raise ValueError(f"positions are on {positions.device} but x is on {x.device}; move them to x.device")
-    if backend == "triton" and not _triton_usable(x):
-        raise ValueError(
-            "backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); use backend='torch'"
-        )
 
 
 def apply_rope(
@@ -205,15 +192,16 @@ def apply_rope(
         cfg: rotary configuration (plain base or YaRN, no mscale).
         inverse: rotate by ``-pos`` (attention-output de-rotation at the query position).
         inplace: write into ``x`` and return it (``x`` must not be a leaf requiring grad nor saved by another op).
-        backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise), ``"triton"`` or ``"torch"``.
+        backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise; the environment variable
+            ``DSV4_PRIMITIVES_BACKEND`` overrides it), ``"triton"``, ``"torch"`` (eager) or its synonym
+            ``"reference"``.
         max_position: an upper bound of ``|positions|`` to size the cached table without a device sync (CUDA
             graphs); computed from ``positions`` when ``None``.
     Returns:
         ``x`` rotated, same shape and dtype (``x`` itself when ``inplace``).
     """
-    _check_inputs(x, positions, cfg, backend)
-    if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
+    _check_inputs(x, positions, cfg)
+    backend = "triton" if resolve_backend(backend, x, "apply_rope") == "triton" else "torch"
     n_pos = math.prod(positions.shape)
     pos = positions.reshape(-1).to(torch.int64).contiguous()  # [N]
     if max_position is None:

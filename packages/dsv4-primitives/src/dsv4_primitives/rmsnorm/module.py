@@ -1,32 +1,11 @@
-"""fp32 RMSNorm, weighted and weightless (dsv4-architecture.md §0).
-
-    RMSNorm_w(x) = w * x / sqrt(mean(x^2, -1) + eps)      (computed in fp32, returned in x.dtype)
-
-The per-head query norm of DSv4 attention has no weight (``weight=None``).
-"""
+"""``RMSNorm`` module: a megatron-core spec norm module running :func:`dsv4_primitives.rmsnorm.apply.rms_norm`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """Reference RMSNorm over the last dim. ``x [..., D]``, ``weight [D]`` or ``None``; output dtype = ``x.dtype``.
-
-    Computed in fp32 (in fp64 for fp64 inputs, so the reference can be gradchecked); differentiable through
-    autograd with respect to ``x`` and ``weight``.
-    """
-    ct = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(ct)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        if weight.shape != x.shape[-1:]:
-            raise ValueError(
-                f"weight shape {tuple(weight.shape)} must be [{x.shape[-1]}] (the last dim of x)"
-            )
-        y = y * weight.to(ct)
-    return y.to(x.dtype)
+from dsv4_primitives.rmsnorm.apply import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +13,8 @@ class RMSNorm(nn.Module):
 
     Usable as a megatron-core spec module: ``RMSNorm(config=..., hidden_size=..., eps=...)`` matches the signature
     megatron's ``build_module`` passes to norm modules; ``config`` is optional and only read for
-    ``layernorm_epsilon``. ``elementwise_affine=False`` gives the weightless variant.
+    ``layernorm_epsilon``. ``elementwise_affine=False`` gives the weightless variant. The forward is
+    :func:`rms_norm` (fused Triton forward/backward on CUDA, the fp32 reference on CPU; ``backend`` as there).
     """
 
     def __init__(
@@ -43,6 +23,7 @@ class RMSNorm(nn.Module):
         eps: float | None = None,
         config=None,
         elementwise_affine: bool = True,
+        backend: str = "auto",
         **_unused,
     ) -> None:
         super().__init__()
@@ -52,9 +33,10 @@ class RMSNorm(nn.Module):
             eps = getattr(config, "layernorm_epsilon", 1e-6) if config is not None else 1e-6
         self.hidden_size = hidden_size
         self.eps = float(eps)
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"RMSNorm expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
-        return rms_norm_ref(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
