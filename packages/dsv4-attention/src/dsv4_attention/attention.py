@@ -39,7 +39,7 @@ from dsv4_attention.indexer_loss import (
     indexer_loss_tracker_slot,
 )
 from dsv4_attention.layout import TokenLayout, token_layout
-from dsv4_primitives import rms_norm_ref
+from dsv4_primitives import rms_norm
 
 
 @dataclass
@@ -223,7 +223,7 @@ class DSv4HybridAttention(MegatronModule):
         q_lat, _ = self.linear_q_down_proj(x)  # [T, d_c]
         q_lat = self.q_layernorm(q_lat)  # [T, d_c] shared latent
         q, _ = self.linear_q_up_proj(q_lat)  # [T, n_h*c]
-        q = rms_norm_ref(q.view(t, self.num_heads, self.head_dim), None, self.eps)  # [T, n_h, c] no weight
+        q = rms_norm(q.view(t, self.num_heads, self.head_dim), None, self.eps)  # [T, n_h, c] no weight
         q = rope(q, pos, self.rope_cfg)
         kv, _ = self.linear_kv_proj(x)  # [T, c]
         kv = rope(self.kv_layernorm(kv), pos, self.rope_cfg)  # [T, c]  K = V
