@@ -25,7 +25,6 @@ CPU smoke test of the script (tiny shapes, Triton interpreter):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -33,80 +32,19 @@ import time
 from pathlib import Path
 
 import torch
+from _bench_utils import T_START, Results, max_err
+from _bench_utils import bench as _bench
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 TARGETS = {"mlp_ge512": 0.85, "mlp_96_128": 0.60, "bandwidth": 0.70}
 
 
 DEVICE = "cuda"
-T_START = time.perf_counter()
-
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _wall(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t0
 
 
 def bench(fn, warmup: int = 5, rep: int = 20, max_s: float = 0.5) -> tuple[float, int]:
-    """``(median milliseconds, timed calls)`` of ``fn`` (CUDA events, L2 not flushed; wall clock on CPU).
-
-    One untimed call (compilation, allocation), then warm-up and timed calls cut to about ``max_s`` seconds of
-    timed work from the second call's wall time: at most ``rep`` and at least 3 timed calls.
-    """
-    fn()
-    est = max(_wall(fn), 1e-6)
-    for _ in range(min(max(warmup - 2, 0), int(0.25 * max_s / est))):
-        fn()
-    n = max(3, min(rep, int(max_s / est)))
-    times = []
-    if DEVICE != "cuda":
-        for _ in range(n):
-            times.append(_wall(fn) * 1e3)
-        return sorted(times)[n // 2], n
-    torch.cuda.synchronize()
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[n // 2], n
-
-
-class Results:
-    """The JSON record, rewritten (atomically) to every output directory after each added row."""
-
-    def __init__(self, record: dict, dirs: list[Path]) -> None:
-        self.record, self.dirs = record, dirs
-        for d in dirs:
-            d.mkdir(parents=True, exist_ok=True)
-        self.save()
-
-    def add(self, section: str, row: dict) -> None:
-        row["t_s"] = round(time.perf_counter() - T_START, 2)
-        self.record.setdefault(section, []).append(row)
-        self.save()
-
-    def save(self) -> None:
-        self.record["elapsed_s"] = round(time.perf_counter() - T_START, 2)
-        text = json.dumps(self.record, indent=2)
-        for d in self.dirs:
-            tmp = d / "bench_moe.json.tmp"
-            tmp.write_text(text)
-            tmp.replace(d / "bench_moe.json")
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    """``(median milliseconds, timed calls)`` of ``fn`` on ``DEVICE`` (see ``_bench_utils.bench``)."""
+    return _bench(fn, DEVICE, warmup, rep, max_s)
 
 
 def check(name: str, out: torch.Tensor, ref32: torch.Tensor, same: torch.Tensor, atol: float = 1e-3) -> dict:
@@ -324,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory_bound": [],
     }
     dirs = [args.out] + ([Path(__file__).parent / "results"] if DEVICE == "cuda" else [])
-    results = Results(record, dirs)
+    results = Results(record, dirs, "bench_moe")
 
     for e in experts:
         for c in correctness(e, args):

@@ -1,0 +1,78 @@
+"""Timing and result-file helpers shared by this package's benchmark scripts (imported from the script's folder)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+T_START = time.perf_counter()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _wall(fn, device: str) -> float:
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench(fn, device: str, warmup: int, rep: int, max_s: float) -> tuple[float, int]:
+    """``(median milliseconds, timed calls)`` of ``fn`` (CUDA events, L2 not flushed; wall clock on CPU).
+
+    One untimed call (compilation, allocation), then warm-up and timed calls cut to about ``max_s`` seconds of
+    timed work from the second call's wall time: at most ``rep`` and at least 3 timed calls.
+    """
+    fn()
+    est = max(_wall(fn, device), 1e-6)
+    for _ in range(min(max(warmup - 2, 0), int(0.25 * max_s / est))):
+        fn()
+    n = max(3, min(rep, int(max_s / est)))
+    times = []
+    if device != "cuda":
+        for _ in range(n):
+            times.append(_wall(fn, device) * 1e3)
+        return sorted(times)[n // 2], n
+    torch.cuda.synchronize()
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[n // 2], n
+
+
+class Results:
+    """The JSON record ``<name>.json``, rewritten (atomically) to every output directory after each added row."""
+
+    def __init__(self, record: dict, dirs: list[Path], name: str) -> None:
+        self.record, self.dirs, self.name = record, dirs, name
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def add(self, section: str, row: dict) -> None:
+        row["t_s"] = round(time.perf_counter() - T_START, 2)
+        self.record.setdefault(section, []).append(row)
+        self.save()
+
+    def save(self) -> None:
+        self.record["elapsed_s"] = round(time.perf_counter() - T_START, 2)
+        text = json.dumps(self.record, indent=2)
+        for d in self.dirs:
+            tmp = d / f"{self.name}.json.tmp"
+            tmp.write_text(text)
+            tmp.replace(d / f"{self.name}.json")
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
