@@ -28,39 +28,11 @@ import time
 from pathlib import Path
 
 import torch
-
-HBM_CEILING_GBS = 4270.0  # measured device-to-device copy, read+write counted (performance-anchors.md §0)
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def _bench(fn, grad_to_none=None):
-    import triton.testing
-
-    out = triton.testing.do_bench(
-        fn, warmup=25, rep=200, grad_to_none=grad_to_none, quantiles=[0.5, 0.1, 0.9]
-    )
-    if isinstance(out, (list, tuple)):
-        return float(out[0]), float(out[1]), float(out[2])
-    return float(out), float(out), float(out)
-
-
-def _peak_extra_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().flatten(), b.detach().double().flatten()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().flatten(), b.detach().double().flatten()
-    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+from _bench_utils import HBM_CEILING_GBS, RESULTS_DIR
+from _bench_utils import bench as _bench
+from _bench_utils import cosine as _cos
+from _bench_utils import peak_extra_mib as _peak_extra_mib
+from _bench_utils import rel_l2 as _rel_l2
 
 
 def _check(name: str, got: torch.Tensor, ref: torch.Tensor, failures: list[str]) -> dict:
