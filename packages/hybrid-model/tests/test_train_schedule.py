@@ -75,3 +75,37 @@ def test_megatron_scheduler_agrees_with_lr_decay_start():
 def test_schedule_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kw)
+
+
+def test_cli_schedule_and_save_final_flags_reach_the_config():
+    """`dsv4 train` flags map 1:1 onto TrainConfig fields (as `_cmd_train` builds it)."""
+    from hybrid_model.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--lr-decay-style",
+            "wsd",
+            "--lr-wsd-decay-steps",
+            "5",
+            "--mtp-loss-weight-decay",
+            "0.2",
+            "--no-save-final",
+            "--steps",
+            "20",
+        ]
+    )
+    flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config", "func") and v is not None}
+    tc = TrainConfig(**flags)
+    assert (tc.lr_decay_style, tc.lr_wsd_decay_steps, tc.mtp_loss_weight_decay, tc.save_final) == (
+        "wsd",
+        5,
+        0.2,
+        False,
+    )
+    assert tc.lr_decay_start() == 15 and tc.mtp_weight_at(15, 0.3) == 0.2
+    defaults = build_parser().parse_args(["train"])
+    assert (
+        defaults.save_final is None and defaults.lr_decay_style is None
+    )  # unset flags keep TrainConfig's defaults
+    assert TrainConfig().save_final is True
