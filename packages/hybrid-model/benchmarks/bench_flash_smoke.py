@@ -70,11 +70,12 @@ def _check(model) -> dict:
         strict=False,
     )
     a = model.compute_logits(ids[:, :256])
-    os.environ["CSA_KERNELS_BACKEND"] = "reference"  # the fp32 oracle runs the fp32 reference ops
+    # the fp32 oracle runs the fp32 reference ops (attention kernels, RMSNorm / RoPE)
+    os.environ["CSA_KERNELS_BACKEND"] = os.environ["DSV4_PRIMITIVES_BACKEND"] = "reference"
     try:
         b = ref.compute_logits(ids[:, :256])
     finally:
-        del os.environ["CSA_KERNELS_BACKEND"]
+        del os.environ["CSA_KERNELS_BACKEND"], os.environ["DSV4_PRIMITIVES_BACKEND"]
     a, b = a.float(), b.float()
     rel = ((a - b).abs().max() / b.abs().max()).item()
     # bf16 can flip near-tied MoE routing choices of a few tokens (a discrete jump for those tokens), so the gate
