@@ -87,6 +87,22 @@ def test_empty_rows(with_probs):
         assert grads[1].shape == (0,)
 
 
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_zero_width(with_probs):
+    """F = 0 (an expert of width 0): empty outputs and gradients, zero d probs, as the PyTorch path."""
+    x, p, dh = _inputs(3, 0, 1.0, torch.float32, with_probs, seed=0)
+    h, *grads = _fused(x, p, dh, 1.0)
+    assert h.shape == (3, 0) and grads[0].shape == (3, 0)
+    if with_probs:
+        assert torch.equal(grads[1], torch.zeros(3, device=grads[1].device))
+
+
+def test_triton_on_cpu_without_interpreter_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        clamped_swiglu(torch.randn(2, 4), 10.0, backend="triton")
+
+
 def test_leading_dims_strided_input_and_mixed_probs_dtype():
     """``[S, B, 2F]`` input that is a column slice of a wider tensor, fp32 probs with bf16 gate_up (megatron's
     permuted probs), a non-contiguous ``dh``."""

@@ -224,3 +224,40 @@ def test_negative_mtp_loss_weight_rejected(weight):
     cfg = get_preset("tiny")
     with pytest.raises(ValueError, match="mtp_loss_weight"):
         DSv4ModelConfig(**{**cfg.__dict__, "mtp_loss_weight": weight})
+
+
+def _balance_losses() -> list[float]:
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    entry = tracker.metrics.get("seq_load_balancing_loss")
+    vals = [] if entry is None else entry.values[entry.values != 0].tolist()
+    tracker.clear()
+    return vals
+
+
+def test_padding_rows_never_count_in_the_balance_loss(megatron_cpu):
+    """A pack with per-document padding and static-shape tail rows, given its padding mask, has the MoE balance
+    losses of the same documents packed without any padding (padding rows are not tokens of any sequence)."""
+    from hybrid_model.model import build_model
+
+    torch.manual_seed(0)
+    cfg = get_preset("tiny")
+    model = build_model(cfg).train()
+    lengths = [7, 1, 6, 2]
+    _balance_losses()
+    ids, labels, mask, pos, psp = _thd_batch(cfg, lengths, lengths, tail=0, seed=3)
+    model(ids, pos, None, labels=labels, loss_mask=mask, packed_seq_params=psp)
+    plain = _balance_losses()
+    ids_p, labels_p, mask_p, pos_p, psp_p = _thd_batch(cfg, lengths, [8, 2, 6, 4], tail=5, seed=3)
+    pad = torch.ones_like(ids_p, dtype=torch.bool)
+    for start, n in zip(psp_p.cu_seqlens_q_padded.tolist()[:-1], lengths, strict=True):
+        pad[0, start : start + n] = False
+    assert torch.equal(ids_p[~pad], ids[0])  # the same real tokens
+    model(ids_p, pos_p, None, labels=labels_p, loss_mask=mask_p, packed_seq_params=psp_p, padding_mask=pad)
+    padded = _balance_losses()
+    assert len(plain) == len(padded) > 0
+    torch.testing.assert_close(torch.tensor(padded), torch.tensor(plain), rtol=1e-5, atol=1e-7)
+    # without the mask the padding rows (one more "sequence" of tail rows) change the loss
+    model(ids_p, pos_p, None, labels=labels_p, loss_mask=mask_p, packed_seq_params=psp_p)
+    assert not torch.allclose(torch.tensor(_balance_losses()), torch.tensor(plain), rtol=1e-3)

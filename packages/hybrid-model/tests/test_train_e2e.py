@@ -63,8 +63,8 @@ def test_loss_falls_and_outputs_written(tmp_path):
         "mfu",
     ):
         assert key in rows[-1], key
-    # MTP loss weight: the preset's 0.3 during warm-up (2 steps), 0.1 from the start of the LR decay (spec §8)
-    assert [r["mtp_weight"] for r in rows[:3]] == [0.3, 0.3, 0.1] and rows[-1]["mtp_weight"] == 0.1
+    # MTP loss weight: the preset's 0.3 through the warm-up (2 steps) and the peak step, 0.1 once the LR decays
+    assert [r["mtp_weight"] for r in rows[:4]] == [0.3, 0.3, 0.3, 0.1] and rows[-1]["mtp_weight"] == 0.1
     assert (out / "loss.png").stat().st_size > 0
     assert any((out / "tb").iterdir())
     # a finished run leaves its final checkpoint

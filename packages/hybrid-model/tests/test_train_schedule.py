@@ -7,18 +7,19 @@ from hybrid_model.training.config import TrainConfig
 
 def test_cosine_decay_starts_after_warmup():
     tc = TrainConfig(steps=30, warmup_steps=5)
-    assert tc.lr_decay_start() == 5
-    assert [tc.mtp_weight_at(s, 0.3) for s in (0, 4, 5, 29)] == [0.3, 0.3, 0.1, 0.1]
+    assert tc.lr_decay_start() == 6
+    assert [tc.mtp_weight_at(s, 0.3) for s in (0, 5, 6, 29)] == [0.3, 0.3, 0.1, 0.1]
+    assert {tc.mtp_weight_at(s, 0.0) for s in range(30)} == {0.0}  # MTP switched off by weight stays off
 
 
 def test_wsd_decay_starts_before_the_anneal():
     tc = TrainConfig(steps=100, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20)
-    assert tc.lr_decay_start() == 80
-    assert [tc.mtp_weight_at(s, 0.3) for s in (0, 79, 80, 99)] == [0.3, 0.3, 0.1, 0.1]
+    assert tc.lr_decay_start() == 81
+    assert [tc.mtp_weight_at(s, 0.3) for s in (0, 80, 81, 99)] == [0.3, 0.3, 0.1, 0.1]
     # an anneal longer than the run after warm-up still starts after warm-up
     assert (
         TrainConfig(steps=20, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20).lr_decay_start()
-        == 10
+        == 11
     )
 
 
@@ -28,7 +29,8 @@ def test_constant_mtp_weight_when_disabled():
 
 
 def test_megatron_scheduler_agrees_with_lr_decay_start():
-    """The step that TrainConfig calls the decay start is the last step at the peak LR in megatron's scheduler."""
+    """The step that TrainConfig calls the decay start is the first step below the peak LR in megatron's
+    scheduler (the one before it is still at the peak)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     class _Opt:
@@ -59,8 +61,8 @@ def test_megatron_scheduler_agrees_with_lr_decay_start():
             sched.num_steps = s
             lrs.append(sched.get_lr(_Opt.param_groups[0]))
         start = tc.lr_decay_start()
-        assert lrs[start] == pytest.approx(1.0) and lrs[start + 1] < 1.0, (kw, lrs)
-        assert all(lr < 1.0 for lr in lrs[start + 1 :])
+        assert lrs[start - 1] == pytest.approx(1.0) and lrs[start] < 1.0, (kw, lrs)
+        assert all(lr < 1.0 for lr in lrs[start:])
 
 
 @pytest.mark.parametrize(
@@ -70,6 +72,7 @@ def test_megatron_scheduler_agrees_with_lr_decay_start():
         (dict(lr_decay_style="wsd"), "lr-wsd-decay-steps"),
         (dict(lr_decay_style="wsd", lr_wsd_decay_steps=500, steps=100), "lr-wsd-decay-steps"),
         (dict(mtp_loss_weight_decay=-0.1), "mtp-loss-weight-decay"),
+        (dict(lr_wsd_decay_steps=5), "only applies to --lr-decay-style wsd"),
     ],
 )
 def test_schedule_validation(kw, match):
@@ -78,8 +81,8 @@ def test_schedule_validation(kw, match):
 
 
 def test_cli_schedule_and_save_final_flags_reach_the_config():
-    """`dsv4 train` flags map 1:1 onto TrainConfig fields (as `_cmd_train` builds it)."""
-    from hybrid_model.cli import build_parser
+    """`dsv4 train` flags map 1:1 onto TrainConfig fields (through the function `_cmd_train` uses)."""
+    from hybrid_model.cli import build_parser, train_config_from_args
 
     args = build_parser().parse_args(
         [
@@ -95,15 +98,14 @@ def test_cli_schedule_and_save_final_flags_reach_the_config():
             "20",
         ]
     )
-    flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config", "func") and v is not None}
-    tc = TrainConfig(**flags)
+    tc = train_config_from_args(args)
     assert (tc.lr_decay_style, tc.lr_wsd_decay_steps, tc.mtp_loss_weight_decay, tc.save_final) == (
         "wsd",
         5,
         0.2,
         False,
     )
-    assert tc.lr_decay_start() == 15 and tc.mtp_weight_at(15, 0.3) == 0.2
+    assert tc.lr_decay_start() == 16 and tc.mtp_weight_at(16, 0.3) == 0.2
     defaults = build_parser().parse_args(["train"])
     assert (
         defaults.save_final is None and defaults.lr_decay_style is None

@@ -18,6 +18,7 @@ Shape legend: ``M`` rows (tokens, or token-expert pairs), ``F`` expert width.
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
 import torch
@@ -119,6 +120,11 @@ def clamped_swiglu(
         if gate_up.dtype == torch.float64:
             raise ValueError(
                 "backend='triton' computes in fp32; fp64 gate_up takes the PyTorch path (backend='torch' or 'auto')"
+            )
+        if not gate_up.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got {gate_up.device}); use backend='torch' (or 'auto') on CPU, "
+                "or set TRITON_INTERPRET=1 before importing hash_moe to run the kernels in the Triton interpreter"
             )
         from hash_moe.kernels.swiglu_triton import fused_clamped_swiglu
 

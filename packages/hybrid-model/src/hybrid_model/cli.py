@@ -63,12 +63,19 @@ def _train_parser(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 
 
-def _cmd_train(args) -> int:
+def train_config_from_args(args):
+    """The :class:`TrainConfig` of parsed ``dsv4 train`` arguments: the ``--config`` file (if any) with the flags
+    given on the command line on top; flags left unset keep the file's or the dataclass's values."""
     from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import loss_is_falling, train
 
     flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config", "func") and v is not None}
-    tc = TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
+    return TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
+
+
+def _cmd_train(args) -> int:
+    from hybrid_model.training.trainer import loss_is_falling, train
+
+    tc = train_config_from_args(args)
     metrics = train(tc)
     if metrics and "lm_loss" in metrics[-1]:
         first, last = metrics[0]["lm_loss"], metrics[-1]["lm_loss"]

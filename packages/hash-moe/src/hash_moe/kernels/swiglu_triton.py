@@ -147,7 +147,9 @@ def _store_dtype(dtype: torch.dtype, interpret: bool) -> torch.dtype:
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` as ``[M, width]`` with a unit column stride (a copy only when it has none)."""
-    t = t.reshape(-1, width)
+    t = t.reshape(
+        t.shape[:-1].numel(), width
+    )  # explicit row count: reshape(-1, 0) is ambiguous when width == 0
     return t if t.stride(-1) == 1 else t.contiguous()
 
 

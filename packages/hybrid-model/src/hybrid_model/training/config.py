@@ -20,8 +20,8 @@ class TrainConfig:
     router selection bias — fp32); ``None`` (the default) resolves to ``True`` on CUDA and ``False`` on CPU.
     ``lr_decay_style``: ``"cosine"`` (warm-up, then cosine decay to ``min_lr``) or ``"wsd"`` (warm-up, constant
     ``lr``, then a cosine anneal over the last ``lr_wsd_decay_steps`` steps). ``mtp_loss_weight_decay``: the MTP loss
-    weight from the first step of the LR decay on (spec §8: the preset's 0.3, then 0.1); ``None`` keeps the preset's
-    weight throughout. See :meth:`lr_decay_start` and :meth:`mtp_weight_at`.
+    weight from the first step of the LR decay on (spec §8: the preset's 0.3, then 0.1); ``None`` (config file:
+    ``null``) keeps the preset's weight throughout. See :meth:`lr_decay_start` and :meth:`mtp_weight_at`.
     """
 
     preset: str = "tiny"
@@ -88,23 +88,27 @@ class TrainConfig:
                 f"--lr-decay-style wsd needs 0 < --lr-wsd-decay-steps <= --steps ({self.steps}), "
                 f"got {self.lr_wsd_decay_steps}"
             )
+        if self.lr_decay_style != "wsd" and self.lr_wsd_decay_steps:
+            raise ValueError("--lr-wsd-decay-steps only applies to --lr-decay-style wsd")
         if self.mtp_loss_weight_decay is not None and not self.mtp_loss_weight_decay >= 0:
             raise ValueError(f"--mtp-loss-weight-decay must be >= 0, got {self.mtp_loss_weight_decay}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
 
     def lr_decay_start(self) -> int:
-        """Number of optimizer steps before the LR starts to decay (warm-up; WSD: warm-up + the constant phase),
-        with the scheduler's warm-up length ``min(warmup_steps, steps - 1)``."""
+        """0-based index of the first optimizer step whose LR is below the peak: the step after the warm-up
+        (cosine) or after the constant phase (WSD), with the scheduler's warm-up ``min(warmup_steps, steps - 1)``
+        (megatron's scheduler is at the peak exactly at the end of the warm-up / the constant phase)."""
         warmup = min(self.warmup_steps, self.steps - 1)
         if self.lr_decay_style == "wsd":
-            return max(warmup, self.steps - self.lr_wsd_decay_steps)
-        return warmup
+            return max(warmup, self.steps - self.lr_wsd_decay_steps) + 1
+        return warmup + 1
 
     def mtp_weight_at(self, step: int, base_weight: float) -> float:
-        """MTP loss weight of optimizer step ``step`` (0-based): ``base_weight`` before the LR decay starts,
-        ``mtp_loss_weight_decay`` from then on (unless that is None)."""
-        if self.mtp_loss_weight_decay is None or step < self.lr_decay_start():
+        """MTP loss weight of optimizer step ``step`` (0-based): ``base_weight`` until the LR decay starts,
+        ``mtp_loss_weight_decay`` from its first step on. A base weight of 0 (MTP switched off by weight) and
+        ``mtp_loss_weight_decay=None`` keep the base weight throughout."""
+        if self.mtp_loss_weight_decay is None or base_weight == 0 or step < self.lr_decay_start():
             return base_weight
         return self.mtp_loss_weight_decay
 

@@ -219,11 +219,16 @@ class Trainer:
             tokens, labels = mb.tokens[None].to(self.device), mb.labels[None].to(self.device)
             loss_mask = mb.loss_mask[None].to(self.device)
             pos = mb.position_ids[None].to(self.device)
+            pad = mb.padding_mask[None].to(self.device)  # [1, T] True on padding rows
         else:
             psp = None
             tokens, labels = mb.tokens.to(self.device), mb.labels.to(self.device)
             loss_mask, pos = mb.loss_mask.to(self.device), mb.position_ids.to(self.device)
-        out = model(tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp)
+            pad = mb.padding_mask.to(self.device)  # [b, s]
+        # padding rows never count in the MoE balance loss or the selection-bias loads (spec §7.5: valid tokens)
+        out = model(
+            tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp, padding_mask=pad
+        )
 
         def loss_func(output):
             mask = loss_mask.float()
