@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import platform
 import time
 from pathlib import Path
 
 import torch
 
 T_START = time.perf_counter()
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def _sync(device: str) -> None:
@@ -51,12 +54,29 @@ def bench(fn, device: str, warmup: int, rep: int, max_s: float) -> tuple[float, 
     return times[n // 2], n
 
 
-class Results:
-    """The JSON record ``<name>.json``, rewritten (atomically) to every output directory after each added row."""
+def device_and_hbm(device: str) -> tuple[str, float]:
+    """``(device name, HBM bytes/s)``: the GPU's name and its HBM peak (H200's 4.8 TB/s if unknown); CPU name."""
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    return name, next((v for k, v in HBM_BYTES_PER_S.items() if k in name), 4.8e12)
 
-    def __init__(self, record: dict, dirs: list[Path], name: str) -> None:
-        self.record, self.dirs, self.name = record, dirs, name
-        for d in dirs:
+
+class Results:
+    """The JSON record ``<name>.json`` (the run's header + ``fields``), rewritten (atomically) after each added row
+    to ``out`` and, for GPU runs, to the package's ``benchmarks/results/``."""
+
+    def __init__(self, name: str, device: str, device_name: str, args, out: Path, **fields) -> None:
+        self.name = name
+        self.record = {
+            "benchmark": name,
+            "device": device_name,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            **fields,
+        }
+        self.dirs = [out] + ([RESULTS_DIR] if device == "cuda" else [])
+        for d in self.dirs:
             d.mkdir(parents=True, exist_ok=True)
         self.save()
 

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _bench_utils import T_START, Results, max_err
+from _bench_utils import T_START, Results, device_and_hbm, max_err
 from _bench_utils import bench as _bench
 
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 TARGETS = {"mlp_ge512": 0.85, "mlp_96_128": 0.60, "bandwidth": 0.70}
 
 
@@ -240,29 +238,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if DEVICE == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused routing kernel, interpreted
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu"
-    hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), 4.8e12)
+    name, hbm = device_and_hbm(DEVICE)
     experts = [int(e) for e in args.experts.split(",")]
     print(
         f"bench_moe on {name}: tokens {args.tokens} x top-{args.topk}, hidden {args.hidden}, ffn {args.ffn}",
         flush=True,
     )
-    record = {
-        "benchmark": "bench_moe",
-        "device": name,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "hbm_bytes_per_s": hbm,
-        "targets": TARGETS,
-        "complete": False,
-        "checks": [],
-        "expert_mlp": [],
-        "memory_bound": [],
-    }
-    dirs = [args.out] + ([Path(__file__).parent / "results"] if DEVICE == "cuda" else [])
-    results = Results(record, dirs, "bench_moe")
+    results = Results(
+        "bench_moe",
+        DEVICE,
+        name,
+        args,
+        args.out,
+        hbm_bytes_per_s=hbm,
+        targets=TARGETS,
+        complete=False,
+        checks=[],
+        expert_mlp=[],
+        memory_bound=[],
+    )
+    record = results.record
 
     for e in experts:
         for c in correctness(e, args):
@@ -319,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     record["correct"], record["complete"] = all_ok, True
     results.save()
     print(
-        f"\nwrote bench_moe.json to {', '.join(map(str, dirs))}; correct={all_ok}; "
+        f"\nwrote bench_moe.json to {', '.join(map(str, results.dirs))}; correct={all_ok}; "
         f"{time.perf_counter() - T_START:.1f} s"
     )
     return 0 if all_ok else 1

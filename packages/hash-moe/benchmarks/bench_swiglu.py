@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
-from _bench_utils import T_START, Results, max_err
+from _bench_utils import T_START, Results, device_and_hbm, max_err
 from _bench_utils import bench as _bench
 
-HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 DEVICE = "cuda"
 
 
@@ -147,24 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if DEVICE == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor() or "cpu"
-    hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), 4.8e12)
+    name, hbm = device_and_hbm(DEVICE)
     widths = [int(f) for f in args.ffn.split(",")]
     print(f"bench_swiglu on {name}: M = {args.rows} rows, F = {widths}, bf16, limit {args.limit}", flush=True)
-    record = {
-        "benchmark": "bench_swiglu",
-        "device": name,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "hbm_bytes_per_s": hbm,
-        "complete": False,
-        "checks": [],
-        "rows": [],
-    }
-    dirs = [args.out] + ([Path(__file__).parent / "results"] if DEVICE == "cuda" else [])
-    results = Results(record, dirs, "bench_swiglu")
+    results = Results(
+        "bench_swiglu", DEVICE, name, args, args.out, hbm_bytes_per_s=hbm, complete=False, checks=[], rows=[]
+    )
+    record = results.record
     for f in widths:
         for c in correctness(f, args):
             results.add("checks", c)
@@ -195,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     record["complete"] = True
     results.save()
     print(
-        f"\nbench_swiglu done in {time.perf_counter() - T_START:.1f} s; JSON in {', '.join(map(str, dirs))}"
+        f"\nbench_swiglu done in {time.perf_counter() - T_START:.1f} s; JSON in {', '.join(map(str, results.dirs))}"
     )
     return 0 if ok else 1
 
