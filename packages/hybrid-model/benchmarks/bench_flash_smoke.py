@@ -97,20 +97,29 @@ def _check(model) -> dict:
     }
 
 
+def _fwd_bwd_step(model, S: int):
+    """A closure running one forward + backward of the model on a random sequence of S tokens."""
+    ids = torch.randint(0, model.model_config.vocab_size, (1, S), device="cuda")
+    labels = torch.roll(ids, -1, 1)
+
+    def step() -> None:
+        loss = model(ids, None, None, labels=labels).float().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _time_fwd_bwd(model, S: int, iters: int) -> dict:
     from hybrid_model.flops import forward_flops_sbhd
 
-    V = model.model_config.vocab_size
-    ids = torch.randint(0, V, (1, S), device="cuda")
-    labels = torch.roll(ids, -1, 1)
+    step = _fwd_bwd_step(model, S)
     torch.cuda.reset_peak_memory_stats()
     for i in range(iters + 1):
         if i == 1:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-        loss = model(ids, None, None, labels=labels).float().mean()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+        step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / iters
     flops = forward_flops_sbhd(model.model_config, S).training
@@ -144,15 +153,7 @@ def _profile(model, S: int, out: Path, top: int = 40) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    V = model.model_config.vocab_size
-    ids = torch.randint(0, V, (1, S), device="cuda")
-    labels = torch.roll(ids, -1, 1)
-
-    def step():
-        loss = model(ids, None, None, labels=labels).float().mean()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
+    step = _fwd_bwd_step(model, S)
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:

@@ -125,10 +125,12 @@ class DSv4Model(HybridModel):
             raise ValueError("DSv4Model is causal by construction: pass attention_mask=None")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, d]
+        router_cu = None
         if input_ids is not None:
             from hybrid_model.mtp import router_cu_seqlens
 
-            self.decoder.bind_input_ids(input_ids, router_cu_seqlens(packed_seq_params, input_ids.shape[-1]))
+            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1])
+            self.decoder.bind_input_ids(input_ids, router_cu)
         try:
             out = self.decoder(
                 hidden_states=decoder_input,
@@ -143,21 +145,33 @@ class DSv4Model(HybridModel):
         hidden, streams = out if isinstance(out, tuple) else (out, None)
         if self.mtp_process and self.training and labels is not None:
             hidden = self._attach_mtp_loss(
-                hidden, streams, input_ids, position_ids, labels, loss_mask, packed_seq_params, padding_mask
+                hidden,
+                streams,
+                input_ids,
+                position_ids,
+                labels,
+                loss_mask,
+                packed_seq_params,
+                padding_mask,
+                router_cu,
             )
         logits, _ = self.output_layer(hidden, runtime_gather_output=runtime_gather_output)  # [s, b, V]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V]
         return self.compute_language_model_loss(labels, logits)  # [b, s]
 
-    def mtp_logits(self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None):
-        """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``)."""
+    def mtp_logits(
+        self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None, router_cu=None
+    ):
+        """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``). ``router_cu``:
+        the pack's :func:`~hybrid_model.mtp.router_cu_seqlens` when the caller already has them."""
         from hybrid_model.mtp import mtp_roll_left, router_cu_seqlens
 
         next_ids = mtp_roll_left(input_ids, packed_seq_params)  # token t+1 at t (0 at each document's end)
         e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
-        cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1])
-        self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, cu)
+        if router_cu is None:
+            router_cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1])
+        self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, router_cu)
         h = self.mtp(
             streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask
         )
@@ -165,11 +179,11 @@ class DSv4Model(HybridModel):
         return logits
 
     def _attach_mtp_loss(
-        self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask
+        self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask, router_cu
     ):
         from hybrid_model.mtp import mtp_roll_left
 
-        logits = self.mtp_logits(streams, input_ids, position_ids, psp, padding_mask)
+        logits = self.mtp_logits(streams, input_ids, position_ids, psp, padding_mask, router_cu)
         mtp_labels = mtp_roll_left(labels, psp)  # labels[t] = ids[t+1] -> mtp_labels[t] = ids[t+2]
         mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
         mask = mtp_roll_left(mask, psp)  # a document's last position has no t+2

@@ -36,22 +36,23 @@ def mtp_roll_left(x: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         out = torch.roll(x, shifts=-1, dims=-1)
         out[..., -1] = 0
         return out
+    return roll_left(x, _document_rows(packed_seq_params), shifts=1, fill_value=0, dim=-1)
+
+
+def _document_rows(packed_seq_params) -> torch.Tensor:
+    """Row offsets ``[D + 1]`` of a THD pack's documents: ``cu_seqlens_q_padded`` (``cu_seqlens_q`` without padding)."""
     cu = packed_seq_params.cu_seqlens_q_padded
-    if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
-    return roll_left(x, cu, shifts=1, fill_value=0, dim=-1)
+    return packed_seq_params.cu_seqlens_q if cu is None else cu
 
 
 def router_cu_seqlens(packed_seq_params, num_tokens: int) -> torch.Tensor | None:
     """Row intervals ``[D + 1]`` of a THD pack for the MoE routers' per-document balance loss: the *padded* document
-    intervals (``cu_seqlens_q_padded``, else ``cu_seqlens_q``) with the pack's tail rows after the last document
-    (static-shape padding) as one more interval, so that the intervals cover all ``num_tokens`` rows (hash-moe's
-    balance loss needs ``cu_seqlens[-1] == T``). A document's padding rows count with that document."""
+    intervals (:func:`_document_rows`) with the pack's tail rows after the last document (static-shape padding) as
+    one more interval, so that the intervals cover all ``num_tokens`` rows (hash-moe's balance loss needs
+    ``cu_seqlens[-1] == T``). Padding rows lie inside these intervals; the model's ``padding_mask`` drops them."""
     if packed_seq_params is None:
         return None
-    cu = packed_seq_params.cu_seqlens_q_padded
-    if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
+    cu = _document_rows(packed_seq_params)
     end = int(cu[-1])
     if end > num_tokens:
         raise ValueError(f"packed_seq_params cover {end} rows but the pack holds {num_tokens} tokens")

@@ -316,32 +316,31 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _fwd_config(D: int, H: int, itemsize: int = 2) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for the forward kernel."""
-    if FWD_CONFIG_OVERRIDE is not None and not interpreting():
-        return FWD_CONFIG_OVERRIDE
+def _config(override, H: int, fp32_tiles: bool, fp32: tuple, tiles: tuple) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages): the interpreter's small tiles, a benchmark override, or the GPU
+    tiles ``(BLOCK_N, warps, stages)`` (``fp32 = (BLOCK_H cap, BLOCK_N, warps, stages)`` for fp32 at D > 256)."""
     if interpreting():
         return min(next_pow2(H), 64), 16, 4, 1
+    if override is not None:
+        return override
     block_h = 64 if H >= 64 else max(16, next_pow2(H))
-    if (
-        itemsize >= 4 and D > 256
-    ):  # fp32 q / kv tiles (exact "ieee" dots): 135 KiB of shared memory at 32 x 32
-        return min(block_h, 32), 32, 8, 1
-    # Two stages turn the gathered KV tile into cp.async copies (LDGSTS) into shared memory instead of register
-    # loads whose latency every iteration waited for (ncu: "long scoreboard" the top stall, tensor pipe 25% busy).
-    # H200 at D=512, V4-Flash S=4096: BN 64 / 2 stages 1.285 ms vs 1 stage 1.83 ms; BN 32 / 3-4 stages 1.66 ms.
-    return block_h, 64, 8, 2
+    if fp32_tiles:
+        return min(block_h, fp32[0]), *fp32[1:]
+    return block_h, *tiles
+
+
+def _fwd_config(D: int, H: int, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """Forward kernel tiles. fp32 (exact "ieee" dots): 32 x 32 q / kv tiles, 135 KiB of shared memory. bf16: two
+    stages turn the gathered KV tile into cp.async copies (LDGSTS) into shared memory instead of register loads whose
+    latency every iteration waited for (ncu: "long scoreboard" the top stall, tensor pipe 25% busy); H200 at D=512,
+    V4-Flash S=4096: BN 64 / 2 stages 1.285 ms vs 1 stage 1.83 ms; BN 32 / 3-4 stages 1.66 ms."""
+    return _config(FWD_CONFIG_OVERRIDE, H, itemsize >= 4 and D > 256, (32, 32, 8, 1), (64, 8, 2))
 
 
 def _bwd_config(D: int, H: int, itemsize: int = 2) -> tuple[int, int, int, int]:
-    if BWD_CONFIG_OVERRIDE is not None and not interpreting():
-        return BWD_CONFIG_OVERRIDE
-    if interpreting():
-        return min(next_pow2(H), 64), 16, 4, 1
-    block_h = 64 if H >= 64 else max(16, next_pow2(H))
-    if itemsize >= 4 and D > 256:  # fp32 "ieee" dots: [16, 512] q / do / dq tiles, 99 KiB of shared memory
-        return min(block_h, 16), 16, 8, 1
-    return block_h, 64, 8, 1  # H200 sweep at D=512 (with the dkv kernel at BN 64, DC 128): 6.54 ms vs 7.76 ms
+    """``dq`` / ``dkv`` kernel tiles. fp32: [16, 512] q / do / dq tiles, 99 KiB of shared memory. bf16: H200 sweep at
+    D=512 (with the dkv kernel at BN 64, DC 128): 6.54 ms vs 7.76 ms."""
+    return _config(BWD_CONFIG_OVERRIDE, H, itemsize >= 4 and D > 256, (16, 16, 8, 1), (64, 8, 1))
 
 
 def sparse_attn_fwd(
