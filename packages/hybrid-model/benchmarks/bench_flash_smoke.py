@@ -204,6 +204,52 @@ def _profile(model, S: int, out: Path, top: int = 40) -> dict:
     }
 
 
+def _sync_report(model, S: int, out: Path, top: int = 40) -> dict:
+    """One fwd+bwd at length S under ``torch.cuda.set_sync_debug_mode("warn")``: every device-to-host
+    synchronisation, grouped by the innermost frames of our packages and megatron-core that triggered it (the
+    host gaps of the profile). Written to ``out/flash_smoke_syncs_S.txt``."""
+    import traceback as tb
+    import warnings
+
+    step = _fwd_bwd_step(model, S)
+    step()
+    torch.cuda.synchronize()
+    sites: dict[str, int] = {}
+    keep = ("/hybrid_model/", "/dsv4_attention/", "/csa_kernels/", "/hash_moe/", "/mhc/", "/dsv4_primitives/",
+            "/thd_packing/", "/megatron/core/")  # fmt: skip
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in tb.extract_stack()[:-1] if any(k in f.filename for k in keep)]
+        where = " <- ".join(
+            f"{f.filename.split('/src/')[-1].split('site-packages/')[-1]}:{f.lineno} {f.name}"
+            for f in reversed(frames[-3:])
+        )
+        key = where or f"{filename}:{lineno}"
+        sites[key] = sites.get(key, 0) + 1
+
+    old = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    total = sum(sites.values())
+    lines = [f"flash-smoke fwd+bwd S={S}: {total} device-to-host synchronisations", ""]
+    lines += [f"{n:5d}  {k}" for k, n in sorted(sites.items(), key=lambda kv: -kv[1])[:top]]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"flash_smoke_syncs_{S}.txt").write_text(text + "\n")
+    return {"total": total, "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:top])}
+
+
 def _optimizer_step_child(S: int, iters: int, packed: bool) -> dict:
     """Full training steps through ``dsv4 train``'s loop (DDP + distributed optimizer, Adam, grad clipping) in this
     process; run by :func:`_time_optimizer_step` in a fresh process (the Trainer owns its parallel state)."""
@@ -258,6 +304,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--max-seq-len", type=int, default=65536, help="stop growing S here")
     ap.add_argument("--profile-seq-len", type=int, default=4096, help="S of the profiled step (0: none)")
+    ap.add_argument("--sync-report", action="store_true", help="list the step's host syncs (profile S)")
     ap.add_argument("--no-optimizer-step", action="store_true", help="skip the full optimizer-step timing")
     ap.add_argument("--optimizer-step-child", type=int, metavar="S", help=argparse.SUPPRESS)
     ap.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
@@ -290,6 +337,9 @@ def main() -> None:
         save()
         return result["fwd_bwd"][s] != "OOM"
 
+    if args.sync_report:
+        result["syncs"] = _sync_report(model, args.profile_seq_len or 4096, Path(args.out))
+        save()
     if args.profile_seq_len:
         result["profile"] = _profile(model, args.profile_seq_len, Path(args.out))
         save()

@@ -7,8 +7,18 @@ import torch
 from dsv4_primitives import RopeConfig, apply_rope
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last ``cfg.rope_dim`` channels of ``x [*P, *H, D]`` at ``positions [*P]`` (out of place)."""
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cfg: RopeConfig,
+    inverse: bool = False,
+    max_position: int | None = None,
+) -> torch.Tensor:
+    """Rotate the last ``cfg.rope_dim`` channels of ``x [*P, *H, D]`` at ``positions [*P]`` (out of place).
+
+    ``max_position``: a host bound of ``|positions|`` (:attr:`TokenLayout.max_rope_position`); without it the table
+    size is read back from the device (one synchronisation per call).
+    """
     # eager torch path off-GPU: the Triton interpreter would only slow CPU runs down
     backend = "auto" if x.is_cuda else "torch"
-    return apply_rope(x, positions, cfg, inverse=inverse, backend=backend)
+    return apply_rope(x, positions, cfg, inverse=inverse, backend=backend, max_position=max_position)

@@ -219,21 +219,22 @@ class DSv4HybridAttention(MegatronModule):
         ``[T, d]`` (what ``forward`` runs after flattening SBHD / THD activations)."""
         t = x.shape[0]
         pos = layout.rope_positions  # [T]
+        max_pos = layout.max_rope_position
 
         q_lat, _ = self.linear_q_down_proj(x)  # [T, d_c]
         q_lat = self.q_layernorm(q_lat)  # [T, d_c] shared latent
         q, _ = self.linear_q_up_proj(q_lat)  # [T, n_h*c]
         q = rms_norm(q.view(t, self.num_heads, self.head_dim), None, self.eps)  # [T, n_h, c] no weight
-        q = rope(q, pos, self.rope_cfg)
+        q = rope(q, pos, self.rope_cfg, max_position=max_pos)
         kv, _ = self.linear_kv_proj(x)  # [T, c]
-        kv = rope(self.kv_layernorm(kv), pos, self.rope_cfg)  # [T, c]  K = V
+        kv = rope(self.kv_layernorm(kv), pos, self.rope_cfg, max_position=max_pos)  # [T, c]  K = V
 
         o, loss = self.core_attention(q, kv, x, q_lat, layout)  # [T, n_h, c]
         if loss is not None:
             o = attach_indexer_loss(o, loss)
             if self.config.dsa_indexer_loss_coeff:
                 get_indexer_loss_tracker().save(loss, self.tracker_slot, self.config.tracker_num_layers)
-        o = rope(o, pos, self.rope_cfg, inverse=True)  # de-rotate at the query position
+        o = rope(o, pos, self.rope_cfg, inverse=True, max_position=max_pos)  # de-rotate at the query position
         u, _ = self.linear_o_group_proj(o.reshape(t, self.num_heads * self.head_dim))  # [T, g*d_g]
         y, _ = self.linear_proj(u)  # [T, d] (no bias)
         return y

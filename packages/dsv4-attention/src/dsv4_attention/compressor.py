@@ -94,11 +94,17 @@ class Compressor(KeepFP32Mixin, MegatronModule):
         mark_keep_in_fp32(self.ape)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, backend: str = "auto", position_offset: int = 0
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        backend: str = "auto",
+        position_offset: int = 0,
+        max_position: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` -> ``(entries [Tc, c] in x.dtype, cu_seqlens_c int32 [N+1])``.
 
-        Entry ``w`` of a document is rotated at ``w * ratio + position_offset``.
+        Entry ``w`` of a document is rotated at ``w * ratio + position_offset``. ``max_position``: host bound of
+        those positions (:attr:`~dsv4_attention.layout.TokenLayout.max_rope_position`; avoids a device sync).
         """
         kv, _ = self.linear_wkv(x)  # [T, coff*c]
         score, _ = self.linear_wgate(x)  # [T, coff*c]
@@ -107,4 +113,4 @@ class Compressor(KeepFP32Mixin, MegatronModule):
         )  # [Tc, c] fp32
         normed = self.norm(pooled)  # [Tc, c] fp32 math
         pos = compressed_positions(cu_c, self.compress_ratio) + position_offset  # [Tc]
-        return rope(normed, pos, self.rope_cfg).to(x.dtype), cu_c
+        return rope(normed, pos, self.rope_cfg, max_position=max_position).to(x.dtype), cu_c

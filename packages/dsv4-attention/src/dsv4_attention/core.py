@@ -131,10 +131,14 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
             o, _ = sparse_attn(q, kv, self.attn_sink, win, self.softmax_scale, backend=backend)
             return o, None
         entries, cu_c = self.compressor(
-            x, cu, backend=backend, position_offset=layout.position_offset
+            x,
+            cu,
+            backend=backend,
+            position_offset=layout.position_offset,
+            max_position=layout.max_rope_position,
         )  # [Tc, c]
         kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
-        max_c = _max_entries(cu_c)
+        max_c = layout.max_compressed_entries(self.compress_ratio)  # host int: no device sync
         dense = self.indexer is None or self.config.csa_dense_mode
         want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
         state = topk_scores = None
@@ -146,6 +150,7 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
                 cu,
                 backend=backend,
                 position_offset=layout.position_offset,
+                max_position=layout.max_rope_position,
             )
         if dense:
             comp = visible_compressed_indices(cu, cu_c, self.compress_ratio, max_c)  # [T, max_c]
@@ -196,7 +201,3 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         kl = torch.where(rows, per_row, torch.zeros_like(per_row)).sum() / rows.sum().clamp(min=1)
         coeff = self.config.dsa_indexer_loss_coeff or 0.0
         return kl * coeff
-
-
-def _max_entries(cu_c: torch.Tensor) -> int:
-    return int((cu_c[1:] - cu_c[:-1]).max()) if cu_c.numel() > 1 else 0

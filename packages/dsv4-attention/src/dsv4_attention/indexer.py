@@ -93,18 +93,22 @@ class LightningIndexer(MegatronModule):
         cu_seqlens: torch.Tensor,
         backend: str = "auto",
         position_offset: int = 0,
+        max_position: int | None = None,
     ) -> IndexerState:
         """``x [T, d]``, ``q_latent [T, d_c]`` (both detached here), RoPE ``positions [T]`` -> :class:`IndexerState`.
 
-        ``position_offset`` shifts the compressed-key positions like ``positions`` (already shifted) for queries.
+        ``position_offset`` shifts the compressed-key positions like ``positions`` (already shifted) for queries;
+        ``max_position`` is a host bound of every position (no device sync to size the rotary table).
         """
         x = x.detach()
         q_latent = q_latent.detach()
         t = x.shape[0]
         q, _ = self.linear_wq_b(q_latent)  # [T, n_I*c_I]
-        q = rope(q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg)  # [T, n_I, c_I]
+        q = rope(
+            q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg, max_position=max_position
+        )  # [T, n_I, c_I]
         k, cu_c = self.compressor(
-            x, cu_seqlens, backend=backend, position_offset=position_offset
+            x, cu_seqlens, backend=backend, position_offset=position_offset, max_position=max_position
         )  # [Tc, c_I]
         w, _ = self.linear_weights_proj(x)  # [T, n_I]
         return IndexerState(q, k, w * self.weight_scale, cu_c)

@@ -14,6 +14,7 @@ Shape legend: ``s`` sequence, ``b`` batch, ``t``/``T`` packed tokens, ``h`` hidd
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class TokenLayout:
         position_offset: constant added to every RoPE position (queries, keys, compressed entries, the output
             de-rotation): a sequence that continues at position ``position_offset``; 0 for ordinary batches.
             The layer output does not depend on it (oracle R4), only rounding does.
+        segment_bounds: host copy of ``cu_seqlens`` (the same ``N+1`` boundaries), so that no kernel launcher has
+            to read the device tensor back (a device-to-host synchronisation per op otherwise).
     """
 
     qkv_format: str
@@ -46,6 +49,25 @@ class TokenLayout:
     real_rows: torch.Tensor | None
     max_seqlen: int
     position_offset: int = 0
+    segment_bounds: tuple[int, ...] | None = None
+
+    @property
+    def max_rope_position(self) -> int:
+        """A host upper bound of ``|position|`` over every RoPE position of the layer (tokens and compressed
+        entries, which sit at ``w * ratio < segment length``): sizes the rotary table without reading the positions
+        back from the device."""
+        return max(self.max_seqlen - 1, 0) + abs(self.position_offset)
+
+    def max_compressed_entries(self, ratio: int) -> int:
+        """The largest per-segment compressed entry count ``floor(len / ratio)`` (host int, no device sync)."""
+        if not ratio:
+            return 0
+        bounds = self.segment_bounds
+        if bounds is None:
+            raise ValueError(
+                "this TokenLayout has no host segment_bounds; build it with sbhd_layout/thd_layout"
+            )
+        return max((b - a for a, b in itertools.pairwise(bounds)), default=0) // ratio
 
     @property
     def rope_positions(self) -> torch.Tensor:
@@ -71,13 +93,59 @@ class TokenLayout:
 
 def sbhd_layout(seq_len: int, batch: int, device=None) -> TokenLayout:
     """Layout of an SBHD batch: ``batch`` documents of ``seq_len`` tokens each."""
+    key = (seq_len, batch, str(torch.device(device) if device is not None else "cpu"))
+    cached = _SBHD_CACHE.get(key)
+    if cached is not None:
+        return cached
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
     pos = torch.arange(seq_len, dtype=torch.int64, device=device).repeat(batch)
-    return TokenLayout("sbhd", seq_len, batch, cu, pos, None, seq_len)
+    bounds = tuple(i * seq_len for i in range(batch + 1))
+    layout = TokenLayout("sbhd", seq_len, batch, cu, pos, None, seq_len, segment_bounds=bounds)
+    if len(_SBHD_CACHE) >= 16:  # a handful of (s, b) shapes per run; never grows without bound
+        _SBHD_CACHE.pop(next(iter(_SBHD_CACHE)))
+    _SBHD_CACHE[key] = layout
+    return layout
+
+
+# SBHD layouts are pure functions of (s, b, device) and hold no autograd state: every layer of a step (and every
+# step) reuses one, instead of rebuilding its index tensors per layer
+_SBHD_CACHE: dict[tuple, TokenLayout] = {}
 
 
 def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
-    """Layout of a packed THD batch of ``num_tokens`` rows described by megatron ``PackedSeqParams``."""
+    """Layout of a packed THD batch of ``num_tokens`` rows described by megatron ``PackedSeqParams``.
+
+    Building it reads the boundaries back to the host (one synchronisation); every layer of a step receives the same
+    ``PackedSeqParams``, so the result is reused while the object and its boundary tensors are unchanged (same
+    tensors, same in-place version counters: a static-shape buffer refilled in place is rebuilt).
+    """
+    key = _thd_cache_key(packed_seq_params, num_tokens, device)
+    hit = _THD_CACHE.get(key[0])
+    if hit is not None and hit[0]() is packed_seq_params and hit[1] == key[1:]:
+        return hit[2]
+    layout = _build_thd_layout(packed_seq_params, num_tokens, device)
+    try:
+        ref = weakref.ref(packed_seq_params)
+    except TypeError:  # not weak-referenceable: no reuse
+        return layout
+    if len(_THD_CACHE) >= 8:
+        _THD_CACHE.pop(next(iter(_THD_CACHE)))
+    _THD_CACHE[key[0]] = (ref, key[1:], layout)
+    return layout
+
+
+_THD_CACHE: dict[int, tuple] = {}
+
+
+def _thd_cache_key(psp, num_tokens: int, device) -> tuple:
+    def sig(t):
+        return None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device))
+
+    fields = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded")
+    return (id(psp), num_tokens, str(device), *(sig(getattr(psp, f, None)) for f in fields))
+
+
+def _build_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
     psp = packed_seq_params
     if getattr(psp, "local_cp_size", None) is not None or getattr(psp, "cp_group", None) is not None:
         raise ValueError(
@@ -139,6 +207,7 @@ def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
         pos,
         None if all_real else real.to(device),
         max(seg) if seg else 0,
+        segment_bounds=tuple(bounds),
     )
 
 
