@@ -1,5 +1,6 @@
-"""dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm with a fused Triton path."""
+"""dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm with a fused Triton path, fused vocab-parallel cross entropy."""
 
+from dsv4_primitives.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_ref
 from dsv4_primitives.precision import (
     KEEP_IN_FP32_ATTR,
     KeepFP32Mixin,
@@ -23,7 +24,7 @@ from dsv4_primitives.rope import (
     yarn_ramp_bounds,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "KEEP_IN_FP32_ATTR",
@@ -46,5 +47,7 @@ __all__ = [
     "rope_angles",
     "rope_cos_sin",
     "rope_inv_freq",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_ref",
     "yarn_ramp_bounds",
 ]
