@@ -1,7 +1,7 @@
 """EP=2 equals EP=1 over gloo: outputs and every gradient, with uneven token counts per rank and padding tokens,
 for a learned and a hash-routed layer, through megatron's all-gather and all-to-all dispatchers (the latter with the
-CPU stand-in for its CUDA side stream, see ``_moe_setup``); plus the data-parallel reductions (bias step, split
-balance loss)."""
+CPU stand-in for its CUDA side stream, see ``_moe_setup``, and the atomic-free permutation); plus the data-parallel
+reductions (bias step, split balance loss)."""
 
 import pytest
 import torch
@@ -75,6 +75,7 @@ def _ep2_worker(rank, world_size):
                 if dispatcher == "allgather":  # both ranks padded to the alignment
                     assert tuple(layer.token_dispatcher.hidden_shape) == (64, HIDDEN)
                 else:  # uneven counts as they are; rank 1's padding tokens are not sent
+                    assert layer.token_dispatcher.permute_map is not None  # the atomic-free permutation ran
                     assert layer.token_dispatcher.hidden_shape[:-1].numel() == (7, 6)[rank]
                     assert int(layer.token_dispatcher.num_out_tokens) == (7, 4)[rank] * TOPK
                 if not hash_routing:

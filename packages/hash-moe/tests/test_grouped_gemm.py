@@ -121,3 +121,50 @@ def test_grouped_mm_torch_bf16_on_gpu(counts):
     assert_close_to_ref("out", out, ref, same)
     assert_close_to_ref("dx", gx, rx, sx)
     assert_close_to_ref("dw", gw, rw, sw)
+
+
+def _aligned_with_index_ops(x, w, counts):
+    """hash-moe 0.2's padding: index_copy into zeros, index_select back (atomic index_add_ in the backward)."""
+    align = 16 // x.element_size()
+    padded = [-(-c // align) * align for c in counts]
+    cnt, pad = torch.tensor(counts, device=x.device), torch.tensor(padded, device=x.device)
+    shift = (pad.cumsum(0) - pad) - (cnt.cumsum(0) - cnt)
+    rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, cnt)
+    xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)
+    offs = pad.cumsum(0).to(torch.int32)
+    return torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs).index_select(0, rows)
+
+
+def _graph_nodes(t):
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return {type(f).__name__ for f in seen}
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [1], [4, 8, 2], [0, 7, 0]])
+def test_alignment_padding_is_gathers_and_bit_identical(counts):
+    """The padded grouped GEMM gives exactly the old index_copy / index_select results (forward and both gradients)
+    and its graph holds no index_select / index_copy node (their backward scatters)."""
+    from hash_moe.grouped_gemm import _grouped_mm_aligned
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    torch.manual_seed(len(counts))
+    x = torch.randn(sum(counts), 16, device=dev).to(dt)
+    w = (torch.randn(len(counts), 24, 16, device=dev) / 4).to(dt)
+    g = torch.randn(sum(counts), 24, device=dev).to(dt)
+    results = []
+    for fn in (_grouped_mm_aligned, _aligned_with_index_ops):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xl, wl, counts)
+        results.append((out.detach(), *torch.autograd.grad(out, (xl, wl), g)))
+        if fn is _grouped_mm_aligned and sum(counts):
+            nodes = _graph_nodes(out)
+            assert not any("IndexSelect" in n or "IndexCopy" in n for n in nodes), nodes
+    for name, a, b in zip(("out", "dx", "dw"), *results):
+        assert torch.equal(a, b), name

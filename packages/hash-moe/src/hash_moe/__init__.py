@@ -19,18 +19,28 @@ from hash_moe.hash_table import (
     validate_tid2eid,
 )
 from hash_moe.layer_schedule import hash_moe_layer_flags, hash_moe_layer_numbers
+from hash_moe.permute import (
+    PermuteMap,
+    build_permute_map,
+    permute,
+    permute_ref,
+    unpermute,
+    unpermute_ref,
+)
 from hash_moe.reference import moe_reference
 from hash_moe.routing import RouterConfig, RoutingResult, dense_routing, hash_route, topk_route
 from hash_moe.scores import SCORE_FUNCTIONS, routing_scores
 from hash_moe.swiglu import clamped_swiglu, clamped_swiglu_ref
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "SCORE_FUNCTIONS",
+    "PermuteMap",
     "RouterConfig",
     "RoutingResult",
     "__version__",
+    "build_permute_map",
     "build_tid2eid_balanced",
     "build_tid2eid_round_robin",
     "clamped_swiglu",
@@ -44,12 +54,16 @@ __all__ = [
     "hash_route",
     "load_tid2eid",
     "moe_reference",
+    "permute",
+    "permute_ref",
     "routing_scores",
     "sequence_balance_loss",
     "sequence_ids_from_cu_seqlens",
     "swiglu_mlp",
     "tokens_per_expert",
     "topk_route",
+    "unpermute",
+    "unpermute_ref",
     "update_selection_bias_",
     "validate_tid2eid",
 ]

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from hash_moe.row_gather import row_gather
+
 GroupedBackend = Literal["auto", "torch", "loop"]
 
 
@@ -97,18 +99,27 @@ def _grouped_mm_aligned(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
 
     The backward's weight gradient contracts over the token dimension, so a group boundary that is not a multiple
     of ``16 / element_size`` rows gives misaligned TMA loads. Unaligned groups are spread into a zero-padded buffer
-    (``index_copy``) and gathered back (``index_select``); both are differentiable and the zero rows add nothing.
+    and gathered back, both as row gathers through an index map whose backward is the gather through the inverse
+    map (:func:`hash_moe.row_gather.row_gather`): every row is moved by one write, no zero-fill + copy forward and
+    no atomic ``index_add_`` backward (PyTorch's ``index_select`` gradient). Row copies only: the results are
+    bit-identical to gathering with ``index_select`` / ``index_copy``.
     """
     align = 16 // x.element_size()
     padded = [-(-c // align) * align for c in counts]
     if padded == counts:
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    m, dev = x.shape[0], x.device
+    m, m_pad, dev = x.shape[0], sum(padded), x.device
     cnt = torch.tensor(counts, dtype=torch.int64).to(dev)
     pad = torch.tensor(padded, dtype=torch.int64).to(dev)
     shift = (pad.cumsum(0) - pad) - (cnt.cumsum(0) - cnt)  # [G] destination minus source start
-    rows = torch.arange(m, device=dev) + torch.repeat_interleave(shift, cnt, output_size=m)  # [M]
-    xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)  # [M_pad, K]
+    rows = torch.arange(m, device=dev) + torch.repeat_interleave(
+        shift, cnt, output_size=m
+    )  # [M] padded row of x[i]
+    source = torch.full((m_pad,), -1, dtype=torch.int64, device=dev).index_copy_(
+        0, rows, torch.arange(m, device=dev)
+    )  # [M_pad] row of x in each padded row, -1 = padding (unique indices: a plain write)
+    xp = row_gather(x, source, rows.unsqueeze(1))  # [M_pad, K]
     offs = pad.cumsum(0).to(torch.int32)
-    return torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs).index_select(0, rows)
+    out = torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs)  # [M_pad, N]
+    return row_gather(out, rows, source.unsqueeze(1))  # [M, N]

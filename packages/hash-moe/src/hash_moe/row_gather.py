@@ -1,0 +1,162 @@
+"""Atomic-free row movement: gathers whose backward is another gather through the inverse index map.
+
+Two primitives (plain functions, a PyTorch path and the Triton kernels of :mod:`hash_moe.kernels.permute_triton`):
+
+```
+gather_rows(src, idx)       out[i] = src[idx[i]]                       idx: [R], -1 = zero row
+gather_sum_rows(src, idx)   out[t] = Σ_k src[idx[t, k]]  (k ascending)  idx: [T, K], -1 = no term; fp32 sum
+```
+
+and two differentiable wrappers, each taking the *adjoint* index map of its forward map:
+
+```
+y = row_gather(x, idx [R], adjoint [N, K])        dx[j] = Σ_k dy[adjoint[j, k]]
+y = row_gather_sum(x, idx [T, K], adjoint [R])    dx[i] = dy[adjoint[i]]
+```
+
+``adjoint`` lists, for every source row, the output rows that read it (``row_gather``) or the one output row that
+sums it (``row_gather_sum``). PyTorch's own ``index_select`` backward is an ``index_add_`` with atomics on CUDA
+(non-deterministic in bf16, slow on large rows); here each gradient row is written once by one program, so both
+directions are deterministic. Sums run in fp32 (fp64 for fp64 inputs) and round once to the input dtype.
+
+Shape legend: ``N`` source rows, ``R`` gathered rows, ``T`` summed rows, ``K`` terms per summed row, ``C`` columns.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+from torch.autograd.function import once_differentiable
+
+RowBackend = Literal["auto", "triton", "torch"]
+
+
+def resolve_row_backend(backend: RowBackend, src: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"``: ``"auto"`` is Triton on CUDA tensors, PyTorch elsewhere."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "auto":
+        return "triton" if src.is_cuda else "torch"
+    if backend == "triton" and not src.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {src.device}); use backend='torch' (or 'auto') on CPU, "
+            "or set TRITON_INTERPRET=1 before importing hash_moe to run the kernels in the Triton interpreter"
+        )
+    return backend
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def gather_rows_torch(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """PyTorch path of :func:`gather_rows`: ``index_select`` of the clamped index, then zero the ``-1`` rows."""
+    if src.shape[0] == 0:
+        return src.new_zeros(idx.shape[0], src.shape[1])
+    out = src.index_select(0, idx.clamp(min=0))  # [R, C]
+    return out.masked_fill_((idx < 0).unsqueeze(1), 0)
+
+
+def gather_sum_rows_torch(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """PyTorch path of :func:`gather_sum_rows`: ``K`` gathers added in the order of ``k`` into an fp32 buffer."""
+    acc = torch.zeros(idx.shape[0], src.shape[1], device=src.device, dtype=_acc_dtype(src.dtype))  # [T, C]
+    for k in range(idx.shape[1]):
+        acc += gather_rows_torch(src, idx[:, k]).to(acc.dtype)
+    return acc.to(src.dtype)
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, *, backend: RowBackend = "auto") -> torch.Tensor:
+    """``out [R, C]``: ``out[i] = src[idx[i]]``, a zero row where ``idx[i] < 0`` (not differentiable).
+
+    Args:
+        src: ``[N, C]`` rows.
+        idx: ``[R]`` integer row indices into ``src``, or -1.
+        backend: ``"triton"`` (kernel), ``"torch"`` or ``"auto"`` (Triton on CUDA).
+    """
+    src = _as_rows(src)
+    if resolve_row_backend(backend, src) == "torch":
+        return gather_rows_torch(src, idx)
+    from hash_moe.kernels.permute_triton import gather_rows_triton
+
+    return gather_rows_triton(src, idx.contiguous())
+
+
+def gather_sum_rows(src: torch.Tensor, idx: torch.Tensor, *, backend: RowBackend = "auto") -> torch.Tensor:
+    """``out [T, C]``: ``out[t] = Σ_k src[idx[t, k]]`` over ``idx[t, k] >= 0``, fp32 sum in the order of ``k``.
+
+    ``K = 1`` is an exact copy (a gather). The output takes ``src.dtype`` (not differentiable).
+    """
+    src = _as_rows(src)
+    if idx.shape[1] == 1:
+        return gather_rows(src, idx[:, 0], backend=backend)
+    if resolve_row_backend(backend, src) == "torch":
+        return gather_sum_rows_torch(src, idx)
+    from hash_moe.kernels.permute_triton import gather_sum_rows_triton
+
+    return gather_sum_rows_triton(src, idx.contiguous())
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[N, C]`` with a unit column stride (a copy only when it has none)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _RowGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, idx, adjoint, backend):
+        ctx.save_for_backward(adjoint)
+        ctx.backend = backend
+        return gather_rows(src, idx, backend=backend)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (adjoint,) = ctx.saved_tensors
+        return gather_sum_rows(grad, adjoint, backend=ctx.backend), None, None, None
+
+
+class _RowGatherSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, idx, adjoint, backend):
+        ctx.save_for_backward(adjoint)
+        ctx.backend = backend
+        return gather_sum_rows(src, idx, backend=backend)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (adjoint,) = ctx.saved_tensors
+        return gather_rows(grad, adjoint, backend=ctx.backend), None, None, None
+
+
+def row_gather(
+    src: torch.Tensor, idx: torch.Tensor, adjoint: torch.Tensor, *, backend: RowBackend = "auto"
+) -> torch.Tensor:
+    """Differentiable :func:`gather_rows` whose backward is ``d src = gather_sum_rows(d out, adjoint)``.
+
+    Args:
+        src: ``[N, C]``.
+        idx: ``[R]`` source row of each output row, or -1 (zero row).
+        adjoint: ``[N, K]`` the output rows reading each source row (``idx[adjoint[j, k]] == j``), -1 padded; every
+            ``i`` with ``idx[i] = j >= 0`` must be listed in ``adjoint[j]`` (not checked: internal maps only).
+        backend: see :func:`gather_rows`.
+    """
+    assert adjoint.dim() == 2 and adjoint.shape[0] == src.shape[0], "adjoint must be [N, K]"
+    return _RowGather.apply(src, idx, adjoint, backend)
+
+
+def row_gather_sum(
+    src: torch.Tensor, idx: torch.Tensor, adjoint: torch.Tensor, *, backend: RowBackend = "auto"
+) -> torch.Tensor:
+    """Differentiable :func:`gather_sum_rows` whose backward is ``d src = gather_rows(d out, adjoint)``.
+
+    Args:
+        src: ``[R, C]``.
+        idx: ``[T, K]`` source rows summed into each output row, -1 padded; each source row appears at most once.
+        adjoint: ``[R]`` the output row summing each source row (``adjoint[idx[t, k]] == t``), or -1.
+        backend: see :func:`gather_rows`.
+    """
+    assert adjoint.dim() == 1 and adjoint.shape[0] == src.shape[0], "adjoint must be [R]"
+    return _RowGatherSum.apply(src, idx, adjoint, backend)

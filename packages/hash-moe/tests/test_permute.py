@@ -1,0 +1,233 @@
+"""Atomic-free MoE permute / unpermute (PyTorch path and Triton kernels, the interpreter on CPU) vs megatron-core's
+unfused ``permute`` / ``unpermute`` (bit-identical in fp32 on CPU, forward and backward) and vs the fp64 references
+(bf16, project tolerance rule): padding rows, empty experts, T = 1, top-1, E not a power of two, odd H, truncated
+and over-sized permutations; determinism and bad input. GPU: bf16 at dispatcher size."""
+
+import pytest
+import torch
+
+from dsv4_testkit import assert_close_to_ref
+from hash_moe import build_permute_map, permute, permute_ref, unpermute, unpermute_ref
+from hash_moe.row_gather import gather_rows, gather_sum_rows
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["torch", "triton"]
+
+
+def _routing(t, e, k, pad_tokens=(), empty_experts=(), seed=0, device="cpu"):
+    """``[T, E]`` bool map: ``k`` distinct experts per token (never an expert in ``empty_experts``), padding rows
+    all-False; and ``[T, E]`` probs (zero where not routed)."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = [x for x in range(e) if x not in empty_experts]
+    rm = torch.zeros(t, e, dtype=torch.bool)
+    for i in range(t):
+        if i not in pad_tokens:
+            rm[i, torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:k]]] = True
+    probs = torch.rand(t, e, generator=g) * rm
+    return rm.to(device), probs.to(device)
+
+
+def _megatron(x, rm, probs, num_out, g_perm, g_probs, g_y):
+    """megatron's unfused permute + unpermute: outputs and the gradients of x and probs (fresh leaves)."""
+    from megatron.core.transformer.moe.moe_utils import permute as m_permute
+    from megatron.core.transformer.moe.moe_utils import unpermute as m_unpermute
+
+    xl, pl = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    x_perm, p_perm, rows, _, _ = m_permute(xl, rm, probs=pl, num_out_tokens=num_out)
+    dx, dp = torch.autograd.grad((x_perm * g_perm).sum() + (p_perm * g_probs).sum(), (xl, pl))
+    yl = x_perm.detach().clone().requires_grad_()
+    y = m_unpermute(yl, rows, restore_shape=x.shape, routing_map=rm)
+    (dy_perm,) = torch.autograd.grad(y, yl, g_y)
+    return x_perm.detach(), p_perm.detach(), rows, dx, dp, y.detach(), dy_perm
+
+
+def _ours(x, rm, probs, num_out, g_perm, g_probs, g_y, backend, k=None):
+    xl, pl = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    x_perm, p_perm, pmap = permute(xl, rm, pl, num_out, max_routes_per_token=k, backend=backend)
+    dx, dp = torch.autograd.grad((x_perm * g_perm).sum() + (p_perm * g_probs).sum(), (xl, pl))
+    yl = x_perm.detach().clone().requires_grad_()
+    y = unpermute(yl, pmap, x.shape, backend=backend)
+    (dy_perm,) = torch.autograd.grad(y, yl, g_y)
+    return x_perm.detach(), p_perm.detach(), pmap.token_of_row, dx, dp, y.detach(), dy_perm
+
+
+CASES = {
+    # name: (T, E, K, H, padding tokens, empty experts)
+    "basic": (13, 5, 2, 7, (), ()),
+    "padding": (11, 6, 3, 33, (0, 4, 10), ()),
+    "empty-experts": (9, 7, 2, 16, (3,), (0, 5)),
+    "T1": (1, 3, 2, 5, (), ()),
+    "top1": (10, 4, 1, 9, (2,), (3,)),
+    "all-experts": (6, 3, 3, 8, (1,), ()),
+    "all-padding": (4, 5, 2, 6, (0, 1, 2, 3), ()),
+}
+NAMES = ("x_perm", "probs_perm", "token_of_row", "dx", "dprobs", "y", "dy_perm")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_megatron_bitwise_fp32(case, backend):
+    """fp32 on CPU: megatron adds rows sequentially in row order, as the fp32 gather-sums do: bit-identical."""
+    t, e, k, h, pads, empty = CASES[case]
+    rm, probs = _routing(t, e, k, pads, empty, seed=t * e)
+    x = torch.randn(t, h)
+    n = int(rm.sum())
+    g_perm, g_probs, g_y = torch.randn(n, h), torch.randn(n), torch.randn(t, h)
+    want = _megatron(x, rm, probs, n, g_perm, g_probs, g_y)
+    for kk in (k, None):
+        got = _ours(x, rm, probs, n, g_perm, g_probs, g_y, backend, kk)
+        for name, a, b in zip(NAMES, got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name} (K={kk})"
+
+
+def _reference(x, rm, probs, num_out, g_perm, g_probs, g_y, dtype):
+    xl = x.detach().to(dtype).requires_grad_()
+    pl = probs.detach().to(dtype).requires_grad_()
+    x_perm, p_perm = permute_ref(xl, rm, pl, num_out)
+    dx, dp = torch.autograd.grad(
+        (x_perm * g_perm.to(dtype)).sum() + (p_perm * g_probs.to(dtype)).sum(), (xl, pl)
+    )
+    yl = x_perm.detach().clone().requires_grad_()
+    y = unpermute_ref(yl, rm)
+    (dy_perm,) = torch.autograd.grad(y, yl, g_y.to(dtype))
+    return x_perm.detach(), p_perm.detach(), None, dx, dp, y.detach(), dy_perm
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["padding", "empty-experts", "T1", "top1"])
+def test_bf16_matches_fp64_reference(case, backend):
+    t, e, k, h, pads, empty = CASES[case]
+    rm, probs = _routing(t, e, k, pads, empty, seed=7)
+    x = torch.randn(t, h).bfloat16()
+    n = int(rm.sum())
+    g_perm, g_probs, g_y = torch.randn(n, h).bfloat16(), torch.randn(n), torch.randn(t, h).bfloat16()
+    got = _ours(x, rm, probs, n, g_perm, g_probs, g_y, backend, k)
+    ref = _reference(x, rm, probs, n, g_perm, g_probs, g_y, torch.float64)
+    same = _reference(x, rm, probs, n, g_perm, g_probs, g_y, torch.bfloat16)
+    for name, a, r, s in zip(NAMES, got, ref, same):
+        if name == "token_of_row":
+            continue
+        assert a.dtype == (torch.float32 if name == "dprobs" or name == "probs_perm" else torch.bfloat16)
+        assert_close_to_ref(name, a, r, s if a.dtype == torch.bfloat16 else None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("extra", [-5, 0, 4])
+def test_num_out_truncates_or_leaves_empty_rows(backend, extra):
+    """Fewer rows than routed pairs drop the last pairs (megatron's truncation); more leave zero rows at the end."""
+    rm, probs = _routing(8, 4, 2, pad_tokens=(6,), seed=3)
+    x = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
+    p = probs.double().requires_grad_()
+    n = int(rm.sum()) + extra
+    x_perm, p_perm, pmap = permute(x, rm, p, n, max_routes_per_token=2, backend=backend)
+    r_perm, rp_perm = permute_ref(x, rm, p, n)
+    assert torch.equal(x_perm, r_perm) and torch.equal(p_perm, rp_perm)
+    assert int((pmap.token_of_row < 0).sum()) == max(extra, 0)
+    g, gp = torch.randn_like(x_perm), torch.randn_like(p_perm)
+    got = torch.autograd.grad((x_perm * g).sum() + (p_perm * gp).sum(), (x, p))
+    want = torch.autograd.grad((r_perm * g).sum() + (rp_perm * gp).sum(), (x, p))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-15)
+    y = unpermute(x_perm, pmap, backend=backend)
+    torch.testing.assert_close(y, unpermute_ref(x_perm, rm), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_is_deterministic_and_backends_agree(backend):
+    rm, probs = _routing(17, 6, 3, pad_tokens=(2, 9), seed=5)
+    x = torch.randn(17, 24).bfloat16()
+
+    def grads(be):
+        xl, pl = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        x_perm, p_perm, pmap = permute(xl, rm, pl, max_routes_per_token=3, backend=be)
+        y = unpermute(x_perm * 3, pmap, backend=be)
+        return (y, *torch.autograd.grad((y.float() ** 2).sum() + p_perm.sum(), (xl, pl)))
+
+    first, second, other = grads(backend), grads(backend), grads("torch")
+    for a, b, c in zip(first, second, other):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_permute_map_layout():
+    rm = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 0, 1]], dtype=torch.bool)
+    pmap = build_permute_map(rm, max_routes_per_token=2)
+    # rows: expert 0 <- token 2; expert 1 <- token 0; expert 2 <- tokens 0, 2
+    assert pmap.token_of_row.tolist() == [2, 0, 0, 2]
+    assert pmap.pair_of_row.tolist() == [6, 1, 2, 8]
+    assert pmap.rows_of_token.tolist() == [[1, 2], [-1, -1], [0, 3]]
+    assert pmap.row_of_pair.tolist() == [[-1, 1, 2], [-1, -1, -1], [0, -1, 3]]
+    assert (pmap.num_rows, pmap.num_tokens, pmap.num_experts) == (4, 3, 3)
+
+
+def test_row_primitives_odd_shapes():
+    src = torch.randn(5, 3)
+    idx = torch.tensor([4, -1, 0, 0])
+    for be in BACKENDS:
+        assert torch.equal(
+            gather_rows(src, idx, backend=be), torch.stack([src[4], torch.zeros(3), src[0], src[0]])
+        )
+        two = torch.tensor([[4, 1, -1], [-1, -1, -1]])
+        assert torch.equal(
+            gather_sum_rows(src, two, backend=be), torch.stack([src[4] + src[1], torch.zeros(3)])
+        )
+        empty = torch.zeros(0, 3)
+        assert gather_rows(empty, torch.tensor([-1, -1]), backend=be).eq(0).all()
+        assert gather_rows(src, torch.zeros(0, dtype=torch.long), backend=be).shape == (0, 3)
+        strided = torch.randn(3, 10)[:, ::2]  # column stride 2: copied to rows first
+        assert torch.equal(gather_rows(strided, torch.tensor([2, 0]), backend=be), strided[[2, 0]])
+
+
+def test_bad_input():
+    rm, probs = _routing(4, 3, 2, seed=1)
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="bool"):
+        permute(x, rm.int(), probs)
+    with pytest.raises(ValueError, match="x must be"):
+        permute(x[:3], rm, probs)
+    with pytest.raises(ValueError, match="probs must be"):
+        permute(x, rm, probs[:, :2])
+    with pytest.raises(ValueError, match="more than max_routes_per_token=1"):
+        permute(x, rm, probs, max_routes_per_token=1)
+    with pytest.raises(ValueError, match="max_routes_per_token must be"):
+        permute(x, rm, probs, max_routes_per_token=0)
+    with pytest.raises(ValueError, match="num_out"):
+        permute(x, rm, probs, -1)
+    with pytest.raises(ValueError, match="backend"):
+        permute(x, rm, probs, backend="cuda")
+    x_perm, _, pmap = permute(x, rm, probs)
+    with pytest.raises(ValueError, match="R = 8 rows"):
+        unpermute(x_perm[:5], pmap)
+    with pytest.raises(ValueError, match="restore_shape"):
+        unpermute(x_perm, pmap, (4, 3, 2))
+    assert unpermute(x_perm, pmap, (2, 2, 6)).shape == (2, 2, 6)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_dispatch_size_matches_megatron_and_reference():
+    """T = 4096 tokens (64 padding), H = 1024, E = 16, top-6: forward rows bit-identical to megatron, unpermute and
+    all gradients within the tolerance rule of the fp64 reference, two backward runs bit-identical."""
+    torch.manual_seed(0)
+    t, e, k, h = 4096, 16, 6, 1024
+    scores = torch.rand(t, e, device=DEV)
+    rm = torch.zeros(t, e, dtype=torch.bool, device=DEV).scatter_(1, scores.topk(k, dim=1).indices, True)
+    rm[-64:] = False
+    rm[:, 13] = False  # an empty expert
+    probs = torch.rand(t, e, device=DEV) * rm
+    x = torch.randn(t, h, device=DEV).bfloat16()
+    n = int(rm.sum())
+    g_perm = torch.randn(n, h, device=DEV).bfloat16()
+    g_probs, g_y = torch.randn(n, device=DEV), torch.randn(t, h, device=DEV).bfloat16()
+    got = _ours(x, rm, probs, n, g_perm, g_probs, g_y, "triton", k)
+    again = _ours(x, rm, probs, n, g_perm, g_probs, g_y, "triton", k)
+    meg = _megatron(x, rm, probs, n, g_perm, g_probs, g_y)
+    for i in (0, 1, 2, 6):  # x_perm, probs_perm, rows: pure copies; dy_perm: a gather
+        assert torch.equal(got[i], meg[i]), NAMES[i]
+    ref = _reference(x, rm, probs, n, g_perm, g_probs, g_y, torch.float64)
+    same = _reference(x, rm, probs, n, g_perm, g_probs, g_y, torch.bfloat16)
+    for name, a, b, r, s in zip(NAMES, got, again, ref, same):
+        assert torch.equal(a, b), f"{name} not deterministic"
+        if r is not None:
+            assert_close_to_ref(name, a, r, s if a.dtype == torch.bfloat16 else None)
+    torch_path = _ours(x, rm, probs, n, g_perm, g_probs, g_y, "torch", k)
+    for name, a, b in zip(NAMES, got, torch_path):
+        assert torch.equal(a, b), f"{name}: Triton vs PyTorch path"
