@@ -55,7 +55,7 @@ from csa_kernels.varlen import (
     thd_to_sbhd,
 )
 
-__version__ = "0.1.1"
+__version__ = "0.2.0"
 
 __all__ = [
     "CompressorState",

@@ -94,17 +94,3 @@ def check_softmax_scale(softmax_scale: float) -> None:
 def check_topk(topk: int) -> None:
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
-
-
-def reference_only(backend: str, op: str, *tensors: torch.Tensor) -> None:
-    """Backend check of an op that has no Triton kernel (today only ``indexer_scores_at``, a small gather used to
-    re-attach gradients): ``"auto"`` (and the environment override) runs the reference on every device; an explicit
-    ``backend="triton"`` is a caller error and raises ValueError naming the fix."""
-    from csa_kernels._dispatch import resolve_backend
-
-    resolve_backend(backend, *tensors)  # validates the name and the environment variable
-    if backend == "triton":
-        raise ValueError(
-            f"csa_kernels.{op} has no Triton kernel (it is a small gather + dot used to re-attach gradients); "
-            "call it with backend='auto' or backend='reference'"
-        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_shape, reference_only
+from csa_kernels._checks import check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref, indexer_scores_ref, indexer_topk_ref
 from csa_kernels.varlen import compressed_cu_seqlens, sbhd_cu_seqlens, sbhd_to_thd, thd_to_sbhd
@@ -41,8 +41,17 @@ def indexer_scores_at(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Index scores ``[T, K]`` at global compressed rows ``indices`` (``-inf`` at -1): :func:`indexer_scores_at_ref`."""
-    reference_only(backend, "indexer_scores_at", q_idx)
+    """Index scores ``[T, K]`` at global compressed rows ``indices`` (``-inf`` at -1): :func:`indexer_scores_at_ref`.
+
+    Triton path: fused forward and backward (:mod:`csa_kernels.ops.indexer.scores_at_triton`), fp32 output,
+    ``chunk_size`` unused (nothing larger than ``[T, K]`` is formed).
+    """
+    if resolve_backend(backend, q_idx, k_idx) == "triton":
+        from csa_kernels.ops.indexer.reference import _check_scores_at_inputs
+        from csa_kernels.ops.indexer.scores_at_autograd import indexer_scores_at_triton
+
+        _check_scores_at_inputs(q_idx, k_idx, weights, indices)
+        return indexer_scores_at_triton(q_idx, k_idx, weights, indices)
     return indexer_scores_at_ref(q_idx, k_idx, weights, indices, chunk_size)
 
 

@@ -129,16 +129,34 @@ def indexer_scores_at_ref(
     """Index scores at given entries: ``[T, K]`` with ``I[t, indices[t, k]]`` (``-inf`` where ``indices = -1``).
 
     ``indices [T, K]`` are global rows of ``k_idx`` (as returned by :func:`indexer_topk_ref`); visibility is NOT
-    re-checked. Differentiable in ``q_idx``, ``k_idx``, ``weights`` (the student logits of the sparse indexer loss).
+    re-checked. Differentiable in ``q_idx``, ``k_idx``, ``weights`` (the student logits of the sparse indexer loss)::
+
+        S[t, j, h]  = <q_idx[t, h], k_idx[indices[t, j]]>
+        I[t, j]     = sum_h weights[t, h] * relu(S[t, j, h])             (-inf where indices[t, j] = -1)
+        dS[t, j, h] = g[t, j] * weights[t, h] * [S > 0]                  (g = dL/dI, 0 where indices = -1)
+        d weights[t, h] = sum_j g[t, j] relu(S[t, j, h]);  d q_idx[t, h] = sum_j dS[t, j, h] k_idx[indices[t, j]]
+        d k_idx[e]  = sum over (t, j) with indices[t, j] = e of sum_h dS[t, j, h] q_idx[t, h]
+
+    Memory: chunks of ``n = chunk_size`` or ``2^24 // (K * max(HI, DI))`` rows (gathered ``[n, K, DI]`` rows and
+    ``[n, HI, K]`` dots), recomputed one chunk at a time in backward.
     """
-    check_shape(q_idx, "q_idx", (None, None, None))
-    t, h, d = q_idx.shape
-    check_shape(k_idx, "k_idx", (None, d))
-    check_shape(weights, "weights", (t, h))
-    check_index(indices, "indices", t, k_idx.shape[0])
+    _check_scores_at_inputs(q_idx, k_idx, weights, indices)
+    h, d = q_idx.shape[1:]
     dt = compute_dtype(q_idx, k_idx, weights)
     chunk = rows_per_chunk(indices.shape[1] * max(h, d), chunk_size)
     return map_row_chunks(_scores_at_chunk, [q_idx.to(dt), weights.to(dt), indices], [k_idx.to(dt)], chunk)
+
+
+def _check_scores_at_inputs(q_idx, k_idx, weights, indices) -> None:
+    """Shapes, dtypes and index range of ``indexer_scores_at`` (reference and fused path)."""
+    check_shape(q_idx, "q_idx", (None, None, None))
+    check_float(q_idx, "q_idx")
+    t, h, d = q_idx.shape
+    check_shape(k_idx, "k_idx", (None, d))
+    check_float(k_idx, "k_idx")
+    check_shape(weights, "weights", (t, h))
+    check_float(weights, "weights")
+    check_index(indices, "indices", t, k_idx.shape[0])
 
 
 def _scores_at_chunk(q, w, idx, k):

@@ -210,19 +210,18 @@ def indexer_topk_triton(
 
 def indexer_topk_checked(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size=None):
     """Public-contract form of :func:`indexer_topk_triton`: validates like the reference and, when any input
-    requires grad, re-attaches differentiable scores at the selected entries (forward value unchanged)."""
-    from csa_kernels.ops.indexer.reference import _check_inputs, indexer_scores_at_ref
+    requires grad, attaches the gradient of the scores at the selected entries (forward value unchanged, no
+    recomputation: :func:`csa_kernels.ops.indexer.scores_at_autograd.attach_scores_at_grad`)."""
+    from csa_kernels.ops.indexer.reference import _check_inputs
+    from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
 
     _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
     check_topk(topk)
     idx, vals = indexer_topk_triton(
         q_idx.detach(), k_idx.detach(), weights.detach(), ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size
     )
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q_idx, k_idx, weights)):
-        live = indexer_scores_at_ref(q_idx, k_idx, weights, idx, chunk_size)
-        live = torch.where(idx >= 0, live, 0.0)
-        vals = vals + (live - live.detach())
-    return idx, vals
+    # forward value = the selection pass's scores; backward = the fused kernel at the selected entries
+    return idx, attach_scores_at_grad(vals, q_idx, k_idx, weights, idx)
 
 
 def indexer_scores_triton(

@@ -1,0 +1,317 @@
+"""Fused Triton index scores at given entries (forward) and their gradient (backward), spec §4.2 / §5.2.
+
+Per query row ``t`` with slots ``j`` (``e = idx[t, j]`` a global row of ``k_idx``, ``-1`` = empty slot)::
+
+    S[t, j, h]   = <q[t, h], k[e]>
+    score[t, j]  = sum_h w[t, h] * relu(S[t, j, h])                      (-inf where e = -1)
+    dS[t, j, h]  = g[t, j] * w[t, h] * [S[t, j, h] > 0]                   (g = 0 where e = -1)
+    dw[t, h]     = sum_j g[t, j] * relu(S[t, j, h])
+    dq[t, h, :]  = sum_j dS[t, j, h] * k[e]
+    dk[e, :]    += sum_h dS[t, j, h] * q[t, h, :]                         (fp32 atomics)
+
+Schedule: one program per (query row, block of BLOCK_H heads). The row's heads sit on the MMA M dimension and share
+each gathered ``[BLOCK_J, DI]`` key tile (gathered once per head block): the score GEMM ``q k^T`` is
+``[BLOCK_H, DI] x [DI, BLOCK_J]``; the backward adds ``dq += dS k`` (``[BLOCK_H, BLOCK_J] x [BLOCK_J, DI]``, fp32 in
+registers for the whole row) and ``dk_tile = dS^T q`` (``[BLOCK_J, BLOCK_H] x [BLOCK_H, DI]``), added into an fp32
+``[Tc, DI]`` buffer with relaxed atomics. Each program first scans its index row for the last valid slot and loops
+only up to it (top-k rows keep their ``-1`` slots at the end: early tokens cost only their valid work). Nothing of
+size ``[T, K, DI]`` or ``[T, HI, K]`` is ever formed.
+
+dtype policy: bf16 / fp16 operands go to the tensor cores as they are (``dS`` is rounded to the operand dtype
+before the two gradient GEMMs, as in flash-attention), fp32 inputs use exact "ieee" dots, fp64 inputs are computed in
+fp32; accumulation is fp32 everywhere; under ``TRITON_INTERPRET=1`` operands are upcast to fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+
+
+@triton.jit
+def _row_end(IDX_ROW, KS, BLOCK: tl.constexpr):
+    """1 + the last slot of the index row holding a valid (>= 0) entry; 0 for a row of -1."""
+    end = tl.zeros([], dtype=tl.int32)
+    for j0 in range(0, KS, BLOCK):
+        offs = j0 + tl.arange(0, BLOCK)
+        idx = tl.load(IDX_ROW + offs, mask=offs < KS, other=-1)
+        end = tl.maximum(end, tl.max(tl.where(idx >= 0, offs + 1, 0), 0))
+    return end
+
+
+@triton.jit
+def _scores_at_fwd_kernel(
+    Q,
+    K,
+    W,
+    IDX,
+    OUT,
+    stride_qt,
+    stride_qh,
+    stride_kc,
+    stride_wt,
+    stride_it,
+    stride_ot,
+    HI,
+    KS,
+    DI: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """score[t, j] for one query row (all head blocks looped inside; OUT is pre-filled with -inf)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_DI)
+    md = offs_d < DI
+    end = _row_end(IDX + t * stride_it, KS, 256)
+    for j0 in range(0, end, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        idx = tl.load(IDX + t * stride_it + offs_j, mask=offs_j < KS, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        k = tl.load(
+            K + rows[:, None] * stride_kc + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
+        )  # [BLOCK_J, BLOCK_DI]
+        if UPCAST:
+            k = k.to(tl.float32)
+        acc = tl.zeros([BLOCK_J], dtype=tl.float32)
+        for h0 in range(0, HI, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mh = offs_h < HI
+            q = tl.load(
+                Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=mh[:, None] & md[None, :],
+                other=0.0,
+            )  # [BLOCK_H, BLOCK_DI]
+            if UPCAST:
+                q = q.to(tl.float32)
+            w = tl.load(W + t * stride_wt + offs_h, mask=mh, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_J]
+            acc += tl.sum(w[:, None] * tl.maximum(s, 0.0), 0)
+        tl.store(OUT + t * stride_ot + offs_j, tl.where(valid, acc, -float("inf")), mask=offs_j < KS)
+
+
+@triton.jit
+def _scores_at_bwd_kernel(
+    Q,
+    K,
+    W,
+    IDX,
+    G,
+    DQ,
+    DK,
+    DW,
+    stride_qt,
+    stride_qh,
+    stride_kc,
+    stride_wt,
+    stride_it,
+    stride_gt,
+    stride_dqt,
+    stride_dqh,
+    stride_dkc,
+    stride_dwt,
+    HI,
+    KS,
+    DI: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """dq, dw of one (query row, head block) in registers; dk tiles added to the fp32 DK buffer with atomics."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mh = offs_h < HI
+    offs_d = tl.arange(0, BLOCK_DI)
+    md = offs_d < DI
+    q = tl.load(
+        Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mh[:, None] & md[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_DI]
+    if UPCAST:
+        q = q.to(tl.float32)
+    w = tl.load(W + t * stride_wt + offs_h, mask=mh, other=0.0).to(tl.float32)  # [BLOCK_H]
+    dq = tl.zeros([BLOCK_H, BLOCK_DI], dtype=tl.float32)
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    end = _row_end(IDX + t * stride_it, KS, 256)
+    for j0 in range(0, end, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        idx = tl.load(IDX + t * stride_it + offs_j, mask=offs_j < KS, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        k = tl.load(
+            K + rows[:, None] * stride_kc + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
+        )  # [BLOCK_J, BLOCK_DI]
+        if UPCAST:
+            k = k.to(tl.float32)
+        g = tl.load(G + t * stride_gt + offs_j, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_J], 0 at -1
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_J]
+        dw += tl.sum(tl.maximum(s, 0.0) * g[None, :], 1)
+        ds = tl.where(s > 0.0, w[:, None] * g[None, :], 0.0)  # [BLOCK_H, BLOCK_J]
+        if UPCAST:
+            ds_op = ds
+        else:
+            ds_op = ds.to(K.dtype.element_ty)
+        dq = tl.dot(ds_op, k, dq, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(ds_op), q, input_precision=PRECISION)  # [BLOCK_J, BLOCK_DI]
+        tl.atomic_add(
+            DK + rows[:, None] * stride_dkc + offs_d[None, :],
+            dk,
+            mask=valid[:, None] & md[None, :],
+            sem="relaxed",
+        )
+    tl.store(
+        DQ + t * stride_dqt + offs_h[:, None] * stride_dqh + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=mh[:, None] & md[None, :],
+    )
+    tl.store(DW + t * stride_dwt + offs_h, dw.to(DW.dtype.element_ty), mask=mh)
+
+
+# Benchmarks may pin a launch config here: (BLOCK_H, BLOCK_J, num_warps, num_stages) or None for the default.
+FWD_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
+BWD_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
+
+
+def _config(override, HI: int, DI: int, fp32: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_J, num_warps, num_stages): interpreter tiles, a benchmark override, or the GPU tiles.
+
+    Compiled for sm_90 (bf16, HI = 64, DI = 128): backward 64 x 64 / 8 warps / 2 stages = 200 registers, no spill,
+    the gathered key tile arrives by cp.async (LDGSTS), dk by F32x4 vector reductions (REDG); 4 warps spill. Forward
+    80 registers. fp32 ("ieee" dots run on FMA units, not the tensor cores): 32 x 16 tiles at 4 warps (255 registers,
+    no spill; 64 x 32 spills 11 KiB per thread). DI = 256: half-width key tiles; DI = 512: also 32 heads.
+    """
+    block_h = min(64, max(16, next_pow2(HI)))
+    block_di = next_pow2(DI)
+    if interpreting():
+        return block_h, 16, 4, 1
+    if override is not None:
+        return override
+    if fp32:
+        return min(block_h, 32 if block_di <= 128 else 16), 16, 4, 1
+    if block_di <= 128:
+        return block_h, 64, 8, 2
+    return (block_h if block_di <= 256 else min(block_h, 32)), 32, 8, 2
+
+
+def _fwd_config(HI: int, DI: int, fp32: bool) -> tuple[int, int, int, int]:
+    return _config(FWD_CONFIG_OVERRIDE, HI, DI, fp32)
+
+
+def _bwd_config(HI: int, DI: int, fp32: bool) -> tuple[int, int, int, int]:
+    return _config(BWD_CONFIG_OVERRIDE, HI, DI, fp32)
+
+
+def prepare_operands(q_idx, k_idx, weights):
+    """Kernel operands: q and k in one dtype (fp64 -> fp32, mixed -> the wider), unit last stride."""
+    dt = torch.promote_types(q_idx.dtype, k_idx.dtype)
+    if dt == torch.float64:
+        dt = torch.float32
+    q = q_idx.to(dt)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k_idx.to(dt).contiguous()
+    w = weights if weights.dtype != torch.float64 else weights.float()
+    return q, k, w.contiguous()
+
+
+def _meta(q: torch.Tensor, cfg) -> dict:
+    block_h, block_j, warps, stages = cfg
+    DI = q.shape[2]
+    return dict(
+        DI=DI,
+        BLOCK_DI=max(16, next_pow2(DI)),
+        BLOCK_H=block_h,
+        BLOCK_J=block_j,
+        UPCAST=interpreting(),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def scores_at_fwd(
+    q_idx: torch.Tensor,  # [T, HI, DI]
+    k_idx: torch.Tensor,  # [Tc, DI]
+    weights: torch.Tensor,  # [T, HI]
+    indices: torch.Tensor,  # [T, K] int32/int64, -1 = empty (values trusted: in [-1, Tc))
+) -> torch.Tensor:
+    """``score [T, K]`` fp32 (``-inf`` at ``-1``); not differentiable (see ``scores_at_autograd``)."""
+    check_triton_device(q_idx, k_idx, weights, indices)
+    T, HI, _ = q_idx.shape
+    KS = indices.shape[1]
+    out = torch.full((T, KS), float("-inf"), dtype=torch.float32, device=q_idx.device)
+    if T == 0 or KS == 0 or k_idx.shape[0] == 0:  # Tc = 0: every (in-range) index is -1
+        return out
+    q, k, w = prepare_operands(q_idx, k_idx, weights)
+    idx = indices.contiguous()
+    _scores_at_fwd_kernel[(T,)](
+        q,
+        k,
+        w,
+        idx,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        w.stride(0),
+        idx.stride(0),
+        out.stride(0),
+        HI,
+        KS,
+        **_meta(q, _fwd_config(HI, q.shape[2], q.dtype == torch.float32)),
+    )
+    return out
+
+
+def scores_at_bwd(
+    q_idx: torch.Tensor,  # [T, HI, DI]
+    k_idx: torch.Tensor,  # [Tc, DI]
+    weights: torch.Tensor,  # [T, HI]
+    indices: torch.Tensor,  # [T, K]
+    grad: torch.Tensor,  # [T, K] d loss / d score (ignored where indices = -1)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [T, HI, DI] q dtype, dk [Tc, DI] k dtype, dw [T, HI] weights dtype)`` of the scores at ``indices``."""
+    check_triton_device(q_idx, k_idx, weights, indices, grad)
+    T, HI, DI = q_idx.shape
+    KS = indices.shape[1]
+    if T == 0 or KS == 0 or k_idx.shape[0] == 0:
+        return torch.zeros_like(q_idx), torch.zeros_like(k_idx), torch.zeros_like(weights)
+    q, k, w = prepare_operands(q_idx, k_idx, weights)
+    idx = indices.contiguous()
+    g = grad if grad.stride(-1) == 1 else grad.contiguous()
+    dq = torch.empty((T, HI, DI), dtype=q.dtype, device=q.device)
+    dw = torch.empty((T, HI), dtype=w.dtype, device=q.device)
+    dk = torch.zeros((k.shape[0], DI), dtype=torch.float32, device=q.device)
+    cfg = _bwd_config(HI, DI, q.dtype == torch.float32)
+    _scores_at_bwd_kernel[(T, triton.cdiv(HI, cfg[0]))](
+        q,
+        k,
+        w,
+        idx,
+        g,
+        dq,
+        dk,
+        dw,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        w.stride(0),
+        idx.stride(0),
+        g.stride(0),
+        dq.stride(0),
+        dq.stride(1),
+        dk.stride(0),
+        dw.stride(0),
+        HI,
+        KS,
+        **_meta(q, cfg),
+    )
+    return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype)
