@@ -155,14 +155,17 @@ def test_chunked_vocab_and_row_blocks(monkeypatch):
     """Vocabularies wider than one chunk (online max/sum over chunks, ragged last chunk), many row blocks."""
     import dsv4_primitives.cross_entropy.apply as ce_apply
 
-    monkeypatch.setattr(
-        ce_apply, "_TILE_INTERPRET", 256
-    )  # BLOCK_V = 256: V = 1000 -> 4 chunks, 3 rows / block
+    # BLOCK_V = 256 (interpreter and CUDA): V = 1000 -> 4 chunks, the last one ragged
+    monkeypatch.setattr(ce_apply, "_TILE_INTERPRET", 256)
+    monkeypatch.setattr(ce_apply, "_MAX_BLOCK_V_CUDA", 256)
     x, t = _logits((9, 1000), torch.bfloat16, scale=6.0), _targets((9,), 1000)
     x[2, 900:] += 30.0  # the max of row 2 lives in the last (ragged) chunk: rescaling of the running sum
     x[3, :10] += 30.0  # ... and of row 3 in the first
     _check(x, t, "triton", 0.1)
-    x, t = _logits((700, 3), torch.float32), _targets((700,), 3)  # BLOCK_R = 64 rows, masked tail block
+    x, t = (
+        _logits((700, 3), torch.float32),
+        _targets((700,), 3),
+    )  # 64 (CUDA: 1024) rows per block, masked tail
     _check(x, t, "triton")
 
 
@@ -365,4 +368,4 @@ def test_gpu_matches_megatron_bf16(megatron_cpu):
             lambda a, ls=ls: vocab_parallel_cross_entropy(a, t, tp_group=group, label_smoothing=ls), x, g
         )
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(got[1].float(), want[1].float(), rtol=0, atol=2**-8)
+        torch.testing.assert_close(got[1].float(), want[1].float(), rtol=0, atol=2**-7)  # |grad| < 1: 2 ulps
