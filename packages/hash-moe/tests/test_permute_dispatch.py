@@ -104,17 +104,21 @@ def test_gpu_bf16_layer_close_to_megatrons_path_and_deterministic(megatron_cpu, 
     from dsv4_testkit import assert_close_to_ref
 
     torch.manual_seed(0)
-    layer, _ = build_layer(
-        hash_routing, moe_token_dispatcher_type="alltoall", dtype=torch.bfloat16, bf16=True
-    )
+    kw = dict(moe_token_dispatcher_type="alltoall", balance=0.0)
+    layer, _ = build_layer(hash_routing, dtype=torch.bfloat16, bf16=True, **kw)
     layer = layer.to(DEV).train()
     x, ids, pad, g = _batch(256, 2, {1: 37}, torch.bfloat16, DEV, seed=1)
     first = _step(layer, x, ids, pad, g)
     second = _step(layer, x, ids, pad, g)
     layer.token_dispatcher.atomic_free_permute = False
     theirs = _step(layer, x, ids, pad, g)
-    layer64, _ = build_layer(hash_routing, moe_token_dispatcher_type="alltoall", dtype=torch.float64)
+    # fp64 reference: megatron's path on the same (bf16-rounded) weights
+    layer64, _ = build_layer(hash_routing, dtype=torch.float64, **kw)
     layer64 = layer64.to(DEV).train()
+    with torch.no_grad():
+        for (n64, p64), (n, p) in zip(sorted(layer64.named_parameters()), sorted(layer.named_parameters())):
+            assert n64 == n
+            p64.copy_(p)
     layer64.token_dispatcher.atomic_free_permute = False
     ref = _step(layer64, x.double(), ids, pad, g.double())
     names = ["out", "dx"] + [n for n, _ in sorted(layer.named_parameters())]
