@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from dsv4_primitives._dispatch import resolve_backend
 
@@ -212,7 +213,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss.view(target.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 8
         x, t, lse = ctx.saved_tensors
         layout, vocab_start, target_coef, uniform, impl, inplace, private = ctx.meta
         g = grad_loss.reshape(-1).to(lse.dtype).contiguous()  # [R]
