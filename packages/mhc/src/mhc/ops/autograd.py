@@ -7,33 +7,33 @@ Coefficients ``pre/post [T, N]``, ``comb [T, N, N]`` are fp32; the parameters ``
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from mhc.ops.coefficients_bwd_triton import _coeff_bwd_dx_dfn_stream_kernel
+from mhc.ops.coefficients_splitk_triton import _coeff_fwd_finish_kernel, _coeff_fwd_partial_kernel
 from mhc.ops.coefficients_triton import _coeff_bwd_dx_dfn_kernel, _coeff_bwd_kernel, _coeff_fwd_kernel
-from mhc.ops.mixing_triton import _post_bwd_kernel, _post_fwd_kernel, _pre_bwd_kernel, _pre_fwd_kernel
+from mhc.ops.launch import (
+    coeff_bwd_streams_cfg,
+    coeff_finish_cfg,
+    coeff_splitk_cfg,
+    env_cfg,
+    interpreting,
+    kernel_set,
+    pow2,
+    split_k,
+)
+from mhc.ops.mixing_triton import (
+    _collapse_dpre_kernel,
+    _post_bwd_kernel,
+    _post_fwd_kernel,
+    _pre_bwd_kernel,
+    _pre_fwd_kernel,
+)
 from mhc.ops.precision import dot_plan
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
-
-
-def _cfg(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-    """GPU launch config, overridable for tuning runs: ``MHC_<NAME>_CFG="a,b,c,..."``."""
-    raw = os.environ.get(f"MHC_{name}_CFG")
-    if not raw:
-        return default
-    vals = tuple(int(v) for v in raw.split(","))
-    if len(vals) != len(default):
-        raise ValueError(f"MHC_{name}_CFG={raw!r}: expected {len(default)} comma-separated integers")
-    return vals
+_interpreting = interpreting
+_pow2 = pow2
 
 
 def _pads(n: int) -> tuple[int, int]:
@@ -45,10 +45,9 @@ def _pads(n: int) -> tuple[int, int]:
 
 
 def coefficients_fwd(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply, out_dtype):
-    """Launch the fused coefficient kernel. Returns ``pre, post, comb, x_in, mix, rstd``."""
+    """Launch the coefficient kernels. Returns ``pre, post, comb, x_in, mix, rstd``."""
     t, n, d = x.shape
     m = fn.shape[0]
-    np_, pw = _pads(n)
     dev = x.device
     pre = torch.empty(t, n, device=dev, dtype=torch.float32)
     post = torch.empty(t, n, device=dev, dtype=torch.float32) if has_res else pre.new_empty(0)
@@ -58,14 +57,53 @@ def coefficients_fwd(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply
     rstd = torch.empty(t, device=dev, dtype=torch.float32)
     if t == 0:
         return pre, post, comb, out, mix, rstd
+    outs = (pre, post, comb, out, mix, rstd)
+    args = (x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply)
+    if kernel_set() == "legacy":
+        _coefficients_fwd_fused(*args, outs)
+    else:
+        _coefficients_fwd_splitk(*args, outs)
+    return outs
+
+
+def _coefficients_fwd_splitk(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply, outs):
+    """Split-K partials over N·D, then one finishing kernel (gates, Sinkhorn, collapse)."""
+    pre, post, comb, out, mix, rstd = outs
+    t, n, d = x.shape
+    m, k = fn.shape
+    mp = max(16, _pow2(m))
+    interp = _interpreting()
+    plan = dot_plan(x.dtype, interp)
+    bt, bk, want, warps, stages = coeff_splitk_cfg(t, k, x.device)
+    k_per_split, n_split = split_k(k, bk, want)
+    part = torch.empty(n_split, t, mp, device=x.device, dtype=torch.float32)
+    ssq = torch.empty(n_split, t, device=x.device, dtype=torch.float32)
+    _coeff_fwd_partial_kernel[(triton.cdiv(t, bt), n_split)](
+        x, fn, part, ssq, t, k, k_per_split,
+        M=m, MP=mp, BT=bt, BK=bk, SPLIT=plan.fwd_split, PREC=plan.prec, INTERP=interp,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    fbt, fbd = coeff_finish_cfg(d, apply)
+    _coeff_fwd_finish_kernel[(triton.cdiv(t, fbt), triton.cdiv(d, fbd) if apply else 1)](
+        part, ssq, x, scale, base, pre, post, comb, out, mix, rstd,
+        t, d, n_split, float(norm_eps), float(hc_eps), int(iters),
+        N=n, NP=max(2, _pow2(n)), M=m, MP=mp, HAS_RES=has_res, APPLY=apply, BT=fbt, BD=fbd, num_warps=4,
+    )  # fmt: skip
+
+
+def _coefficients_fwd_fused(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply, outs):
+    """The 0.1.0 launch: one fused kernel per token block (``MHC_KERNELS=legacy``)."""
+    pre, post, comb, out, mix, rstd = outs
+    t, n, d = x.shape
+    m = fn.shape[0]
+    np_, pw = _pads(n)
     interp = _interpreting()
     plan = dot_plan(x.dtype, interp)
     if interp:
         bt, bk, bd, warps, stages = 16, min(_pow2(n * d), 1024), min(_pow2(d), 512), 4, 1
     else:
         # BT=64 rows per program: the fn tile [BK, 32] fp32 re-read per K-chunk costs 0.75x the streams' bytes
-        # (3x at BT=16) and 256 programs still fill 132 SMs
-        bt, bk, bd, warps, stages = _cfg("COEFF_FWD", (64, 64, 256, 4, 3))
+        bt, bk, bd, warps, stages = env_cfg("COEFF_FWD", (64, 64, 256, 4, 3))
     _coeff_fwd_kernel[(triton.cdiv(t, bt),)](
         x, fn, scale, base, pre, post, comb, out, mix, rstd,
         t, d, float(norm_eps), float(hc_eps), int(iters),
@@ -73,18 +111,14 @@ def coefficients_fwd(x, fn, scale, base, iters, norm_eps, hc_eps, has_res, apply
         BT=bt, BK=bk, BD=bd, SPLIT=plan.fwd_split, PREC=plan.prec, INTERP=interp,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return pre, post, comb, out, mix, rstd
 
 
 def coefficients_bwd(
     x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply
 ):
     """Gradients ``dx [T, N, D]``, ``dfn [M, N·D]``, ``dscale``, ``dbase [M]`` of the coefficient op."""
-    t, n, d = x.shape
+    t, n, _ = x.shape
     m = fn.shape[0]
-    k = n * d
-    np_, pw = _pads(n)
-    mp = max(16, _pow2(m))
     dev = x.device
     if t == 0:
         return torch.zeros_like(x), torch.zeros_like(fn), torch.zeros_like(scale), torch.zeros_like(base)
@@ -101,6 +135,86 @@ def coefficients_bwd(
     dz = torch.empty(t, m, device=dev, dtype=f32)
     dmix = torch.empty(t, m, device=dev, dtype=f32)
     c = torch.empty(t, device=dev, dtype=f32)
+    dx = torch.empty_like(x)
+    args = (
+        x,
+        fn,
+        scale,
+        base,
+        mix,
+        rstd,
+        pre,
+        dpre,
+        dpost,
+        dcomb,
+        dout,
+        iters,
+        hc_eps,
+        has_res,
+        apply,
+        has_dpre,
+    )
+    if kernel_set() == "legacy":
+        dfn = _coefficients_bwd_fused(*args, dz, dmix, c, dx)
+    else:
+        dfn = _coefficients_bwd_streams(*args, dz, dmix, c, dx)
+    # the gate pre-activation is u = α_g · mix + base:  dbase = Σ_t du,  dα_g = Σ_t Σ_{c in g} du · mix
+    dbase = dz.sum(0)
+    prod = dz * mix
+    if has_res:
+        dscale = torch.stack([prod[:, :n].sum(), prod[:, n : 2 * n].sum(), prod[:, 2 * n :].sum()])
+    else:
+        dscale = prod.sum().reshape(1)
+    return dx, dfn, dscale, dbase
+
+
+def _coefficients_bwd_streams(
+    x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply, has_dpre,
+    dz, dmix, c, dx,
+):  # fmt: skip
+    """Tuned backward: dpre pass (streaming), gates + Sinkhorn backward, stream-aligned dX/dfn pass."""
+    t, n, d = x.shape
+    m, k = fn.shape
+    np_, pw = _pads(n)
+    interp = _interpreting()
+    if apply:
+        # dpre += Σ_d dx_in · X_i : a streaming reduction with many small programs (2 rows x 512 columns)
+        bt, bd = (4, min(_pow2(d), 64)) if interp else (2, 512)
+        dpre_all = torch.empty(t, n, device=x.device, dtype=torch.float32)
+        _collapse_dpre_kernel[(triton.cdiv(t, bt),)](
+            x, dout, dpre, dpre_all, t, d, N=n, NP=_pow2(n), HAS_DPRE=has_dpre, BT=bt, BD=bd, num_warps=4
+        )
+        dpre, has_dpre = dpre_all, True
+    # gates + Sinkhorn backward only (no X): 8 tokens per program, one [N, N] entry per thread
+    bt = 16 if interp else 8
+    _coeff_bwd_kernel[(triton.cdiv(t, bt),)](
+        x, dout, pre, dpre, dpost, dcomb, mix, scale, base, dz, dmix, rstd, c,
+        t, d, float(hc_eps), int(iters),
+        N=n, NP=np_, PW=pw, M=m, HAS_RES=has_res, APPLY=False, HAS_DPRE=has_dpre,
+        BT=bt, BD=16, num_warps=4,
+    )  # fmt: skip
+    # dX and dfn in one pass over X: programs = (stream-aligned column chunk, token range)
+    plan = dot_plan(x.dtype, interp)
+    bt, bk, warps, stages, rows_per_split, split = coeff_bwd_streams_cfg(t, n, d, x.device)
+    mp = max(16, _pow2(m))
+    part = torch.empty(split, m, k, device=x.device, dtype=torch.float32)
+    _coeff_bwd_dx_dfn_stream_kernel[(n * triton.cdiv(d, bk), split)](
+        x, dout, pre, dmix, c, rstd, fn, dx, part, t, d, rows_per_split,
+        N=n, M=m, MP=mp, APPLY=apply, BT=bt, BK=bk, SPLIT=plan.dfn_split // 2, PREC=plan.prec, INTERP=interp,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return part.sum(0) if split > 1 else part[0]
+
+
+def _coefficients_bwd_fused(
+    x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply, has_dpre,
+    dz, dmix, c, dx,
+):  # fmt: skip
+    """The 0.1.0 backward launches (``MHC_KERNELS=legacy``)."""
+    t, n, d = x.shape
+    m, k = fn.shape
+    np_, pw = _pads(n)
+    mp = max(16, _pow2(m))
     interp = _interpreting()
     plan = dot_plan(x.dtype, interp)
     bt, bd = (16, min(_pow2(d), 512)) if interp else (16, 256)
@@ -111,29 +225,20 @@ def coefficients_bwd(
         BT=bt, BD=bd, num_warps=4,
     )  # fmt: skip
     # dX and dfn in one pass over X: programs = (column chunk, token range); dfn partials reduced here
-    dx = torch.empty_like(x)
     if interp:
         bt, bk, split, warps, stages = 16, min(_pow2(k), 1024), 1, 4, 1
     else:
-        bt, bk, warps, stages = _cfg("COEFF_BWD", (32, 128, 4, 3))
+        bt, bk, warps, stages = env_cfg("COEFF_BWD", (32, 128, 4, 3))
         split = max(1, min(triton.cdiv(t, 512), triton.cdiv(4 * 132, triton.cdiv(k, bk))))
     rows_per_split = triton.cdiv(triton.cdiv(t, split), bt) * bt
     split = triton.cdiv(t, rows_per_split)
-    part = torch.empty(split, m, k, device=dev, dtype=f32)
+    part = torch.empty(split, m, k, device=x.device, dtype=torch.float32)
     _coeff_bwd_dx_dfn_kernel[(triton.cdiv(k, bk), split)](
         x, dout, pre, dmix, c, rstd, fn, dx, part, t, d, rows_per_split,
         N=n, M=m, MP=mp, APPLY=apply, BT=bt, BK=bk, SPLIT=plan.dfn_split, PREC=plan.prec, INTERP=interp,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    dfn = part.sum(0) if split > 1 else part[0]
-    # the gate pre-activation is u = α_g · mix + base:  dbase = Σ_t du,  dα_g = Σ_t Σ_{c in g} du · mix
-    dbase = dz.sum(0)
-    prod = dz * mix
-    if has_res:
-        dscale = torch.stack([prod[:, :n].sum(), prod[:, n : 2 * n].sum(), prod[:, 2 * n :].sum()])
-    else:
-        dscale = prod.sum().reshape(1)
-    return dx, dfn, dscale, dbase
+    return part.sum(0) if split > 1 else part[0]
 
 
 class MHCCoefficientsFunction(torch.autograd.Function):

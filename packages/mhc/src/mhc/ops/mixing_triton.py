@@ -164,3 +164,45 @@ def _post_bwd_kernel(
         dcomb,
         mask=cmask,
     )
+
+
+@triton.jit
+def _collapse_dpre_kernel(
+    x_ptr,  # [T, N, D]
+    dout_ptr,  # [T, D] grad of x_in
+    dpre_in_ptr,  # [T, N] fp32 incoming grad of pre (HAS_DPRE)
+    dpre_ptr,  # [T, N] fp32 out
+    T,
+    D,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    HAS_DPRE: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """``dpre[t, i] = dpre_in[t, i] + Σ_d dx_in[t, d] · X[t, i, d]``: the collapse's weight gradient alone.
+
+    A pure streaming reduction (no ``dX``): products are accumulated elementwise in registers over the D loop and
+    reduced across threads once at the end, so the loop body is loads + FMAs only.
+    """
+    rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    ip = tl.arange(0, NP)
+    rmask = rows < T
+    pmask = rmask[:, None] & (ip < N)[None, :]
+    acc = tl.zeros([BT, NP, BD], tl.float32)
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        dmask = dd < D
+        x3 = tl.load(
+            x_ptr + rows[:, None, None] * (N * D) + ip[None, :, None] * D + dd[None, None, :],
+            mask=pmask[:, :, None] & dmask[None, None, :],
+            other=0.0,
+        )
+        do = tl.load(
+            dout_ptr + rows[:, None] * D + dd[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0
+        )
+        acc += x3.to(tl.float32) * do.to(tl.float32)[:, None, :]
+    dpre = tl.sum(acc, 2)
+    if HAS_DPRE:
+        dpre += tl.load(dpre_in_ptr + rows[:, None] * N + ip[None, :], mask=pmask, other=0.0)
+    tl.store(dpre_ptr + rows[:, None] * N + ip[None, :], dpre, mask=pmask)
