@@ -146,18 +146,13 @@ def _graph_nodes(t):
     return {type(f).__name__ for f in seen}
 
 
-@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [1], [4, 8, 2], [0, 7, 0]])
-def test_alignment_padding_is_gathers_and_bit_identical(counts):
-    """The padded grouped GEMM gives exactly the old index_copy / index_select results (forward and both gradients)
-    and its graph holds no index_select / index_copy node (their backward scatters)."""
+def _check_padding_bit_identical(counts, dev, dt):
     from hash_moe.grouped_gemm import _grouped_mm_aligned
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(len(counts))
-    x = torch.randn(sum(counts), 16, device=dev).to(dt)
-    w = (torch.randn(len(counts), 24, 16, device=dev) / 4).to(dt)
-    g = torch.randn(sum(counts), 24, device=dev).to(dt)
+    x = torch.randn(sum(counts), 32, device=dev).to(dt)
+    w = (torch.randn(len(counts), 64, 32, device=dev) / 4).to(dt)
+    g = torch.randn(sum(counts), 64, device=dev).to(dt)
     results = []
     for fn in (_grouped_mm_aligned, _aligned_with_index_ops):
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -168,3 +163,20 @@ def test_alignment_padding_is_gathers_and_bit_identical(counts):
             assert not any("IndexSelect" in n or "IndexCopy" in n for n in nodes), nodes
     for name, a, b in zip(("out", "dx", "dw"), *results):
         assert torch.equal(a, b), name
+
+
+PADDED_COUNTS = [[3, 0, 5, 1], [1], [4, 8, 2], [0, 7, 0], [9, 17, 0, 30]]
+
+
+@pytest.mark.parametrize("counts", PADDED_COUNTS)
+def test_alignment_padding_is_gathers_and_bit_identical(counts):
+    """The padded grouped GEMM gives exactly the old index_copy / index_select results (forward and both gradients)
+    and its graph holds no index_select / index_copy node (their backward scatters). CPU: fp32 (4-row alignment)."""
+    _check_padding_bit_identical(counts, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", PADDED_COUNTS)
+def test_alignment_padding_bit_identical_bf16_on_gpu(counts):
+    """bf16 on CUDA (8-row alignment, the Triton row gathers)."""
+    _check_padding_bit_identical(counts, "cuda", torch.bfloat16)
