@@ -16,12 +16,19 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 
 def check_cu_seqlens(
-    cu_seqlens: torch.Tensor, name: str = "cu_seqlens", total: int | None = None
+    cu_seqlens: torch.Tensor,
+    name: str = "cu_seqlens",
+    total: int | None = None,
+    host: list[int] | tuple[int, ...] | None = None,
 ) -> list[int]:
     """Validate a flash-attn style ``cu_seqlens`` ([N+1], integer, starts at 0, non-decreasing); return it as a list.
 
     ``total`` (when given) must equal ``cu_seqlens[-1]``: the packed buffer holds exactly the documents' tokens
     (static-shape padding goes into a padding document of its own).
+
+    ``host``: the caller's host copy of ``cu_seqlens`` (the ``*_host`` options of the public ops). When given, its
+    structure is validated in Python and it is returned instead of ``cu_seqlens.tolist()`` (no device -> host
+    sync); it is NOT compared with the device tensor (the caller guarantees they hold the same values).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor (int32 [N+1]), got {type(cu_seqlens).__name__}")
@@ -29,7 +36,30 @@ def check_cu_seqlens(
         raise ValueError(f"{name} must be 1-D [N+1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be int32 (or int64), got {cu_seqlens.dtype}")
-    cu = [int(v) for v in cu_seqlens.tolist()]
+    if host is None:
+        cu = [int(v) for v in cu_seqlens.tolist()]
+    else:
+        cu = check_host_cu_seqlens(host, f"{name}_host")
+        if len(cu) != cu_seqlens.numel():
+            raise ValueError(
+                f"{name}_host has {len(cu)} values but {name} has {cu_seqlens.numel()}: pass the host copy of "
+                f"the same {name}"
+            )
+        return _check_cu_values(cu, f"{name}_host", total)
+    return _check_cu_values(cu, name, total)
+
+
+def check_host_cu_seqlens(host, name: str = "cu_seqlens_host") -> list[int]:
+    """A host ``cu_seqlens`` (list / tuple of Python ints, length >= 1); returned as a list (values checked by the
+    caller with ``_check_cu_values``)."""
+    if not isinstance(host, (list, tuple)) or not host:
+        raise ValueError(f"{name} must be a non-empty list of ints [N+1], got {type(host).__name__}")
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in host):
+        raise ValueError(f"{name} must hold Python ints, got {[type(v).__name__ for v in host][:4]}...")
+    return list(host)
+
+
+def _check_cu_values(cu: list[int], name: str, total: int | None) -> list[int]:
     if cu[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
     if any(b < a for a, b in itertools.pairwise(cu)):
@@ -40,6 +70,12 @@ def check_cu_seqlens(
             "into a padding document of its own"
         )
     return cu
+
+
+def check_flag(value: bool, name: str) -> None:
+    """Boolean options (``check_indices``): a real bool, so a misplaced positional tensor is caught."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def check_ratio(ratio: int, overlap: bool | None = None) -> None:
@@ -71,19 +107,27 @@ def check_index_layout(t: torch.Tensor, name: str, rows: int) -> None:
         raise ValueError(f"{name} must be int32 (or int64), got {t.dtype}")
 
 
-def check_index_range(t: torch.Tensor, name: str, upper: int, rows_of: str | None = None) -> None:
-    """Index values in ``[-1, upper)`` (-1 = empty slot); ``rows_of`` names the buffer of local rows (SBHD forms)."""
-    if t.numel():
+def check_index_range(
+    t: torch.Tensor, name: str, upper: int, rows_of: str | None = None, enabled: bool = True
+) -> None:
+    """Index values in ``[-1, upper)`` (-1 = empty slot); ``rows_of`` names the buffer of local rows (SBHD forms).
+
+    One device -> host sync (min / max). ``enabled=False`` (the public ``check_indices=False``) skips it: the caller
+    guarantees the range, and out-of-range values are then undefined behaviour (garbage or a device-side fault).
+    """
+    check_flag(enabled, "check_indices")
+    if enabled and t.numel():
         lo, hi = int(t.min()), int(t.max())
         if lo < -1 or hi >= upper:
             what = f"local rows of {rows_of}" if rows_of else "-1 = empty slot"
             raise ValueError(f"{name} values must lie in [-1, {upper}) ({what}), got range [{lo}, {hi}]")
 
 
-def check_index(t: torch.Tensor, name: str, rows: int, upper: int) -> None:
-    """Index tensors: int32/int64 ``[rows, K]`` with values in ``[-1, upper)`` (-1 = empty slot)."""
+def check_index(t: torch.Tensor, name: str, rows: int, upper: int, enabled: bool = True) -> None:
+    """Index tensors: int32/int64 ``[rows, K]`` with values in ``[-1, upper)`` (-1 = empty slot; range check only
+    when ``enabled``)."""
     check_index_layout(t, name, rows)
-    check_index_range(t, name, upper)
+    check_index_range(t, name, upper, enabled=enabled)
 
 
 def check_softmax_scale(softmax_scale: float) -> None:

@@ -7,19 +7,51 @@ independently: it yields ``floor(len_i / ratio)`` entries, stored contiguously i
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from csa_kernels._checks import check_cu_seqlens, check_ratio
+from csa_kernels._checks import _check_cu_values, check_cu_seqlens, check_host_cu_seqlens, check_ratio
 
 
-def compressed_cu_seqlens(cu_seqlens: torch.Tensor, ratio: int) -> torch.Tensor:
-    """``cu_seqlens_c`` int32 ``[N+1]`` with ``cu_seqlens_c[i+1] - cu_seqlens_c[i] = floor(len_i / ratio)``."""
+def compressed_cu_seqlens(
+    cu_seqlens: torch.Tensor, ratio: int, *, cu_seqlens_host: list[int] | None = None
+) -> torch.Tensor:
+    """``cu_seqlens_c`` int32 ``[N+1]`` with ``cu_seqlens_c[i+1] - cu_seqlens_c[i] = floor(len_i / ratio)``.
+
+    ``cu_seqlens_host``: the caller's host copy of ``cu_seqlens`` (validation without a device sync).
+    """
     check_ratio(ratio)
-    check_cu_seqlens(cu_seqlens)
+    check_cu_seqlens(cu_seqlens, host=cu_seqlens_host)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // ratio
     out = torch.zeros(cu_seqlens.numel(), dtype=torch.int32, device=cu_seqlens.device)
     out[1:] = torch.cumsum(lens, 0).to(torch.int32)
     return out
+
+
+def compressed_cu_seqlens_host(cu_seqlens_host: list[int], ratio: int) -> list[int]:
+    """Host form of :func:`compressed_cu_seqlens`: ``cu_seqlens_c`` as a list from the host list ``cu_seqlens``
+    (pure Python, no tensor; what trusted callers pass as ``cu_seqlens_c_host``)."""
+    check_ratio(ratio)
+    cu = _check_cu_values(check_host_cu_seqlens(cu_seqlens_host), "cu_seqlens_host", None)
+    out = [0]
+    for a, b in itertools.pairwise(cu):
+        out.append(out[-1] + (b - a) // ratio)
+    return out
+
+
+def sbhd_cu_seqlens_host(batch: int, seq_len: int) -> list[int]:
+    """Host list ``[0, S, 2S, ..., B*S]`` (the host copy of :func:`sbhd_cu_seqlens`)."""
+    if batch < 0 or seq_len < 0:
+        raise ValueError(f"batch and seq_len must be >= 0, got {batch}, {seq_len}")
+    return [b * seq_len for b in range(batch + 1)]
+
+
+def upload_host_ints(values: list, device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Host ints (nested lists allowed) -> a tensor on ``device`` by a non-blocking copy: no host <-> device sync
+    (a pageable source is staged by the driver before the call returns, so the temporary may be freed)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device is None else t.to(device, non_blocking=True)
 
 
 def sbhd_cu_seqlens(batch: int, seq_len: int, device=None) -> torch.Tensor:
@@ -39,17 +71,18 @@ def thd_to_sbhd(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.reshape(batch, x.shape[0] // max(batch, 1), *x.shape[1:]).transpose(0, 1)
 
 
-def document_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``[T]`` int64 document index of every packed row (``T = cu_seqlens[-1]``)."""
+def document_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """``[T]`` int64 document index of every packed row (``T = cu_seqlens[-1]``; pass it as ``total`` when known on
+    the host: then no device sync)."""
     cu = cu_seqlens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=total)
 
 
-def document_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``[T]`` int64 document-relative position of every packed row."""
+def document_positions(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """``[T]`` int64 document-relative position of every packed row (``total`` as in :func:`document_ids`)."""
     cu = cu_seqlens.to(torch.int64)
-    doc = document_ids(cu)
+    doc = document_ids(cu, total)
     return torch.arange(doc.numel(), device=cu.device) - cu[doc]
 
 

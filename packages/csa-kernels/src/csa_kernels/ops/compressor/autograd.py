@@ -8,9 +8,10 @@ from csa_kernels.ops.compressor.reference import (
     _check_compress_inputs,
     _check_pool_inputs,
     _norm_rope,
-    compressed_positions,
+    compressed_positions_host,
 )
-from csa_kernels.ops.compressor.triton import compressed_offsets, compressor_pool_bwd, compressor_pool_fwd
+from csa_kernels.ops.compressor.triton import compressor_pool_bwd, compressor_pool_fwd
+from csa_kernels.varlen import compressed_cu_seqlens_host, upload_host_ints
 from dsv4_primitives import RopeConfig
 
 
@@ -41,17 +42,18 @@ def compressor_pool_triton(
     ratio: int,
     overlap: bool,
     cu_seqlens: torch.Tensor,  # [N+1]
+    *,
+    cu_seqlens_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Triton form of :func:`~csa_kernels.ops.compressor.reference.compressor_pool_ref`.
 
     Same contract and validation; math in fp32 (fp64 inputs are computed in fp32 too), ``pooled [Tc, c]`` fp32,
-    differentiable in ``kv``, ``score`` and ``ape`` (gradients in their own dtypes).
+    differentiable in ``kv``, ``score`` and ``ape`` (gradients in their own dtypes). Without ``cu_seqlens_host``
+    the validation reads ``cu_seqlens`` back (one device -> host sync); with it, none.
     """
-    cu = _check_pool_inputs(
-        kv, score, ape, ratio, overlap, cu_seqlens
-    )  # host list (one sync, as the reference)
-    cuc_list = compressed_offsets(cu, ratio)
-    cuc = torch.tensor(cuc_list, dtype=torch.int32).to(kv.device, non_blocking=True)  # [N+1]
+    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)  # host list
+    cuc_list = compressed_cu_seqlens_host(cu, ratio)
+    cuc = upload_host_ints(cuc_list, kv.device)  # [N+1], non-blocking
     cu_dev = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     score = score if score.stride(-1) == 1 else score.contiguous()
@@ -70,6 +72,8 @@ def compress_triton(
     rope_cfg: RopeConfig,
     cu_seqlens: torch.Tensor,
     eps: float = 1e-6,
+    *,
+    cu_seqlens_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full compressor with the fused pooling kernel: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``.
 
@@ -79,6 +83,9 @@ def compress_triton(
     _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
     kv = torch.nn.functional.linear(x, wkv.to(x.dtype))  # [T, Dk]
     score = torch.nn.functional.linear(x, wgate.to(x.dtype))  # [T, Dk]
-    pooled, cu_c = compressor_pool_triton(kv, score, ape, ratio, overlap, cu_seqlens)  # [Tc, c] fp32
-    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions(cu_c, ratio), rope_cfg)
+    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)
+    pooled, cu_c = compressor_pool_triton(
+        kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu
+    )  # [Tc, c] fp32
+    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions_host(cu, ratio, cu_c), rope_cfg)
     return rotated.to(x.dtype), cu_c

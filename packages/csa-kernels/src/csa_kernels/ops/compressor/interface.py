@@ -7,7 +7,7 @@ import torch
 from csa_kernels._checks import check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.compressor.reference import compress_ref, compressor_pool_ref
-from csa_kernels.varlen import sbhd_cu_seqlens, sbhd_to_thd, thd_to_sbhd
+from csa_kernels.varlen import sbhd_cu_seqlens, sbhd_cu_seqlens_host, sbhd_to_thd, thd_to_sbhd
 from dsv4_primitives import RopeConfig
 
 
@@ -20,13 +20,20 @@ def compressor_pool(
     cu_seqlens: torch.Tensor,
     *,
     backend: str = "auto",
+    cu_seqlens_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-gated block pooling, THD. Shapes and math: :func:`compressor_pool_ref`."""
+    """Softmax-gated block pooling, THD. Shapes and math: :func:`compressor_pool_ref`.
+
+    ``cu_seqlens_host``: the caller's host copy of ``cu_seqlens`` (structure validated in Python, not compared with
+    the device tensor); with it the call does no device -> host sync.
+    """
     if resolve_backend(backend, kv, score) == "triton":
         from csa_kernels.ops.compressor.autograd import compressor_pool_triton
 
-        return compressor_pool_triton(kv, score, ape, ratio, overlap, cu_seqlens)
-    return compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens)
+        return compressor_pool_triton(
+            kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu_seqlens_host
+        )
+    return compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu_seqlens_host)
 
 
 def compress(
@@ -42,13 +49,18 @@ def compress(
     eps: float = 1e-6,
     *,
     backend: str = "auto",
+    cu_seqlens_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full compressor, THD: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``. Math: :func:`compress_ref`."""
+    """Full compressor, THD: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``. Math: :func:`compress_ref`.
+
+    ``cu_seqlens_host``: as in :func:`compressor_pool` (no device -> host sync when given).
+    """
+    args = (x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
     if resolve_backend(backend, x) == "triton":
         from csa_kernels.ops.compressor.autograd import compress_triton
 
-        return compress_triton(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
-    return compress_ref(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
+        return compress_triton(*args, cu_seqlens_host=cu_seqlens_host)
+    return compress_ref(*args, cu_seqlens_host=cu_seqlens_host)
 
 
 def compressor_pool_sbhd(
@@ -65,7 +77,16 @@ def compressor_pool_sbhd(
     check_shape(score, "score", tuple(kv.shape))
     s, b = kv.shape[:2]
     cu = sbhd_cu_seqlens(b, s, kv.device)
-    pooled, _ = compressor_pool(sbhd_to_thd(kv), sbhd_to_thd(score), ape, ratio, overlap, cu, backend=backend)
+    pooled, _ = compressor_pool(
+        sbhd_to_thd(kv),
+        sbhd_to_thd(score),
+        ape,
+        ratio,
+        overlap,
+        cu,
+        backend=backend,
+        cu_seqlens_host=sbhd_cu_seqlens_host(b, s),
+    )
     return thd_to_sbhd(pooled, b)
 
 
@@ -87,6 +108,17 @@ def compress_sbhd(
     s, b = x.shape[:2]
     cu = sbhd_cu_seqlens(b, s, x.device)
     entries, _ = compress(
-        sbhd_to_thd(x), wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu, eps, backend=backend
+        sbhd_to_thd(x),
+        wkv,
+        wgate,
+        ape,
+        norm_weight,
+        ratio,
+        overlap,
+        rope_cfg,
+        cu,
+        eps,
+        backend=backend,
+        cu_seqlens_host=sbhd_cu_seqlens_host(b, s),
     )
     return thd_to_sbhd(entries, b)

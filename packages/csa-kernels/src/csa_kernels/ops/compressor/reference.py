@@ -29,7 +29,7 @@ import itertools
 import torch
 
 from csa_kernels._checks import check_cu_seqlens, check_float, check_ratio, check_shape, compute_dtype
-from csa_kernels.varlen import compressed_cu_seqlens
+from csa_kernels.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host, document_positions
 from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
 
 
@@ -72,7 +72,7 @@ def _norm_rope(pooled, norm_weight, eps, positions, rope_cfg) -> torch.Tensor:
     return apply_rope_ref(normed, positions, rope_cfg)
 
 
-def _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens):
+def _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=None):
     check_ratio(ratio, overlap)
     check_shape(kv, "kv", (None, None))
     check_float(kv, "kv")
@@ -80,7 +80,7 @@ def _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens):
     check_shape(ape, "ape", (ratio, kv.shape[1]))
     if overlap and kv.shape[1] % 2:
         raise ValueError(f"overlap=True needs an even channel count Dk = 2c, got Dk = {kv.shape[1]}")
-    return check_cu_seqlens(cu_seqlens, total=kv.shape[0])
+    return check_cu_seqlens(cu_seqlens, total=kv.shape[0], host=cu_seqlens_host)
 
 
 def compressor_pool_ref(
@@ -90,6 +90,8 @@ def compressor_pool_ref(
     ratio: int,
     overlap: bool,
     cu_seqlens: torch.Tensor,
+    *,
+    cu_seqlens_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax-gated pooling of complete blocks, per document (the formula in the module docstring).
 
@@ -100,10 +102,11 @@ def compressor_pool_ref(
         ratio: block size ``m`` (4 for CSA / indexer, 128 for HCA).
         overlap: two-series overlapping layout (CSA) or plain blocks (HCA).
         cu_seqlens: int32 ``[N+1]``, ``cu_seqlens[-1] == T``.
+        cu_seqlens_host: the caller's host copy of ``cu_seqlens`` (then no device -> host sync).
     Returns:
         ``pooled [Tc, c]`` in the compute dtype (fp32, or fp64 for fp64 inputs) and ``cu_seqlens_c`` int32 ``[N+1]``.
     """
-    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens)
+    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)
     dt = compute_dtype(kv, score, ape)
     kv, score, ape = kv.to(dt), score.to(dt), ape.to(dt)
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
@@ -118,15 +121,19 @@ def compressor_pool_ref(
     else:
         # no complete block anywhere: an empty result that stays connected to every input's graph
         pooled = kv.new_zeros(0, c) + 0 * (kv.sum() + score.sum() + ape.sum())
-    return pooled, compressed_cu_seqlens(cu_seqlens, ratio)
+    return pooled, compressed_cu_seqlens(cu_seqlens, ratio, cu_seqlens_host=cu)
 
 
-def compressed_positions(cu_seqlens_c: torch.Tensor, ratio: int) -> torch.Tensor:
-    """``[Tc]`` int64 document-relative position ``w * ratio`` of each entry's first token (its RoPE position)."""
-    cu = cu_seqlens_c.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    doc = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)
-    return (torch.arange(doc.numel(), device=cu.device) - cu[doc]) * ratio
+def compressed_positions(
+    cu_seqlens_c: torch.Tensor, ratio: int, *, cu_seqlens_c_host: list[int] | None = None
+) -> torch.Tensor:
+    """``[Tc]`` int64 document-relative position ``w * ratio`` of each entry's first token (its RoPE position).
+
+    ``cu_seqlens_c_host``: the caller's host copy of ``cu_seqlens_c`` (then no device -> host sync).
+    """
+    check_ratio(ratio)
+    cuc = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", host=cu_seqlens_c_host)
+    return document_positions(cu_seqlens_c, cuc[-1]) * ratio
 
 
 def _check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg) -> int:
@@ -163,6 +170,8 @@ def compress_ref(
     rope_cfg: RopeConfig,
     cu_seqlens: torch.Tensor,
     eps: float = 1e-6,
+    *,
+    cu_seqlens_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full compressor: projections, pooling, RMSNorm, RoPE at ``w * ratio`` (module docstring).
 
@@ -175,6 +184,7 @@ def compress_ref(
         rope_cfg: rotary config of the layer (rotates the last ``rope_cfg.rope_dim`` of the ``c`` channels).
         cu_seqlens: int32 ``[N+1]``, ``cu_seqlens[-1] == T``.
         eps: RMSNorm epsilon.
+        cu_seqlens_host: the caller's host copy of ``cu_seqlens`` (then no device -> host sync).
     Returns:
         ``entries [Tc, c]`` in ``x.dtype`` and ``cu_seqlens_c`` int32 ``[N+1]``.
     """
@@ -183,6 +193,14 @@ def compress_ref(
     xf = x.to(dt)
     kv = xf @ wkv.to(dt).T  # [T, Dk]
     score = xf @ wgate.to(dt).T  # [T, Dk]
-    pooled, cu_c = compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens)  # [Tc, c]
-    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions(cu_c, ratio), rope_cfg)
+    cu = check_cu_seqlens(cu_seqlens, total=x.shape[0], host=cu_seqlens_host)
+    pooled, cu_c = compressor_pool_ref(
+        kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu
+    )  # [Tc, c]
+    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions_host(cu, ratio, cu_c), rope_cfg)
     return rotated.to(x.dtype), cu_c
+
+
+def compressed_positions_host(cu: list[int], ratio: int, cu_c: torch.Tensor) -> torch.Tensor:
+    """:func:`compressed_positions` of ``cu_c`` (the device ``cu_seqlens_c`` of the host list ``cu``), no sync."""
+    return compressed_positions(cu_c, ratio, cu_seqlens_c_host=compressed_cu_seqlens_host(cu, ratio))

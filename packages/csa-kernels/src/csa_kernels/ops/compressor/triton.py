@@ -37,7 +37,6 @@ Memory bound: it reads ``kv`` and ``score`` once and writes ``[Tc, c]`` fp32 (ba
 from __future__ import annotations
 
 import functools
-import itertools
 
 import torch
 import triton
@@ -327,14 +326,6 @@ def _compressor_pool_kernel(
             CU, CUC, DKV, DSCORE, e_first, e_stop, doc_first, ch, ch_own, mc,
             stride_dkv, stride_dsc, N_DOCS, RATIO, OVERLAP, BLOCK_C,
         )  # fmt: skip
-
-
-def compressed_offsets(cu: list[int], ratio: int) -> list[int]:
-    """Host list ``cu_seqlens_c`` from the validated host list ``cu`` (``floor(len_i / ratio)`` entries per doc)."""
-    out = [0]
-    for a, b in itertools.pairwise(cu):
-        out.append(out[-1] + (b - a) // ratio)
-    return out
 
 
 def _config(ratio: int, overlap: bool, c: int, tc: int, sms: int) -> tuple[bool, int, int, int]:

@@ -32,10 +32,12 @@ from csa_kernels._checks import (
     compute_dtype,
 )
 from csa_kernels._chunking import map_row_chunks, rows_per_chunk
-from csa_kernels.varlen import compressed_cu_seqlens
+from csa_kernels.varlen import compressed_cu_seqlens_host
 
 
-def _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c):
+def _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host=None, cuc_host=None):
+    """Shapes, dtypes and the two ``cu_seqlens`` (host copies used when given: then no device sync); returns the
+    validated host lists ``(cu, cuc)``."""
     check_shape(q_idx, "q_idx", (None, None, None))
     check_float(q_idx, "q_idx")
     t, h, d = q_idx.shape
@@ -43,17 +45,19 @@ def _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c):
     check_float(k_idx, "k_idx")
     check_shape(weights, "weights", (t, h))
     check_ratio(ratio)
-    cu = check_cu_seqlens(cu_seqlens, total=t)
-    cuc = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", total=k_idx.shape[0])
-    expected = compressed_cu_seqlens(cu_seqlens, ratio).tolist()
+    cu = check_cu_seqlens(cu_seqlens, total=t, host=cu_host)
+    cuc = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", total=k_idx.shape[0], host=cuc_host)
+    expected = compressed_cu_seqlens_host(cu, ratio)
     if cuc != expected:
         raise ValueError(f"cu_seqlens_c = {cuc} does not match floor(len / ratio) per document ({expected})")
     return cu, cuc
 
 
-def _check_scores_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries):
+def _check_scores_inputs(
+    q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, cu_host=None, cuc_host=None
+):
     """:func:`_check_inputs` plus the ``max_entries`` rule of the dense scores; returns ``(cu, cuc, max_entries)``."""
-    cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
+    cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host, cuc_host)
     need = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
     max_entries = need if max_entries is None else max_entries
     if not isinstance(max_entries, int) or max_entries < need:
@@ -88,6 +92,9 @@ def indexer_scores_ref(
     cu_seqlens_c: torch.Tensor,
     max_entries: int | None = None,
     chunk_size: int | None = None,
+    *,
+    cu_seqlens_host: list[int] | None = None,
+    cu_seqlens_c_host: list[int] | None = None,
 ) -> torch.Tensor:
     """Dense index scores ``[T, max_entries]``: column ``j`` = LOCAL entry ``j`` of the row's own document (global
     compressed row ``cu_seqlens_c[doc] + j``, the same slots as ``visible_compressed_indices``); ``-inf`` where
@@ -99,9 +106,19 @@ def indexer_scores_ref(
         cu_seqlens, cu_seqlens_c: int32 ``[N+1]`` (``cu_seqlens_c`` = ``compressed_cu_seqlens(cu_seqlens, ratio)``).
         max_entries: output width (default: the largest document's entry count; must not be smaller).
         chunk_size: query rows per chunk (default: automatic, see module docstring).
+        cu_seqlens_host, cu_seqlens_c_host: the caller's host copies of the two ``cu_seqlens`` (structure checked in
+            Python, not compared with the device tensors); with both the call does no device -> host sync.
     """
     cu, cuc, max_entries = _check_scores_inputs(
-        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries
+        q_idx,
+        k_idx,
+        weights,
+        ratio,
+        cu_seqlens,
+        cu_seqlens_c,
+        max_entries,
+        cu_seqlens_host,
+        cu_seqlens_c_host,
     )
     dt = compute_dtype(q_idx, k_idx, weights)
     q, k, w = q_idx.to(dt), k_idx.to(dt), weights.to(dt)
@@ -125,6 +142,8 @@ def indexer_scores_at_ref(
     weights: torch.Tensor,
     indices: torch.Tensor,
     chunk_size: int | None = None,
+    *,
+    check_indices: bool = True,
 ) -> torch.Tensor:
     """Index scores at given entries: ``[T, K]`` with ``I[t, indices[t, k]]`` (``-inf`` where ``indices = -1``).
 
@@ -139,15 +158,18 @@ def indexer_scores_at_ref(
 
     Memory: chunks of ``n = chunk_size`` or ``2^24 // (K * max(HI, DI))`` rows (gathered ``[n, K, DI]`` rows and
     ``[n, HI, K]`` dots), recomputed one chunk at a time in backward.
+
+    ``check_indices=False`` skips the range check of ``indices`` (a device -> host sync); the caller guarantees
+    ``-1 <= indices < Tc``, out-of-range values are undefined behaviour.
     """
-    _check_scores_at_inputs(q_idx, k_idx, weights, indices)
+    _check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices)
     h, d = q_idx.shape[1:]
     dt = compute_dtype(q_idx, k_idx, weights)
     chunk = rows_per_chunk(indices.shape[1] * max(h, d), chunk_size)
     return map_row_chunks(_scores_at_chunk, [q_idx.to(dt), weights.to(dt), indices], [k_idx.to(dt)], chunk)
 
 
-def _check_scores_at_inputs(q_idx, k_idx, weights, indices) -> None:
+def _check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices: bool = True) -> None:
     """Shapes, dtypes and index range of ``indexer_scores_at`` (reference and fused path)."""
     check_shape(q_idx, "q_idx", (None, None, None))
     check_float(q_idx, "q_idx")
@@ -156,7 +178,7 @@ def _check_scores_at_inputs(q_idx, k_idx, weights, indices) -> None:
     check_float(k_idx, "k_idx")
     check_shape(weights, "weights", (t, h))
     check_float(weights, "weights")
-    check_index(indices, "indices", t, k_idx.shape[0])
+    check_index(indices, "indices", t, k_idx.shape[0], enabled=check_indices)
 
 
 def _scores_at_chunk(q, w, idx, k):
@@ -206,6 +228,9 @@ def indexer_topk_ref(
     cu_seqlens_c: torch.Tensor,
     chunk_size: int | None = None,
     tie_break: str = "lower_index",
+    *,
+    cu_seqlens_host: list[int] | None = None,
+    cu_seqlens_c_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked scores + top-k (module docstring).
 
@@ -214,12 +239,17 @@ def indexer_topk_ref(
     masked row (all its entries, ``-inf`` where invisible), whose tie order on CPU depends on the whole row; use it
     only for parity with logits HF computed on CPU (spec §4.2 rule 1).
 
+    ``cu_seqlens_host`` / ``cu_seqlens_c_host``: the caller's host copies of the two ``cu_seqlens`` (no device ->
+    host sync for the validation and the document loop when given).
+
     Returns:
         ``indices [T, topk]`` int32 global rows of the compressed buffer (``k_idx`` / ``entries``), descending
         score, ties toward the lower entry, ``-1`` in the trailing slots when fewer than ``topk`` are visible;
         ``scores [T, topk]`` (compute dtype, ``-inf`` at ``-1``), differentiable in ``q_idx``, ``k_idx``, ``weights``.
     """
-    cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
+    cu, cuc = _check_inputs(
+        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_seqlens_host, cu_seqlens_c_host
+    )
     check_topk(topk)
     if tie_break not in TIE_BREAKS:
         raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
@@ -245,6 +275,6 @@ def indexer_topk_ref(
     if not torch.is_grad_enabled() or not any(x.requires_grad for x in (q_idx, k_idx, weights)):
         return indices, values
     # differentiable scores at the selected entries; the forward value stays the selection pass's value exactly
-    live = indexer_scores_at_ref(q_idx, k_idx, weights, indices, chunk_size)
+    live = indexer_scores_at_ref(q_idx, k_idx, weights, indices, chunk_size, check_indices=False)
     live = torch.where(indices >= 0, live, 0.0)
     return indices, values + (live - live.detach())

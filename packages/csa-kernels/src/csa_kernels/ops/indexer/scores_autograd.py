@@ -22,18 +22,27 @@ class IndexerScoresTritonFunction(torch.autograd.Function):
         ctx, q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu, cuc, max_entries, chunk_size
     ):
         ctx.save_for_backward(q_idx, k_idx, weights, cu_seqlens, cu_seqlens_c)
-        ctx.args = (ratio, max_entries, chunk_size)
+        ctx.args = (ratio, max_entries, chunk_size, cu, cuc)
         return indexer_scores_triton(q_idx, k_idx, weights, ratio, cu, cuc, max_entries)
 
     @staticmethod
     def backward(ctx, grad):
         q_idx, k_idx, weights, cu_seqlens, cu_seqlens_c = ctx.saved_tensors
-        ratio, max_entries, chunk_size = ctx.args
+        ratio, max_entries, chunk_size, cu, cuc = ctx.args
         leaves = [
             x.detach().requires_grad_(need) for x, need in zip((q_idx, k_idx, weights), ctx.needs_input_grad)
         ]
         with torch.enable_grad():
-            out = indexer_scores_ref(*leaves, ratio, cu_seqlens, cu_seqlens_c, max_entries, chunk_size)
+            out = indexer_scores_ref(
+                *leaves,
+                ratio,
+                cu_seqlens,
+                cu_seqlens_c,
+                max_entries,
+                chunk_size,
+                cu_seqlens_host=cu,
+                cu_seqlens_c_host=cuc,
+            )
             live = [x for x in leaves if x.requires_grad]
             grads = iter(
                 torch.autograd.grad(out, live, grad.to(out.dtype), allow_unused=True) if live else ()
@@ -52,10 +61,22 @@ def indexer_scores_triton_checked(
     cu_seqlens_c: torch.Tensor,
     max_entries: int | None = None,
     chunk_size: int | None = None,
+    *,
+    cu_seqlens_host: list[int] | None = None,
+    cu_seqlens_c_host: list[int] | None = None,
 ) -> torch.Tensor:
-    """Public-contract form (validation and ``max_entries`` rule of :func:`indexer_scores_ref`); fp32 output."""
+    """Public-contract form (validation and ``max_entries`` rule of :func:`indexer_scores_ref`); fp32 output. With
+    both host lists neither the forward nor the backward does a device -> host sync."""
     cu, cuc, max_entries = _check_scores_inputs(
-        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries
+        q_idx,
+        k_idx,
+        weights,
+        ratio,
+        cu_seqlens,
+        cu_seqlens_c,
+        max_entries,
+        cu_seqlens_host,
+        cu_seqlens_c_host,
     )
     return IndexerScoresTritonFunction.apply(
         q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu, cuc, max_entries, chunk_size

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+from csa_kernels.varlen import upload_host_ints
 
 
 @triton.jit
@@ -114,7 +115,7 @@ def _prepare_scores(q_idx, k_idx, weights, cu: list[int], cuc: list[int]):
     q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
     cfg = _config(q_idx.shape[2], q_idx.dtype)
     blocks = _row_blocks(cu, cuc, cfg[0])
-    meta = torch.tensor(blocks, dtype=torch.int32).T.contiguous().to(q_idx.device)  # [5, nblocks]
+    meta = upload_host_ints([list(col) for col in zip(*blocks)], q_idx.device)  # [5, nblocks], non-blocking
     return q_idx, k_idx.contiguous(), weights.contiguous(), cfg, blocks, meta
 
 
@@ -161,16 +162,21 @@ def indexer_topk_triton(
     cu_seqlens: torch.Tensor,
     cu_seqlens_c: torch.Tensor,
     chunk_size: int | None = None,
+    *,
+    cu_host: list[int] | None = None,
+    cuc_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused scores + top-k: ``(indices [T, topk] int32 global compressed rows, -1 padded; scores [T, topk] fp32)``.
 
     Scores are not differentiable here (the caller re-attaches a gradient path, see the public ``indexer_topk``).
     ``chunk_size`` bounds the rows of one score buffer (default: as many rows as keep it <= 256 MiB).
+    ``cu_host`` / ``cuc_host``: validated host lists of the two ``cu_seqlens`` (read back from the device, one
+    sync each, when not given).
     """
     check_triton_device(q_idx, k_idx, weights)
     T = q_idx.shape[0]
-    cu = [int(v) for v in cu_seqlens.tolist()]
-    cuc = [int(v) for v in cu_seqlens_c.tolist()]
+    cu = cu_host if cu_host is not None else [int(v) for v in cu_seqlens.tolist()]
+    cuc = cuc_host if cuc_host is not None else [int(v) for v in cu_seqlens_c.tolist()]
     indices = torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
     values = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=q_idx.device)
     c_max = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
@@ -208,17 +214,41 @@ def indexer_topk_triton(
     return indices, values
 
 
-def indexer_topk_checked(q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size=None):
+def indexer_topk_checked(
+    q_idx,
+    k_idx,
+    weights,
+    ratio,
+    topk,
+    cu_seqlens,
+    cu_seqlens_c,
+    chunk_size=None,
+    *,
+    cu_seqlens_host=None,
+    cu_seqlens_c_host=None,
+):
     """Public-contract form of :func:`indexer_topk_triton`: validates like the reference and, when any input
     requires grad, attaches the gradient of the scores at the selected entries (forward value unchanged, no
-    recomputation: :func:`csa_kernels.ops.indexer.scores_at_autograd.attach_scores_at_grad`)."""
+    recomputation: :func:`csa_kernels.ops.indexer.scores_at_autograd.attach_scores_at_grad`). With both host lists
+    the call (and its backward) does no device -> host sync."""
     from csa_kernels.ops.indexer.reference import _check_inputs
     from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
 
-    _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c)
+    cu, cuc = _check_inputs(
+        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_seqlens_host, cu_seqlens_c_host
+    )
     check_topk(topk)
     idx, vals = indexer_topk_triton(
-        q_idx.detach(), k_idx.detach(), weights.detach(), ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size
+        q_idx.detach(),
+        k_idx.detach(),
+        weights.detach(),
+        ratio,
+        topk,
+        cu_seqlens,
+        cu_seqlens_c,
+        chunk_size,
+        cu_host=cu,
+        cuc_host=cuc,
     )
     # forward value = the selection pass's scores; backward = the fused kernel at the selected entries
     return idx, attach_scores_at_grad(vals, q_idx, k_idx, weights, idx)

@@ -31,10 +31,13 @@ def indexer_loss_triton(
     comp_indices: torch.Tensor,  # [T, Kc]
     index_scores: torch.Tensor,  # [T, Kc]
     softmax_scale: float,
+    *,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Triton form of :func:`~csa_kernels.ops.indexer_loss.reference.indexer_loss_ref`: ``(loss, per_row_kl
-    [T])`` in fp32; ``q``, ``kv_all``, ``lse`` are detached, ``index_scores`` gets ``(softmax - teacher) * dKL``."""
-    _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale)
+    [T])`` in fp32; ``q``, ``kv_all``, ``lse`` are detached, ``index_scores`` gets ``(softmax - teacher) * dKL``.
+    ``check_indices=False`` skips the range check of ``comp_indices`` (its device -> host sync)."""
+    _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale, check_indices)
     per_row = IndexerLossTritonFunction.apply(
         q.detach(), kv_all.detach(), lse.detach(), comp_indices, index_scores, float(softmax_scale)
     )

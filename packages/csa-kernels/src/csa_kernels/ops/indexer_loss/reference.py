@@ -30,14 +30,14 @@ from csa_kernels._checks import check_float, check_index, check_shape, check_sof
 from csa_kernels._chunking import rows_per_chunk
 
 
-def _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale):
+def _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale, check_indices=True):
     check_shape(q, "q", (None, None, None))
     check_float(q, "q")
     t, h, d = q.shape
     check_shape(kv_all, "kv_all", (None, d))
     check_shape(attn_sink, "attn_sink", (h,))
     check_shape(lse, "lse", (t, h))
-    check_index(comp_indices, "comp_indices", t, kv_all.shape[0])
+    check_index(comp_indices, "comp_indices", t, kv_all.shape[0], enabled=check_indices)
     check_shape(index_scores, "index_scores", tuple(comp_indices.shape))
     check_float(index_scores, "index_scores")
     check_softmax_scale(softmax_scale)
@@ -85,6 +85,8 @@ def indexer_loss_ref(
     index_scores: torch.Tensor,
     softmax_scale: float,
     chunk_size: int | None = None,
+    *,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(teacher || softmax(index_scores)) per row and its mean over rows with entries (module docstring).
 
@@ -97,10 +99,12 @@ def indexer_loss_ref(
         index_scores: ``[T, Kc]`` student logits at those slots (finite where ``comp_indices >= 0``).
         softmax_scale: the main attention's scale.
         chunk_size: teacher rows per chunk (default automatic).
+        check_indices: ``False`` skips the range check of ``comp_indices`` (a device -> host sync); the caller
+            guarantees ``-1 <= comp_indices < Nkv``, out-of-range values are undefined behaviour.
     Returns:
         ``loss`` (0-dim) and ``per_row_kl [T]`` (0 on rows without valid slots), compute dtype.
     """
-    _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale)
+    _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale, check_indices)
     log_p = indexer_teacher_ref(q, kv_all, lse, comp_indices, softmax_scale, chunk_size)  # [T, Kc]
     valid = comp_indices >= 0
     has = valid.any(1)  # [T]
@@ -110,6 +114,5 @@ def indexer_loss_ref(
     p = torch.exp(log_p)
     terms = torch.where(valid, p * (log_p.masked_fill(~valid, 0.0) - log_r.masked_fill(~valid, 0.0)), 0.0)
     per_row = torch.where(has, terms.sum(1), 0.0)  # [T]
-    n_rows = int(has.sum())
-    loss = per_row.sum() / max(n_rows, 1)
+    loss = per_row.sum() / has.sum().clamp(min=1)  # rows with entries (no host sync)
     return loss, per_row

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels.ops.sparse_attn.reference import _check_layout
+from csa_kernels.ops.sparse_attn.reference import _check_inputs
 from csa_kernels.ops.sparse_attn.triton import compact_indices, sparse_attn_bwd, sparse_attn_fwd
 
 
@@ -30,8 +30,8 @@ class SparseAttnTritonFunction(torch.autograd.Function):
         return dq, dkv, dsink.to(attn_sink.dtype), None, None
 
 
-def _check(q, kv, attn_sink, indices, softmax_scale) -> None:
-    _check_layout(q, kv, attn_sink, indices, softmax_scale)
+def _check(q, kv, attn_sink, indices, softmax_scale, check_indices: bool) -> None:
+    _check_inputs(q, kv, attn_sink, indices, softmax_scale, check_indices)
     if q.dtype != kv.dtype:
         raise ValueError(
             f"q and kv must share one floating dtype (bf16 on GPU), got {q.dtype} and {kv.dtype}"
@@ -44,11 +44,13 @@ def sparse_attn_triton(
     attn_sink: torch.Tensor,  # [H] fp32
     indices: torch.Tensor,  # [T, K] int32, -1 = empty
     softmax_scale: float,
+    *,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Triton sparse MQA attention with sink; ``(o [T, H, D] q.dtype, lse [T, H] fp32)``, differentiable.
 
-    Same contract as :func:`csa_kernels.ops.sparse_attn.reference.sparse_attn_ref`; shapes and dtypes are checked
-    here without a device sync (index values are trusted: use the reference path to validate them).
+    Same contract and validation as :func:`csa_kernels.ops.sparse_attn.reference.sparse_attn_ref`;
+    ``check_indices=False`` skips the index-range and finite-sink checks (their device -> host sync).
     """
-    _check(q, kv, attn_sink, indices, softmax_scale)
+    _check(q, kv, attn_sink, indices, softmax_scale, check_indices)
     return SparseAttnTritonFunction.apply(q, kv, attn_sink, indices, softmax_scale)

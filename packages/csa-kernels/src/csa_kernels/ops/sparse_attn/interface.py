@@ -18,13 +18,18 @@ def sparse_attn(
     softmax_scale: float,
     *,
     backend: str = "auto",
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared-KV sparse attention with sink, THD: ``(o [T, H, D], lse [T, H])``. Math: :func:`sparse_attn_ref`."""
+    """Shared-KV sparse attention with sink, THD: ``(o [T, H, D], lse [T, H])``. Math: :func:`sparse_attn_ref`.
+
+    ``check_indices=False`` skips the checks that need a device -> host sync (``indices`` in ``[-1, Nkv)``, finite
+    ``attn_sink``; both backends): the caller guarantees them, violations are undefined behaviour.
+    """
     if resolve_backend(backend, q, kv) == "triton":
         from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 
-        return sparse_attn_triton(q, kv, attn_sink, indices, softmax_scale)
-    return sparse_attn_ref(q, kv, attn_sink, indices, softmax_scale)
+        return sparse_attn_triton(q, kv, attn_sink, indices, softmax_scale, check_indices=check_indices)
+    return sparse_attn_ref(q, kv, attn_sink, indices, softmax_scale, check_indices=check_indices)
 
 
 def local_to_global_rows(indices: torch.Tensor, rows_per_seq: int) -> torch.Tensor:
@@ -44,14 +49,16 @@ def sparse_attn_sbhd(
     softmax_scale: float,
     *,
     backend: str = "auto",
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SBHD form: ``q [S, B, H, D]``, ``kv [Skv, B, D]``, ``indices [S, B, K]`` LOCAL rows of each sequence's ``kv``
-    (``-1`` = empty) -> ``o [S, B, H, D]``, ``lse [S, B, H]``. ``kv`` is typically ``cat([kv, entries], 0)``."""
+    (``-1`` = empty) -> ``o [S, B, H, D]``, ``lse [S, B, H]``. ``kv`` is typically ``cat([kv, entries], 0)``.
+    ``check_indices``: as in :func:`sparse_attn` (the local range ``[-1, Skv)`` is checked here)."""
     check_shape(q, "q", (None, None, None, None))
     s, b = q.shape[:2]
     check_shape(kv, "kv", (None, b, q.shape[3]))
     check_shape(indices, "indices", (s, b, None))
-    check_index_range(indices, "indices", kv.shape[0], rows_of="kv")
+    check_index_range(indices, "indices", kv.shape[0], rows_of="kv", enabled=check_indices)
     o, lse = sparse_attn(
         sbhd_to_thd(q),
         sbhd_to_thd(kv),
@@ -59,5 +66,6 @@ def sparse_attn_sbhd(
         local_to_global_rows(indices, kv.shape[0]),
         softmax_scale,
         backend=backend,
+        check_indices=check_indices,
     )
     return thd_to_sbhd(o, b), thd_to_sbhd(lse, b)

@@ -43,10 +43,12 @@ def _check_layout(q, kv, attn_sink, indices, softmax_scale):
     check_softmax_scale(softmax_scale)
 
 
-def _check_inputs(q, kv, attn_sink, indices, softmax_scale):
+def _check_inputs(q, kv, attn_sink, indices, softmax_scale, check_indices: bool = True):
+    """Layout plus the value checks that read the device back (index range, finite sink): skipped, sync-free,
+    with ``check_indices=False``."""
     _check_layout(q, kv, attn_sink, indices, softmax_scale)
-    check_index_range(indices, "indices", kv.shape[0])
-    if attn_sink.numel() and not torch.isfinite(attn_sink).all():
+    check_index_range(indices, "indices", kv.shape[0], enabled=check_indices)
+    if check_indices and attn_sink.numel() and not torch.isfinite(attn_sink).all():
         raise ValueError("attn_sink must be finite (use a large negative value to switch the sink off)")
 
 
@@ -69,6 +71,8 @@ def sparse_attn_ref(
     indices: torch.Tensor,
     softmax_scale: float,
     chunk_size: int | None = None,
+    *,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather-form sparse attention with sink (module docstring).
 
@@ -79,10 +83,12 @@ def sparse_attn_ref(
         indices: ``[T, K]`` int32 rows of ``kv``, ``-1`` = empty.
         softmax_scale: multiplies ``<q, k>`` (DSv4: ``D^-1/2``); not applied to the sink.
         chunk_size: query rows per chunk (``None``: automatic, see module docstring).
+        check_indices: ``False`` skips the value checks that need a device -> host sync (``indices`` in
+            ``[-1, Nkv)``, finite ``attn_sink``): the caller guarantees them; violations are undefined behaviour.
     Returns:
         ``o [T, H, D]`` (``q.dtype``), ``lse [T, H]`` (compute dtype). Differentiable in ``q``, ``kv``, ``attn_sink``.
     """
-    _check_inputs(q, kv, attn_sink, indices, softmax_scale)
+    _check_inputs(q, kv, attn_sink, indices, softmax_scale, check_indices)
     dt = compute_dtype(q, kv, attn_sink)
     _, h, d = q.shape
     k = indices.shape[1]

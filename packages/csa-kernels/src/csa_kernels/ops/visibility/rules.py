@@ -24,16 +24,21 @@ import itertools
 import torch
 
 from csa_kernels._checks import check_cu_seqlens, check_ratio
-from csa_kernels.varlen import compressed_cu_seqlens, document_ids
+from csa_kernels.varlen import compressed_cu_seqlens_host, document_ids, upload_host_ints
 
 
-def window_indices(cu_seqlens: torch.Tensor, window: int) -> torch.Tensor:
-    """``[T, W]`` int32 global rows ``t - W + 1 .. t`` of the query's document, ``-1`` before the document start."""
+def window_indices(
+    cu_seqlens: torch.Tensor, window: int, *, cu_seqlens_host: list[int] | None = None
+) -> torch.Tensor:
+    """``[T, W]`` int32 global rows ``t - W + 1 .. t`` of the query's document, ``-1`` before the document start.
+
+    ``cu_seqlens_host``: the caller's host copy of ``cu_seqlens``; with it the call does no device -> host sync.
+    """
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
-    check_cu_seqlens(cu_seqlens)
+    cu_l = check_cu_seqlens(cu_seqlens, host=cu_seqlens_host)
     cu = cu_seqlens.to(torch.int64)
-    doc = document_ids(cu)  # [T]
+    doc = document_ids(cu, cu_l[-1])  # [T]
     t = torch.arange(doc.numel(), device=cu.device)
     rows = t[:, None] - window + 1 + torch.arange(window, device=cu.device)  # [T, W]
     rows = torch.where(rows >= cu[doc][:, None], rows, -1)
@@ -41,17 +46,24 @@ def window_indices(cu_seqlens: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def visible_compressed_indices(
-    cu_seqlens: torch.Tensor, cu_seqlens_c: torch.Tensor, ratio: int, max_entries: int | None = None
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_c: torch.Tensor,
+    ratio: int,
+    max_entries: int | None = None,
+    *,
+    cu_seqlens_host: list[int] | None = None,
+    cu_seqlens_c_host: list[int] | None = None,
 ) -> torch.Tensor:
     """``[T, max_entries]`` int32: every visible entry ``w < floor((t_rel + 1) / ratio)`` as a global compressed row.
 
     ``max_entries`` defaults to the largest document's entry count; a smaller value that would drop visible
-    entries raises ValueError.
+    entries raises ValueError. ``cu_seqlens_host`` / ``cu_seqlens_c_host``: the caller's host copies (validated
+    against each other in Python); with both the call does no device -> host sync.
     """
     check_ratio(ratio)
-    check_cu_seqlens(cu_seqlens)
-    cuc_l = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c")
-    expected = compressed_cu_seqlens(cu_seqlens, ratio).tolist()
+    cu_l = check_cu_seqlens(cu_seqlens, host=cu_seqlens_host)
+    cuc_l = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", host=cu_seqlens_c_host)
+    expected = compressed_cu_seqlens_host(cu_l, ratio)
     if cuc_l != expected:
         raise ValueError(
             f"cu_seqlens_c = {cuc_l} does not match floor(len / ratio) per document ({expected})"
@@ -64,7 +76,7 @@ def visible_compressed_indices(
             f"max_entries must be an int >= the largest document's entry count {need}, got {max_entries!r}"
         )
     cu = cu_seqlens.to(torch.int64)
-    doc = document_ids(cu)  # [T]
+    doc = document_ids(cu, cu_l[-1])  # [T]
     t_rel = torch.arange(doc.numel(), device=cu.device) - cu[doc]
     n_vis = (t_rel + 1) // ratio  # [T]
     j = torch.arange(max_entries, device=cu.device)
@@ -124,12 +136,20 @@ def window_indices_sbhd(seq_len: int, window: int, device=None) -> torch.Tensor:
     """SBHD form: ``[S, W]`` int32 LOCAL rows ``t - W + 1 .. t`` (``-1`` below 0), the same for every sequence."""
     if not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
-    return window_indices(torch.tensor([0, seq_len], dtype=torch.int32, device=device), window)
+    cu = upload_host_ints([0, seq_len], device)
+    return window_indices(cu, window, cu_seqlens_host=[0, seq_len])
 
 
 def visible_compressed_indices_sbhd(seq_len: int, ratio: int, device=None) -> torch.Tensor:
     """SBHD form: ``[S, S // ratio]`` int32 LOCAL entry ids ``w < floor((t+1)/ratio)``, ``-1`` after."""
     if not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
-    cu = torch.tensor([0, seq_len], dtype=torch.int32, device=device)
-    return visible_compressed_indices(cu, compressed_cu_seqlens(cu, ratio), ratio)
+    check_ratio(ratio)
+    cu_l, cuc_l = [0, seq_len], [0, seq_len // ratio]
+    return visible_compressed_indices(
+        upload_host_ints(cu_l, device),
+        upload_host_ints(cuc_l, device),
+        ratio,
+        cu_seqlens_host=cu_l,
+        cu_seqlens_c_host=cuc_l,
+    )
