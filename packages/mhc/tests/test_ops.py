@@ -6,10 +6,15 @@ GPU (``gpu`` marker): bf16 streams with fp32 parameters, truth = fp32 reference,
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from dsv4_testkit import assert_close_to_ref
+sys.path.insert(0, str(Path(__file__).parent))
+from _kernel_cases import _compare, _params, _run, _triplet
+
 from mhc import (
     hyper_head,
     hyper_head_ref,
@@ -28,33 +33,6 @@ CPU_CASES = [(1, 4, 8, 3), (37, 4, 24, 5), (19, 3, 20, 2), (5, 1, 16, 1), (18, 2
 GPU_CASES = [(1, 4, 64, 20), (1000, 4, 512, 20), (4097, 4, 4096, 20), (333, 3, 200, 20)]
 
 
-def _params(n: int, d: int, seed: int, head: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    m = n if head else (2 + n) * n
-    fn = torch.randn(m, n * d, generator=g, dtype=torch.float64) * 0.3
-    scale = torch.tensor([1.1] if head else [0.9, 1.3, 2.0], dtype=torch.float64)
-    base = torch.randn(m, generator=g, dtype=torch.float64) * 0.5
-    return fn, scale, base
-
-
-def _run(fn, inputs, dy_seed=7):
-    """Forward + backward with fixed random output grads; returns (outputs, grads of every input)."""
-    ins = [t.detach().clone().requires_grad_(True) for t in inputs]
-    outs = fn(*ins)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    g = torch.Generator().manual_seed(dy_seed)
-    loss = sum(
-        (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum() for o in outs
-    )
-    loss.backward()
-    return outs, [t.grad for t in ins]
-
-
-def _compare(names, got, truth, yard):
-    for name, a, b, c in zip(names, got, truth, yard):
-        assert_close_to_ref(name, a, b, c)
-
-
 def _cases(cases, dtype, device):
     return [
         pytest.param(*c, dtype, device, id="T{}-N{}-D{}-it{}".format(*c) + f"-{str(dtype)[6:]}")
@@ -65,26 +43,6 @@ def _cases(cases, dtype, device):
 ALL = _cases(CPU_CASES, torch.float32, "cpu") + [
     pytest.param(*p.values, marks=pytest.mark.gpu, id=p.id) for p in _cases(GPU_CASES, torch.bfloat16, "cuda")
 ]
-
-
-def _inputs(t, n, d, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, n, d, generator=g, dtype=torch.float64)
-    return x.to(device)
-
-
-def _triplet(t, n, d, dtype, device, head=False, seed=0):
-    """(kernel inputs, truth inputs, yardstick inputs) for (x, fn, scale, base)."""
-    x = _inputs(t, n, d, dtype, device, seed)
-    fn, scale, base = (p.to(device) for p in _params(n, d, seed + 1, head))
-    if dtype == torch.float32:
-        kern = [x.float(), fn.float(), scale.float(), base.float()]
-        return kern, [x, fn, scale, base], kern
-    xb = x.to(dtype)
-    kern = [xb, fn.float(), scale.float(), base.float()]
-    truth = [xb.float(), fn.float(), scale.float(), base.float()]
-    yard = [xb, fn.to(dtype), scale.to(dtype), base.to(dtype)]
-    return kern, truth, yard
 
 
 @pytest.mark.parametrize(("t", "n", "d", "iters", "dtype", "device"), ALL)
