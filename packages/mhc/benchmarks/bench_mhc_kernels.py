@@ -307,7 +307,8 @@ def main() -> int:
     for out_dir in ([] if args.dry_run_cpu else [RESULTS]) + ([args.out] if args.out else []):
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "bench_mhc_kernels.json").write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {RESULTS / 'bench_mhc_kernels.json'}" + (f" and {args.out}" if args.out else ""))
+    dirs = ([] if args.dry_run_cpu else [str(RESULTS)]) + ([str(args.out)] if args.out else [])
+    print(f"\nwrote bench_mhc_kernels.json to {', '.join(dirs) or 'nowhere'}")
     return 1 if failed else 0
 
 
@@ -344,9 +345,7 @@ def _print_tables(rows, kernels, sweep_rows, n, d, it):
     head = f"{'streams':<8}{'T':>6} {'op':<6}{'phase':<6}"
     head += "".join(f"{s:>24}" for s in (*SETS, "eager")) + f"{'vs legacy':>11}{'vs eager':>10}"
     print(head)
-    keys = sorted(
-        {(r["streams"], r["tokens"], r["op"], r["phase"]) for r in rows}, key=lambda k: (k[0], k[1])
-    )
+    keys = list(dict.fromkeys((r["streams"], r["tokens"], r["op"], r["phase"]) for r in rows))
     for key in keys:
         cell = {r["impl"]: r for r in rows if (r["streams"], r["tokens"], r["op"], r["phase"]) == key}
         txt = "".join(
