@@ -20,6 +20,7 @@ from mhc.ops.launch import (
     env_cfg,
     interpreting,
     kernel_set,
+    post_bwd_cfg,
     pow2,
     split_k,
 )
@@ -325,25 +326,16 @@ class MHCPostFunction(torch.autograd.Function):
         t, n, d = x.shape
         df = torch.empty_like(f)
         dx = torch.empty_like(x)
-        dpost = torch.empty(t, n, device=x.device, dtype=torch.float32)
-        dcomb = torch.empty(t, n, n, device=x.device, dtype=torch.float32)
-        if t > 0:
-            bt, bd = (16, min(_pow2(d), 512)) if _interpreting() else (8, 128)
-            _post_bwd_kernel[(triton.cdiv(t, bt),)](
-                f,
-                x,
-                post,
-                comb,
-                dout.contiguous(),
-                df,
-                dx,
-                dpost,
-                dcomb,
-                t,
-                d,
-                N=n,
-                NP=_pow2(n),
-                BT=bt,
-                BD=bd,
-            )
-        return df, dx, dpost, dcomb
+        if t == 0:
+            return df, dx, post.new_zeros(t, n), comb.new_zeros(t, n, n)
+        bt, bd, dsplit, warps = post_bwd_cfg(t, d, x.device)
+        d_per_split, dsplit = split_k(d, bd, dsplit)
+        dpost = torch.empty(dsplit, t, n, device=x.device, dtype=torch.float32)
+        dcomb = torch.empty(dsplit, t, n, n, device=x.device, dtype=torch.float32)
+        _post_bwd_kernel[(triton.cdiv(t, bt), dsplit)](
+            f, x, post, comb, dout.contiguous(), df, dx, dpost, dcomb, t, d, d_per_split,
+            N=n, NP=_pow2(n), BT=bt, BD=bd, num_warps=warps,
+        )  # fmt: skip
+        if dsplit > 1:
+            return df, dx, dpost.sum(0), dcomb.sum(0)
+        return df, dx, dpost[0], dcomb[0]

@@ -127,3 +127,21 @@ def coeff_bwd_streams_cfg(
         split = max(1, min(triton.cdiv(t, 4 * bt), triton.cdiv(8 * num_sms(device), cols)))
         rows = triton.cdiv(triton.cdiv(t, split), bt) * bt
     return bt, bk, warps, stages, rows, triton.cdiv(t, rows)
+
+
+def post_bwd_cfg(t: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BT, BD, DSPLIT, warps)`` of the post backward (``DSPLIT`` D ranges per token block, partial
+    ``dpost``/``dcomb`` summed on the host).
+
+    Both kernel sets use the 0.1.0 shape ``[8 tokens, 4 streams, 128]`` with whole rows per program (measured 91%
+    of HBM at T = 16384 with bf16 streams); ``MHC_POST_BWD_CFG="BT,BD,DSPLIT,warps"`` (``DSPLIT=0``: enough D
+    ranges for ~8 programs per SM) tries the alternatives (``bench_mhc_kernels.py --sweep``).
+    """
+    if interpreting():  # two D ranges whenever D > 16: CPU tests exercise the partial sums
+        return 16, min(pow2(d), 16), 2, 4
+    if kernel_set() == "legacy":
+        return 8, 128, 1, 4
+    bt, bd, dsplit, warps = env_cfg("POST_BWD", (8, 128, 1, 4))
+    if dsplit <= 0:
+        dsplit = max(1, min(triton.cdiv(8 * num_sms(device), triton.cdiv(t, bt)), triton.cdiv(d, bd)))
+    return bt, bd, dsplit, warps

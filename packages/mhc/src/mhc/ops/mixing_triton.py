@@ -118,23 +118,26 @@ def _post_bwd_kernel(
     dout_ptr,
     df_ptr,
     dx_ptr,
-    dpost_ptr,
-    dcomb_ptr,
+    dpost_ptr,  # [DSPLIT, T, N] fp32 (partial sums per D range when DSPLIT > 1)
+    dcomb_ptr,  # [DSPLIT, T, N, N] fp32
     T,
     D,
+    d_per_split,  # D range per program along axis 1 (a multiple of BD, or >= D)
     N: tl.constexpr,
     NP: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    pid_s = tl.program_id(1)
     ip = tl.arange(0, NP)
     rmask = rows < T
     pmask = rmask[:, None] & (ip < N)[None, :]
     dpost = tl.zeros([BT, NP], tl.float32)
     dcomb = tl.zeros([BT, NP, NP], tl.float32)
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
+    d_lo = pid_s * d_per_split
+    for d0 in range(0, d_per_split, BD):
+        dd = d_lo + d0 + tl.arange(0, BD)
         dmask = dd < D
         m2 = rmask[:, None] & dmask[None, :]
         m3 = pmask[:, :, None] & dmask[None, None, :]
@@ -157,10 +160,11 @@ def _post_bwd_kernel(
             dcomb += tl.where(ip[None, None, :] == j, v[:, :, None], 0.0)
         tl.store(df_ptr + rows[:, None] * D + dd[None, :], df.to(df_ptr.dtype.element_ty), mask=m2)
         tl.store(dx_ptr + offs3, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
-    tl.store(dpost_ptr + rows[:, None] * N + ip[None, :], dpost, mask=pmask)
+    prow = pid_s.to(tl.int64) * T + rows  # row of this D range's partial sums
+    tl.store(dpost_ptr + prow[:, None] * N + ip[None, :], dpost, mask=pmask)
     cmask = pmask[:, :, None] & (ip < N)[None, None, :]
     tl.store(
-        dcomb_ptr + rows[:, None, None] * (N * N) + ip[None, :, None] * N + ip[None, None, :],
+        dcomb_ptr + prow[:, None, None] * (N * N) + ip[None, :, None] * N + ip[None, None, :],
         dcomb,
         mask=cmask,
     )
