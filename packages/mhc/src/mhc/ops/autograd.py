@@ -75,7 +75,7 @@ def _coefficients_fwd_splitk(x, fn, scale, base, iters, norm_eps, hc_eps, has_re
     mp = max(16, _pow2(m))
     interp = _interpreting()
     plan = dot_plan(x.dtype, interp)
-    bt, bk, want, warps, stages = coeff_splitk_cfg(t, k, x.device)
+    bt, bk, want, warps, stages = coeff_splitk_cfg(t, k, x.device, x.element_size())
     k_per_split, n_split = split_k(k, bk, want)
     part = torch.empty(n_split, t, mp, device=x.device, dtype=torch.float32)
     ssq = torch.empty(n_split, t, device=x.device, dtype=torch.float32)

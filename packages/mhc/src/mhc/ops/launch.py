@@ -80,20 +80,23 @@ def split_k(k: int, bk: int, split: int) -> tuple[int, int]:
     return per * bk, triton.cdiv(chunks, per)
 
 
-def coeff_splitk_cfg(t: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def coeff_splitk_cfg(t: int, k: int, device: torch.device, esize: int = 2) -> tuple[int, int, int, int, int]:
     """``(BT, BK, SPLIT, warps, stages)`` of the split-K partial kernel.
 
     GPU: 64-token blocks (one wgmma M tile at 4 warps; the fn tile ``[BK, 32]`` fp32 is re-read once per block:
-    0.75x the bf16 stream bytes / 0.375x fp32, served from L2), ``BK = 64``, and SPLIT so that the grid has about
-    8 programs per SM (several resident per SM hide the load latency; a tail wave costs little), but every
-    program keeps at least 8 K-chunks for the software pipeline. T = 4096, K = 16384 on 132 SMs: 64 x 16 programs
-    of 1024 columns each.
+    0.75x the bf16 stream bytes / 0.375x fp32, served from L2), 8 KB of streams per K-chunk (``BK = 64`` bf16,
+    32 fp32), and SPLIT so that the grid has about 8 programs per SM (several resident per SM hide the load
+    latency; a tail wave costs little), but every program keeps at least 8 K-chunks for the software pipeline.
+    T = 4096, K = 16384, bf16, 132 SMs: 64 x 16 programs of 1024 columns each (fp32: 64 x 17 of 992).
     """
     if interpreting():
         bk = 32 if k > 32 else pow2(k)
         per = max(bk, int(os.environ.get("MHC_INTERP_MIN_SPLIT_K", "64")))
         return 16, bk, triton.cdiv(k, per), 1, 1
-    bt, bk, split, warps, stages = env_cfg("COEFF_SPLITK", (64, 64, 0, 4, 3))
+    # sm_90 compile: bf16 [64, 64] x 3 stages = 72 registers, 45 KB smem (5 programs/SM); fp32 [64, 64] needs 172
+    # registers (tf32x3 splits in registers: 2 programs/SM), fp32 [64, 32] x 4 stages 96 registers, 45 KB (5/SM)
+    default = (64, 32, 0, 4, 4) if esize >= 4 else (64, 64, 0, 4, 3)
+    bt, bk, split, warps, stages = env_cfg("COEFF_SPLITK", default)
     if split <= 0:
         blocks = triton.cdiv(t, bt)
         split = triton.cdiv(8 * num_sms(device), blocks)
