@@ -107,3 +107,30 @@ def test_causality_of_logits(megatron_cpu):
     # expert GEMMs group tokens differently when later tokens change: equal up to fp32 rounding
     torch.testing.assert_close(ref[:, :cut], out[:, :cut], atol=1e-5, rtol=1e-5)
     assert (ref[:, cut:] - out[:, cut:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_cross_entropy_matches_megatron(megatron_cpu, monkeypatch, backend):
+    """``cross_entropy_loss_fusion`` (our default: dsv4-primitives' fused CE) gives megatron's per-token LM and MTP
+    losses and the same parameter gradients (incl. the in-place logits gradient of both heads)."""
+    from hybrid_model.model import build_model
+
+    monkeypatch.setenv("DSV4_PRIMITIVES_BACKEND", backend)
+    cfg = get_preset("tiny")
+    ids = torch.randint(0, cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(ids, -1, 1)
+    runs = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg, cross_entropy_loss_fusion=fused).train()
+        assert model.config.cross_entropy_loss_fusion is fused
+        loss = model(ids, None, None, labels=labels)
+        loss.mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        runs.append((loss.detach(), model.last_mtp_loss, grads))
+    (l0, m0, g0), (l1, m1, g1) = runs
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m1, m0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)

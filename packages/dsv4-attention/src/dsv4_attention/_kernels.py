@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from csa_kernels import (
     attention_indices,
+    compressed_cu_seqlens_host,
     compressed_positions,
     compressor_pool,
     indexer_loss,
@@ -21,6 +22,7 @@ from csa_kernels import (
 
 __all__ = [
     "attention_indices",
+    "compressed_cu_seqlens_host",
     "compressed_positions",
     "compressor_pool",
     "indexer_loss",

@@ -20,7 +20,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention._kernels import compressed_positions, compressor_pool
+from dsv4_attention._kernels import compressed_cu_seqlens_host, compressed_positions, compressor_pool
 from dsv4_attention._linears import column_parallel_kwargs
 from dsv4_attention._rope import rope
 from dsv4_primitives import KeepFP32Mixin, RopeConfig, mark_keep_in_fp32
@@ -100,17 +100,31 @@ class Compressor(KeepFP32Mixin, MegatronModule):
         backend: str = "auto",
         position_offset: int = 0,
         max_position: int | None = None,
+        cu_seqlens_host: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` -> ``(entries [Tc, c] in x.dtype, cu_seqlens_c int32 [N+1])``.
 
         Entry ``w`` of a document is rotated at ``w * ratio + position_offset``. ``max_position``: host bound of
         those positions (:attr:`~dsv4_attention.layout.TokenLayout.max_rope_position`; avoids a device sync).
+        ``cu_seqlens_host``: host copy of ``cu_seqlens`` (:attr:`~dsv4_attention.layout.TokenLayout.bounds_host`;
+        with it and ``max_position`` the compressor does no device-to-host synchronisation).
         """
         kv, _ = self.linear_wkv(x)  # [T, coff*c]
         score, _ = self.linear_wgate(x)  # [T, coff*c]
         pooled, cu_c = compressor_pool(
-            kv, score, self.ape, self.compress_ratio, self.overlap, cu_seqlens, backend=backend
+            kv,
+            score,
+            self.ape,
+            self.compress_ratio,
+            self.overlap,
+            cu_seqlens,
+            backend=backend,
+            cu_seqlens_host=cu_seqlens_host,
         )  # [Tc, c] fp32
         normed = self.norm(pooled)  # [Tc, c] fp32 math
-        pos = compressed_positions(cu_c, self.compress_ratio) + position_offset  # [Tc]
+        cu_c_host = None
+        if cu_seqlens_host is not None:
+            cu_c_host = compressed_cu_seqlens_host(cu_seqlens_host, self.compress_ratio)
+        pos = compressed_positions(cu_c, self.compress_ratio, cu_seqlens_c_host=cu_c_host)  # [Tc]
+        pos = pos + position_offset
         return rope(normed, pos, self.rope_cfg, max_position=max_position).to(x.dtype), cu_c

@@ -125,10 +125,15 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         """
         t = q.shape[0]
         cu = layout.cu_seqlens
+        # host copies of the boundaries, and indices built here from them: the kernels skip their device-to-host
+        # validation reads (one synchronisation per op otherwise)
+        host = layout.bounds_host
         backend = self.backend
-        win = window_indices(cu, self.window)  # [T, W]
+        win = window_indices(cu, self.window, cu_seqlens_host=host)  # [T, W]
         if not self.compress_ratio:
-            o, _ = sparse_attn(q, kv, self.attn_sink, win, self.softmax_scale, backend=backend)
+            o, _ = sparse_attn(
+                q, kv, self.attn_sink, win, self.softmax_scale, backend=backend, check_indices=False
+            )
             return o, None
         entries, cu_c = self.compressor(
             x,
@@ -136,6 +141,7 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
             backend=backend,
             position_offset=layout.position_offset,
             max_position=layout.max_rope_position,
+            cu_seqlens_host=host,
         )  # [Tc, c]
         kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
         max_c = layout.max_compressed_entries(self.compress_ratio)  # host int: no device sync
@@ -151,14 +157,19 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
                 backend=backend,
                 position_offset=layout.position_offset,
                 max_position=layout.max_rope_position,
+                cu_seqlens_host=host,
             )
         if dense:
-            comp = visible_compressed_indices(cu, cu_c, self.compress_ratio, max_c)  # [T, max_c]
+            comp = self._visible(layout, cu_c, max_c)  # [T, max_c]
         else:
             with torch.set_grad_enabled(want_loss):
-                comp, topk_scores = self.indexer.select(state, cu, backend=backend)  # [T, k]
+                comp, topk_scores = self.indexer.select(
+                    state, cu, backend=backend, cu_seqlens_host=host
+                )  # [T, k]
         idx = attention_indices(win, comp, t)  # [T, W + K] rows of kv_all
-        o, lse = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale, backend=backend)
+        o, lse = sparse_attn(
+            q, kv_all, self.attn_sink, idx, self.softmax_scale, backend=backend, check_indices=False
+        )
         loss = None
         if want_loss:
             loss = self._indexer_loss(
@@ -178,8 +189,10 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         t = q.shape[0]
         backend = self.backend
         if dense or not self.config.dsa_indexer_use_sparse_loss:
-            loss_set = comp if dense else visible_compressed_indices(cu, cu_c, self.compress_ratio, max_c)
-            student = self.indexer.scores(state, cu, max_c, backend=backend)  # [T, max_c]
+            loss_set = comp if dense else self._visible(layout, cu_c, max_c)
+            student = self.indexer.scores(
+                state, cu, max_c, backend=backend, cu_seqlens_host=layout.bounds_host
+            )  # [T, max_c]
         else:
             loss_set, student = comp, topk_scores  # [T, k]
         valid = loss_set >= 0
@@ -194,6 +207,7 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
             student,
             self.softmax_scale,
             backend=backend,
+            check_indices=False,
         )
         rows = valid.any(-1)
         if layout.real_rows is not None:
@@ -201,3 +215,15 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         kl = torch.where(rows, per_row, torch.zeros_like(per_row)).sum() / rows.sum().clamp(min=1)
         coeff = self.config.dsa_indexer_loss_coeff or 0.0
         return kl * coeff
+
+    def _visible(self, layout, cu_c: torch.Tensor, max_c: int) -> torch.Tensor:
+        """Every visible compressed entry per query ``[T, max_c]`` (global rows, -1 padded), without a sync."""
+        ratio = self.compress_ratio
+        return visible_compressed_indices(
+            layout.cu_seqlens,
+            cu_c,
+            ratio,
+            max_c,
+            cu_seqlens_host=layout.bounds_host,
+            cu_seqlens_c_host=layout.compressed_bounds_host(ratio),
+        )

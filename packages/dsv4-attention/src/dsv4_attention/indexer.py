@@ -21,7 +21,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention._kernels import indexer_scores, indexer_topk
+from dsv4_attention._kernels import compressed_cu_seqlens_host, indexer_scores, indexer_topk
 from dsv4_attention._linears import column_parallel_kwargs
 from dsv4_attention._rope import rope
 from dsv4_primitives import RopeConfig
@@ -94,11 +94,13 @@ class LightningIndexer(MegatronModule):
         backend: str = "auto",
         position_offset: int = 0,
         max_position: int | None = None,
+        cu_seqlens_host: list[int] | None = None,
     ) -> IndexerState:
         """``x [T, d]``, ``q_latent [T, d_c]`` (both detached here), RoPE ``positions [T]`` -> :class:`IndexerState`.
 
         ``position_offset`` shifts the compressed-key positions like ``positions`` (already shifted) for queries;
-        ``max_position`` is a host bound of every position (no device sync to size the rotary table).
+        ``max_position`` is a host bound of every position (no device sync to size the rotary table);
+        ``cu_seqlens_host`` the host copy of ``cu_seqlens`` (no device sync in the compressor).
         """
         x = x.detach()
         q_latent = q_latent.detach()
@@ -108,17 +110,27 @@ class LightningIndexer(MegatronModule):
             q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg, max_position=max_position
         )  # [T, n_I, c_I]
         k, cu_c = self.compressor(
-            x, cu_seqlens, backend=backend, position_offset=position_offset, max_position=max_position
+            x,
+            cu_seqlens,
+            backend=backend,
+            position_offset=position_offset,
+            max_position=max_position,
+            cu_seqlens_host=cu_seqlens_host,
         )  # [Tc, c_I]
         w, _ = self.linear_weights_proj(x)  # [T, n_I]
         return IndexerState(q, k, w * self.weight_scale, cu_c)
 
     def select(
-        self, state: IndexerState, cu_seqlens: torch.Tensor, backend: str = "auto"
+        self,
+        state: IndexerState,
+        cu_seqlens: torch.Tensor,
+        backend: str = "auto",
+        cu_seqlens_host: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k per query: ``(indices [T, k] int32 global compressed rows (-1 trailing), scores [T, k] fp32)``.
 
         The scores are differentiable in the indexer's parameters (the sparse-loss student); the indices are not.
+        ``cu_seqlens_host``: host copy of ``cu_seqlens`` (no device sync).
         """
         idx, scores = indexer_topk(
             state.q,
@@ -129,11 +141,17 @@ class LightningIndexer(MegatronModule):
             cu_seqlens,
             state.cu_seqlens_c,
             backend=backend,
+            **_host_kwargs(cu_seqlens_host, self.compress_ratio),
         )
         return idx, scores
 
     def scores(
-        self, state: IndexerState, cu_seqlens: torch.Tensor, max_entries: int, backend: str = "auto"
+        self,
+        state: IndexerState,
+        cu_seqlens: torch.Tensor,
+        max_entries: int,
+        backend: str = "auto",
+        cu_seqlens_host: list[int] | None = None,
     ) -> torch.Tensor:
         """Differentiable scores ``[T, max_entries]`` over each token's document entries (column = local entry id,
         aligned with ``visible_compressed_indices``; ``-inf`` where invisible): the dense-loss student."""
@@ -146,4 +164,15 @@ class LightningIndexer(MegatronModule):
             state.cu_seqlens_c,
             max_entries,
             backend=backend,
+            **_host_kwargs(cu_seqlens_host, self.compress_ratio),
         )
+
+
+def _host_kwargs(cu_seqlens_host: list[int] | None, ratio: int) -> dict:
+    """csa-kernels' trusted-caller host copies of ``cu_seqlens`` / ``cu_seqlens_c`` (empty without a host copy)."""
+    if cu_seqlens_host is None:
+        return {}
+    return {
+        "cu_seqlens_host": cu_seqlens_host,
+        "cu_seqlens_c_host": compressed_cu_seqlens_host(cu_seqlens_host, ratio),
+    }

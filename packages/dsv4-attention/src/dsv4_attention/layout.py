@@ -58,6 +58,22 @@ class TokenLayout:
         back from the device."""
         return max(self.max_seqlen - 1, 0) + abs(self.position_offset)
 
+    @property
+    def bounds_host(self) -> list[int]:
+        """``segment_bounds`` as the host list csa-kernels' trusted-caller options take (``cu_seqlens_host``)."""
+        if self.segment_bounds is None:
+            raise ValueError(
+                "this TokenLayout has no host segment_bounds; build it with sbhd_layout/thd_layout"
+            )
+        return list(self.segment_bounds)
+
+    def compressed_bounds_host(self, ratio: int) -> list[int]:
+        """Host ``cu_seqlens_c`` of the layout's segments at ``ratio``: ``floor(len / ratio)`` entries each."""
+        out = [0]
+        for a, b in itertools.pairwise(self.bounds_host):
+            out.append(out[-1] + (b - a) // ratio)
+        return out
+
     def max_compressed_entries(self, ratio: int) -> int:
         """The largest per-segment compressed entry count ``floor(len / ratio)`` (host int, no device sync)."""
         if not ratio:

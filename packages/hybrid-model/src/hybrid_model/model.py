@@ -194,6 +194,27 @@ class DSv4Model(HybridModel):
         scale = self.config.mtp_loss_scaling_factor / (self.config.mtp_num_layers or 1)
         return MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
 
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` of ``logits [s, b, V/tp]`` (this rank's vocabulary shard).
+
+        With ``config.cross_entropy_loss_fusion`` (our default) dsv4-primitives' fused vocab-parallel cross entropy:
+        one read of the logits for the row statistics (max, sum of exponentials, target logit; combined over the
+        tensor-parallel group), and a backward that writes the logits gradient into the logits buffer (the logits are
+        not read again after the loss). Otherwise megatron-core's unfused fp32 path. Same values either way.
+        """
+        if not self.config.cross_entropy_loss_fusion:
+            return super().compute_language_model_loss(labels, logits)
+        from dsv4_primitives import vocab_parallel_cross_entropy
+
+        tp = self.pg_collection.tp
+        loss = vocab_parallel_cross_entropy(
+            logits,
+            labels.transpose(0, 1),  # [s, b]
+            tp_group=tp if tp is not None and tp.size() > 1 else None,
+            inplace_backward=logits.requires_grad,
+        )  # [s, b] fp32
+        return loss.transpose(0, 1).contiguous()  # [b, s]
+
     @torch.no_grad()
     def compute_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Main-head logits ``[B, T, V]`` of ``input_ids [B, T]`` (single pipeline stage, eval mode)."""

@@ -129,6 +129,9 @@ def transformer_config(
         perform_initialization=perform_initialization,
         batch_p2p_comm=False,
         variable_seq_lengths=False,
+        # DSv4Model.compute_language_model_loss: True = dsv4-primitives' fused vocab-parallel cross entropy (one
+        # read of the logits, no fp32 [s, b, V] copies); False = megatron's unfused fp32 path
+        cross_entropy_loss_fusion=True,
     )
     if cfg.yarn is not None:
         kw.update(
