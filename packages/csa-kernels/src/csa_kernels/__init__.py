@@ -49,8 +49,10 @@ from csa_kernels.ops.visibility import (
 )
 from csa_kernels.varlen import (
     compressed_cu_seqlens,
+    compressed_cu_seqlens_host,
     cu_seqlens_from_lengths,
     sbhd_cu_seqlens,
+    sbhd_cu_seqlens_host,
     sbhd_to_thd,
     thd_to_sbhd,
 )
@@ -65,6 +67,7 @@ __all__ = [
     "compress_ref",
     "compress_sbhd",
     "compressed_cu_seqlens",
+    "compressed_cu_seqlens_host",
     "compressed_positions",
     "compressor_pool",
     "compressor_pool_ref",
@@ -86,6 +89,7 @@ __all__ = [
     "indices_to_mask",
     "local_to_global_rows",
     "sbhd_cu_seqlens",
+    "sbhd_cu_seqlens_host",
     "sbhd_to_thd",
     "sparse_attn",
     "sparse_attn_dense_ref",

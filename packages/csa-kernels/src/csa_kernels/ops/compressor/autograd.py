@@ -7,8 +7,9 @@ import torch
 from csa_kernels.ops.compressor.reference import (
     _check_compress_inputs,
     _check_pool_inputs,
-    _norm_rope,
+    _norm_rope_cached,
     compressed_positions_host,
+    max_entry_position,
 )
 from csa_kernels.ops.compressor.triton import compressor_pool_bwd, compressor_pool_fwd
 from csa_kernels.varlen import compressed_cu_seqlens_host, upload_host_ints
@@ -78,7 +79,8 @@ def compress_triton(
     """Full compressor with the fused pooling kernel: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``.
 
     Projections run as GEMMs in ``x.dtype`` (bf16 on GPU: fp32 accumulation, bf16 ``kv`` / ``score``), pooling in
-    the Triton kernel (fp32 softmax), RMSNorm and RoPE on the fp32 pooled rows as in :func:`compress_ref`.
+    the Triton kernel (fp32 softmax), RMSNorm and RoPE on the fp32 pooled rows as in :func:`compress_ref` (RoPE from
+    the cached tables of ``dsv4_primitives``: same values, no per-call upload).
     """
     _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
     kv = torch.nn.functional.linear(x, wkv.to(x.dtype))  # [T, Dk]
@@ -87,5 +89,7 @@ def compress_triton(
     pooled, cu_c = compressor_pool_triton(
         kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu
     )  # [Tc, c] fp32
-    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions_host(cu, ratio, cu_c), rope_cfg)
+    positions = compressed_positions_host(cu, ratio, cu_c)  # [Tc]
+    max_pos = max_entry_position(compressed_cu_seqlens_host(cu, ratio), ratio)
+    rotated = _norm_rope_cached(pooled, norm_weight, eps, positions, rope_cfg, max_pos)
     return rotated.to(x.dtype), cu_c

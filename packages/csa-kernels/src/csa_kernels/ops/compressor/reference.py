@@ -30,7 +30,7 @@ import torch
 
 from csa_kernels._checks import check_cu_seqlens, check_float, check_ratio, check_shape, compute_dtype
 from csa_kernels.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host, document_positions
-from dsv4_primitives import RopeConfig, apply_rope_ref, rms_norm_ref
+from dsv4_primitives import RopeConfig, apply_rope, apply_rope_ref, rms_norm_ref
 
 
 def _empty_half(kv_b: torch.Tensor, logit_b: torch.Tensor, lead: int, ratio: int, c: int):
@@ -70,6 +70,19 @@ def _norm_rope(pooled, norm_weight, eps, positions, rope_cfg) -> torch.Tensor:
     """Entry epilogue: ``RMSNorm_{norm_weight}`` of the pooled rows, then RoPE at ``positions`` (compute dtype)."""
     normed = rms_norm_ref(pooled, norm_weight.to(pooled.dtype), eps)
     return apply_rope_ref(normed, positions, rope_cfg)
+
+
+def _norm_rope_cached(pooled, norm_weight, eps, positions, rope_cfg, max_position: int) -> torch.Tensor:
+    """:func:`_norm_rope` for fp32 ``pooled`` without a device sync: RoPE from ``dsv4_primitives``' cached
+    ``cos``/``sin`` tables (the same float64-computed values as the reference's angles, uploaded once per table
+    size; ``apply_rope_ref`` uploads its inverse frequencies on every call) with the host-known ``max_position``."""
+    normed = rms_norm_ref(pooled, norm_weight.to(pooled.dtype), eps)
+    return apply_rope(normed, positions, rope_cfg, backend="torch", max_position=max_position)
+
+
+def max_entry_position(cuc: list[int], ratio: int) -> int:
+    """Largest RoPE position ``(entries of the longest document - 1) * ratio`` of the host list ``cuc`` (0 if none)."""
+    return max(0, max((b - a for a, b in itertools.pairwise(cuc)), default=0) - 1) * ratio
 
 
 def _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=None):
