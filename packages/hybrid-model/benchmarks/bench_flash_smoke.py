@@ -204,6 +204,80 @@ def _profile(model, S: int, out: Path, top: int = 40) -> dict:
     }
 
 
+_OUR_FRAMES = ("hybrid_model/", "dsv4_attention/", "csa_kernels/", "hash_moe/", "mhc/", "dsv4_primitives/",
+               "thd_packing/", "megatron/core/")  # fmt: skip
+
+
+def _gap_report(S: int, model, out: Path, top: int = 30) -> dict:
+    """Where the GPU waits for the host: one profiled fwd+bwd (Python stacks on), every idle interval between
+    kernels longer than 5 us attributed to the code that launched the kernel ending it (innermost frames of our
+    packages or megatron-core). Written to ``out/flash_smoke_gaps_S.txt``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _fwd_bwd_step(model, S)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.profiler.kineto_results.events()
+    gpu = sorted((e for e in events if e.device_type() == DeviceType.CUDA), key=lambda e: e.start_ns())
+    launch = {}
+    cpu_ops = []
+    for e in events:
+        if e.device_type() != DeviceType.CPU:
+            continue
+        if e.name().startswith(("cuda", "cu")) and e.correlation_id():
+            launch[e.correlation_id()] = e.start_ns()
+        elif e.stack():
+            cpu_ops.append(e)
+    cpu_ops.sort(key=lambda e: e.start_ns())
+    starts = [e.start_ns() for e in cpu_ops]
+
+    def site(t_ns: int) -> str:
+        import bisect
+
+        i = bisect.bisect_right(starts, t_ns) - 1
+        best = None
+        for j in range(i, max(i - 5000, -1), -1):  # the latest-starting op still running at t: the innermost
+            if cpu_ops[j].end_ns() >= t_ns:
+                best = cpu_ops[j]
+                break
+        if best is None:
+            return "?"
+        frames = [f for f in best.stack() if any(k in f for k in _OUR_FRAMES)]
+        frames = [f.split("/src/")[-1].split("site-packages/")[-1] for f in frames[:2]]
+        return f"{best.name()} @ " + " <- ".join(frames) if frames else best.name()
+
+    gaps: dict[str, list[float]] = {}
+    end = gpu[0].start_ns() if gpu else 0
+    total_gap = 0.0
+    for e in gpu:
+        gap = e.start_ns() - end
+        if gap > 5_000:
+            key = site(launch.get(e.correlation_id(), e.start_ns()))
+            g = gaps.setdefault(key, [0.0, 0])
+            g[0] += gap / 1e6
+            g[1] += 1
+            total_gap += gap / 1e6
+        end = max(end, e.end_ns())
+    span = (end - gpu[0].start_ns()) / 1e6 if gpu else 0.0
+    rows = sorted(gaps.items(), key=lambda kv: -kv[1][0])
+    lines = [
+        f"flash-smoke fwd+bwd S={S}: GPU span {span:.1f} ms, idle {total_gap:.1f} ms in gaps > 5 us "
+        f"(profiler with stacks on: host times are inflated)",
+        "",
+        f"{'idle ms':>8} {'gaps':>5}  launched by",
+    ]
+    lines += [f"{g[0]:8.2f} {g[1]:5d}  {k[:220]}" for k, g in rows[:top]]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"flash_smoke_gaps_{S}.txt").write_text(text + "\n")
+    return {"span_ms": span, "idle_ms": total_gap, "top": {k[:200]: g[0] for k, g in rows[:top]}}
+
+
 def _sync_report(model, S: int, out: Path, top: int = 40) -> dict:
     """One fwd+bwd at length S under ``torch.cuda.set_sync_debug_mode("warn")``: every device-to-host
     synchronisation, grouped by the innermost frames of our packages and megatron-core that triggered it (the
@@ -219,6 +293,8 @@ def _sync_report(model, S: int, out: Path, top: int = 40) -> dict:
             "/thd_packing/", "/megatron/core/")  # fmt: skip
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
         frames = [f for f in tb.extract_stack()[:-1] if any(k in f.filename for k in keep)]
         where = " <- ".join(
             f"{f.filename.split('/src/')[-1].split('site-packages/')[-1]}:{f.lineno} {f.name}"
@@ -339,6 +415,11 @@ def main() -> None:
 
     if args.sync_report:
         result["syncs"] = _sync_report(model, args.profile_seq_len or 4096, Path(args.out))
+        try:  # diagnostics only: never lose the measurements below to it
+            result["gaps"] = _gap_report(args.profile_seq_len or 4096, model, Path(args.out))
+        except Exception:
+            result["gaps"] = {"error": traceback.format_exc()[-3000:]}
+            print(result["gaps"]["error"], flush=True)
         save()
     if args.profile_seq_len:
         result["profile"] = _profile(model, args.profile_seq_len, Path(args.out))

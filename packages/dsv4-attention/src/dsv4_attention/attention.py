@@ -225,9 +225,12 @@ class DSv4HybridAttention(MegatronModule):
         q_lat = self.q_layernorm(q_lat)  # [T, d_c] shared latent
         q, _ = self.linear_q_up_proj(q_lat)  # [T, n_h*c]
         q = rms_norm(q.view(t, self.num_heads, self.head_dim), None, self.eps)  # [T, n_h, c] no weight
-        q = rope(q, pos, self.rope_cfg, max_position=max_pos)
+        # in place: the norm saved its input, not this output
+        q = rope(q, pos, self.rope_cfg, max_position=max_pos, inplace=True)
         kv, _ = self.linear_kv_proj(x)  # [T, c]
-        kv = rope(self.kv_layernorm(kv), pos, self.rope_cfg, max_position=max_pos)  # [T, c]  K = V
+        kv = rope(
+            self.kv_layernorm(kv), pos, self.rope_cfg, max_position=max_pos, inplace=True
+        )  # [T, c]  K = V
 
         o, loss = self.core_attention(q, kv, x, q_lat, layout)  # [T, n_h, c]
         if loss is not None:

@@ -25,9 +25,16 @@ import torch.distributed as dist
 def tokens_per_expert(
     experts: torch.Tensor, num_experts: int, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[E]`` fp32 count of (valid token, chosen expert) pairs per expert; padding tokens are not counted."""
-    ids = experts if valid is None else experts[valid]
-    return torch.bincount(ids.reshape(-1), minlength=num_experts).float()
+    """``[E]`` fp32 count of (valid token, chosen expert) pairs per expert; padding tokens are not counted.
+
+    A scatter-add of ones (zeros on padding rows), not ``bincount`` / boolean indexing: both read values back to
+    the host on CUDA (a device synchronisation per routed layer).
+    """
+    ones = torch.ones(experts.shape, dtype=torch.float32, device=experts.device)  # [N, K]
+    if valid is not None:
+        ones = ones * valid.reshape(-1, *([1] * (experts.dim() - 1))).to(torch.float32)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=experts.device)
+    return counts.scatter_add_(0, experts.reshape(-1).long(), ones.reshape(-1))
 
 
 @torch.no_grad()

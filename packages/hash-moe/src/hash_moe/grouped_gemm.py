@@ -107,11 +107,11 @@ def _grouped_mm_aligned(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
     align = 16 // x.element_size()
     padded = [-(-c // align) * align for c in counts]
     if padded == counts:
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+        offs = _upload(torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32), x.device)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     m, m_pad, dev = x.shape[0], sum(padded), x.device
-    cnt = torch.tensor(counts, dtype=torch.int64).to(dev)
-    pad = torch.tensor(padded, dtype=torch.int64).to(dev)
+    cnt = _upload(torch.tensor(counts, dtype=torch.int64), dev)
+    pad = _upload(torch.tensor(padded, dtype=torch.int64), dev)
     shift = (pad.cumsum(0) - pad) - (cnt.cumsum(0) - cnt)  # [G] destination minus source start
     rows = torch.arange(m, device=dev) + torch.repeat_interleave(
         shift, cnt, output_size=m
@@ -123,3 +123,9 @@ def _grouped_mm_aligned(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
     offs = pad.cumsum(0).to(torch.int32)
     out = torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs)  # [M_pad, N]
     return row_gather(out, rows, source.unsqueeze(1))  # [M, N]
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a stream synchronisation (a pageable source is staged by the driver
+    before the call returns, so the temporary may be freed right away)."""
+    return host.to(device, non_blocking=True)

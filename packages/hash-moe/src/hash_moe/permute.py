@@ -97,7 +97,9 @@ def build_permute_map(
     k = min(k, e)
     none = t * e + num_out + 1  # larger than every row and pair index: sorts last, becomes -1
     # row of (t, e): experts before e, plus tokens before t routed to e
-    row = (counts.cumsum(0) - counts) + routing_map.cumsum(0) - 1  # [T, E]
+    # the scan runs along contiguous memory ([E, T]): a dim-0 scan of [T, E] is a slow strided kernel on CUDA
+    before = routing_map.t().contiguous().cumsum(1).t()  # [T, E] routed tokens up to t, per expert
+    row = (counts.cumsum(0) - counts) + before - 1  # [T, E]
     key = torch.where(routing_map & (row < num_out), row, none)  # [T, E]
     by_token = key.sort(dim=1).values  # [T, E]: a token's rows increase with the expert
     if k < e and not routing_map.is_cuda and bool((by_token[:, k] != none).any()):
