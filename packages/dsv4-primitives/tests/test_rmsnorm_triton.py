@@ -249,3 +249,25 @@ def test_gpu_bf16_realistic_shapes(name, shape, wkind):
     torch.manual_seed(7)
     x = (2 * torch.randn(shape, device="cuda")).bfloat16()
     _check_against_reference(x, _weight(wkind, shape[-1], "cuda"))
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_output_can_be_rotated_in_place(backend):
+    """The norm's output is a plain tensor (not a view made inside the Function): an in-place RoPE on it (what the
+    attention does to the normalised q) works under autograd and gives the out-of-place gradients."""
+    from dsv4_primitives import RopeConfig, apply_rope
+
+    cfg = RopeConfig(rope_dim=8, base=10000.0)
+    x = torch.randn(6, 3, 16, requires_grad=True)
+    w = torch.randn(6, 3, 16)
+    pos = torch.arange(6)
+    grads = []
+    for inplace in (False, True):
+        x.grad = None
+        y = rms_norm(x, None, 1e-6, backend=backend)  # [6, 3, 16]
+        y = apply_rope(y, pos, cfg, inplace=inplace, backend=backend, max_position=5)
+        (y * w).sum().backward()
+        grads.append((y.detach().clone(), x.grad.clone()))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-6, atol=1e-6)

@@ -48,13 +48,14 @@ def _launch_config(rows: int, d: int, is_cuda: bool) -> tuple[int, int, bool, in
 
 
 def rms_norm_fwd_triton(
-    x2: torch.Tensor, weight: torch.Tensor | None, eps: float
+    x2: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward on a contiguous ``x2 [R, D]``: returns ``y [R, D]`` (``x2.dtype``) and ``rstd [R]`` (fp32)."""
+    """Forward on a contiguous ``x2 [R, D]``: returns ``y [R, D]`` (``x2.dtype``; written into the contiguous
+    ``out [R, D]`` when given) and ``rstd [R]`` (fp32)."""
     from dsv4_primitives.rmsnorm.kernel import rms_norm_fwd_kernel
 
     rows, d = x2.shape
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2) if out is None else out
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     if rows == 0:
         return y, rstd
@@ -134,10 +135,14 @@ class _RMSNormFunction(torch.autograd.Function):
         d = x.shape[-1]
         x2 = x.reshape(-1, d).contiguous()  # [R, D]
         w = weight.contiguous() if weight is not None else None
-        y2, rstd = rms_norm_fwd_triton(x2, w, eps)
+        # the output is allocated in x's shape (not a view of a [R, D] buffer), so callers may modify it in place
+        # (e.g. an in-place RoPE of the normalised q): autograd forbids in-place writes to views made inside a
+        # custom Function
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _, rstd = rms_norm_fwd_triton(x2, w, eps, out=y.view(-1, d))
         ctx.save_for_backward(x2, w, rstd)
         ctx.x_shape = x.shape
-        return y2.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
