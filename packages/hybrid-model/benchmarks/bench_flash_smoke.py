@@ -218,37 +218,76 @@ def _gap_report(S: int, model, out: Path, top: int = 30) -> dict:
     step = _fwd_bwd_step(model, S)
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        step()
-        torch.cuda.synchronize()
+    # forward attribution: every module's forward runs inside a "mod:<name>" range
+    hooks = []
+
+    def pre(name):
+        def hook(module, args):
+            ctx = torch.profiler.record_function(f"mod:{name}")
+            ctx.__enter__()
+            module.__dict__.setdefault("_gap_ctx", []).append(ctx)
+
+        return hook
+
+    def post(module, args, output):
+        module.__dict__["_gap_ctx"].pop().__exit__(None, None, None)
+
+    for name, mod in model.named_modules():
+        if name:
+            hooks.append(mod.register_forward_pre_hook(pre(name)))
+            hooks.append(mod.register_forward_hook(post))
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            step()
+            torch.cuda.synchronize()
+    finally:
+        for h in hooks:
+            h.remove()
     events = prof.profiler.kineto_results.events()
     gpu = sorted((e for e in events if e.device_type() == DeviceType.CUDA), key=lambda e: e.start_ns())
-    launch = {}
+    launch = {}  # correlation id -> host launch time
     cpu_ops = []
     for e in events:
         if e.device_type() != DeviceType.CPU:
             continue
-        if e.name().startswith(("cuda", "cu")) and e.correlation_id():
-            launch[e.correlation_id()] = e.start_ns()
-        elif e.stack():
+        if e.name().startswith(("cuda", "cu")):
+            if e.correlation_id():
+                launch[e.correlation_id()] = e.start_ns()
+        else:
             cpu_ops.append(e)
     cpu_ops.sort(key=lambda e: e.start_ns())
     starts = [e.start_ns() for e in cpu_ops]
+    # Python stacks live on the parsed events (times in us from the trace start)
+    t0 = prof.profiler.kineto_results.trace_start_ns()
+    stacked = sorted(
+        (e for e in prof.events() if e.stack and any(k in f for f in e.stack for k in _OUR_FRAMES)),
+        key=lambda e: e.time_range.start,
+    )
+    stacked_starts = [e.time_range.start for e in stacked]
+
+    def frames_at(t_us: float) -> str:
+        import bisect
+
+        i = bisect.bisect_right(stacked_starts, t_us) - 1
+        for j in range(i, max(i - 20000, -1), -1):
+            e = stacked[j]
+            if e.time_range.end >= t_us:
+                ours = [f for f in e.stack if any(k in f for k in _OUR_FRAMES)][:2]
+                return " <- ".join(f.split("/src/")[-1].split("site-packages/")[-1] for f in ours)
+        return ""
 
     def site(t_ns: int) -> str:
+        """Outermost and innermost host ops running at ``t_ns``, and our innermost Python frames."""
         import bisect
 
         i = bisect.bisect_right(starts, t_ns) - 1
-        best = None
-        for j in range(i, max(i - 5000, -1), -1):  # the latest-starting op still running at t: the innermost
-            if cpu_ops[j].end_ns() >= t_ns:
-                best = cpu_ops[j]
-                break
-        if best is None:
-            return "?"
-        frames = [f for f in best.stack() if any(k in f for k in _OUR_FRAMES)]
-        frames = [f.split("/src/")[-1].split("site-packages/")[-1] for f in frames[:2]]
-        return f"{best.name()} @ " + " <- ".join(frames) if frames else best.name()
+        running = [cpu_ops[j] for j in range(i, max(i - 20000, -1), -1) if cpu_ops[j].end_ns() >= t_ns]
+        if not running:
+            return "(no host op)"
+        inner, outer = running[0], running[-1]
+        mod = next((e.name()[4:] for e in running if e.name().startswith("mod:")), None)
+        where = frames_at((t_ns - t0) / 1000)
+        return f"{mod or outer.name()[:50]} > {inner.name()[:40]}" + (f" @ {where}" if where else "")
 
     gaps: dict[str, list[float]] = {}
     end = gpu[0].start_ns() if gpu else 0
@@ -256,7 +295,7 @@ def _gap_report(S: int, model, out: Path, top: int = 30) -> dict:
     for e in gpu:
         gap = e.start_ns() - end
         if gap > 5_000:
-            key = site(launch.get(e.correlation_id(), e.start_ns()))
+            key = f"{site(launch.get(e.correlation_id(), e.start_ns()))} | next: {e.name()[:40]}"
             g = gaps.setdefault(key, [0.0, 0])
             g[0] += gap / 1e6
             g[1] += 1
