@@ -16,6 +16,7 @@ any in-place PyTorch op.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +48,55 @@ def _rotate_torch(
     y3[..., nope:].copy_(out)
 
 
+@dataclass(frozen=True)
+class RopeKernelConfig:
+    """Launch geometry of :func:`dsv4_primitives.rope.kernel.rope_rotate_kernel`.
+
+    Attributes:
+        bytes_per_program: bytes of ``x`` one program reads (whole rows out of place, only the rope slices in
+            place); rows (position, head) per program = this / bytes per row, rounded down to a power of two.
+        min_programs: while fewer programs than this would be launched, the rows per program are halved (down to
+            one row) so small inputs still spread over the SMs.
+        num_warps: warps per program.
+    """
+
+    bytes_per_program: int = 16384
+    min_programs: int = 1024
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_program < 1 or self.min_programs < 1 or self.num_warps < 1:
+            raise ValueError(f"RopeKernelConfig fields must be positive, got {self}")
+
+
+KERNEL_CONFIG = RopeKernelConfig()  # CUDA: 16 KiB per program (8 x 16-byte loads per thread at 4 warps)
+INTERPRET_CONFIG = RopeKernelConfig(
+    bytes_per_program=1 << 18, min_programs=1, num_warps=1
+)  # few, big programs
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tile(n: int, h: int, row_bytes: int, cfg: RopeKernelConfig) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_H)``: a ``[positions, heads]`` tile of about ``cfg.bytes_per_program`` bytes."""
+    rows = _pow2_floor(cfg.bytes_per_program // row_bytes)
+    while rows > 1 and _cdiv(n * h, rows) < cfg.min_programs:
+        rows //= 2
+    block_h = min(_pow2_ceil(h), rows)
+    block_p = min(max(1, rows // block_h), _pow2_ceil(n))
+    return block_p, block_h
+
+
 def _launch_triton(
     x3: torch.Tensor,
     y3: torch.Tensor,
@@ -56,44 +106,37 @@ def _launch_triton(
     nope: int,
     inverse: bool,
 ) -> None:
-    import triton
-
+    """Rotate ``x3 [N, H, D]`` into ``y3`` (``y3`` aliasing ``x3``: in place, rope channels only; else one pass)."""
     from dsv4_primitives.rope.kernel import rope_rotate_kernel
 
-    n, h, _ = x3.shape
-    rows = n * h
-    half = cos.shape[-1]
-    block_half = triton.next_power_of_2(half)
-    block_nope = min(128, triton.next_power_of_2(max(nope, 1)))
-    copy_nope = y3.data_ptr() != x3.data_ptr()
-    if x3.is_cuda:  # ~4K elements per tile: [BLOCK_R, 32] rope pairs, [BLOCK_R, 128] nope chunks
-        width = max(block_half, block_nope) if copy_nope else block_half
-        block_r = max(1, min(triton.next_power_of_2(rows), 4096 // width))
-        num_warps = 4
-    else:  # interpreter: few, large programs
-        block_r = max(1, min(triton.next_power_of_2(rows), 1024))
-        num_warps = 1
-    grid = (triton.cdiv(rows, block_r),)
+    n, h, d = x3.shape
+    rope = 2 * cos.shape[-1]
+    assert d == nope + rope and x3.stride(2) == 1 and y3.stride(2) == 1
+    copy_nope = nope > 0 and y3.data_ptr() != x3.data_ptr()
+    cfg = KERNEL_CONFIG if x3.is_cuda else INTERPRET_CONFIG
+    block_p, block_h = _tile(n, h, (d if copy_nope else rope) * x3.element_size(), cfg)
+    grid = (_cdiv(n, block_p), _cdiv(h, block_h))
     rope_rotate_kernel[grid](
         x3,
         y3,
         pos,
         cos,
         sin,
-        rows,
+        n,
         h,
         x3.stride(0),
         x3.stride(1),
         y3.stride(0),
         y3.stride(1),
         NOPE=nope,
-        HALF=half,
-        BLOCK_R=block_r,
-        BLOCK_HALF=block_half,
-        BLOCK_NOPE=block_nope,
+        ROPE=rope,
+        BLOCK_P=block_p,
+        BLOCK_H=block_h,
+        BLOCK_ROPE=_pow2_ceil(rope),
+        BLOCK_NOPE=_pow2_ceil(nope) if copy_nope else 1,
         COPY_NOPE=copy_nope,
         INVERSE=bool(inverse),
-        num_warps=num_warps,
+        num_warps=cfg.num_warps,
     )
 
 
@@ -130,7 +173,7 @@ def _rotate(
         impl(x3, x3, pos, cos, sin, nope, inverse)
         return x
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    impl(x3, y.view(n_pos, heads, d), pos, cos, sin, nope, inverse)
+    impl(x3, y.view(n_pos, heads, d), pos, cos, sin, nope, inverse)  # out of place: one fused pass
     return y
 
 
