@@ -8,6 +8,8 @@ import torch
 
 from dsv4_testkit import assert_close_to_ref
 from hash_moe import build_permute_map, permute, permute_ref, unpermute, unpermute_ref
+from hash_moe.kernels.permute_triton import permute_map_triton
+from hash_moe.permute import permute_map_torch
 from hash_moe.row_gather import gather_rows, gather_sum_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,6 +165,114 @@ def test_permute_map_layout():
     assert (pmap.num_rows, pmap.num_tokens, pmap.num_experts) == (4, 3, 3)
 
 
+def _sorted_permute_map(routing_map, num_out, k):
+    """hash-moe 0.3.0's first map builder (two sorts), the oracle of the sort-free one: ``(token_of_row,
+    pair_of_row, row_of_pair, rows_of_token)``; ``k`` already ``min(K, E)``."""
+    t, e = routing_map.shape
+    counts = routing_map.sum(0)
+    none = t * e + num_out + 1  # sorts last, becomes -1
+    before = routing_map.t().contiguous().cumsum(1).t()
+    row = (counts.cumsum(0) - counts) + before - 1
+    key = torch.where(routing_map & (row < num_out), row, none)
+    by_token = key.sort(dim=1).values
+    rows_of_token = by_token[:, :k].masked_fill(by_token[:, :k] == none, -1)
+    row_of_pair = key.masked_fill(key == none, -1)
+    n = min(num_out, t * e)
+    flat = key.reshape(-1)
+    pair_of_row = flat.argsort()[:n]
+    pair_of_row = pair_of_row.masked_fill(flat[pair_of_row] == none, -1)
+    pair_of_row = torch.cat([pair_of_row, pair_of_row.new_full((num_out - n,), -1)])
+    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // max(e, 1), -1)
+    return token_of_row, pair_of_row, row_of_pair, rows_of_token
+
+
+def _random_maps(seed):
+    """``(routing_map, K)`` pairs: top-k maps with padding rows and empty experts, T = 1, E = 1, top-1, all-padding,
+    and dense Bernoulli maps (rows of up to E entries)."""
+    g = torch.Generator().manual_seed(seed)
+    maps = []
+    for t, e, k, pads, empty in [
+        (13, 5, 2, (0, 7), (3,)),
+        (1, 4, 2, (), ()),
+        (9, 1, 1, (4,), ()),
+        (11, 6, 1, (2, 3), (0, 5)),
+        (6, 3, 3, (), ()),
+        (5, 4, 2, (0, 1, 2, 3, 4), ()),
+        (1, 1, 1, (), ()),
+    ]:
+        maps.append((_routing(t, e, k, pads, empty, seed=seed + t * e)[0], k))
+    for t, e in [(17, 7), (4, 9), (1, 3)]:
+        maps.append((torch.rand(t, e, generator=g) < 0.4, e))
+    return maps
+
+
+def _assert_maps_equal(got, want, what):
+    for name, a, b in zip(("token_of_row", "pair_of_row", "row_of_pair", "rows_of_token"), got, want):
+        assert a.dtype == torch.int64 and a.shape == b.shape and torch.equal(a, b), (
+            f"{what}: {name}\n{a}\n{b}"
+        )
+        assert a.is_contiguous(), f"{what}: {name} not contiguous"
+
+
+def _num_outs(rm):
+    n = int(rm.sum())
+    return sorted({n, max(n - 3, 0), n // 2, 0, n + 4, rm.numel() + 2})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sort_free_map_equals_sorted_map(backend):
+    """The sort-free map (PyTorch scatters; Triton's two kernels) equals the two-sort map entry for entry: every
+    num_out (truncating, exact, extending past T * E, 0) and K (the router's, E), padding rows, empty experts."""
+    for rm, k in _random_maps(seed=11):
+        t, e = rm.shape
+        for num_out in _num_outs(rm):
+            for kk in {k, e}:
+                want = _sorted_permute_map(rm, num_out, kk)
+                got = build_permute_map(rm.to(DEV), num_out, max_routes_per_token=kk, backend=backend)
+                got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
+                _assert_maps_equal([a.cpu() for a in got], want, f"T={t} E={e} K={kk} num_out={num_out}")
+
+
+def test_triton_map_multi_program_tiling():
+    """Many programs, several tiles per program, tiles of 1 token: the count table, the per-expert carry over a
+    program's tiles and the empty-row shares; rows with more than K routed pairs keep their first K (the CUDA
+    behaviour, where the ValueError check is skipped)."""
+    g = torch.Generator().manual_seed(3)
+    rm = torch.rand(23, 6, generator=g) < 0.5
+    rm[[4, 5, 17]] = False
+    rm[:, 2] = False
+    n = int(rm.sum())
+    for num_out in (n, n - 7, n + 30):
+        for k in (2, 6):
+            want = _sorted_permute_map(rm, num_out, k)
+            for block_t, progs in ((1, 4), (2, 3), (4, 100), (8, 1)):
+                got = permute_map_triton(rm.to(DEV), num_out, k, block_t=block_t, num_programs=progs)
+                _assert_maps_equal(
+                    [a.cpu() for a in got], want, f"K={k} num_out={num_out} tiles {block_t}x{progs}"
+                )
+            if k < 6:
+                assert torch.equal(permute_map_torch(rm, num_out, k)[3], want[3])
+
+
+def test_map_empty_shapes_and_rows_check():
+    """T = 0 and E = 0 (PyTorch path on every backend) equal the sorted map; the CPU ValueError counts the pairs
+    kept inside num_out, as before."""
+    for shape, k in (((0, 3), 2), ((4, 0), 1), ((0, 0), 1)):
+        rm = torch.zeros(shape, dtype=torch.bool)
+        for num_out in (0, 3):
+            for backend in BACKENDS:
+                got = build_permute_map(rm, num_out, max_routes_per_token=k, backend=backend)
+                got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
+                _assert_maps_equal(got, _sorted_permute_map(rm, num_out, min(k, shape[1])), f"{shape}")
+    rm = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # rows: e0 <- t0, t1; e1 <- t0; e2 <- t1
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="more than max_routes_per_token=1"):
+            build_permute_map(rm, max_routes_per_token=1, backend=backend)
+        # num_out = 2 keeps only expert 0's rows: one pair per token, no error (as the sorted builder)
+        pmap = build_permute_map(rm, 2, max_routes_per_token=1, backend=backend)
+        assert pmap.rows_of_token.tolist() == [[0], [1]] and pmap.pair_of_row.tolist() == [0, 3]
+
+
 def test_row_primitives_odd_shapes():
     def t(v, **kw):
         return torch.as_tensor(v, **kw).to(DEV)
@@ -233,3 +343,24 @@ def test_gpu_bf16_dispatch_size_matches_megatron_and_reference():
     torch_path = _ours(x, rm, probs, n, g_perm, g_probs, g_y, "torch", k)
     for name, a, b in zip(NAMES, got, torch_path):
         assert torch.equal(a, b), f"{name}: Triton vs PyTorch path"
+
+
+@pytest.mark.gpu
+def test_gpu_map_kernels_match_sorted_map():
+    """The two map kernels on the GPU (several tiles per program at E = 256) equal the PyTorch path and the sorted
+    map: dispatcher sizes with padding rows and an empty expert, truncated and extended num_out."""
+    torch.manual_seed(0)
+    for t, e, k in ((4096, 16, 6), (16384, 256, 8), (3001, 7, 2)):
+        scores = torch.rand(t, e, device=DEV)
+        rm = torch.zeros(t, e, dtype=torch.bool, device=DEV).scatter_(1, scores.topk(k, dim=1).indices, True)
+        rm[-(t // 64) :] = False
+        rm[:, e // 2] = False
+        n = int(rm.sum())
+        for num_out in (n, n - 1000, n + 777):
+            want = _sorted_permute_map(rm, num_out, k)
+            got = build_permute_map(rm, num_out, max_routes_per_token=k, backend="triton")
+            got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
+            _assert_maps_equal(got, want, f"T={t} E={e} num_out={num_out}")
+            _assert_maps_equal(
+                permute_map_torch(rm, num_out, k), want, f"torch T={t} E={e} num_out={num_out}"
+            )

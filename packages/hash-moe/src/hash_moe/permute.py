@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hash_moe.row_gather import RowBackend, row_gather, row_gather_sum
+from hash_moe.row_gather import RowBackend, resolve_row_backend, row_gather, row_gather_sum
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,25 @@ def _check_routing_map(routing_map: torch.Tensor) -> None:
 
 
 def build_permute_map(
-    routing_map: torch.Tensor, num_out: int | None = None, *, max_routes_per_token: int | None = None
+    routing_map: torch.Tensor,
+    num_out: int | None = None,
+    *,
+    max_routes_per_token: int | None = None,
+    backend: RowBackend = "auto",
 ) -> PermuteMap:
     """Index maps of the expert-major permutation of ``routing_map [T, E]`` (no host sync when ``num_out`` is given).
+
+    No sort: with ``c`` the running count of True entries of ``routing_map.T`` in row-major (expert-major) order,
+
+    ```
+    row_of_pair[t, e]   = c(e, t) - 1                    routed pairs with c(e, t) <= num_out, else -1
+    pair_of_row[r]      = t * E + e  where r = row_of_pair[t, e]       (a scatter, unique rows; -1 elsewhere)
+    token_of_row[r]     = pair_of_row[r] // E                          (-1 stays -1)
+    rows_of_token[t, j] = row_of_pair[t, e]  where j = Σ_{e' <= e} routing_map[t, e'] - 1 < K   (a scatter; -1)
+    ```
+
+    (a token's rows increase with the expert, so its ``j``-th routed expert holds its ``j``-th row, and truncation
+    by ``num_out`` drops a suffix of them).
 
     Args:
         routing_map: ``[T, E]`` bool; True = token ``t`` goes to expert ``e``.
@@ -82,12 +98,13 @@ def build_permute_map(
         max_routes_per_token: ``K``, the most True entries in a row (megatron: ``moe_router_topk``); ``None`` = ``E``.
             Rows with more True entries are a ValueError on CPU tensors; on CUDA the check would need a host sync
             and is skipped (their extra pairs would get no gradient / output): pass ``None`` when unsure.
+        backend: ``"triton"`` (two launches of :func:`hash_moe.kernels.permute_triton.permute_map_triton`),
+            ``"torch"`` (:func:`permute_map_torch`, the reference) or ``"auto"`` (Triton on CUDA); equal results.
     """
     _check_routing_map(routing_map)
     t, e = routing_map.shape
-    counts = routing_map.sum(0)  # [E]
     if num_out is None:
-        num_out = int(counts.sum())
+        num_out = int(routing_map.sum())
     num_out = int(num_out)
     if num_out < 0:
         raise ValueError(f"num_out must be >= 0, got {num_out}")
@@ -95,29 +112,54 @@ def build_permute_map(
     if k < 1:
         raise ValueError(f"max_routes_per_token must be >= 1 (or None = E), got {max_routes_per_token}")
     k = min(k, e)
-    none = t * e + num_out + 1  # larger than every row and pair index: sorts last, becomes -1
-    # row of (t, e): experts before e, plus tokens before t routed to e
-    # the scan runs along contiguous memory ([E, T]): a dim-0 scan of [T, E] is a slow strided kernel on CUDA
-    before = routing_map.t().contiguous().cumsum(1).t()  # [T, E] routed tokens up to t, per expert
-    row = (counts.cumsum(0) - counts) + before - 1  # [T, E]
-    key = torch.where(routing_map & (row < num_out), row, none)  # [T, E]
-    by_token = key.sort(dim=1).values  # [T, E]: a token's rows increase with the expert
-    if k < e and not routing_map.is_cuda and bool((by_token[:, k] != none).any()):
+    if resolve_row_backend(backend, routing_map) == "triton" and t * e > 0:
+        from hash_moe.kernels.permute_triton import permute_map_triton
+
+        maps = permute_map_triton(routing_map, num_out, k)
+    else:
+        maps = permute_map_torch(routing_map, num_out, k)
+    pmap = PermuteMap(*maps)
+    if k < e and not routing_map.is_cuda and bool(((pmap.row_of_pair >= 0).sum(1) > k).any()):
         raise ValueError(
             f"a routing-map row selects more than max_routes_per_token={k} experts; pass the router's top-k "
             "(or None)"
         )
-    rows_of_token = by_token[:, :k]
-    rows_of_token = rows_of_token.masked_fill(rows_of_token == none, -1)  # [T, K]
-    row_of_pair = key.masked_fill(key == none, -1)  # [T, E]
-    n = min(num_out, t * e)
-    flat = key.reshape(-1)
-    pair_of_row = flat.argsort()[:n]  # [R]: the pair holding each row (unique keys; ties only among `none`)
-    pair_of_row = pair_of_row.masked_fill(flat[pair_of_row] == none, -1)
-    if num_out > n:
-        pair_of_row = torch.cat([pair_of_row, pair_of_row.new_full((num_out - n,), -1)])
-    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // max(e, 1), -1)  # [R]
-    return PermuteMap(token_of_row, pair_of_row, row_of_pair, rows_of_token)
+    return pmap
+
+
+def permute_map_torch(
+    routing_map: torch.Tensor, num_out: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch path of :func:`build_permute_map` (the reference of the Triton kernels; no sort, no host sync).
+
+    ``(token_of_row [R], pair_of_row [R], row_of_pair [T, E], rows_of_token [T, K])`` for ``R = num_out`` and
+    ``1 <= K <= E`` (``K = 0`` only for ``E = 0``); rows of more than ``K`` routed pairs keep their first ``K``.
+    """
+    t, e = routing_map.shape
+    dev, i64 = routing_map.device, torch.int64
+    # running count of routed pairs in expert-major order: one scan over contiguous memory ([E, T] flattened; a
+    # dim-0 scan of [T, E] is a slow strided kernel on CUDA). At a routed pair it is the pair's row + 1.
+    routed = routing_map.t().reshape(-1)  # [E * T]
+    count = routed.cumsum(0)  # [E * T]
+    kept = routed & (count <= num_out)  # [E * T]: routed and inside the num_out rows
+    row1 = (count * kept).view(e, t)  # [E, T]: row + 1 of each kept pair, 0 = none
+    row_of_pair = torch.empty(t, e, device=dev, dtype=i64)
+    torch.sub(row1, 1, out=row_of_pair.t())  # [T, E], written through the transposed view: no extra copy
+    # pair_of_row: slot 0 of the buffer takes every non-kept pair (discarded); kept rows are unique
+    pair_buf = torch.full((num_out + 1,), -1, device=dev, dtype=i64)
+    pair_buf.index_put_((row1,), torch.arange(t * e, device=dev, dtype=i64).view(t, e).t())
+    pair_of_row = pair_buf[1:]  # [R]
+    token_of_row = pair_of_row // max(e, 1)  # [R] (floor division: -1 stays -1)
+    # rows_of_token: the j-th routed expert of token t holds its j-th row (j = running count along the row - 1);
+    # column 0 of the buffer takes the non-kept pairs and those past K
+    slot1 = routing_map.cumsum(1)  # [T, E]: j + 1
+    keep = kept.view(e, t).t()  # [T, E]
+    if k < e:
+        keep = keep & (slot1 <= k)
+    rows_buf = torch.full((t, k + 1), -1, device=dev, dtype=i64)
+    rows_buf.scatter_(1, slot1 * keep, row_of_pair)
+    rows_of_token = rows_buf[:, 1:].contiguous()  # [T, K]
+    return token_of_row, pair_of_row, row_of_pair, rows_of_token
 
 
 def permute(
@@ -137,8 +179,8 @@ def permute(
         probs: ``[T, E]`` routing weights or None.
         num_out: rows ``R`` (see :func:`build_permute_map`; None = routed count, with a host sync).
         max_routes_per_token: ``K`` (see :func:`build_permute_map`).
-        backend: ``"triton"`` (kernels of :mod:`hash_moe.kernels.permute_triton`), ``"torch"`` or ``"auto"``
-            (Triton on CUDA).
+        backend: ``"triton"`` (kernels of :mod:`hash_moe.kernels.permute_triton`, for the map and the rows),
+            ``"torch"`` or ``"auto"`` (Triton on CUDA).
 
     Returns:
         ``(x_perm [R, H], probs_perm [R] or None, PermuteMap)``; ``x_perm`` in ``x.dtype``, ``probs_perm`` in
@@ -151,7 +193,7 @@ def permute(
         )
     if probs is not None and probs.shape != routing_map.shape:
         raise ValueError(f"probs must be [T, E] = {tuple(routing_map.shape)}, got {tuple(probs.shape)}")
-    pmap = build_permute_map(routing_map, num_out, max_routes_per_token=max_routes_per_token)
+    pmap = build_permute_map(routing_map, num_out, max_routes_per_token=max_routes_per_token, backend=backend)
     x_perm = row_gather(x, pmap.token_of_row, pmap.rows_of_token, backend=backend)  # [R, H]
     probs_perm = None
     if probs is not None:
