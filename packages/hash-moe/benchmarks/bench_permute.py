@@ -10,6 +10,8 @@ experts, top-6 with 1/64 of the tokens padding, i.e. unrouted):
   ``index_add_`` backward, ``scatter_add_``), and the latter under ``torch.use_deterministic_algorithms`` (its
   sort-based deterministic ``index_add_``), plus megatron's two chunk sorts at EP = TP = 1 (identity permutations the
   dispatcher now skips);
+- ``build_permute_map`` alone (the index maps every permute builds): the two Triton map kernels (default on CUDA)
+  vs the sort-free PyTorch path vs the first 0.3.0 builder (a row sort and an argsort over ``T * E``);
 - the grouped GEMM's alignment padding (``hash_moe.grouped_gemm._grouped_mm_aligned``, gate_up shape: ``[R, H] x
   [E, 2F, H]``, F = ``--ffn``) with unaligned group sizes, forward and forward+backward: the row gathers of
   hash-moe 0.3 vs 0.2's ``index_copy`` / ``index_select`` (atomic ``index_add_`` backward), and with aligned sizes
@@ -20,7 +22,8 @@ the GEMM's operands and result) and its share of HBM bandwidth (4.8 TB/s on an H
 
 Correctness is checked first: the permuted rows and weights equal megatron's bit for bit; unpermute and every
 gradient against the fp64 reference (project rule: error <= 2x megatron's bf16 error + atol); two backward passes
-bit-identical; the padded grouped GEMM bit-identical to 0.2's (output and both gradients). Rows are printed as
+bit-identical; the padded grouped GEMM bit-identical to 0.2's (output and both gradients); the maps of both
+``build_permute_map`` backends equal the sorted builder's entry for entry (exact, truncated and extended ``num_out``). Rows are printed as
 measured and ``bench_permute.json`` is rewritten after every row in ``--out DIR`` and
 ``packages/hash-moe/benchmarks/results/`` (GPU runs); each measurement is capped at about ``--max-s`` seconds.
 
@@ -105,6 +108,44 @@ def chain(impl: str, x, rm, probs, n, k, dy, dp, backward: bool):
     return y.detach(), dx, dprobs
 
 
+def sorted_permute_map(routing_map, num_out: int, k: int):
+    """The first hash-moe 0.3.0 map builder (a row sort and an argsort over ``T * E``; ``k = min(K, E)``): the oracle
+    and the "before" row of ``build_permute_map``. ``(token_of_row, pair_of_row, row_of_pair, rows_of_token)``."""
+    t, e = routing_map.shape
+    counts = routing_map.sum(0)
+    none = t * e + num_out + 1  # sorts last, becomes -1
+    before = routing_map.t().contiguous().cumsum(1).t()
+    row = (counts.cumsum(0) - counts) + before - 1
+    key = torch.where(routing_map & (row < num_out), row, none)
+    by_token = key.sort(dim=1).values
+    rows_of_token = by_token[:, :k].masked_fill(by_token[:, :k] == none, -1)
+    row_of_pair = key.masked_fill(key == none, -1)
+    n = min(num_out, t * e)
+    flat = key.reshape(-1)
+    pair_of_row = flat.argsort()[:n]
+    pair_of_row = pair_of_row.masked_fill(flat[pair_of_row] == none, -1)
+    pair_of_row = torch.cat([pair_of_row, pair_of_row.new_full((num_out - n,), -1)])
+    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // max(e, 1), -1)
+    return token_of_row, pair_of_row, row_of_pair, rows_of_token
+
+
+def map_correctness(args, rm, n: int) -> list[dict]:
+    """Both ``build_permute_map`` backends vs the sorted builder, entry for entry."""
+    from hash_moe import build_permute_map
+
+    rows = []
+    for num_out in (n, n - n // 3, n + 1000):
+        want = sorted_permute_map(rm, num_out, args.topk)
+        for backend in ("triton", "torch"):
+            pmap = build_permute_map(rm, num_out, max_routes_per_token=args.topk, backend=backend)
+            got = (pmap.token_of_row, pmap.pair_of_row, pmap.row_of_pair, pmap.rows_of_token)
+            ok = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
+            name = f"map {backend} R={num_out} vs sorted"
+            print(f"  check {name:<28} {'identical' if ok else 'DIFFERENT'}")
+            rows.append({"name": name, "exact": True, "ok": ok})
+    return rows
+
+
 def check(name: str, out, ref, same, atol: float = 1e-3) -> dict:
     """Project rule: err(out) <= 2 * err(megatron bf16) + atol * max|ref|."""
     err, base = max_err(out, ref), max_err(same, ref)
@@ -144,6 +185,7 @@ def correctness(args) -> list[dict]:
         rows.append(check(f"{name} vs fp64", a, r, m))
     for name, a, b in zip(("y", "dx", "dprobs"), ours, again):
         rows.append(exact(f"{name} run-to-run", a, b))
+    rows += map_correctness(args, rm, n)
     rows += grouped_correctness(args)
     return rows
 
@@ -272,6 +314,30 @@ def bench_permute_rows(args, hbm: float, emit) -> None:
                         "pct_hbm": nbytes / ms / 1e-3 / hbm,
                     }
                 )
+    # the index maps alone: Triton kernels (default on CUDA), sort-free PyTorch path, the sorted builder (before)
+    from hash_moe import build_permute_map
+
+    map_fns = (
+        ("hash-moe", lambda: build_permute_map(rm, n, max_routes_per_token=k, backend="triton")),
+        ("hash-moe torch path", lambda: build_permute_map(rm, n, max_routes_per_token=k, backend="torch")),
+        ("sorted (0.3.0 before)", lambda: sorted_permute_map(rm, n, k)),
+    )
+    map_bytes = rm.numel() * (1 + 8) + n * 16 + t * k * 8  # routing map read; int64 maps written
+    for impl, fn in map_fns:
+        ms, reps = bench(fn, args)
+        emit(
+            {
+                "section": "permute",
+                "op": "build_permute_map",
+                "mode": "fwd",
+                "impl": impl,
+                "ms": ms,
+                "reps": reps,
+                "bytes": map_bytes,
+                "gbps": map_bytes / ms / 1e6,
+                "pct_hbm": map_bytes / ms / 1e-3 / hbm,
+            }
+        )
     # megatron's two chunk sorts at EP = TP = 1 (dispatch and combine; identity permutations, now skipped)
     split = torch.bincount(torch.nonzero(rm.t())[:, 0], minlength=args.experts).cpu()  # rows per expert
     order = torch.arange(args.experts)

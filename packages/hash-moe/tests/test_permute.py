@@ -1,7 +1,8 @@
 """Atomic-free MoE permute / unpermute (PyTorch path and Triton kernels, the interpreter on CPU) vs megatron-core's
 unfused ``permute`` / ``unpermute`` (bit-identical in fp32 on CPU, forward and backward) and vs the fp64 references
 (bf16, project tolerance rule): padding rows, empty experts, T = 1, top-1, E not a power of two, odd H, truncated
-and over-sized permutations; determinism and bad input. GPU: bf16 at dispatcher size."""
+and over-sized permutations; determinism and bad input; the sort-free index maps (PyTorch path, Triton kernels)
+equal to the former two-sort builder entry for entry. GPU: bf16 at dispatcher size, the map kernels."""
 
 import pytest
 import torch
@@ -255,8 +256,8 @@ def test_triton_map_multi_program_tiling():
 
 
 def test_map_empty_shapes_and_rows_check():
-    """T = 0 and E = 0 (PyTorch path on every backend) equal the sorted map; the CPU ValueError counts the pairs
-    kept inside num_out, as before."""
+    """T = 0, E = 0 and E > 2048 (PyTorch path on every backend) equal the sorted map; the CPU ValueError counts
+    the pairs kept inside num_out, as before."""
     for shape, k in (((0, 3), 2), ((4, 0), 1), ((0, 0), 1)):
         rm = torch.zeros(shape, dtype=torch.bool)
         for num_out in (0, 3):
@@ -264,6 +265,11 @@ def test_map_empty_shapes_and_rows_check():
                 got = build_permute_map(rm, num_out, max_routes_per_token=k, backend=backend)
                 got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
                 _assert_maps_equal(got, _sorted_permute_map(rm, num_out, min(k, shape[1])), f"{shape}")
+    wide = torch.zeros(2, 2049, dtype=torch.bool)  # wider than the Triton map kernels take: the PyTorch path
+    wide[0, [5, 2048]] = wide[1, 7] = True
+    got = build_permute_map(wide, 4, max_routes_per_token=2, backend="triton")
+    got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
+    _assert_maps_equal(got, _sorted_permute_map(wide, 4, 2), "E = 2049")
     rm = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # rows: e0 <- t0, t1; e1 <- t0; e2 <- t1
     for backend in BACKENDS:
         with pytest.raises(ValueError, match="more than max_routes_per_token=1"):

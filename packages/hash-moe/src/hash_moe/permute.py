@@ -16,6 +16,8 @@ accumulated by atomics. megatron's unfused path instead scatters (``index_add_``
 ``index_select``, ``scatter_add_`` in ``unpermute``): atomics in the input dtype, non-deterministic on CUDA.
 The forward of :func:`permute` equals megatron's bit for bit; :func:`unpermute` equals it up to the order and
 precision of the sum (fp32 here, bf16 atomics there; identical in fp32 on CPU, where megatron adds in row order).
+The maps come from running counts of the routing map and scatters to unique positions, without a sort
+(:func:`build_permute_map`; two Triton launches on CUDA, :func:`permute_map_torch` as the reference).
 
 Routing weights are *not* applied here: as in megatron's all-to-all dispatcher, ``probs_perm`` travels with the
 rows and the experts multiply it in (:class:`hash_moe.megatron.ClampedSwiGLUExperts`, before ``w2``).
@@ -31,6 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from hash_moe.row_gather import RowBackend, resolve_row_backend, row_gather, row_gather_sum
+
+# widest routing map the Triton map kernels take (one row of E pairs per tile; sm_90: 223 registers, no spills, at
+# E = 2048); wider maps (and maps of 2^31 pairs or more) take the PyTorch path
+_TRITON_MAP_MAX_EXPERTS = 2048
 
 
 @dataclass(frozen=True)
@@ -98,8 +104,9 @@ def build_permute_map(
         max_routes_per_token: ``K``, the most True entries in a row (megatron: ``moe_router_topk``); ``None`` = ``E``.
             Rows with more True entries are a ValueError on CPU tensors; on CUDA the check would need a host sync
             and is skipped (their extra pairs would get no gradient / output): pass ``None`` when unsure.
-        backend: ``"triton"`` (two launches of :func:`hash_moe.kernels.permute_triton.permute_map_triton`),
-            ``"torch"`` (:func:`permute_map_torch`, the reference) or ``"auto"`` (Triton on CUDA); equal results.
+        backend: ``"triton"`` (two launches of :func:`hash_moe.kernels.permute_triton.permute_map_triton`; the
+            PyTorch path for ``T * E = 0``, ``E > 2048`` or ``2^31`` pairs), ``"torch"`` (:func:`permute_map_torch`,
+            17 small ops, the reference) or ``"auto"`` (Triton on CUDA); identical results.
     """
     _check_routing_map(routing_map)
     t, e = routing_map.shape
@@ -112,7 +119,9 @@ def build_permute_map(
     if k < 1:
         raise ValueError(f"max_routes_per_token must be >= 1 (or None = E), got {max_routes_per_token}")
     k = min(k, e)
-    if resolve_row_backend(backend, routing_map) == "triton" and t * e > 0:
+    # the kernels count rows in int32 and take one row of experts per tile
+    fits = t * e > 0 and e <= _TRITON_MAP_MAX_EXPERTS and t * (e + 1) + num_out < 2**31
+    if resolve_row_backend(backend, routing_map) == "triton" and fits:
         from hash_moe.kernels.permute_triton import permute_map_triton
 
         maps = permute_map_triton(routing_map, num_out, k)
