@@ -8,8 +8,13 @@ Cases (head 512 = [448 nope | 64 rope], YaRN base 160000, THD positions from cu_
   q       [T, 64, 512]  forward rotation, out of place and in place, and fwd+bwd (autograd)
   kv      [T', 512]     forward rotation (single shared kv head), out of place and in place
   o_inv   [T, 64, 512]  inverse rotation of the attention output (out of place, as DSv4 requires)
-Implementations: ours (``apply_rope(backend="triton")``), the same API on the eager backend
+Implementations: ours (``apply_rope(backend="triton")``: out of place one fused pass that copies the nope channels
+and rotates the rope channels), "ours copy_+in-place" (the previous out-of-place strategy, kept as a row to justify
+the choice: ``x.clone()`` then the in-place kernel on the rope channels), the same API on the eager backend
 (``backend="torch"``), and the fp32 reference ``apply_rope_ref`` run eagerly on the bf16 tensor.
+
+``--sweep`` also times the kernel's launch geometry (``RopeKernelConfig``: bytes per program x warps) on the q
+(in place, out of place) and kv (in place) cases and prints a second table (in the JSON under ``"sweep"``).
 
 Memory-bound op: GB/s counts the bytes the op must move (out of place: read x + write y; in place: read + write the
 64 rope channels; fwd+bwd: also read dy + write dx), compared with the measured 4.27 TB/s H200 copy ceiling
@@ -81,10 +86,86 @@ def correctness(cfg, device, failures: list[str], n_tok: int = 3000) -> list[dic
         apply_rope(xi, pos, cfg, inverse=inverse, inplace=True, backend="triton", max_position=maxp)
         if not torch.equal(xi, y.detach()):
             failures.append(f"{name}: in-place result differs from out-of-place")
+        if not torch.equal(x, xl.detach()):
+            failures.append(f"{name}: out-of-place call modified its input")
     return checks
 
 
-def run(out_dir: Path, tokens: int, kv_tokens: int, device: str = "cuda", check_tokens: int = 3000) -> int:
+SWEEP = [(16384, 4), (8192, 4), (32768, 4), (16384, 8), (32768, 8), (65536, 8)]
+
+
+def sweep(cfg, tokens: int, kv_tokens: int, device, failures: list[str]) -> list[dict]:
+    """Time ``apply_rope`` under each ``RopeKernelConfig`` of :data:`SWEEP` (q in/out of place, kv in place).
+
+    A geometry whose result is not bit-identical to the default's is reported in ``failures`` and not timed.
+    """
+    from dsv4_primitives import apply_rope
+    from dsv4_primitives.rope import apply as rope_apply
+
+    default = rope_apply.KERNEL_CONFIG
+    out = []
+    cases = [
+        ("q", (tokens, 64, 512), False, 2 * tokens * 64 * 512 * 2),
+        ("q", (tokens, 64, 512), True, 2 * tokens * 64 * 64 * 2),
+        ("kv", (kv_tokens, 512), True, 2 * kv_tokens * 64 * 2),
+    ]
+    try:
+        for case, shape, inplace, nbytes in cases:
+            pos, maxp = _thd_positions(shape[0], device)
+            x = torch.randn(shape, device=device).bfloat16()
+            want = apply_rope(x, pos, cfg, backend="triton", max_position=maxp)
+            seen = set()
+            for bpp, warps in SWEEP:
+                rope_apply.KERNEL_CONFIG = rope_apply.RopeKernelConfig(
+                    bytes_per_program=bpp, min_programs=default.min_programs, num_warps=warps
+                )
+                heads = shape[1] if len(shape) == 3 else 1
+                _, consts, _ = rope_apply.launch_params(shape[0], heads, 512, 64, 2, not inplace, True)
+                tile = (consts["BLOCK_P"], consts["BLOCK_H"], warps)
+                if tile in seen:  # the launcher's layout caps can map several configs to one tile
+                    continue
+                seen.add(tile)
+                xi = x.clone()
+                got = apply_rope(
+                    xi if inplace else x, pos, cfg, inplace=inplace, backend="triton", max_position=maxp
+                )
+                if not torch.equal(got, want):
+                    failures.append(f"sweep {case} {bpp} B x {warps} warps: result differs from the default")
+                    continue
+                fn = lambda x=x, xi=xi, pos=pos, mp=maxp, ip=inplace: apply_rope(
+                    xi if ip else x, pos, cfg, inplace=ip, backend="triton", max_position=mp
+                )
+                med, p10, p90 = _bench(fn)
+                gbs = nbytes / (med * 1e-3) / 1e9
+                out.append(
+                    {
+                        "case": case,
+                        "shape": list(shape),
+                        "mode": "in-place" if inplace else "out-of-place",
+                        "bytes_per_program": bpp,
+                        "num_warps": warps,
+                        "tile_positions_heads": [tile[0], tile[1]],
+                        "default": (bpp, warps) == (default.bytes_per_program, default.num_warps),
+                        "median_ms": med,
+                        "p10_ms": p10,
+                        "p90_ms": p90,
+                        "GB_per_s": gbs,
+                        "pct_of_4270_GBps": 100.0 * gbs / HBM_CEILING_GBS,
+                    }
+                )
+    finally:
+        rope_apply.KERNEL_CONFIG = default
+    return out
+
+
+def run(
+    out_dir: Path,
+    tokens: int,
+    kv_tokens: int,
+    device: str = "cuda",
+    check_tokens: int = 3000,
+    do_sweep: bool = False,
+) -> int:
     from dsv4_primitives import RopeConfig, YarnConfig, apply_rope, apply_rope_ref
 
     device = torch.device(device)
@@ -117,6 +198,9 @@ def run(out_dir: Path, tokens: int, kv_tokens: int, device: str = "cuda", check_
         impls = {
             "ours triton": lambda x=x, pos=pos, inv=inverse, mp=maxp: apply_rope(
                 x, pos, cfg, inverse=inv, backend="triton", max_position=mp
+            ),
+            "ours copy_+in-place": lambda x=x, pos=pos, inv=inverse, mp=maxp: apply_rope(
+                x.clone(), pos, cfg, inverse=inv, inplace=True, backend="triton", max_position=mp
             ),
             "eager torch backend": lambda x=x, pos=pos, inv=inverse, mp=maxp: apply_rope(
                 x, pos, cfg, inverse=inv, backend="torch", max_position=mp
@@ -208,6 +292,17 @@ def run(out_dir: Path, tokens: int, kv_tokens: int, device: str = "cuda", check_
             f"{r['median_ms']:>10.4f} {r['p10_ms']:>8.4f} {r['p90_ms']:>8.4f} {r['GB_per_s']:>8.0f} "
             f"{r['pct_of_4270_GBps']:>9.1f}% {r['speedup_vs_eager']:>8.2f}x {r['peak_extra_MiB']:>9.1f}"
         )
+    sweep_rows = sweep(cfg, tokens, kv_tokens, device, failures) if do_sweep else []
+    if sweep_rows:
+        hdr = f"{'case':<6} {'mode':<13} {'bytes/prog':>10} {'warps':>5} {'tile PxH':>9} {'median ms':>10} {'p10':>8} {'GB/s':>8} {'% 4.27TB/s':>10}"
+        print("\nlaunch-geometry sweep (RopeKernelConfig; * = default)\n" + hdr + "\n" + "-" * len(hdr))
+        for r in sweep_rows:
+            print(
+                f"{r['case']:<6} {r['mode']:<13} {r['bytes_per_program']:>10} {r['num_warps']:>5} "
+                f"{'x'.join(map(str, r['tile_positions_heads'])):>9} "
+                f"{r['median_ms']:>10.4f} {r['p10_ms']:>8.4f} {r['GB_per_s']:>8.0f} {r['pct_of_4270_GBps']:>9.1f}%"
+                + (" *" if r["default"] else "")
+            )
     payload = {
         "benchmark": "bench_rope",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -218,6 +313,8 @@ def run(out_dir: Path, tokens: int, kv_tokens: int, device: str = "cuda", check_
         "rope": {"rope_dim": 64, "base": 160000.0, "yarn": True, "head_dim": 512},
         "checks": checks,
         "rows": rows,
+        "sweep": sweep_rows,
+        "sweep_failures": failures,
     }
     try:
         import triton
@@ -229,6 +326,9 @@ def run(out_dir: Path, tokens: int, kv_tokens: int, device: str = "cuda", check_
         d.mkdir(parents=True, exist_ok=True)
         (d / "bench_rope.json").write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {out_dir / 'bench_rope.json'} and {RESULTS_DIR / 'bench_rope.json'}")
+    if failures:
+        print("SWEEP CHECK FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -237,13 +337,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON result")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens T of the q / output cases")
     ap.add_argument("--kv-tokens", type=int, default=65536, help="tokens of the kv case")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel's launch geometries")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_rope: no CUDA device; nothing to measure (run on the GPU box)")
         return 0
     if args.tokens < 1 or args.kv_tokens < 1:
         raise ValueError("--tokens and --kv-tokens must be positive")
-    return run(args.out, args.tokens, args.kv_tokens)
+    return run(args.out, args.tokens, args.kv_tokens, do_sweep=args.sweep)
 
 
 if __name__ == "__main__":

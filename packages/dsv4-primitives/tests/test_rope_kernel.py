@@ -11,7 +11,7 @@ import torch
 
 from dsv4_primitives import RopeConfig, YarnConfig, apply_rope, apply_rope_ref
 from dsv4_primitives.rope import apply as rope_apply
-from dsv4_primitives.rope.apply import KERNEL_CONFIG, RopeKernelConfig, _tile
+from dsv4_primitives.rope.apply import RopeKernelConfig, launch_params
 from dsv4_testkit import assert_close_to_ref, interpreting
 
 needs_triton = pytest.mark.skipif(
@@ -34,6 +34,7 @@ CASES = [
     ("T1_H7_odd_nope5", R8, (1, 7, 13), torch.tensor([11])),
     ("negative_positions", R24, (4, 2, 56), torch.tensor([-3, 0, 2, -12345])),
     ("kv_no_head_dim", R8, (9, 24), torch.arange(9) - 2),
+    ("heads20_shared_tiles", R8, (3, 20, 24), torch.tensor([2, -1, 40])),
 ]
 
 
@@ -44,16 +45,28 @@ def small_tiles(request, monkeypatch):
     monkeypatch.setattr(rope_apply, "INTERPRET_CONFIG", cfg)
 
 
-def test_tile_geometry():
-    # DSv4 q [8192, 64, 512] bf16: out of place 16 rows x 1 KiB, in place 2 positions x 64 heads x 128 B
-    assert _tile(8192, 64, 1024, KERNEL_CONFIG) == (1, 16)
-    assert _tile(8192, 64, 128, KERNEL_CONFIG) == (2, 64)
-    assert _tile(8192, 64, 256, KERNEL_CONFIG) == (1, 64)  # fp32 in place
-    # kv [65536, 512]: 128 rope rows would give 512 programs < min_programs -> 64 rows
-    assert _tile(65536, 1, 128, KERNEL_CONFIG) == (64, 1)
-    assert _tile(1, 64, 1024, KERNEL_CONFIG) == (1, 1)  # one token: one row per program
-    assert _tile(3, 5, 32, RopeKernelConfig(bytes_per_program=4096, min_programs=1)) == (4, 8)
-    assert _tile(7, 5, 160, RopeKernelConfig(bytes_per_program=480, min_programs=1)) == (1, 2)
+def test_launch_geometry():
+    """Tiles the CUDA launcher picks (bf16 unless noted): [BLOCK_P positions, BLOCK_H heads], grid, warps."""
+
+    def geo(n, h, d, r, elt, copy_nope, cuda=True):
+        grid, c, warps = launch_params(n, h, d, r, elt, copy_nope, cuda)
+        return (c["BLOCK_P"], c["BLOCK_H"]), grid, warps
+
+    # DSv4 q [8192, 64, 512]: in place 2 positions x 64 heads x 128 B rope slices; out of place 16 rows x 1 KiB
+    assert geo(8192, 64, 512, 64, 2, False) == ((2, 64), (4096, 1), 4)
+    assert geo(8192, 64, 512, 64, 2, True) == ((1, 16), (8192, 4), 4)
+    assert geo(8192, 64, 512, 64, 4, False) == ((1, 64), (8192, 1), 4)  # fp32 in place
+    # kv [65536, 512]: one head; 128 rope rows would give 512 programs < min_programs -> 64 rows
+    assert geo(65536, 1, 512, 64, 2, False) == ((64, 1), (1024, 1), 4)
+    assert geo(65536, 1, 512, 64, 2, True) == ((16, 1), (4096, 1), 4)
+    assert geo(65536, 1, 512, 64, 4, False) == ((8, 1), (8192, 1), 4)  # fp32, one head: capped layout rule
+    assert geo(1, 64, 512, 64, 2, True) == ((1, 1), (1, 64), 4)  # one token: one row per program
+    # few heads: one head per program (8 positions: 12288 rows / 16 would give < min_programs programs)
+    assert geo(4096, 3, 512, 64, 2, True) == ((8, 1), (512, 3), 4)
+    assert geo(4096, 3, 24, 24, 2, False) == ((8, 1), (512, 3), 4)
+    assert geo(8192, 64, 128, 64, 2, True) == ((1, 64), (8192, 1), 4)  # indexer-like q: 64 heads x 128
+    # the interpreter: few, large programs
+    assert geo(7, 20, 24, 8, 4, True, cuda=False) == ((8, 32), (1, 1), 1)
     with pytest.raises(ValueError, match="positive"):
         RopeKernelConfig(num_warps=0)
 

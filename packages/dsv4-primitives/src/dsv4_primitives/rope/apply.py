@@ -70,9 +70,7 @@ class RopeKernelConfig:
 
 
 KERNEL_CONFIG = RopeKernelConfig()  # CUDA: 16 KiB per program (8 x 16-byte loads per thread at 4 warps)
-INTERPRET_CONFIG = RopeKernelConfig(
-    bytes_per_program=1 << 18, min_programs=1, num_warps=1
-)  # few, big programs
+INTERPRET_CONFIG = RopeKernelConfig(bytes_per_program=1 << 18, min_programs=1, num_warps=1)  # few, big
 
 
 def _pow2_floor(n: int) -> int:
@@ -87,14 +85,56 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tile(n: int, h: int, row_bytes: int, cfg: RopeKernelConfig) -> tuple[int, int]:
-    """``(BLOCK_P, BLOCK_H)``: a ``[positions, heads]`` tile of about ``cfg.bytes_per_program`` bytes."""
+SHARED_HEADS_MIN = (
+    16  # with at least this many heads a program takes [positions, heads] tiles sharing cos/sin
+)
+
+
+def _tile(
+    n: int, h: int, row_bytes: int, block_half: int, elt: int, cfg: RopeKernelConfig, cuda: bool
+) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_H)``: a ``[positions, heads]`` tile of at most ``cfg.bytes_per_program`` bytes.
+
+    ``h >= SHARED_HEADS_MIN``: up to all heads of a position in one program (one ``cos``/``sin`` load per
+    position); fewer heads (the shared kv head, small test shapes): one head per program, ``BLOCK_P`` positions.
+    On CUDA ``BLOCK_P`` is also capped so that Triton 3.6 keeps the ``[BLOCK_P, 1, r/2]`` table tile in the
+    rotated tile's register layout (no layout conversion through shared memory, no spills), a rule read off the
+    sm_90 compile of the whole (dtype, BLOCK_P, BLOCK_H, warps) matrix: with heads in the tile it must have fewer
+    elements than the program has threads; with one head, at most two per thread for 32-bit ``x``.
+    """
     rows = _pow2_floor(cfg.bytes_per_program // row_bytes)
     while rows > 1 and _cdiv(n * h, rows) < cfg.min_programs:
         rows //= 2
-    block_h = min(_pow2_ceil(h), rows)
-    block_p = min(max(1, rows // block_h), _pow2_ceil(n))
-    return block_p, block_h
+    block_h = min(_pow2_ceil(h), rows) if h >= SHARED_HEADS_MIN else 1
+    block_p = max(1, rows // block_h)
+    if cuda:
+        threads = 32 * cfg.num_warps
+        if block_h > 1:
+            block_p = min(block_p, max(1, threads // (2 * block_half)))
+        elif elt >= 4:
+            block_p = min(block_p, max(1, 2 * threads // block_half))
+    return min(block_p, _pow2_ceil(n)), block_h
+
+
+def launch_params(
+    n: int, h: int, d: int, rope: int, elt: int, copy_nope: bool, cuda: bool
+) -> tuple[tuple[int, int], dict, int]:
+    """``(grid, constexprs, num_warps)`` of the kernel for a ``[n, h, d]`` input of ``elt``-byte elements."""
+    nope = d - rope
+    cfg = KERNEL_CONFIG if cuda else INTERPRET_CONFIG
+    block_rope = _pow2_ceil(rope)
+    row_bytes = (d if copy_nope else rope) * elt
+    block_p, block_h = _tile(n, h, row_bytes, block_rope // 2, elt, cfg, cuda)
+    consts = {
+        "NOPE": nope,
+        "ROPE": rope,
+        "BLOCK_P": block_p,
+        "BLOCK_H": block_h,
+        "BLOCK_ROPE": block_rope,
+        "BLOCK_NOPE": _pow2_ceil(nope) if copy_nope else 1,
+        "COPY_NOPE": copy_nope,
+    }
+    return (_cdiv(n, block_p), _cdiv(h, block_h)), consts, cfg.num_warps
 
 
 def _launch_triton(
@@ -113,9 +153,7 @@ def _launch_triton(
     rope = 2 * cos.shape[-1]
     assert d == nope + rope and x3.stride(2) == 1 and y3.stride(2) == 1
     copy_nope = nope > 0 and y3.data_ptr() != x3.data_ptr()
-    cfg = KERNEL_CONFIG if x3.is_cuda else INTERPRET_CONFIG
-    block_p, block_h = _tile(n, h, (d if copy_nope else rope) * x3.element_size(), cfg)
-    grid = (_cdiv(n, block_p), _cdiv(h, block_h))
+    grid, consts, num_warps = launch_params(n, h, d, rope, x3.element_size(), copy_nope, x3.is_cuda)
     rope_rotate_kernel[grid](
         x3,
         y3,
@@ -128,15 +166,9 @@ def _launch_triton(
         x3.stride(1),
         y3.stride(0),
         y3.stride(1),
-        NOPE=nope,
-        ROPE=rope,
-        BLOCK_P=block_p,
-        BLOCK_H=block_h,
-        BLOCK_ROPE=_pow2_ceil(rope),
-        BLOCK_NOPE=_pow2_ceil(nope) if copy_nope else 1,
-        COPY_NOPE=copy_nope,
+        **consts,
         INVERSE=bool(inverse),
-        num_warps=cfg.num_warps,
+        num_warps=num_warps,
     )
 
 
