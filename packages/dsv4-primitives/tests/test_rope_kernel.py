@@ -35,6 +35,7 @@ CASES = [
     ("negative_positions", R24, (4, 2, 56), torch.tensor([-3, 0, 2, -12345])),
     ("kv_no_head_dim", R8, (9, 24), torch.arange(9) - 2),
     ("heads20_shared_tiles", R8, (3, 20, 24), torch.tensor([2, -1, 40])),
+    ("rope2_H17", RopeConfig(2, 10000.0), (3, 17, 6), torch.tensor([0, 5, -7])),  # one pair, 17 heads
 ]
 
 
