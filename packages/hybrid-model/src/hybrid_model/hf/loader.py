@@ -88,7 +88,8 @@ def hf_cpu_topk_ties(model) -> Iterator[None]:
     indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
 
     def cpu_select(ix):
-        def select(state, cu_seqlens, backend="auto"):
+        def select(state, cu_seqlens, backend="auto", cu_seqlens_host=None):
+            # same signature as LightningIndexer.select; the CPU reference reads the boundaries itself
             dev = state.q.device
             idx, scores = indexer_topk_ref(
                 state.q.cpu(),
