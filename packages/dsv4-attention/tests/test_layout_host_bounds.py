@@ -75,3 +75,14 @@ def test_every_rope_call_of_a_layer_gets_a_host_bound(build, monkeypatch):
         with torch.no_grad():
             m(torch.randn(133, 1, 64))
     assert len(seen) >= 3 + 3 + 4  # q, kv, o (+ compressor) (+ indexer q and its compressor)
+
+
+def test_thd_layout_is_rebuilt_when_a_boundary_tensor_is_replaced():
+    """A new tensor assigned to the same PackedSeqParams is never mistaken for the old one (even if it reused the
+    old one's memory and version counter)."""
+    psp = _psp([0, 5, 17])
+    a = thd_layout(psp, 17)
+    psp.cu_seqlens_q = torch.tensor([0, 11, 17], dtype=torch.int32)
+    psp.cu_seqlens_kv = psp.cu_seqlens_q.clone()
+    b = thd_layout(psp, 17)
+    assert b is not a and b.segment_bounds[:2] == (0, 11)

@@ -137,28 +137,46 @@ def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
     """
     key = _thd_cache_key(packed_seq_params, num_tokens, device)
     hit = _THD_CACHE.get(key[0])
-    if hit is not None and hit[0]() is packed_seq_params and hit[1] == key[1:]:
+    if (
+        hit is not None
+        and hit[0]() is packed_seq_params
+        and hit[1] == key[1:]
+        and all(r() is t for r, t in zip(hit[3], _boundary_tensors(packed_seq_params)))
+    ):
         return hit[2]
     layout = _build_thd_layout(packed_seq_params, num_tokens, device)
-    try:
+    try:  # weak references: a dead object or tensor (whose id / address may be reused) never matches
         ref = weakref.ref(packed_seq_params)
+        tensor_refs = tuple(_weak_or_none(t) for t in _boundary_tensors(packed_seq_params))
     except TypeError:  # not weak-referenceable: no reuse
         return layout
     if len(_THD_CACHE) >= 8:
         _THD_CACHE.pop(next(iter(_THD_CACHE)))
-    _THD_CACHE[key[0]] = (ref, key[1:], layout)
+    _THD_CACHE[key[0]] = (ref, key[1:], layout, tensor_refs)
     return layout
 
 
 _THD_CACHE: dict[int, tuple] = {}
 
 
+_BOUNDARY_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded")
+
+
+def _boundary_tensors(psp) -> tuple:
+    return tuple(getattr(psp, f, None) for f in _BOUNDARY_FIELDS)
+
+
+def _weak_or_none(t):
+    if t is None:
+        return lambda: None
+    return weakref.ref(t)
+
+
 def _thd_cache_key(psp, num_tokens: int, device) -> tuple:
     def sig(t):
         return None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype, str(t.device))
 
-    fields = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded")
-    return (id(psp), num_tokens, str(device), *(sig(getattr(psp, f, None)) for f in fields))
+    return (id(psp), num_tokens, str(device), *(sig(t) for t in _boundary_tensors(psp)))
 
 
 def _build_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
