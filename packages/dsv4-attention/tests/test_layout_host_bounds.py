@@ -86,3 +86,37 @@ def test_thd_layout_is_rebuilt_when_a_boundary_tensor_is_replaced():
     psp.cu_seqlens_kv = psp.cu_seqlens_q.clone()
     b = thd_layout(psp, 17)
     assert b is not a and b.segment_bounds[:2] == (0, 11)
+
+
+def test_layouts_built_under_inference_mode_are_not_cached():
+    """A layout first built under torch.inference_mode() (e.g. generation before training in one process) must not
+    be reused by a training step: its tensors could not be saved for backward."""
+    with torch.inference_mode():
+        a = sbhd_layout(29, 3)
+        b = thd_layout(_psp([0, 4, 9]), 9)
+    assert a.positions.is_inference()
+    c = sbhd_layout(29, 3)
+    assert c is not a and not c.positions.is_inference()
+    assert b.positions.is_inference()
+
+
+def test_hand_built_layout_without_host_bounds_reads_them_back():
+    lay = TokenLayout(
+        "thd", 9, 1, torch.tensor([0, 4, 9], dtype=torch.int32), torch.zeros(9, dtype=torch.long), None, 5
+    )
+    assert lay.bounds_host == [0, 4, 9]
+    assert lay.max_compressed_entries(4) == 1
+    assert lay.compressed_bounds_host(4) == [0, 1, 2]
+
+
+def test_layer_trains_after_an_inference_mode_forward(build):
+    """Inference-mode forward first, then a training forward+backward of the same shape (layout and RoPE caches)."""
+    from dsv4_primitives import clear_rope_cache
+
+    clear_rope_cache()
+    m = build(4)
+    x = torch.randn(41, 1, 64)
+    with torch.inference_mode():
+        m(x)
+    y, _ = m(x.clone().requires_grad_())
+    y.sum().backward()

@@ -369,3 +369,17 @@ def test_gpu_matches_megatron_bf16(megatron_cpu):
         )
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(got[1].float(), want[1].float(), rtol=0, atol=2**-7)  # |grad| < 1: 2 ulps
+
+
+def test_inplace_backward_refuses_rows_sharing_memory():
+    """An expanded view (row stride 0) would have every row's gradient written to one buffer row at once."""
+    base = torch.randn(1, 50, requires_grad=True)
+    logits = (base * 2).expand(6, 50)  # non-leaf, rows alias one row
+    target = torch.randint(0, 50, (6,))
+    with pytest.raises(ValueError, match="do not share memory"):
+        vocab_parallel_cross_entropy(logits, target, inplace_backward=True, backend="torch")
+    # the default (a new gradient tensor) is fine
+    loss = vocab_parallel_cross_entropy(logits, target, backend="torch")
+    loss.sum().backward()
+    ref = vocab_parallel_cross_entropy_ref(logits.detach().contiguous().requires_grad_(), target)
+    assert torch.allclose(loss, ref, atol=1e-5)

@@ -60,11 +60,10 @@ class TokenLayout:
 
     @property
     def bounds_host(self) -> list[int]:
-        """``segment_bounds`` as the host list csa-kernels' trusted-caller options take (``cu_seqlens_host``)."""
+        """``segment_bounds`` as the host list csa-kernels' trusted-caller options take (``cu_seqlens_host``); a
+        hand-built layout without them reads ``cu_seqlens`` back (one device synchronisation)."""
         if self.segment_bounds is None:
-            raise ValueError(
-                "this TokenLayout has no host segment_bounds; build it with sbhd_layout/thd_layout"
-            )
+            return [int(v) for v in self.cu_seqlens.tolist()]
         return list(self.segment_bounds)
 
     def compressed_bounds_host(self, ratio: int) -> list[int]:
@@ -78,11 +77,7 @@ class TokenLayout:
         """The largest per-segment compressed entry count ``floor(len / ratio)`` (host int, no device sync)."""
         if not ratio:
             return 0
-        bounds = self.segment_bounds
-        if bounds is None:
-            raise ValueError(
-                "this TokenLayout has no host segment_bounds; build it with sbhd_layout/thd_layout"
-            )
+        bounds = self.bounds_host
         return max((b - a for a, b in itertools.pairwise(bounds)), default=0) // ratio
 
     @property
@@ -117,6 +112,8 @@ def sbhd_layout(seq_len: int, batch: int, device=None) -> TokenLayout:
     pos = torch.arange(seq_len, dtype=torch.int64, device=device).repeat(batch)
     bounds = tuple(i * seq_len for i in range(batch + 1))
     layout = TokenLayout("sbhd", seq_len, batch, cu, pos, None, seq_len, segment_bounds=bounds)
+    if torch.is_inference_mode_enabled():  # inference tensors could never be saved for a later backward
+        return layout
     if len(_SBHD_CACHE) >= 16:  # a handful of (s, b) shapes per run; never grows without bound
         _SBHD_CACHE.pop(next(iter(_SBHD_CACHE)))
     _SBHD_CACHE[key] = layout
@@ -135,6 +132,10 @@ def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
     ``PackedSeqParams``, so the result is reused while the object and its boundary tensors are unchanged (same
     tensors, same in-place version counters: a static-shape buffer refilled in place is rebuilt).
     """
+    if torch.is_inference_mode_enabled() or any(
+        t is not None and t.is_inference() for t in _boundary_tensors(packed_seq_params)
+    ):  # inference tensors have no version counter and could never be saved for a later backward: no reuse
+        return _build_thd_layout(packed_seq_params, num_tokens, device)
     key = _thd_cache_key(packed_seq_params, num_tokens, device)
     hit = _THD_CACHE.get(key[0])
     if (

@@ -294,6 +294,14 @@ def _check_inputs(
                 "inplace_backward=True would overwrite a leaf tensor that requires grad (or a view of one) with its "
                 "own gradient; pass the non-leaf logits of the output layer, or use inplace_backward=False"
             )
+        overlapping = torch._debug_has_internal_overlap(logits) == 1 or any(
+            st == 0 and n > 1 for st, n in zip(logits.stride(), logits.shape)
+        )
+        if overlapping:
+            raise ValueError(
+                "inplace_backward=True needs logits whose rows do not share memory (got an expanded / overlapping "
+                f"view with strides {tuple(logits.stride())}); pass .contiguous() logits or use inplace_backward=False"
+            )
     return world, int(vocab_start)
 
 

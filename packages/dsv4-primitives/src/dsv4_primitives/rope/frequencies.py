@@ -127,9 +127,12 @@ def rope_cos_sin(
     key = (cfg, device, dtype, n)
     tab = _TABLES.get(key)
     if tab is None:
-        pos = torch.arange(n, dtype=torch.float64)
-        ang = torch.outer(pos, rope_inv_freq(cfg).double())
-        tab = (ang.cos().to(device=device, dtype=dtype), ang.sin().to(device=device, dtype=dtype))
+        # normal tensors even when first built under torch.inference_mode(): a cached inference tensor could never
+        # be saved for backward by a later training step
+        with torch.inference_mode(False):
+            pos = torch.arange(n, dtype=torch.float64)
+            ang = torch.outer(pos, rope_inv_freq(cfg).double())
+            tab = (ang.cos().to(device=device, dtype=dtype), ang.sin().to(device=device, dtype=dtype))
         _TABLES[key] = tab
     return tab[0][:length], tab[1][:length]
 
