@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import platform
+import time
 from pathlib import Path
 
 import torch
@@ -40,3 +43,26 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double().flatten(), b.detach().double().flatten()
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def write_results(name: str, out_dir: Path, device: torch.device, fields: dict) -> None:
+    """Write ``{name}.json`` to ``out_dir`` and to ``results/``: the run header (benchmark, time, device, torch,
+    python, triton versions) followed by ``fields``."""
+    payload = {
+        "benchmark": name,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        **fields,
+    }
+    try:
+        import triton
+
+        payload["triton"] = triton.__version__
+    except ImportError:
+        pass
+    for d in (out_dir, RESULTS_DIR):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {out_dir / (name + '.json')} and {RESULTS_DIR / (name + '.json')}")

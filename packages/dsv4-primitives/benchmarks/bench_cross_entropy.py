@@ -28,15 +28,12 @@ Prints one table; writes JSON to --out and to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
-from _bench_utils import HBM_CEILING_GBS, RESULTS_DIR
+from _bench_utils import HBM_CEILING_GBS, RESULTS_DIR, write_results
 from _bench_utils import bench as _bench
 from _bench_utils import cosine as _cos
 from _bench_utils import peak_extra_mib as _peak_extra_mib
@@ -212,29 +209,19 @@ def run(out_dir: Path, token_list: list[int], check_tokens: int, device: str = "
             f"{r['p10_ms']:>8.4f} {r['p90_ms']:>8.4f} {r['GB_per_s']:>7.0f} {r['pct_of_4800_GBps_peak']:>8.1f}% "
             f"{r['pct_of_4270_GBps_copy']:>6.1f}% {r['speedup_vs_megatron']:>10.2f}x {r['peak_extra_MiB']:>9.1f}"
         )
-    payload = {
-        "benchmark": "bench_cross_entropy",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "hbm_peak_GBps": HBM_PEAK_GBS,
-        "hbm_copy_ceiling_GBps": HBM_CEILING_GBS,
-        "vocab": VOCAB,
-        "tokens": token_list,
-        "checks": checks,
-        "rows": rows,
-    }
-    try:
-        import triton
-
-        payload["triton"] = triton.__version__
-    except ImportError:
-        pass
-    for d in (out_dir, RESULTS_DIR):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "bench_cross_entropy.json").write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {out_dir / 'bench_cross_entropy.json'} and {RESULTS_DIR / 'bench_cross_entropy.json'}")
+    write_results(
+        "bench_cross_entropy",
+        out_dir,
+        torch.device(device),
+        {
+            "hbm_peak_GBps": HBM_PEAK_GBS,
+            "hbm_copy_ceiling_GBps": HBM_CEILING_GBS,
+            "vocab": VOCAB,
+            "tokens": token_list,
+            "checks": checks,
+            "rows": rows,
+        },
+    )
     return 0
 
 

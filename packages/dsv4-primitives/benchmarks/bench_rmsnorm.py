@@ -25,14 +25,11 @@ exits non-zero if a check fails. Prints one table; writes JSON to --out and to b
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
-from _bench_utils import HBM_CEILING_GBS, RESULTS_DIR
+from _bench_utils import HBM_CEILING_GBS, RESULTS_DIR, write_results
 from _bench_utils import bench as _bench
 from _bench_utils import cosine as _cos
 from _bench_utils import peak_extra_mib as _peak_extra_mib
@@ -184,29 +181,19 @@ def run(out_dir: Path, tokens: int, check_tokens: int, device: str = "cuda") -> 
             f"{r['pct_of_4800_GBps_peak']:>8.1f}% {r['pct_of_4270_GBps_copy']:>6.1f}% "
             f"{r['speedup_vs_eager_ref']:>8.2f}x {r['peak_extra_MiB']:>9.1f}"
         )
-    payload = {
-        "benchmark": "bench_rmsnorm",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else str(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "hbm_peak_GBps": HBM_PEAK_GBS,
-        "hbm_copy_ceiling_GBps": HBM_CEILING_GBS,
-        "tokens": tokens,
-        "eps": EPS,
-        "checks": checks,
-        "rows": rows,
-    }
-    try:
-        import triton
-
-        payload["triton"] = triton.__version__
-    except ImportError:
-        pass
-    for d in (out_dir, RESULTS_DIR):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "bench_rmsnorm.json").write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {out_dir / 'bench_rmsnorm.json'} and {RESULTS_DIR / 'bench_rmsnorm.json'}")
+    write_results(
+        "bench_rmsnorm",
+        out_dir,
+        device,
+        {
+            "hbm_peak_GBps": HBM_PEAK_GBS,
+            "hbm_copy_ceiling_GBps": HBM_CEILING_GBS,
+            "tokens": tokens,
+            "eps": EPS,
+            "checks": checks,
+            "rows": rows,
+        },
+    )
     return 0
 
 

@@ -26,14 +26,11 @@ and to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
-from _bench_utils import HBM_CEILING_GBS, RESULTS_DIR
+from _bench_utils import HBM_CEILING_GBS, RESULTS_DIR, write_results
 from _bench_utils import bench as _bench
 from _bench_utils import cosine as _cos
 from _bench_utils import peak_extra_mib as _peak_extra_mib
@@ -303,29 +300,19 @@ def run(
                 f"{r['median_ms']:>10.4f} {r['p10_ms']:>8.4f} {r['GB_per_s']:>8.0f} {r['pct_of_4270_GBps']:>9.1f}%"
                 + (" *" if r["default"] else "")
             )
-    payload = {
-        "benchmark": "bench_rope",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else str(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "hbm_ceiling_GBps": HBM_CEILING_GBS,
-        "rope": {"rope_dim": 64, "base": 160000.0, "yarn": True, "head_dim": 512},
-        "checks": checks,
-        "rows": rows,
-        "sweep": sweep_rows,
-        "sweep_failures": failures,
-    }
-    try:
-        import triton
-
-        payload["triton"] = triton.__version__
-    except ImportError:
-        pass
-    for d in (out_dir, RESULTS_DIR):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "bench_rope.json").write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {out_dir / 'bench_rope.json'} and {RESULTS_DIR / 'bench_rope.json'}")
+    write_results(
+        "bench_rope",
+        out_dir,
+        device,
+        {
+            "hbm_ceiling_GBps": HBM_CEILING_GBS,
+            "rope": {"rope_dim": 64, "base": 160000.0, "yarn": True, "head_dim": 512},
+            "checks": checks,
+            "rows": rows,
+            "sweep": sweep_rows,
+            "sweep_failures": failures,
+        },
+    )
     if failures:
         print("SWEEP CHECK FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -52,6 +53,27 @@ def bench(fn, device: str, warmup: int, rep: int, max_s: float) -> tuple[float, 
         times.append(start.elapsed_time(end))
     times.sort()
     return times[n // 2], n
+
+
+def add_run_args(ap, *, rep: int = 50, max_s: float = 0.3) -> None:
+    """The timing and device options every benchmark script of this package takes."""
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rep", type=int, default=rep, help="most timed calls per measurement")
+    ap.add_argument(
+        "--max-s", type=float, default=max_s, help="about this many seconds of timed calls per measurement"
+    )
+    ap.add_argument("--device", default="cuda", help="'cpu' only to smoke-test this script with tiny shapes")
+
+
+def start_device(bench_name: str, device: str) -> tuple[str, float] | None:
+    """``device_and_hbm(device)``, or None (said on stdout) when CUDA is asked for but absent. CPU smoke runs use
+    the Triton interpreter (set before any kernel module is imported)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"{bench_name}: CUDA is not available; nothing measured")
+        return None
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return device_and_hbm(device)
 
 
 def device_and_hbm(device: str) -> tuple[str, float]:

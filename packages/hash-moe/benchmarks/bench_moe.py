@@ -25,13 +25,12 @@ CPU smoke test of the script (tiny shapes, Triton interpreter):
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _bench_utils import T_START, Results, device_and_hbm, max_err
+from _bench_utils import T_START, Results, add_run_args, max_err, start_device
 from _bench_utils import bench as _bench
 
 TARGETS = {"mlp_ge512": 0.85, "mlp_96_128": 0.60, "bandwidth": 0.70}
@@ -224,21 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-experts-total", type=int, default=256, help="experts seen by the router")
     ap.add_argument("--bw-tokens", type=int, default=65536, help="token count of the bandwidth-regime rows")
     ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rep", type=int, default=20, help="most timed calls per measurement")
-    ap.add_argument(
-        "--max-s", type=float, default=0.5, help="about this many seconds of timed calls per measurement"
-    )
-    ap.add_argument("--device", default="cuda", help="'cpu' only to smoke-test this script with tiny shapes")
+    add_run_args(ap, rep=20, max_s=0.5)
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("bench_moe: CUDA is not available; nothing measured")
+    started = start_device("bench_moe", DEVICE)
+    if started is None:
         return 0
-    if DEVICE == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused routing kernel, interpreted
-    name, hbm = device_and_hbm(DEVICE)
+    name, hbm = started
     experts = [int(e) for e in args.experts.split(",")]
     print(
         f"bench_moe on {name}: tokens {args.tokens} x top-{args.topk}, hidden {args.hidden}, ffn {args.ffn}",

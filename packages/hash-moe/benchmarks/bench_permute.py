@@ -39,12 +39,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import time
 from pathlib import Path
 
 import torch
-from _bench_utils import T_START, Results, device_and_hbm, max_err
+from _bench_utils import T_START, Results, add_run_args, max_err, start_device
 from _bench_utils import bench as _bench
 
 DEVICE = "cuda"
@@ -108,34 +107,14 @@ def chain(impl: str, x, rm, probs, n, k, dy, dp, backward: bool):
     return y.detach(), dx, dprobs
 
 
-def sorted_permute_map(routing_map, num_out: int, k: int):
-    """The first hash-moe 0.3.0 map builder (a row sort and an argsort over ``T * E``; ``k = min(K, E)``): the oracle
-    and the "before" row of ``build_permute_map``. ``(token_of_row, pair_of_row, row_of_pair, rows_of_token)``."""
-    t, e = routing_map.shape
-    counts = routing_map.sum(0)
-    none = t * e + num_out + 1  # sorts last, becomes -1
-    before = routing_map.t().contiguous().cumsum(1).t()
-    row = (counts.cumsum(0) - counts) + before - 1
-    key = torch.where(routing_map & (row < num_out), row, none)
-    by_token = key.sort(dim=1).values
-    rows_of_token = by_token[:, :k].masked_fill(by_token[:, :k] == none, -1)
-    row_of_pair = key.masked_fill(key == none, -1)
-    n = min(num_out, t * e)
-    flat = key.reshape(-1)
-    pair_of_row = flat.argsort()[:n]
-    pair_of_row = pair_of_row.masked_fill(flat[pair_of_row] == none, -1)
-    pair_of_row = torch.cat([pair_of_row, pair_of_row.new_full((num_out - n,), -1)])
-    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // max(e, 1), -1)
-    return token_of_row, pair_of_row, row_of_pair, rows_of_token
-
-
 def map_correctness(args, rm, n: int) -> list[dict]:
     """Both ``build_permute_map`` backends vs the sorted builder, entry for entry."""
     from hash_moe import build_permute_map
+    from hash_moe.permute import sorted_permute_map_ref
 
     rows = []
     for num_out in (n, n - n // 3, n + 1000):
-        want = sorted_permute_map(rm, num_out, args.topk)
+        want = sorted_permute_map_ref(rm, num_out, args.topk)
         for backend in ("triton", "torch"):
             pmap = build_permute_map(rm, num_out, max_routes_per_token=args.topk, backend=backend)
             got = (pmap.token_of_row, pmap.pair_of_row, pmap.row_of_pair, pmap.rows_of_token)
@@ -316,11 +295,12 @@ def bench_permute_rows(args, hbm: float, emit) -> None:
                 )
     # the index maps alone: Triton kernels (default on CUDA), sort-free PyTorch path, the sorted builder (before)
     from hash_moe import build_permute_map
+    from hash_moe.permute import sorted_permute_map_ref
 
     map_fns = (
         ("hash-moe", lambda: build_permute_map(rm, n, max_routes_per_token=k, backend="triton")),
         ("hash-moe torch path", lambda: build_permute_map(rm, n, max_routes_per_token=k, backend="torch")),
-        ("sorted (0.3.0 before)", lambda: sorted_permute_map(rm, n, k)),
+        ("sorted (0.3.0 before)", lambda: sorted_permute_map_ref(rm, n, k)),
     )
     map_bytes = rm.numel() * (1 + 8) + n * 16 + t * k * 8  # routing map read; int64 maps written
     for impl, fn in map_fns:
@@ -409,19 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ffn", type=int, default=2048, help="expert width F of the grouped GEMM rows ([E, 2F, H])"
     )
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rep", type=int, default=50, help="most timed calls per measurement")
-    ap.add_argument("--max-s", type=float, default=0.3, help="about this many seconds of timed calls per row")
-    ap.add_argument("--device", default="cuda", help="'cpu' only to smoke-test this script with tiny shapes")
+    add_run_args(ap)
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("bench_permute: CUDA is not available; nothing measured")
+    started = start_device("bench_permute", DEVICE)
+    if started is None:
         return 0
-    if DEVICE == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
-    name, hbm = device_and_hbm(DEVICE)
+    name, hbm = started
     print(
         f"bench_permute on {name}: T = {args.tokens}, H = {args.hidden}, E = {args.experts}, top-{args.topk}, "
         f"F = {args.ffn}, bf16 tokens, fp32 weights",

@@ -23,12 +23,11 @@ CPU smoke test of the script (tiny shapes, Triton interpreter):
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
 import torch
-from _bench_utils import T_START, Results, device_and_hbm, max_err
+from _bench_utils import T_START, Results, add_run_args, max_err, start_device
 from _bench_utils import bench as _bench
 
 DEVICE = "cuda"
@@ -133,19 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4096 * 6, help="token-expert rows M (tokens x top-k)")
     ap.add_argument("--ffn", type=str, default="2048,3072", help="expert widths F")
     ap.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rep", type=int, default=50, help="most timed calls per measurement")
-    ap.add_argument("--max-s", type=float, default=0.3, help="about this many seconds of timed calls per row")
-    ap.add_argument("--device", default="cuda", help="'cpu' only to smoke-test this script with tiny shapes")
+    add_run_args(ap)
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("bench_swiglu: CUDA is not available; nothing measured")
+    started = start_device("bench_swiglu", DEVICE)
+    if started is None:
         return 0
-    if DEVICE == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
-    name, hbm = device_and_hbm(DEVICE)
+    name, hbm = started
     widths = [int(f) for f in args.ffn.split(",")]
     print(f"bench_swiglu on {name}: M = {args.rows} rows, F = {widths}, bf16, limit {args.limit}", flush=True)
     results = Results(

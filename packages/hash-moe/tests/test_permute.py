@@ -10,7 +10,7 @@ import torch
 from dsv4_testkit import assert_close_to_ref
 from hash_moe import build_permute_map, permute, permute_ref, unpermute, unpermute_ref
 from hash_moe.kernels.permute_triton import permute_map_triton
-from hash_moe.permute import permute_map_torch
+from hash_moe.permute import permute_map_torch, sorted_permute_map_ref
 from hash_moe.row_gather import gather_rows, gather_sum_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,27 +166,6 @@ def test_permute_map_layout():
     assert (pmap.num_rows, pmap.num_tokens, pmap.num_experts) == (4, 3, 3)
 
 
-def _sorted_permute_map(routing_map, num_out, k):
-    """hash-moe 0.3.0's first map builder (two sorts), the oracle of the sort-free one: ``(token_of_row,
-    pair_of_row, row_of_pair, rows_of_token)``; ``k`` already ``min(K, E)``."""
-    t, e = routing_map.shape
-    counts = routing_map.sum(0)
-    none = t * e + num_out + 1  # sorts last, becomes -1
-    before = routing_map.t().contiguous().cumsum(1).t()
-    row = (counts.cumsum(0) - counts) + before - 1
-    key = torch.where(routing_map & (row < num_out), row, none)
-    by_token = key.sort(dim=1).values
-    rows_of_token = by_token[:, :k].masked_fill(by_token[:, :k] == none, -1)
-    row_of_pair = key.masked_fill(key == none, -1)
-    n = min(num_out, t * e)
-    flat = key.reshape(-1)
-    pair_of_row = flat.argsort()[:n]
-    pair_of_row = pair_of_row.masked_fill(flat[pair_of_row] == none, -1)
-    pair_of_row = torch.cat([pair_of_row, pair_of_row.new_full((num_out - n,), -1)])
-    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // max(e, 1), -1)
-    return token_of_row, pair_of_row, row_of_pair, rows_of_token
-
-
 def _random_maps(seed):
     """``(routing_map, K)`` pairs: top-k maps with padding rows and empty experts, T = 1, E = 1, top-1, all-padding,
     and dense Bernoulli maps (rows of up to E entries)."""
@@ -228,7 +207,7 @@ def test_sort_free_map_equals_sorted_map(backend):
         t, e = rm.shape
         for num_out in _num_outs(rm):
             for kk in {k, e}:
-                want = _sorted_permute_map(rm, num_out, kk)
+                want = sorted_permute_map_ref(rm, num_out, kk)
                 got = build_permute_map(rm.to(DEV), num_out, max_routes_per_token=kk, backend=backend)
                 got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
                 _assert_maps_equal([a.cpu() for a in got], want, f"T={t} E={e} K={kk} num_out={num_out}")
@@ -245,7 +224,7 @@ def test_triton_map_multi_program_tiling():
     n = int(rm.sum())
     for num_out in (n, n - 7, n + 30):
         for k in (2, 6):
-            want = _sorted_permute_map(rm, num_out, k)
+            want = sorted_permute_map_ref(rm, num_out, k)
             for block_t, progs in ((1, 4), (2, 3), (4, 100), (8, 1)):
                 got = permute_map_triton(rm.to(DEV), num_out, k, block_t=block_t, num_programs=progs)
                 _assert_maps_equal(
@@ -264,12 +243,12 @@ def test_map_empty_shapes_and_rows_check():
             for backend in BACKENDS:
                 got = build_permute_map(rm, num_out, max_routes_per_token=k, backend=backend)
                 got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
-                _assert_maps_equal(got, _sorted_permute_map(rm, num_out, min(k, shape[1])), f"{shape}")
+                _assert_maps_equal(got, sorted_permute_map_ref(rm, num_out, min(k, shape[1])), f"{shape}")
     wide = torch.zeros(2, 2049, dtype=torch.bool)  # wider than the Triton map kernels take: the PyTorch path
     wide[0, [5, 2048]] = wide[1, 7] = True
     got = build_permute_map(wide, 4, max_routes_per_token=2, backend="triton")
     got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
-    _assert_maps_equal(got, _sorted_permute_map(wide, 4, 2), "E = 2049")
+    _assert_maps_equal(got, sorted_permute_map_ref(wide, 4, 2), "E = 2049")
     rm = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # rows: e0 <- t0, t1; e1 <- t0; e2 <- t1
     for backend in BACKENDS:
         with pytest.raises(ValueError, match="more than max_routes_per_token=1"):
@@ -363,7 +342,7 @@ def test_gpu_map_kernels_match_sorted_map():
         rm[:, e // 2] = False
         n = int(rm.sum())
         for num_out in (n, n - 1000, n + 777):
-            want = _sorted_permute_map(rm, num_out, k)
+            want = sorted_permute_map_ref(rm, num_out, k)
             got = build_permute_map(rm, num_out, max_routes_per_token=k, backend="triton")
             got = (got.token_of_row, got.pair_of_row, got.row_of_pair, got.rows_of_token)
             _assert_maps_equal(got, want, f"T={t} E={e} num_out={num_out}")

@@ -204,14 +204,26 @@ def _profile(model, S: int, out: Path, top: int = 40) -> dict:
     }
 
 
-_OUR_FRAMES = ("hybrid_model/", "dsv4_attention/", "csa_kernels/", "hash_moe/", "mhc/", "dsv4_primitives/",
-               "thd_packing/", "megatron/core/")  # fmt: skip
+# source paths of the frames the diagnostics attribute host work to: our packages and megatron-core
+_OUR_FRAMES = ("/hybrid_model/", "/dsv4_attention/", "/csa_kernels/", "/hash_moe/", "/mhc/", "/dsv4_primitives/",
+               "/thd_packing/", "/megatron/core/")  # fmt: skip
+
+
+def _ours(path: str) -> bool:
+    return any(k in path for k in _OUR_FRAMES)
+
+
+def _short(path: str) -> str:
+    """A source path from its package root (``hash_moe/routing.py``, ``megatron/core/...``)."""
+    return path.split("/src/")[-1].split("site-packages/")[-1]
 
 
 def _gap_report(S: int, model, out: Path, top: int = 30) -> dict:
     """Where the GPU waits for the host: one profiled fwd+bwd (Python stacks on), every idle interval between
     kernels longer than 5 us attributed to the code that launched the kernel ending it (innermost frames of our
     packages or megatron-core). Written to ``out/flash_smoke_gaps_S.txt``."""
+    import bisect
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -260,26 +272,21 @@ def _gap_report(S: int, model, out: Path, top: int = 30) -> dict:
     # Python stacks live on the parsed events (times in us from the trace start)
     t0 = prof.profiler.kineto_results.trace_start_ns()
     stacked = sorted(
-        (e for e in prof.events() if e.stack and any(k in f for f in e.stack for k in _OUR_FRAMES)),
+        (e for e in prof.events() if e.stack and any(_ours(f) for f in e.stack)),
         key=lambda e: e.time_range.start,
     )
     stacked_starts = [e.time_range.start for e in stacked]
 
     def frames_at(t_us: float) -> str:
-        import bisect
-
         i = bisect.bisect_right(stacked_starts, t_us) - 1
         for j in range(i, max(i - 20000, -1), -1):
             e = stacked[j]
             if e.time_range.end >= t_us:
-                ours = [f for f in e.stack if any(k in f for k in _OUR_FRAMES)][:2]
-                return " <- ".join(f.split("/src/")[-1].split("site-packages/")[-1] for f in ours)
+                return " <- ".join(_short(f) for f in [f for f in e.stack if _ours(f)][:2])
         return ""
 
     def site(t_ns: int) -> str:
         """Outermost and innermost host ops running at ``t_ns``, and our innermost Python frames."""
-        import bisect
-
         i = bisect.bisect_right(starts, t_ns) - 1
         running = [cpu_ops[j] for j in range(i, max(i - 20000, -1), -1) if cpu_ops[j].end_ns() >= t_ns]
         if not running:
@@ -328,17 +335,12 @@ def _sync_report(model, S: int, out: Path, top: int = 40) -> dict:
     step()
     torch.cuda.synchronize()
     sites: dict[str, int] = {}
-    keep = ("/hybrid_model/", "/dsv4_attention/", "/csa_kernels/", "/hash_moe/", "/mhc/", "/dsv4_primitives/",
-            "/thd_packing/", "/megatron/core/")  # fmt: skip
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        frames = [f for f in tb.extract_stack()[:-1] if any(k in f.filename for k in keep)]
-        where = " <- ".join(
-            f"{f.filename.split('/src/')[-1].split('site-packages/')[-1]}:{f.lineno} {f.name}"
-            for f in reversed(frames[-3:])
-        )
+        frames = [f for f in tb.extract_stack()[:-1] if _ours(f.filename)]
+        where = " <- ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
         key = where or f"{filename}:{lineno}"
         sites[key] = sites.get(key, 0) + 1
 

@@ -114,15 +114,20 @@ def sbhd_layout(seq_len: int, batch: int, device=None) -> TokenLayout:
     layout = TokenLayout("sbhd", seq_len, batch, cu, pos, None, seq_len, segment_bounds=bounds)
     if torch.is_inference_mode_enabled():  # inference tensors could never be saved for a later backward
         return layout
-    if len(_SBHD_CACHE) >= 16:  # a handful of (s, b) shapes per run; never grows without bound
-        _SBHD_CACHE.pop(next(iter(_SBHD_CACHE)))
-    _SBHD_CACHE[key] = layout
+    _remember(_SBHD_CACHE, key, layout, 16)  # a handful of (s, b) shapes per run
     return layout
 
 
 # SBHD layouts are pure functions of (s, b, device) and hold no autograd state: every layer of a step (and every
 # step) reuses one, instead of rebuilding its index tensors per layer
 _SBHD_CACHE: dict[tuple, TokenLayout] = {}
+
+
+def _remember(cache: dict, key, value, size: int) -> None:
+    """Insert into a small cache that drops its oldest entry beyond ``size`` (never grows without bound)."""
+    if len(cache) >= size:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
@@ -151,9 +156,7 @@ def thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
         tensor_refs = tuple(_weak_or_none(t) for t in _boundary_tensors(packed_seq_params))
     except TypeError:  # not weak-referenceable: no reuse
         return layout
-    if len(_THD_CACHE) >= 8:
-        _THD_CACHE.pop(next(iter(_THD_CACHE)))
-    _THD_CACHE[key[0]] = (ref, key[1:], layout, tensor_refs)
+    _remember(_THD_CACHE, key[0], (ref, key[1:], layout, tensor_refs), 8)
     return layout
 
 

@@ -171,6 +171,29 @@ def permute_map_torch(
     return token_of_row, pair_of_row, row_of_pair, rows_of_token
 
 
+def sorted_permute_map_ref(
+    routing_map: torch.Tensor, num_out: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort-based oracle of :func:`build_permute_map` (hash-moe 0.3.0's first builder: a row sort and an argsort
+    over ``T * E``): ``(token_of_row, pair_of_row, row_of_pair, rows_of_token)``; ``k`` already ``min(K, E)``."""
+    t, e = routing_map.shape
+    counts = routing_map.sum(0)
+    none = t * e + num_out + 1  # sorts last, becomes -1
+    before = routing_map.t().contiguous().cumsum(1).t()
+    row = (counts.cumsum(0) - counts) + before - 1
+    key = torch.where(routing_map & (row < num_out), row, none)
+    by_token = key.sort(dim=1).values
+    rows_of_token = by_token[:, :k].masked_fill(by_token[:, :k] == none, -1)
+    row_of_pair = key.masked_fill(key == none, -1)
+    n = min(num_out, t * e)
+    flat = key.reshape(-1)
+    pair_of_row = flat.argsort()[:n]
+    pair_of_row = pair_of_row.masked_fill(flat[pair_of_row] == none, -1)
+    pair_of_row = torch.cat([pair_of_row, pair_of_row.new_full((num_out - n,), -1)])
+    token_of_row = torch.where(pair_of_row >= 0, pair_of_row // max(e, 1), -1)
+    return token_of_row, pair_of_row, row_of_pair, rows_of_token
+
+
 def permute(
     x: torch.Tensor,
     routing_map: torch.Tensor,

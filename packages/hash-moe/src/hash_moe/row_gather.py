@@ -103,32 +103,21 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class _RowGather(torch.autograd.Function):
+class _AdjointGather(torch.autograd.Function):
+    """``gather_rows`` / ``gather_sum_rows`` (``summed``); the backward is the other one through ``adjoint``."""
+
     @staticmethod
-    def forward(ctx, src, idx, adjoint, backend):
+    def forward(ctx, src, idx, adjoint, backend, summed):
         ctx.save_for_backward(adjoint)
-        ctx.backend = backend
-        return gather_rows(src, idx, backend=backend)
+        ctx.backend, ctx.summed = backend, summed
+        return (gather_sum_rows if summed else gather_rows)(src, idx, backend=backend)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         (adjoint,) = ctx.saved_tensors
-        return gather_sum_rows(grad, adjoint, backend=ctx.backend), None, None, None
-
-
-class _RowGatherSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, src, idx, adjoint, backend):
-        ctx.save_for_backward(adjoint)
-        ctx.backend = backend
-        return gather_sum_rows(src, idx, backend=backend)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        (adjoint,) = ctx.saved_tensors
-        return gather_rows(grad, adjoint, backend=ctx.backend), None, None, None
+        adjoint_op = gather_rows if ctx.summed else gather_sum_rows
+        return adjoint_op(grad, adjoint, backend=ctx.backend), None, None, None, None
 
 
 def row_gather(
@@ -144,7 +133,7 @@ def row_gather(
         backend: see :func:`gather_rows`.
     """
     assert adjoint.dim() == 2 and adjoint.shape[0] == src.shape[0], "adjoint must be [N, K]"
-    return _RowGather.apply(src, idx, adjoint, backend)
+    return _AdjointGather.apply(src, idx, adjoint, backend, False)
 
 
 def row_gather_sum(
@@ -159,4 +148,4 @@ def row_gather_sum(
         backend: see :func:`gather_rows`.
     """
     assert adjoint.dim() == 1 and adjoint.shape[0] == src.shape[0], "adjoint must be [R]"
-    return _RowGatherSum.apply(src, idx, adjoint, backend)
+    return _AdjointGather.apply(src, idx, adjoint, backend, True)

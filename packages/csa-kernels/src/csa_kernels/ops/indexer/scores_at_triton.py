@@ -32,6 +32,19 @@ from csa_kernels._triton_utils import check_triton_device, interpreting, next_po
 
 
 @triton.jit
+def _gather_key_tile(K, IDX_ROW, offs_j, KS, offs_d, md, stride_kc, UPCAST: tl.constexpr):
+    """The key rows ``K[idx[j]]`` of slots ``offs_j`` of one index row: ``(rows int64, valid, k [BLOCK_J,
+    BLOCK_DI])`` with zero rows at ``-1`` slots (fp32 when ``UPCAST``)."""
+    idx = tl.load(IDX_ROW + offs_j, mask=offs_j < KS, other=-1)
+    valid = idx >= 0
+    rows = tl.where(valid, idx, 0).to(tl.int64)
+    k = tl.load(K + rows[:, None] * stride_kc + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    return rows, valid, k
+
+
+@triton.jit
 def _row_end(IDX_ROW, KS, BLOCK: tl.constexpr):
     """1 + the last slot of the index row holding a valid (>= 0) entry; 0 for a row of -1."""
     end = tl.zeros([], dtype=tl.int32)
@@ -71,14 +84,7 @@ def _scores_at_fwd_kernel(
     end = _row_end(IDX + t * stride_it, KS, 256)
     for j0 in range(0, end, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
-        idx = tl.load(IDX + t * stride_it + offs_j, mask=offs_j < KS, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
-        k = tl.load(
-            K + rows[:, None] * stride_kc + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
-        )  # [BLOCK_J, BLOCK_DI]
-        if UPCAST:
-            k = k.to(tl.float32)
+        _, valid, k = _gather_key_tile(K, IDX + t * stride_it, offs_j, KS, offs_d, md, stride_kc, UPCAST)
         acc = tl.zeros([BLOCK_J], dtype=tl.float32)
         for h0 in range(0, HI, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -144,14 +150,7 @@ def _scores_at_bwd_kernel(
     end = _row_end(IDX + t * stride_it, KS, 256)
     for j0 in range(0, end, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
-        idx = tl.load(IDX + t * stride_it + offs_j, mask=offs_j < KS, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
-        k = tl.load(
-            K + rows[:, None] * stride_kc + offs_d[None, :], mask=valid[:, None] & md[None, :], other=0.0
-        )  # [BLOCK_J, BLOCK_DI]
-        if UPCAST:
-            k = k.to(tl.float32)
+        rows, valid, k = _gather_key_tile(K, IDX + t * stride_it, offs_j, KS, offs_d, md, stride_kc, UPCAST)
         g = tl.load(G + t * stride_gt + offs_j, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_J], 0 at -1
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_J]
         dw += tl.sum(tl.maximum(s, 0.0) * g[None, :], 1)
