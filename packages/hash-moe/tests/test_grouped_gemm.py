@@ -180,3 +180,86 @@ def test_alignment_padding_is_gathers_and_bit_identical(counts):
 def test_alignment_padding_bit_identical_bf16_on_gpu(counts):
     """bf16 on CUDA (8-row alignment, the Triton row gathers)."""
     _check_padding_bit_identical(counts, "cuda", torch.bfloat16)
+
+
+def _check_device_counts_bit_identical(counts, dev, dt):
+    """Counts as a device tensor (no host sync, static worst-case buffer) give exactly the host-count results."""
+    from hash_moe.grouped_gemm import _grouped_mm_aligned, grouped_mm_device_counts
+
+    torch.manual_seed(len(counts) + 1)
+    x = torch.randn(sum(counts), 32, device=dev).to(dt)
+    w = (torch.randn(len(counts), 64, 32, device=dev) / 4).to(dt)
+    g = torch.randn(sum(counts), 64, device=dev).to(dt)
+    results = []
+    for fn, c in (
+        (_grouped_mm_aligned, counts),
+        (grouped_mm_device_counts, torch.tensor(counts, device=dev)),
+    ):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xl, wl, c)
+        assert out.shape == (sum(counts), 64)
+        results.append((out.detach(), *torch.autograd.grad(out, (xl, wl), g)))
+    for name, a, b in zip(("out", "dx", "dw"), *results):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("counts", PADDED_COUNTS + [[8, 4, 12], [0, 0]])
+def test_device_counts_bit_identical_to_host_counts(counts):
+    """CPU fp32 (4-row alignment): includes all-aligned counts and an empty input (every group empty)."""
+    _check_device_counts_bit_identical(counts, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", PADDED_COUNTS + [[8, 16, 24], [0, 0]])
+def test_device_counts_bit_identical_and_sync_free_on_gpu(counts):
+    """bf16 on CUDA: ``grouped_mm`` with CUDA counts takes the device path (bit-identical to the host counts) and
+    never synchronises with the host."""
+    _check_device_counts_bit_identical(counts, "cuda", torch.bfloat16)
+    x = torch.randn(sum(counts), 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(len(counts), 64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    c = torch.tensor(counts, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = grouped_mm(x, w, c)
+        out.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, grouped_mm(x.detach(), w.detach(), counts))
+
+
+def test_device_counts_validate_shape_and_dtype():
+    from hash_moe.grouped_gemm import grouped_mm_device_counts
+
+    x, w = torch.randn(5, 8), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="integer"):
+        grouped_mm_device_counts(x, w, torch.tensor([2.0, 3.0]))
+    with pytest.raises(ValueError, match=r"\[G=2\]"):
+        grouped_mm_device_counts(x, w, torch.tensor([5]))
+
+
+@pytest.mark.parametrize("counts,filler", [([3, 0, 5, 1], 7), ([0, 0], 3), ([4, 8], 1)])
+def test_device_counts_filler_rows_are_zero(counts, filler):
+    """Device counts summing to less than M: the trailing filler rows give zero output and zero input gradient; the
+    routed rows and the weight gradient equal the host-count GEMM of the routed rows alone."""
+    from hash_moe.grouped_gemm import _grouped_mm_aligned, grouped_mm_device_counts
+
+    torch.manual_seed(3)
+    m = sum(counts)
+    x = torch.randn(m + filler, 32)
+    w = torch.randn(len(counts), 64, 32) / 4
+    g = torch.randn(m + filler, 64)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = grouped_mm_device_counts(xl, wl, torch.tensor(counts))
+    dx, dw = torch.autograd.grad(out, (xl, wl), g)
+    xr, wr = x[:m].clone().requires_grad_(), w.clone().requires_grad_()
+    ref = _grouped_mm_aligned(xr, wr, counts)
+    rx, rw = torch.autograd.grad(ref, (xr, wr), g[:m])
+    assert torch.equal(out[:m], ref) and torch.equal(out[m:], torch.zeros(filler, 64))
+    assert torch.equal(dx[:m], rx) and torch.equal(dx[m:], torch.zeros(filler, 32))
+    assert torch.equal(dw, rw)
+    # grouped_mm with a same-device count tensor on the loop backend: the same filler semantics
+    loop = grouped_mm(x, w, torch.tensor(counts), backend="loop")
+    assert torch.allclose(loop[:m], ref, atol=1e-5) and not loop[m:].any()
+    with pytest.raises(ValueError, match="sum to M"):  # host lists stay strict
+        grouped_mm(x, w, counts, backend="loop")

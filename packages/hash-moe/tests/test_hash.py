@@ -48,6 +48,8 @@ def test_hash_padding_and_bad_ids():
     assert not rmap[1].any() and (probs[1] == 0).all()
     with pytest.raises(ValueError, match="vocab"):
         hash_route(torch.randn(2, 4), torch.tensor([3, 10]), table, cfg)
+    with pytest.raises(ValueError, match=r"\[-1, 3\]"):
+        hash_route(torch.randn(2, 4), torch.tensor([3, -1]), table, cfg)
     with pytest.raises(ValueError, match="token_ids"):
         hash_route(torch.randn(2, 4), torch.tensor([[1, 2]]), table, cfg)
     with pytest.raises(ValueError, match="topk"):
@@ -125,3 +127,15 @@ def test_hash_layers_count_moe_layers_not_pattern_symbols():
     assert hash_moe_layer_flags("WEWE", 0) == [False] * 4
     with pytest.raises(ValueError, match="MoE layers"):
         hash_moe_layer_flags("WEWE/WE", 3)  # MTP layers never count
+
+
+def test_token_id_check_under_graph_capture_is_a_device_assert():
+    """While a CUDA graph is captured the range check cannot read the host: it becomes ``torch._assert_async``
+    (checked at every replay). On CPU the same assert fails at once, which is what this exercises."""
+    from hash_moe.routing import _check_token_id_range
+
+    _check_token_id_range(torch.tensor([0, 9]), 10, asynchronous=True)
+    _check_token_id_range(torch.tensor([], dtype=torch.long), 10, asynchronous=True)
+    for bad in ([3, 10], [-1, 2]):
+        with pytest.raises(RuntimeError, match="vocab=10"):
+            _check_token_id_range(torch.tensor(bad), 10, asynchronous=True)

@@ -79,6 +79,38 @@ def test_identity_chunk_sort_is_skipped_at_one_rank(alltoall_cpu, monkeypatch):
     assert len(calls) == 2
 
 
+def test_counts_stay_on_device_at_one_rank(alltoall_cpu, monkeypatch):
+    """One TP x EP rank without padding: megatron's device-to-host copy of the per-expert counts (and its
+    synchronisation) is skipped; the experts get the counts as a tensor on the tokens' device. With padding rows
+    (data-dependent permutation size) megatron's sync point is kept."""
+    layer, _ = build_layer(False, moe_token_dispatcher_type="alltoall")
+    disp = layer.token_dispatcher
+    points, seen = [], []
+    real_sync = disp._maybe_dtoh_and_synchronize
+    monkeypatch.setattr(
+        disp, "_maybe_dtoh_and_synchronize", lambda p, t=None: points.append(p) or real_sync(p, t)
+    )
+    real_experts = layer.experts.forward
+    monkeypatch.setattr(layer.experts, "forward", lambda x, c, p: seen.append(c) or real_experts(x, c, p))
+    x, ids, _, g = _batch(5, 2, {}, torch.float64)
+    ours = _step(layer, x, ids, None, g)
+    # megatron's dtoh copy + sync happen at its first sync point and "before_permutation_2"; the all-to-all's own
+    # "before_ep_alltoall" call is a no-op at one rank
+    assert set(points) <= {"before_ep_alltoall"}
+    assert isinstance(seen[-1], torch.Tensor) and seen[-1].device == x.device
+    assert int(seen[-1].sum()) == 5 * 2 * TOPK
+    disp.keep_counts_on_device = False
+    theirs = _step(layer, x, ids, None, g)
+    assert "before_permutation_1" in points  # megatron's sync points again
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    disp.keep_counts_on_device = True
+    points.clear()
+    x, ids, pad, g = _batch(5, 2, {0: 2}, torch.float64)
+    _step(layer, x, ids, pad, g)
+    assert "before_permutation_1" in points
+
+
 @pytest.mark.parametrize(
     "field,value", [("moe_permute_fusion", True), ("moe_router_padding_for_quantization", True)]
 )
@@ -125,3 +157,28 @@ def test_gpu_bf16_layer_close_to_megatrons_path_and_deterministic(megatron_cpu, 
     for name, a, b, m, r in zip(names, first, second, theirs, ref):
         assert torch.equal(a, b), f"{name} not deterministic"
         assert_close_to_ref(name, a, r, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pad_rows", [None, {1: 37}])
+def test_gpu_layer_is_sync_free_at_one_rank(megatron_cpu, pad_rows):
+    """bf16 on the GPU at one rank: the whole layer (routing, permutation, grouped GEMMs, un-permutation, backward)
+    never synchronises with the host, also with padding tokens (static-size permutation with filler rows); the
+    result equals the exact-count path that syncs."""
+    torch.manual_seed(0)
+    layer, _ = build_layer(
+        False, dtype=torch.bfloat16, bf16=True, moe_token_dispatcher_type="alltoall", balance=0.0
+    )
+    layer = layer.to(DEV).train()
+    x, ids, pad, g = _batch(256, 2, pad_rows, torch.bfloat16, DEV, seed=2)
+    _step(layer, x, ids, pad, g)  # warm-up: Triton compilation, lazy state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ours = _step(layer, x, ids, pad, g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    layer.token_dispatcher.keep_counts_on_device = False
+    exact = _step(layer, x, ids, pad, g)
+    for a, b in zip(ours, exact):
+        assert torch.equal(a, b)

@@ -11,6 +11,7 @@ doubling until out of memory). Writes ``flash_smoke.json`` to --out and to bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -36,7 +37,7 @@ def _init():
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     ps.initialize_model_parallel(1, 1)
-    init_rng_tracker(1234)
+    init_rng_tracker(1234, cuda_graph_safe=True)  # the CUDA-graph rows capture with megatron's wrapper
 
 
 def _model(bf16: bool):
@@ -127,6 +128,77 @@ def _time_fwd_bwd(model, S: int, iters: int) -> dict:
         "tokens_per_s": S / dt,
         "mfu": flops / dt / H200_BF16_PEAK,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def _time_fwd_bwd_graphed(model, S: int, iters: int) -> dict:
+    """forward+backward as ``dsv4 train --cuda-graph`` runs it: megatron's forward-backward schedule behind
+    ``FullCudaGraphWrapper`` (:class:`hybrid_model.training.cuda_graph.GraphedForwardBackward`): two eager warm-up
+    steps, then one captured step, then ``iters`` timed replays (each copies the batch into the static buffers).
+    The capture starts without gradients, so every replay writes fresh ones (as eager ``zero_grad`` + backward)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from hybrid_model.flops import forward_flops_sbhd
+    from hybrid_model.training.cuda_graph import GraphedForwardBackward
+
+    ids = torch.randint(0, model.model_config.vocab_size, (1, S), device="cuda")
+    batch = {"tokens": ids, "labels": torch.roll(ids, -1, 1)}
+
+    def forward_step(data_iterator, m):
+        b = next(data_iterator)
+        out = m(b["tokens"], None, None, labels=b["labels"])
+
+        def loss_func(output):
+            loss = output.float().mean()
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    # megatron's schedule sets the MoE aux-loss scale as a [1] tensor; the eager rows above (no schedule) let its
+    # backward create a [] one, which the schedule's in-place copy then rejects: start from "unset" as a run does
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    fb = GraphedForwardBackward(get_forward_backward_func(), warmup_steps=2)
+
+    def step():
+        reports = fb(
+            key=S,
+            forward_step_func=forward_step,
+            data_iterator=iter([batch]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=S,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        if not fb.captured:
+            model.zero_grad(set_to_none=True)
+        return reports
+
+    model.zero_grad(set_to_none=True)
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        for _ in range(3):  # two eager warm-up steps, then capture (+ its replay)
+            step()
+        if not fb.captured:
+            raise RuntimeError("the forward-backward step was not captured")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            reports = step()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / iters
+        loss = float(reports[0]["lm loss"])
+    finally:
+        fb.close()
+        model.zero_grad(set_to_none=True)
+    flops = forward_flops_sbhd(model.model_config, S).training
+    return {
+        "tokens_per_s": S / dt,
+        "mfu": flops / dt / H200_BF16_PEAK,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "lm_loss": loss,
     }
 
 
@@ -367,15 +439,19 @@ def _sync_report(model, S: int, out: Path, top: int = 40) -> dict:
     return {"total": total, "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:top])}
 
 
-def _optimizer_step_child(S: int, iters: int, packed: bool) -> dict:
+def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = False) -> dict:
     """Full training steps through ``dsv4 train``'s loop (DDP + distributed optimizer, Adam, grad clipping) in this
     process; run by :func:`_time_optimizer_step` in a fresh process (the Trainer owns its parallel state)."""
     from hybrid_model.training.config import TrainConfig
     from hybrid_model.training.trainer import Trainer
 
+    # The last `iters` of `iters + 5` steps are timed, in both modes on the same batches (tokens/s counts real tokens,
+    # which vary per batch). Graphs: 2 warm-up steps + the capture, again after the MTP weight's decay starts (step 2
+    # at warmup_steps=0), so steps 4, 5, ... are replays. Eager: step 1 compiles.
     tc = TrainConfig(
         preset="flash-smoke",
-        steps=iters + 1,
+        steps=iters + 5,
+        cuda_graph=cuda_graph,
         seq_len=S,
         global_batch_size=1,
         micro_batch_size=1,
@@ -386,18 +462,43 @@ def _optimizer_step_child(S: int, iters: int, packed: bool) -> dict:
         warmup_steps=0,
         save_final=False,  # a flash-smoke checkpoint with Adam state is ~45 GB
     )
-    metrics = Trainer(tc).run()
-    timed = metrics[1:] or metrics  # step 1 compiles the kernels
+    trainer = Trainer(tc)
+    optimizer_s: list[float] = []
+    if os.environ.get(
+        "BENCH_STEP_BREAKDOWN"
+    ):  # diagnostics: synchronise around the optimizer step and time it
+        real_step = trainer.optimizer.step
+
+        def synced_step(*a, **k):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = real_step(*a, **k)
+            torch.cuda.synchronize()
+            optimizer_s.append(time.perf_counter() - t0)
+            return out
+
+        trainer.optimizer.step = synced_step
+    metrics = trainer.run()
+    timed = metrics[-iters:]
+    if cuda_graph and not all(
+        prev.get("cuda_graph_replayed") and m["cuda_graph_replayed"]
+        for prev, m in itertools.pairwise(metrics[-iters - 1 :])
+    ):
+        raise RuntimeError("--cuda-graph: the timed steps are not replays of the captured step")
     return {
         "tokens_per_s": sum(m["tokens_per_s"] for m in timed) / len(timed),
+        "step_ms": 1e3 * sum(m["step_time_s"] for m in timed) / len(timed),
         "mfu": sum(m["mfu"] for m in timed) / len(timed),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "lm_loss": [m.get("lm_loss") for m in metrics],
         "layout": "thd" if packed else "sbhd",
+        "cuda_graph": cuda_graph,
+        "step_time_s": [m["step_time_s"] for m in metrics],
+        **({"optimizer_s": optimizer_s} if optimizer_s else {}),
     }
 
 
-def _time_optimizer_step(S: int, iters: int, packed: bool) -> dict:
+def _time_optimizer_step(S: int, iters: int, packed: bool, cuda_graph: bool = False) -> dict:
     """:func:`_optimizer_step_child` in a subprocess; raises with the child's output tail when it fails."""
     import subprocess
     import sys
@@ -405,6 +506,8 @@ def _time_optimizer_step(S: int, iters: int, packed: bool) -> dict:
     cmd = [sys.executable, __file__, "--optimizer-step-child", str(S), "--iters", str(iters)]
     if packed:
         cmd.append("--packed")
+    if cuda_graph:
+        cmd.append("--cuda-graph")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("OPTIMIZER_STEP "):
@@ -412,6 +515,55 @@ def _time_optimizer_step(S: int, iters: int, packed: bool) -> dict:
     raise RuntimeError(
         f"optimizer-step child failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
     )
+
+
+def _no_mtp_rows(args) -> dict:
+    """flash-smoke without its MTP layer (what transformers' ``DeepseekV4ForCausalLM`` computes: it drops the MTP
+    weights) at 4096 tokens: eager and CUDA-graph forward+backward."""
+    from hybrid_model.model import build_model
+    from hybrid_model.presets import get_preset
+
+    torch.manual_seed(0)
+    cfg = get_preset("flash-smoke")
+    cfg = cfg.replace(num_nextn_predict_layers=0, compress_ratios=cfg.compress_ratios[: cfg.num_layers])
+    model = build_model(cfg, bf16=True, params_dtype=torch.bfloat16).cuda()
+    model.train()
+    rows: dict = {}
+    try:
+        rows["4096"] = {"eager": _time_fwd_bwd(model, 4096, args.iters)}
+        if not args.no_graphs:
+            rows["4096"]["cuda_graph"] = _time_fwd_bwd_graphed(model, 4096, args.iters)
+    except Exception:
+        rows["error"] = traceback.format_exc()[-4000:]
+    print(f"flash-smoke without MTP: {rows}", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _print_table(result: dict) -> None:
+    """Side by side with the Hugging Face eager numbers: eager and CUDA-graph rows, then flash-smoke without MTP."""
+    print(
+        f"{'S':>7} | {'run':>22} | {'tok/s':>9} | {'MFU':>6} | {'peak GiB':>8} | {'HF eager tok/s':>14} | "
+        f"{'HF GiB':>6} | speedup"
+    )
+    rows = [(s, "eager", r) for s, r in result["fwd_bwd"].items()]
+    rows += [(s, "CUDA graph", r) for s, r in result.get("fwd_bwd_graph", {}).items()]
+    for run, r in result.get("no_mtp", {}).get("4096", {}).items():
+        rows.append((4096, f"no MTP, {run.replace('_', ' ')}", r))
+    for s, run, r in sorted(rows, key=lambda x: (int(x[0]), x[1])):
+        s = int(s)
+        if not isinstance(r, dict) or "tokens_per_s" not in r:
+            print(f"{s:>7} | {run:>22} | {str(r)[:40]}")
+            continue
+        hf = HF_EAGER.get(s)
+        hf_t = f"{hf[0]:>14,}" if hf else f"{'OOM':>14}"
+        hf_m = f"{hf[1]:>6}" if hf else f"{'-':>6}"
+        sp = f"{r['tokens_per_s'] / hf[0]:.2f}x" if hf else "-"
+        print(
+            f"{s:>7} | {run:>22} | {r['tokens_per_s']:>9,.0f} | {100 * r['mfu']:5.1f}% | {r['peak_gib']:>8.1f} | "
+            f"{hf_t} | {hf_m} | {sp}"
+        )
 
 
 def main() -> None:
@@ -425,15 +577,29 @@ def main() -> None:
     ap.add_argument("--no-optimizer-step", action="store_true", help="skip the full optimizer-step timing")
     ap.add_argument("--optimizer-step-child", type=int, metavar="S", help=argparse.SUPPRESS)
     ap.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cuda-graph", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--no-graphs", action="store_true", help="skip the CUDA-graph (dsv4 train --cuda-graph) rows"
+    )
+    ap.add_argument("--no-mtp-row", action="store_true", help="skip the flash-smoke-without-MTP rows")
+    ap.add_argument(
+        "--optimizer-steps",
+        nargs="*",
+        default=["sbhd", "thd", "sbhd_cuda_graph"],
+        help="full optimizer-step runs at S=4096 (sbhd, thd, sbhd_cuda_graph)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_flash_smoke: no CUDA device; nothing measured")
         return
     if args.optimizer_step_child:
-        r = _optimizer_step_child(args.optimizer_step_child, args.iters, args.packed)
+        r = _optimizer_step_child(args.optimizer_step_child, args.iters, args.packed, args.cuda_graph)
         print("OPTIMIZER_STEP " + json.dumps(r), flush=True)
         return
     _init()
+    from hybrid_model.training.cuda_graph import use_capture_stream
+
+    use_capture_stream()  # as dsv4 train --cuda-graph: model and steps on the capture stream (eager rows too)
     model = _model(bf16=True)
     result = {"device": torch.cuda.get_device_name(), "check": _check(model), "fwd_bwd": {}}
 
@@ -466,6 +632,16 @@ def main() -> None:
         result["profile"] = _profile(model, args.profile_seq_len, Path(args.out))
         save()
     fits = [s for s in args.seq_lens if measure(s)]
+    if not args.no_graphs:
+        result["fwd_bwd_graph"] = {}
+        for s in fits:
+            try:
+                result["fwd_bwd_graph"][s] = _time_fwd_bwd_graphed(model, s, args.iters)
+            except Exception:  # report, do not hide
+                result["fwd_bwd_graph"][s] = {"error": traceback.format_exc()[-4000:]}
+            torch.cuda.empty_cache()
+            print(f"S={s} CUDA graph: {result['fwd_bwd_graph'][s]}", flush=True)
+            save()
     # The longest S that fits: double past the last measured length, then bisect in steps of 2048 tokens.
     lo = max(fits, default=0)
     hi = None
@@ -486,30 +662,23 @@ def main() -> None:
     save()
     model = None  # free the weights before the Trainer builds its own model
     torch.cuda.empty_cache()
+    if not args.no_mtp_row:  # the Hugging Face model has no MTP layer: the like-for-like comparison
+        result["no_mtp"] = _no_mtp_rows(args)
+        save()
     if not args.no_optimizer_step:
         result["optimizer_step"] = {}
-        for packed in (False, True):
-            key = "thd" if packed else "sbhd"
+        runs = {"sbhd": (False, False), "thd": (True, False), "sbhd_cuda_graph": (False, True)}
+        for key in args.optimizer_steps:
+            if key not in runs or (args.no_graphs and runs[key][1]):
+                continue
+            packed, graph = runs[key]
             try:
-                result["optimizer_step"][key] = _time_optimizer_step(4096, args.iters, packed)
+                result["optimizer_step"][key] = _time_optimizer_step(4096, args.iters, packed, graph)
             except Exception:  # report, do not hide: the fwd/bwd table is still useful
                 result["optimizer_step"][key] = {"error": traceback.format_exc()[-4000:]}
             print(f"optimizer step S=4096 {key}:", result["optimizer_step"][key], flush=True)
             save()
-    print(
-        f"{'S':>7} | {'ours tok/s':>11} | {'MFU':>6} | {'peak GiB':>8} | {'HF eager tok/s':>14} | {'HF GiB':>6} | speedup"
-    )
-    for s, r in sorted(result["fwd_bwd"].items()):
-        hf = HF_EAGER.get(s)
-        if r == "OOM":
-            print(f"{s:>7} | {'OOM':>11} |")
-            continue
-        hf_t = f"{hf[0]:>14,}" if hf else f"{'OOM':>14}"
-        hf_m = f"{hf[1]:>6}" if hf else f"{'-':>6}"
-        sp = f"{r['tokens_per_s'] / hf[0]:.2f}x" if hf else "-"
-        print(
-            f"{s:>7} | {r['tokens_per_s']:>11,.0f} | {100 * r['mfu']:5.1f}% | {r['peak_gib']:>8.1f} | {hf_t} | {hf_m} | {sp}"
-        )
+    _print_table(result)
     save()
 
 

@@ -8,6 +8,7 @@ independently: it yields ``floor(len_i / ratio)`` entries, stored contiguously i
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 import torch
 
@@ -48,10 +49,60 @@ def sbhd_cu_seqlens_host(batch: int, seq_len: int) -> list[int]:
 
 
 def upload_host_ints(values: list, device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Host ints (nested lists allowed) -> a tensor on ``device`` by a non-blocking copy: no host <-> device sync
-    (a pageable source is staged by the driver before the call returns, so the temporary may be freed)."""
+    """Host ints (nested lists allowed) -> a tensor on ``device`` without a host <-> device sync.
+
+    On CUDA the result is a read-only constant shared by every call with the same values (a bounded cache; the
+    callers pass host bounds of layouts, which repeat step after step): the first call copies non-blocking (a
+    pageable source is staged by the driver before the call returns), later calls copy nothing. That also makes the
+    callers capturable in a CUDA graph: inside a capture a cache miss copies from a pinned buffer that is kept, with
+    the device tensor, for the life of the process (the graph re-reads it at every replay), and an entry created or
+    used during a capture is never evicted. Do not modify the returned tensor in place.
+    """
     t = torch.tensor(values, dtype=dtype)
-    return t if device is None else t.to(device, non_blocking=True)
+    if device is None:
+        return t
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return _DEVICE_INTS.get(t, device)
+
+
+class _DeviceIntCache:
+    """LRU cache ``(device, dtype, shape, values) -> device tensor`` for :func:`upload_host_ints`."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.kept: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}  # used in a graph capture
+
+    def get(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, host.dtype, tuple(host.shape), tuple(host.flatten().tolist()))
+        capturing = torch.cuda.is_current_stream_capturing()
+        kept = self.kept.get(key)
+        if kept is not None:
+            return kept[0]
+        hit = self.entries.get(key)
+        if hit is not None:
+            self.entries.move_to_end(key)
+            if capturing:  # a captured graph now reads it: never evict
+                self.kept[key] = (self.entries.pop(key), None)
+            return hit
+        if capturing:
+            pinned = host.pin_memory()
+            dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+            dev.copy_(pinned, non_blocking=True)
+            self.kept[key] = (dev, pinned)
+            return dev
+        dev = host.to(device, non_blocking=True)
+        self.entries[key] = dev
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+        return dev
+
+
+_DEVICE_INTS = _DeviceIntCache()
 
 
 def sbhd_cu_seqlens(batch: int, seq_len: int, device=None) -> torch.Tensor:

@@ -206,3 +206,31 @@ def test_trusted_calls_do_not_sync_on_gpu(op, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_upload_host_ints_is_a_cached_constant_and_graph_capturable():
+    """CUDA: equal host lists give the same device tensor (no second copy); inside a CUDA-graph capture a new list
+    is copied from a kept pinned buffer, so every replay sees its values, and the entry is never evicted."""
+    from csa_kernels.varlen import _DEVICE_INTS, upload_host_ints
+
+    a = upload_host_ints([0, 5, 9], "cuda")
+    assert upload_host_ints([0, 5, 9], "cuda") is a and a.tolist() == [0, 5, 9]
+    assert upload_host_ints([[1, 2], [3, 4]], "cuda").tolist() == [[1, 2], [3, 4]]
+    assert upload_host_ints([0, 5, 9], "cuda", torch.int64) is not a
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = upload_host_ints([7, 11, 2026], "cuda") * 2 + upload_host_ints([0, 5, 9], "cuda")
+    for _ in range(2):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert out.tolist() == [14, 27, 4061]
+    for i in range(_DEVICE_INTS.capacity + 1):  # churn the LRU: captured entries survive
+        upload_host_ints([i, 123456], "cuda")
+    g.replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [14, 27, 4061]
+    assert upload_host_ints([7, 11, 2026], "cuda").tolist() == [7, 11, 2026]

@@ -40,11 +40,10 @@ class IndexerLossAutoScaler(torch.autograd.Function):
         (indexer_loss,) = ctx.saved_tensors
         scale = IndexerLossAutoScaler.main_loss_backward_scale
         if scale is None:
-            scale = torch.ones((), device=indexer_loss.device)
-        scaled = torch.ones_like(indexer_loss) * scale.to(
-            device=indexer_loss.device, dtype=indexer_loss.dtype
-        )
-        return grad_output, scaled
+            return grad_output, torch.ones_like(indexer_loss)
+        if scale.device != indexer_loss.device and scale.dim() == 0:
+            scale = scale.item() if scale.device.type != "cpu" else scale  # a CPU scalar needs no copy
+        return grad_output, (torch.ones_like(indexer_loss) * scale).to(indexer_loss.dtype)
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor | float) -> None:

@@ -46,13 +46,18 @@ def apply_cpu_shims() -> None:
     _patched = True
 
 
-def init_rng_tracker(seed: int = 1234) -> None:
-    """Seed megatron-core's RNG tracker: the real CUDA tracker on GPU, the null-fork tracker on CPU (shim 2)."""
+def init_rng_tracker(seed: int = 1234, *, cuda_graph_safe: bool = False) -> None:
+    """Seed megatron-core's RNG tracker: the real CUDA tracker on GPU, the null-fork tracker on CPU (shim 2).
+
+    ``cuda_graph_safe``: the tracker keeps its streams as graph-safe generators (megatron's
+    ``use_cudagraphable_rng``), which megatron's ``FullCudaGraphWrapper`` registers with every captured graph; it
+    refuses the default tensor states ("expected a Generator, but got Tensor"). GPU only; ignored on CPU.
+    """
     from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
-        model_parallel_cuda_manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graph_safe, force_reset_rng=True)
     else:
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 

@@ -11,6 +11,13 @@ Backends (forward and backward give the same results):
 - ``"loop"``: ``torch.split`` + one matmul per group (any device and dtype).
 - ``"auto"``: ``"torch"`` on CUDA when the dtype is bf16 and ``K``, ``N`` are multiples of 8, else ``"loop"``.
 
+Row counts may be host values (a list, or a CPU tensor: megatron's dispatcher copies them to the host at its sync
+point; they must sum to ``M``) or a tensor on the rows' device. Device counts never reach the host with the
+``"torch"`` backend (no synchronisation, CUDA-graph capturable): it pads into a buffer of the static worst-case size
+``M + G·(align − 1)`` and finds the group offsets on the device. Device counts may sum to less than ``M``: the rows
+past the last group are filler (a static-size permutation of a batch with padding tokens) and come out as zeros.
+Their sum is trusted not to exceed ``M`` (checking would need the host).
+
 Shape legend: ``M`` rows, ``G`` groups (local experts), ``K`` input width, ``N`` output width.
 """
 
@@ -69,14 +76,28 @@ def grouped_mm(
     Args:
         x: ``[M, K]`` rows sorted by group.
         w: ``[G, N, K]`` per-group weights in ``nn.Linear`` layout (out x in).
-        tokens_per_group: ``[G]`` row counts ``c_g`` (summing to ``M``; zeros allowed).
+        tokens_per_group: ``[G]`` row counts ``c_g`` (summing to ``M``; zeros allowed). A tensor on ``x``'s
+            device may sum to less than ``M`` (filler rows at the end, zero output); with the ``"torch"`` backend it
+            stays on the device (no host sync; the sum is trusted).
         backend: see the module docstring.
     """
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(
             f"expected x [M, K] and w [G, N, K] with equal K; got {tuple(x.shape)} and {tuple(w.shape)}"
         )
+    if (
+        isinstance(tokens_per_group, torch.Tensor)
+        and tokens_per_group.device == x.device
+        and x.device.type != "cpu"
+        and resolve_backend(backend, x, w) == "torch"
+    ):
+        return grouped_mm_device_counts(x, w, tokens_per_group)
     counts = _counts_list(tokens_per_group)
+    on_device = isinstance(tokens_per_group, torch.Tensor) and tokens_per_group.device == x.device
+    if on_device and len(counts) == w.shape[0] and all(c >= 0 for c in counts) and sum(counts) < x.shape[0]:
+        routed = sum(counts)  # filler rows past the last group: zeros
+        out = grouped_mm(x[:routed], w, counts, backend=backend)
+        return torch.cat([out, out.new_zeros(x.shape[0] - routed, out.shape[1])])
     if len(counts) != w.shape[0]:
         raise ValueError(f"tokens_per_group has {len(counts)} entries for {w.shape[0]} weight groups")
     if any(c < 0 for c in counts) or sum(counts) != x.shape[0]:
@@ -106,6 +127,8 @@ def _grouped_mm_aligned(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
     """
     align = 16 // x.element_size()
     padded = [-(-c // align) * align for c in counts]
+    if x.shape[0] == 0:
+        return _no_rows_mm(x, w)
     if padded == counts:
         offs = _upload(torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32), x.device)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
@@ -122,6 +145,57 @@ def _grouped_mm_aligned(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
     xp = row_gather(x, source, rows.unsqueeze(1))  # [M_pad, K]
     offs = pad.cumsum(0).to(torch.int32)
     out = torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs)  # [M_pad, N]
+    return row_gather(out, rows, source.unsqueeze(1))  # [M, N]
+
+
+def _no_rows_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``[0, K] x [G, N, K] -> [0, N]`` with zero gradients for ``w`` (CUDA's ``_grouped_mm`` backward rejects an
+    empty ``x`` for some widths: "Invalid strides/sizes")."""
+    if w.shape[0] == 0:
+        return x.new_zeros(0, w.shape[1])
+    return x @ w[0].t()
+
+
+def grouped_mm_device_counts(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` with the row counts on the device: no host sync, static shapes (CUDA-graph safe).
+
+    Every group is padded to a multiple of ``align = 16 / element_size`` rows inside a buffer of the worst-case size
+    ``M_max = M + G·(align − 1)``; the offsets are computed on the device. Rows past the last offset are never read
+    back (forward) and get zero gradients (backward). The row movement is the same pair of adjoint gathers as the
+    host-count path, so the results are bit-identical to it (``grouped_mm`` takes this path for CUDA counts; it also
+    runs on CPU in fp32). The counts may sum to less than ``M`` (the rows past the last group are filler: zero
+    output, zero gradient, no GEMM work); more than ``M`` is not checked (it would need the host).
+    """
+    if counts.dim() != 1 or counts.shape[0] != w.shape[0] or counts.dtype.is_floating_point:
+        raise ValueError(
+            f"tokens_per_group must be an integer [G={w.shape[0]}] tensor, got {counts.dtype} {tuple(counts.shape)}"
+        )
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        raise ValueError(f"grouped_mm needs equal fp32/bf16/fp16 operands, got {x.dtype} and {w.dtype}")
+    if (x.shape[1] * x.element_size()) % 16 or (w.shape[1] * w.element_size()) % 16:
+        raise ValueError(
+            f"grouped_mm needs 16-byte aligned rows (K={x.shape[1]}, N={w.shape[1]} in {x.dtype})"
+        )
+    x = x.contiguous()
+    align = 16 // x.element_size()
+    m, g, dev = x.shape[0], w.shape[0], x.device
+    if m == 0:  # no rows (a static shape)
+        return _no_rows_mm(x, w)
+    m_max = m + g * (align - 1)
+    cnt = counts.to(torch.int64)  # [G]
+    pad = (cnt + (align - 1)) // align * align  # [G] padded group sizes
+    ends = cnt.cumsum(0)  # [G]
+    shift = (pad.cumsum(0) - pad) - (ends - cnt)  # [G] destination minus source start
+    r = torch.arange(m, device=dev)  # [M]
+    group = torch.searchsorted(ends, r, right=True)  # [M] group of each row; G for filler rows
+    shift = torch.cat([shift, shift.new_zeros(1)])  # [G + 1]
+    rows = torch.where(group < g, r + shift[group], -1)  # [M] padded row of x[i], -1 = filler
+    source = torch.full((m_max + 1,), -1, dtype=torch.int64, device=dev).index_copy_(
+        0, torch.where(rows >= 0, rows, m_max), r
+    )[:m_max]  # [M_max] row of x in each padded row, -1 = padding or past the last group (slot M_max: filler)
+    xp = row_gather(x, source, rows.unsqueeze(1))  # [M_max, K]
+    offs = pad.cumsum(0).to(torch.int32)  # [G] group ends
+    out = torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs)  # [M_max, N] (rows past offs[-1] unset)
     return row_gather(out, rows, source.unsqueeze(1))  # [M, N]
 
 

@@ -180,13 +180,28 @@ def hash_route(
             f"{token_ids.dtype} {tuple(token_ids.shape)}"
         )
     ids = token_ids.long()
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= tid2eid.shape[0]):
-        raise ValueError(
-            f"token ids must lie in [0, vocab={tid2eid.shape[0]}); got range [{int(ids.min())}, {int(ids.max())}]"
-        )
+    _check_token_id_range(
+        ids, tid2eid.shape[0], asynchronous=ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    )
     scores = routing_scores(logits, cfg.score_function)  # [N, E]
     experts = tid2eid.to(device=logits.device)[ids].long()  # [N, K]
     return RoutingResult(_weights_from_scores(scores, experts, cfg, valid), experts, scores, valid)
+
+
+def _check_token_id_range(ids: torch.Tensor, vocab: int, *, asynchronous: bool = False) -> None:
+    """``0 <= id < vocab`` for every id: a ValueError naming the range (one host sync), or with ``asynchronous``
+    (used while a CUDA graph is captured: no host reads are allowed there and the check must run at every replay)
+    an asynchronous device-side assert."""
+    if ids.numel() == 0:
+        return
+    if asynchronous:
+        torch._assert_async(
+            ((ids >= 0) & (ids < vocab)).all(), f"hash routing: token ids must lie in [0, vocab={vocab})"
+        )
+        return
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"token ids must lie in [0, vocab={vocab}); got range [{lo}, {hi}]")
 
 
 def dense_routing(result: RoutingResult, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,6 +59,14 @@ def _train_parser(sub) -> None:
         default=None,
         help="bf16 mixed precision (keep-in-fp32 params stay fp32); default: on with CUDA, off (fp32) on CPU",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        default=None,
+        help="one GPU, [B, S] batches: capture each step's forward+backward in a CUDA graph (megatron's "
+        "FullCudaGraphWrapper) and replay it; removes the kernel-launch overhead of short sequences",
+    )
+    p.add_argument("--cuda-graph-warmup-steps", type=int, help="eager steps before the capture (default 2)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s (in TFLOP/s) for MFU")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 

@@ -47,6 +47,8 @@ class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         super().__init__(*args, **kwargs)
         self.may_have_unrouted_tokens = False
         self.atomic_free_permute = True
+        # one TP x EP rank without padding: per-expert counts never leave the device (no sync; CUDA-graph safe)
+        self.keep_counts_on_device = True
         # the current forward's permutation when it took the atomic-free path, else None
         self.permute_map: PermuteMap | None = None
 
@@ -56,7 +58,7 @@ class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # does not leave the earlier sync behind for later unpadded ones (megatron re-derives its own points here)
         self.cuda_sync_point = "no_sync"
         tokens_per_local_expert = super().preprocess(routing_map)
-        if self.may_have_unrouted_tokens and not self.drop_and_pad:
+        if self.may_have_unrouted_tokens and not self.drop_and_pad and not self._counts_stay_on_device():
             if self.cuda_dtoh_point != _FIRST_SYNC_POINT:
                 raise ValueError(
                     "padding tokens with a CUDA-graphed MoE preprocess are not supported: the number of routed "
@@ -84,6 +86,20 @@ class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """One TP x EP rank: the chunk sort by local expert is the identity (and there is no TP gather/scatter)."""
         return self.permute_map is not None and self.tp_size * self.ep_size == 1
 
+    def _counts_stay_on_device(self) -> bool:
+        """One TP x EP rank: nothing needs the per-expert counts on the host (no all-to-all splits, no chunk sort; the
+        experts' grouped GEMM takes device counts), so megatron's device-to-host copy and its synchronisation are
+        skipped and the layer is sync-free (CUDA-graph capturable). The permutation keeps megatron's static size
+        ``T·topk``; with padding tokens (CUDA only) its unrouted tail rows are filler: empty permuted rows that the
+        grouped GEMM leaves out and the un-permutation ignores. On CPU, batches with padding keep the exact routed
+        count (a host read costs nothing there)."""
+        return (
+            self.keep_counts_on_device
+            and self.tp_size * self.ep_size == 1
+            and (not self.may_have_unrouted_tokens or self.routing_map.is_cuda)
+            and self._takes_atomic_free_path()
+        )
+
     def dispatch_preprocess(
         self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     ):
@@ -103,9 +119,13 @@ class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.tokens_per_expert = self.preprocess(routing_map)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(_FIRST_SYNC_POINT, self.tokens_per_expert)
+        if not self._counts_stay_on_device():
+            self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+                _FIRST_SYNC_POINT, self.tokens_per_expert
+            )
         self.hidden_shape_before_permute = hidden_states.shape
-        # the permutation size is on the host here: megatron's static T * topk or the count synced just above
+        # the permutation size is on the host here: megatron's static T * topk (device counts: with filler rows when
+        # tokens are padding) or the routed count synced just above
         x_perm, probs_perm, self.permute_map = permute(
             hidden_states,
             routing_map,
@@ -120,6 +140,9 @@ class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """megatron's dispatch postprocess, without the identity chunk sort at one TP x EP rank."""
         if not self._skips_identity_chunk_sort():
             return super().dispatch_postprocess(global_input_tokens, global_probs)
+        if self._counts_stay_on_device():  # [G] device counts: grouped_mm reads them on the device
+            tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+            return global_input_tokens, tokens_per_expert, global_probs
         # megatron's remaining sync points of this stage (no TP all-gather at tp_size 1)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
             "before_permutation_2", self.tokens_per_expert

@@ -22,6 +22,9 @@ class TrainConfig:
     ``lr``, then a cosine anneal over the last ``lr_wsd_decay_steps`` steps). ``mtp_loss_weight_decay``: the MTP loss
     weight from the first step of the LR decay on (spec §8: the preset's 0.3, then 0.1); ``None`` (config file:
     ``null``) keeps the preset's weight throughout. See :meth:`lr_decay_start` and :meth:`mtp_weight_at`.
+    ``cuda_graph``: capture each training step's forward + backward (all micro-batches) in one CUDA graph with
+    megatron-core's ``FullCudaGraphWrapper`` after ``cuda_graph_warmup_steps`` eager steps, then replay it (the
+    optimizer step stays eager). One GPU, fixed-length ``[B, S]`` batches; see :mod:`hybrid_model.training.cuda_graph`.
     """
 
     preset: str = "tiny"
@@ -57,6 +60,8 @@ class TrainConfig:
     peak_tflops: float | None = None
     progress: bool = True
     bf16: bool | None = None
+    cuda_graph: bool = False
+    cuda_graph_warmup_steps: int = 2
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
@@ -75,6 +80,12 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_warmup_steps < 1:
+            raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
+        if self.cuda_graph:
+            from hybrid_model.training.cuda_graph import check_cuda_graph_config
+
+            check_cuda_graph_config(self)
         if self.dense_steps < 0 or self.save_interval < 0 or self.warmup_steps < 0:
             raise ValueError("--dense-steps, --save-interval and --warmup-steps must be >= 0")
         if self.tp != 1:

@@ -8,6 +8,7 @@ Outputs in ``out``: ``metrics.jsonl`` (one JSON object per step), ``loss.png``, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -73,7 +74,7 @@ class Trainer:
             pipeline_model_parallel_size=tc.pp,
             expert_model_parallel_size=tc.ep,
         )
-        init_rng_tracker(tc.seed)
+        init_rng_tracker(tc.seed, cuda_graph_safe=tc.cuda_graph)
         _reset_metric_trackers()
         self.ps = ps
         self.pg = ProcessGroupCollection.use_mpu_process_groups()
@@ -83,6 +84,12 @@ class Trainer:
             else torch.device("cpu")
         )
         self.model_config = model_config_for(tc)
+        self._previous_stream = None
+        self._graphed = None
+        if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
+            from hybrid_model.training.cuda_graph import use_capture_stream
+
+            self._previous_stream = use_capture_stream()
         self.out = Path(tc.out)
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
         self._stop = False
@@ -214,7 +221,12 @@ class Trainer:
     def _forward_step(self, data_iterator, model):
         mb = next(data_iterator)
         unwrapped = self.core
-        if self.tc.packed:
+        if isinstance(mb, dict):  # --cuda-graph: the static device buffers of a fixed-length micro-batch
+            from hybrid_model.training.cuda_graph import BATCH_FIELDS
+
+            psp = None
+            tokens, labels, loss_mask, pos, pad = (mb[k] for k in BATCH_FIELDS)
+        elif self.tc.packed:
             psp = mb.packed_seq_params()
             tokens, labels = mb.tokens[None].to(self.device), mb.labels[None].to(self.device)
             loss_mask = mb.loss_mask[None].to(self.device)
@@ -259,17 +271,28 @@ class Trainer:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
             kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
-        with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
-            reports = fb(
-                forward_step_func=self._forward_step,
-                data_iterator=iter(batch.microbatches),
-                model=[self.model],
-                num_microbatches=batch.num_microbatches,
-                seq_length=seq,
-                micro_batch_size=mbs,
-                forward_only=False,
-                **kwargs,
+        schedule = dict(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(batch.microbatches),
+            model=[self.model],
+            num_microbatches=batch.num_microbatches,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+            **kwargs,
+        )
+        if tc.cuda_graph:
+            from hybrid_model.training.cuda_graph import GraphedForwardBackward, static_batch
+
+            if self._graphed is None:
+                self._graphed = GraphedForwardBackward(fb, tc.cuda_graph_warmup_steps)
+            schedule["data_iterator"] = iter([static_batch(mb) for mb in batch.microbatches])
+            # host-side values baked into the captured step: a change recaptures
+            fb = functools.partial(
+                self._graphed, key=(self.config.csa_dense_mode, self.config.mtp_loss_scaling_factor)
             )
+        with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
+            reports = fb(**schedule)
             ok, grad_norm, _ = self.optimizer.step()
         update_selection_biases(self.core, group=self.ps.get_data_parallel_group(with_context_parallel=True))
         self.scheduler.step(increment=1)
@@ -279,6 +302,8 @@ class Trainer:
             m["mtp_weight"] = self.config.mtp_loss_scaling_factor
         m.update(self._reduced_losses(reports, batch.num_microbatches))
         m["skipped"] = not ok
+        if self._graphed is not None:
+            m["cuda_graph_replayed"] = self._graphed.captured
         return m
 
     _LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
@@ -339,7 +364,11 @@ class Trainer:
         state = {"cpu": torch.get_rng_state(), "cuda": None, "tracker": None}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state()
-            state["tracker"] = get_cuda_rng_tracker().get_states()
+            # graph-safe trackers (--cuda-graph) hold generators: saved as their state tensors, the same format
+            state["tracker"] = {
+                name: st.get_state() if isinstance(st, torch.Generator) else st
+                for name, st in get_cuda_rng_tracker().get_states().items()
+            }
         offset = (
             ps.get_pipeline_model_parallel_rank(),
             ps.get_tensor_model_parallel_rank(),
@@ -353,7 +382,18 @@ class Trainer:
         torch.set_rng_state(state["cpu"])
         if torch.cuda.is_available() and state.get("cuda") is not None:
             torch.cuda.set_rng_state(state["cuda"])
-            get_cuda_rng_tracker().set_states(state["tracker"])
+            tracker = get_cuda_rng_tracker()
+            live = tracker.get_states()
+            restored = {}
+            for name, st in state["tracker"].items():
+                if isinstance(
+                    live.get(name), torch.Generator
+                ):  # keep the generator objects (graphs hold them)
+                    live[name].set_state(st.get_state() if isinstance(st, torch.Generator) else st)
+                    restored[name] = live[name]
+                else:
+                    restored[name] = st
+            tracker.set_states(restored)
 
     def _sharded_state(self, loading: bool, *, with_rng: bool = True):
         model_sd = self.core.sharded_state_dict()
@@ -482,6 +522,13 @@ class Trainer:
         return self.metrics
 
     def close(self) -> None:
+        if self._graphed is not None:
+            self._graphed.close()
+            self._graphed = None
+        if self._previous_stream is not None:
+            torch.cuda.synchronize()
+            torch.cuda.set_stream(self._previous_stream)
+            self._previous_stream = None
         self.ps.destroy_model_parallel()
 
 

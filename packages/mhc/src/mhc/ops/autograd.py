@@ -155,7 +155,7 @@ def coefficients_bwd(
         apply,
         has_dpre,
     )
-    if kernel_set() == "legacy":
+    if kernel_set() == "legacy" or not streams_bwd_wins(t, has_res, apply):
         dfn = _coefficients_bwd_fused(*args, dz, dmix, c, dx)
     else:
         dfn = _coefficients_bwd_streams(*args, dz, dmix, c, dx)
@@ -167,6 +167,15 @@ def coefficients_bwd(
     else:
         dscale = prod.sum().reshape(1)
     return dx, dfn, dscale, dbase
+
+
+def streams_bwd_wins(t: int, has_res: bool, apply: bool) -> bool:
+    """Backward launch of the ``tuned`` set, chosen per mode: the stream-aligned dX/dfn pass only for the layer
+    op with the fused collapse (``pre``: ``has_res`` and ``apply``) up to T = 4096 tokens; the fused 0.1.0 pass for
+    coefficient-only calls, the HyperHead (no residual mixing) and longer sequences. H200, n = 4, d = 4096, fp32
+    streams (``benchmarks/bench_mhc_kernels.py``): pre T = 4096 0.591 vs 0.896 ms; coeff 0.886 vs 0.649; head 0.867
+    vs 0.663; pre T = 8192 1.481 vs 1.150."""
+    return has_res and apply and t <= 4096
 
 
 def _coefficients_bwd_streams(

@@ -2,9 +2,11 @@
 
 Two kernel sets, chosen per call by the environment variable ``MHC_KERNELS``:
 
-``tuned`` (default)  split-K coefficient forward (partials + finishing kernel), backward with a separate
-                     high-occupancy ``dpre`` pass, stream-aligned ``dX``/``dfn`` column chunks, D-split ``post``
-                     backward. Grids sized from the device's SM count.
+``tuned`` (default)  split-K coefficient forward (partials + finishing kernel); coefficient backward chosen per
+                     mode (``autograd.streams_bwd_wins``): a separate high-occupancy ``dpre`` pass + stream-aligned
+                     ``dX``/``dfn`` column chunks for the layer op up to T = 4096, the 0.1.0 fused pass for
+                     coefficient-only calls, the HyperHead and longer sequences; D-split ``post`` backward. Grids
+                     sized from the device's SM count.
 ``legacy``           the 0.1.0 launches (one fused coefficient kernel per 64-token block, etc.), kept selectable
                      for side-by-side benchmarks (``benchmarks/bench_mhc_kernels.py``).
 
