@@ -258,8 +258,16 @@ def test_device_counts_filler_rows_are_zero(counts, filler):
     assert torch.equal(out[:m], ref) and torch.equal(out[m:], torch.zeros(filler, 64))
     assert torch.equal(dx[:m], rx) and torch.equal(dx[m:], torch.zeros(filler, 32))
     assert torch.equal(dw, rw)
-    # grouped_mm with a same-device count tensor on the loop backend: the same filler semantics
-    loop = grouped_mm(x, w, torch.tensor(counts), backend="loop")
-    assert torch.allclose(loop[:m], ref, atol=1e-5) and not loop[m:].any()
-    with pytest.raises(ValueError, match="sum to M"):  # host lists stay strict
-        grouped_mm(x, w, counts, backend="loop")
+    # host counts (lists, CPU tensors: megatron's synced counts) stay strict
+    for host in (counts, torch.tensor(counts)):
+        with pytest.raises(ValueError, match="sum to M"):
+            grouped_mm(x, w, host, backend="loop")
+
+
+@pytest.mark.gpu
+def test_cuda_count_tensor_filler_rows_on_the_loop_backend():
+    """fp32 on CUDA (loop backend): a CUDA count tensor summing to less than M gives zero filler rows too."""
+    x, w = torch.randn(11, 32, device="cuda"), torch.randn(2, 64, 32, device="cuda")
+    out = grouped_mm(x, w, torch.tensor([3, 5], device="cuda"), backend="loop")
+    ref = grouped_mm(x[:8], w, [3, 5], backend="loop")
+    assert torch.equal(out[:8], ref) and not out[8:].any()

@@ -81,8 +81,8 @@ def test_identity_chunk_sort_is_skipped_at_one_rank(alltoall_cpu, monkeypatch):
 
 def test_counts_stay_on_device_at_one_rank(alltoall_cpu, monkeypatch):
     """One TP x EP rank without padding: megatron's device-to-host copy of the per-expert counts (and its
-    synchronisation) is skipped; the experts get the counts as a tensor on the tokens' device. With padding rows
-    (data-dependent permutation size) megatron's sync point is kept."""
+    synchronisation) is skipped; the experts get the counts as a tensor on the tokens' device. On CPU, batches with
+    padding rows keep the exact routed count and megatron's sync point (CUDA uses filler rows: the GPU test below)."""
     layer, _ = build_layer(False, moe_token_dispatcher_type="alltoall")
     disp = layer.token_dispatcher
     points, seen = [], []

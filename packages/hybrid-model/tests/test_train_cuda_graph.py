@@ -24,7 +24,7 @@ def fake_cuda(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-device error is a CPU case")
 def test_needs_a_cuda_device():
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        TrainConfig(cuda_graph=True, bf16=False)
+        TrainConfig(cuda_graph=True)
 
 
 @pytest.mark.parametrize(
@@ -34,17 +34,18 @@ def test_needs_a_cuda_device():
         ({"pp": 2}, "one model-parallel rank"),
         ({"ep": 2}, "one model-parallel rank"),
         ({"cuda_graph_warmup_steps": 0}, "warmup-steps must be >= 1"),
+        ({"bf16": False}, "needs bf16"),
     ],
 )
 def test_rejects_what_cannot_be_captured(fake_cuda, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(cuda_graph=True, bf16=False, **kwargs)
+        TrainConfig(**{"cuda_graph": True, "bf16": True, **kwargs})
 
 
 def test_rejects_several_processes(fake_cuda, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="one GPU"):
-        TrainConfig(cuda_graph=True, bf16=False)
+        TrainConfig(cuda_graph=True, bf16=True)
 
 
 def test_cli_flags(fake_cuda):

@@ -57,7 +57,7 @@ from csa_kernels.varlen import (
     thd_to_sbhd,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "CompressorState",

@@ -68,34 +68,46 @@ def upload_host_ints(values: list, device, dtype: torch.dtype = torch.int32) -> 
 
 
 class _DeviceIntCache:
-    """LRU cache ``(device, dtype, shape, values) -> device tensor`` for :func:`upload_host_ints`."""
+    """LRU cache ``(device, dtype, shape, values) -> device tensor`` for :func:`upload_host_ints`.
+
+    Entries are never inference tensors (built outside ``torch.inference_mode``: autograd Functions save them for
+    backward in a later training step). An entry created during a CUDA-graph capture holds its pinned source; its
+    device copy exists only in the graph, so the first use outside a capture copies it eagerly too (an aborted
+    capture leaves no unfilled tensor behind).
+    """
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self.entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self.kept: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}  # used in a graph capture
+        # used in a graph capture: (device tensor, pinned source or None, filled outside a capture)
+        self.kept: dict[tuple, list] = {}
 
     def get(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.index is None:
+        if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (device, host.dtype, tuple(host.shape), tuple(host.flatten().tolist()))
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         kept = self.kept.get(key)
         if kept is not None:
-            return kept[0]
+            dev, pinned, filled = kept
+            if not capturing and not filled:
+                dev.copy_(pinned, non_blocking=True)
+                kept[2] = True
+            return dev
         hit = self.entries.get(key)
         if hit is not None:
             self.entries.move_to_end(key)
             if capturing:  # a captured graph now reads it: never evict
-                self.kept[key] = (self.entries.pop(key), None)
+                self.kept[key] = [self.entries.pop(key), None, True]
             return hit
-        if capturing:
-            pinned = host.pin_memory()
-            dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-            dev.copy_(pinned, non_blocking=True)
-            self.kept[key] = (dev, pinned)
-            return dev
-        dev = host.to(device, non_blocking=True)
+        with torch.inference_mode(False):
+            if capturing:
+                pinned = host.pin_memory()
+                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                dev.copy_(pinned, non_blocking=True)
+                self.kept[key] = [dev, pinned, False]
+                return dev
+            dev = host.to(device, non_blocking=True, copy=True)
         self.entries[key] = dev
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)

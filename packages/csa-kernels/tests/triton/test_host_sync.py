@@ -218,8 +218,9 @@ def test_upload_host_ints_is_a_cached_constant_and_graph_capturable():
     assert upload_host_ints([0, 5, 9], "cuda") is a and a.tolist() == [0, 5, 9]
     assert upload_host_ints([[1, 2], [3, 4]], "cuda").tolist() == [[1, 2], [3, 4]]
     assert upload_host_ints([0, 5, 9], "cuda", torch.int64) is not a
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode():
+        inf = upload_host_ints([5, 6, 7, 8], "cuda")
+    assert not inf.is_inference()  # reused later by training steps that save it for backward
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = upload_host_ints([7, 11, 2026], "cuda") * 2 + upload_host_ints([0, 5, 9], "cuda")
@@ -234,3 +235,23 @@ def test_upload_host_ints_is_a_cached_constant_and_graph_capturable():
     torch.cuda.synchronize()
     assert out.tolist() == [14, 27, 4061]
     assert upload_host_ints([7, 11, 2026], "cuda").tolist() == [7, 11, 2026]
+
+
+def test_device_int_cache_logic_on_cpu_tensors():
+    """The cache of ``upload_host_ints`` (driven with CPU tensors here): equal values give the same tensor, no
+    inference tensors are cached, the LRU is bounded, and an entry whose copy exists only in an aborted capture is
+    filled at its next use outside a capture."""
+    from csa_kernels.varlen import _DeviceIntCache
+
+    cache = _DeviceIntCache(capacity=2)
+    cpu = torch.device("cpu")
+    a = cache.get(torch.tensor([0, 5, 9], dtype=torch.int32), cpu)
+    assert cache.get(torch.tensor([0, 5, 9], dtype=torch.int32), cpu) is a
+    with torch.inference_mode():
+        b = cache.get(torch.tensor([1, 2], dtype=torch.int32), cpu)
+    assert not b.is_inference()
+    cache.get(torch.tensor([3], dtype=torch.int32), cpu)
+    assert len(cache.entries) == 2 and cache.get(torch.tensor([0, 5, 9], dtype=torch.int32), cpu) is not a
+    key = (cpu, torch.int32, (2,), (7, 8))
+    cache.kept[key] = [torch.zeros(2, dtype=torch.int32), torch.tensor([7, 8], dtype=torch.int32), False]
+    assert cache.get(torch.tensor([7, 8], dtype=torch.int32), cpu).tolist() == [7, 8]

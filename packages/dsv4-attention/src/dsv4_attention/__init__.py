@@ -46,7 +46,7 @@ from dsv4_attention.specs import (
     window_attention_spec,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "LAYER_KINDS",

@@ -41,8 +41,8 @@ class IndexerLossAutoScaler(torch.autograd.Function):
         scale = IndexerLossAutoScaler.main_loss_backward_scale
         if scale is None:
             return grad_output, torch.ones_like(indexer_loss)
-        if scale.device != indexer_loss.device and scale.dim() == 0:
-            scale = scale.item() if scale.device.type != "cpu" else scale  # a CPU scalar needs no copy
+        if not (scale.device.type == "cpu" and scale.dim() == 0):  # a CPU scalar multiplies without a copy
+            scale = scale.to(device=indexer_loss.device)
         return grad_output, (torch.ones_like(indexer_loss) * scale).to(indexer_loss.dtype)
 
     @staticmethod

@@ -12,7 +12,7 @@ Backends (forward and backward give the same results):
 - ``"auto"``: ``"torch"`` on CUDA when the dtype is bf16 and ``K``, ``N`` are multiples of 8, else ``"loop"``.
 
 Row counts may be host values (a list, or a CPU tensor: megatron's dispatcher copies them to the host at its sync
-point; they must sum to ``M``) or a tensor on the rows' device. Device counts never reach the host with the
+point; they must sum to ``M``) or a tensor on the rows' (CUDA) device. Device counts never reach the host with the
 ``"torch"`` backend (no synchronisation, CUDA-graph capturable): it pads into a buffer of the static worst-case size
 ``M + G·(align − 1)`` and finds the group offsets on the device. Device counts may sum to less than ``M``: the rows
 past the last group are filler (a static-size permutation of a batch with padding tokens) and come out as zeros.
@@ -76,7 +76,7 @@ def grouped_mm(
     Args:
         x: ``[M, K]`` rows sorted by group.
         w: ``[G, N, K]`` per-group weights in ``nn.Linear`` layout (out x in).
-        tokens_per_group: ``[G]`` row counts ``c_g`` (summing to ``M``; zeros allowed). A tensor on ``x``'s
+        tokens_per_group: ``[G]`` row counts ``c_g`` (summing to ``M``; zeros allowed). A tensor on ``x``'s CUDA
             device may sum to less than ``M`` (filler rows at the end, zero output); with the ``"torch"`` backend it
             stays on the device (no host sync; the sum is trusted).
         backend: see the module docstring.
@@ -93,7 +93,11 @@ def grouped_mm(
     ):
         return grouped_mm_device_counts(x, w, tokens_per_group)
     counts = _counts_list(tokens_per_group)
-    on_device = isinstance(tokens_per_group, torch.Tensor) and tokens_per_group.device == x.device
+    on_device = (
+        isinstance(tokens_per_group, torch.Tensor)
+        and tokens_per_group.device == x.device
+        and x.device.type != "cpu"
+    )
     if on_device and len(counts) == w.shape[0] and all(c >= 0 for c in counts) and sum(counts) < x.shape[0]:
         routed = sum(counts)  # filler rows past the last group: zeros
         out = grouped_mm(x[:routed], w, counts, backend=backend)

@@ -47,13 +47,15 @@ class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         super().__init__(*args, **kwargs)
         self.may_have_unrouted_tokens = False
         self.atomic_free_permute = True
-        # one TP x EP rank without padding: per-expert counts never leave the device (no sync; CUDA-graph safe)
+        # one TP x EP rank (and on CUDA also with padding tokens): per-expert counts never leave the device (no sync;
+        # CUDA-graph safe); see _counts_stay_on_device
         self.keep_counts_on_device = True
         # the current forward's permutation when it took the atomic-free path, else None
         self.permute_map: PermuteMap | None = None
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """megatron's preprocess; with unrouted rows, the permutation size is the number of routed (token, expert)."""
+        """megatron's preprocess; with unrouted rows the permutation size is the number of routed (token, expert) pairs,
+        except where the counts stay on the device (static size ``T·topk`` with filler rows)."""
         # megatron only ever moves the sync point earlier; restart from "no_sync" each call so that a padded batch
         # does not leave the earlier sync behind for later unpadded ones (megatron re-derives its own points here)
         self.cuda_sync_point = "no_sync"

@@ -25,8 +25,8 @@ the current stream before it builds the model and keeps it for the whole run (:f
 warm-up) whenever one of them changes: the dense / sparse attention phase (``--dense-steps``) and the MTP loss weight
 (its decay at the start of the LR decay).
 
-Limits (``ValueError`` at configuration time): a CUDA device, one process (DP = PP = EP = TP = 1), fixed-length
-``[B, S]`` batches (``--packed`` THD batches move document boundaries every step, and those are host-side layout
+Limits (``ValueError`` at configuration time): a CUDA device, bf16, one process (DP = PP = EP = TP = 1),
+fixed-length ``[B, S]`` batches (``--packed`` THD batches move document boundaries every step, and those are host-side layout
 values of the attention kernels).
 """
 
@@ -49,6 +49,11 @@ def check_cuda_graph_config(tc: TrainConfig) -> None:
 
     if not torch.cuda.is_available():
         raise ValueError("--cuda-graph needs a CUDA device (none is visible); drop --cuda-graph on CPU")
+    if not tc.bf16:
+        raise ValueError(
+            "--cuda-graph needs bf16 (the default on CUDA): the fp32 expert GEMMs read their row counts on the "
+            "host, which a captured step cannot; drop --no-bf16 or --cuda-graph"
+        )
     if tc.packed:
         raise ValueError(
             "--cuda-graph needs fixed-length [B, S] batches: packed THD batches move the document boundaries every "
