@@ -58,17 +58,20 @@ def upload_host_ints(values: list, device, dtype: torch.dtype = torch.int32) -> 
     the device tensor, for the life of the process (the graph re-reads it at every replay), and an entry created or
     used during a capture is never evicted. Do not modify the returned tensor in place.
     """
-    t = torch.tensor(values, dtype=dtype)
-    if device is None:
-        return t
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return _DEVICE_INTS.get(t, device)
+    device = None if device is None else torch.device(device)
+    if device is None or device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _DEVICE_INTS.get(values, dtype, device)
+
+
+def _frozen(values) -> tuple:
+    """Nested lists of ints as nested tuples (a hashable key that also encodes the shape)."""
+    return tuple(_frozen(v) if isinstance(v, (list, tuple)) else int(v) for v in values)
 
 
 class _DeviceIntCache:
-    """LRU cache ``(device, dtype, shape, values) -> device tensor`` for :func:`upload_host_ints`.
+    """LRU cache ``(device, dtype, nested values) -> device tensor`` for :func:`upload_host_ints` (the host tensor is
+    built only on a miss).
 
     Entries are never inference tensors (built outside ``torch.inference_mode``: autograd Functions save them for
     backward in a later training step). An entry created during a CUDA-graph capture holds its pinned source; its
@@ -82,10 +85,10 @@ class _DeviceIntCache:
         # used in a graph capture: (device tensor, pinned source or None, filled outside a capture)
         self.kept: dict[tuple, list] = {}
 
-    def get(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def get(self, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        key = (device, host.dtype, tuple(host.shape), tuple(host.flatten().tolist()))
+        key = (device, dtype, _frozen(values))
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         kept = self.kept.get(key)
         if kept is not None:
@@ -101,9 +104,10 @@ class _DeviceIntCache:
                 self.kept[key] = [self.entries.pop(key), None, True]
             return hit
         with torch.inference_mode(False):
+            host = torch.tensor(values, dtype=dtype)
             if capturing:
                 pinned = host.pin_memory()
-                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                dev = torch.empty(host.shape, dtype=dtype, device=device)
                 dev.copy_(pinned, non_blocking=True)
                 self.kept[key] = [dev, pinned, False]
                 return dev

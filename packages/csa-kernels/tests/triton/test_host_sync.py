@@ -245,13 +245,13 @@ def test_device_int_cache_logic_on_cpu_tensors():
 
     cache = _DeviceIntCache(capacity=2)
     cpu = torch.device("cpu")
-    a = cache.get(torch.tensor([0, 5, 9], dtype=torch.int32), cpu)
-    assert cache.get(torch.tensor([0, 5, 9], dtype=torch.int32), cpu) is a
+    a = cache.get([0, 5, 9], torch.int32, cpu)
+    assert cache.get([0, 5, 9], torch.int32, cpu) is a
     with torch.inference_mode():
-        b = cache.get(torch.tensor([1, 2], dtype=torch.int32), cpu)
+        b = cache.get([1, 2], torch.int32, cpu)
     assert not b.is_inference()
-    cache.get(torch.tensor([3], dtype=torch.int32), cpu)
-    assert len(cache.entries) == 2 and cache.get(torch.tensor([0, 5, 9], dtype=torch.int32), cpu) is not a
-    key = (cpu, torch.int32, (2,), (7, 8))
+    cache.get([3], torch.int32, cpu)
+    assert len(cache.entries) == 2 and cache.get([0, 5, 9], torch.int32, cpu) is not a
+    key = (cpu, torch.int32, (7, 8))
     cache.kept[key] = [torch.zeros(2, dtype=torch.int32), torch.tensor([7, 8], dtype=torch.int32), False]
-    assert cache.get(torch.tensor([7, 8], dtype=torch.int32), cpu).tolist() == [7, 8]
+    assert cache.get([7, 8], torch.int32, cpu).tolist() == [7, 8]

@@ -85,20 +85,20 @@ def grouped_mm(
         raise ValueError(
             f"expected x [M, K] and w [G, N, K] with equal K; got {tuple(x.shape)} and {tuple(w.shape)}"
         )
-    if (
-        isinstance(tokens_per_group, torch.Tensor)
-        and tokens_per_group.device == x.device
-        and x.device.type != "cpu"
-        and resolve_backend(backend, x, w) == "torch"
-    ):
-        return grouped_mm_device_counts(x, w, tokens_per_group)
-    counts = _counts_list(tokens_per_group)
-    on_device = (
+    device_counts = (
         isinstance(tokens_per_group, torch.Tensor)
         and tokens_per_group.device == x.device
         and x.device.type != "cpu"
     )
-    if on_device and len(counts) == w.shape[0] and all(c >= 0 for c in counts) and sum(counts) < x.shape[0]:
+    if device_counts and resolve_backend(backend, x, w) == "torch":
+        return grouped_mm_device_counts(x, w, tokens_per_group)
+    counts = _counts_list(tokens_per_group)
+    if (
+        device_counts
+        and len(counts) == w.shape[0]
+        and all(c >= 0 for c in counts)
+        and sum(counts) < x.shape[0]
+    ):
         routed = sum(counts)  # filler rows past the last group: zeros
         out = grouped_mm(x[:routed], w, counts, backend=backend)
         return torch.cat([out, out.new_zeros(x.shape[0] - routed, out.shape[1])])
@@ -108,6 +108,12 @@ def grouped_mm(
         raise ValueError(f"tokens_per_group must be non-negative and sum to M={x.shape[0]}, got {counts}")
     if resolve_backend(backend, x, w) == "loop":
         return grouped_mm_loop(x, w, counts)
+    _check_torch_operands(x, w)
+    return _grouped_mm_aligned(x.contiguous(), w, counts)
+
+
+def _check_torch_operands(x: torch.Tensor, w: torch.Tensor) -> None:
+    """The ``"torch"`` backend's operand rules: equal fp32/bf16/fp16 dtypes, 16-byte aligned rows."""
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise ValueError(
             f"backend 'torch' needs equal fp32/bf16/fp16 operands, got {x.dtype} and {w.dtype}; use 'loop'"
@@ -116,40 +122,22 @@ def grouped_mm(
         raise ValueError(
             f"backend 'torch' needs 16-byte aligned rows (K={x.shape[1]}, N={w.shape[1]} in {x.dtype}); use 'loop'"
         )
-    return _grouped_mm_aligned(x.contiguous(), w, counts)
 
 
 def _grouped_mm_aligned(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """``torch._grouped_mm`` with every group starting on a 16-byte row boundary.
+    """``torch._grouped_mm`` with host row counts: one call when every group starts on a 16-byte row boundary, else
+    the padded path of :func:`_padded_grouped_mm` with the counts uploaded.
 
     The backward's weight gradient contracts over the token dimension, so a group boundary that is not a multiple
-    of ``16 / element_size`` rows gives misaligned TMA loads. Unaligned groups are spread into a zero-padded buffer
-    and gathered back, both as row gathers through an index map whose backward is the gather through the inverse
-    map (:func:`hash_moe.row_gather.row_gather`): every row is moved by one write, no zero-fill + copy forward and
-    no atomic ``index_add_`` backward (PyTorch's ``index_select`` gradient). Row copies only: the results are
-    bit-identical to gathering with ``index_select`` / ``index_copy``.
+    of ``16 / element_size`` rows gives misaligned TMA loads.
     """
-    align = 16 // x.element_size()
-    padded = [-(-c // align) * align for c in counts]
     if x.shape[0] == 0:
         return _no_rows_mm(x, w)
-    if padded == counts:
+    align = 16 // x.element_size()
+    if all(c % align == 0 for c in counts):
         offs = _upload(torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32), x.device)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    m, m_pad, dev = x.shape[0], sum(padded), x.device
-    cnt = _upload(torch.tensor(counts, dtype=torch.int64), dev)
-    pad = _upload(torch.tensor(padded, dtype=torch.int64), dev)
-    shift = (pad.cumsum(0) - pad) - (cnt.cumsum(0) - cnt)  # [G] destination minus source start
-    rows = torch.arange(m, device=dev) + torch.repeat_interleave(
-        shift, cnt, output_size=m
-    )  # [M] padded row of x[i]
-    source = torch.full((m_pad,), -1, dtype=torch.int64, device=dev).index_copy_(
-        0, rows, torch.arange(m, device=dev)
-    )  # [M_pad] row of x in each padded row, -1 = padding (unique indices: a plain write)
-    xp = row_gather(x, source, rows.unsqueeze(1))  # [M_pad, K]
-    offs = pad.cumsum(0).to(torch.int32)
-    out = torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs)  # [M_pad, N]
-    return row_gather(out, rows, source.unsqueeze(1))  # [M, N]
+    return _padded_grouped_mm(x, w, _upload(torch.tensor(counts, dtype=torch.int64), x.device))
 
 
 def _no_rows_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -163,30 +151,34 @@ def _no_rows_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def grouped_mm_device_counts(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` with the row counts on the device: no host sync, static shapes (CUDA-graph safe).
 
-    Every group is padded to a multiple of ``align = 16 / element_size`` rows inside a buffer of the worst-case size
-    ``M_max = M + G·(align − 1)``; the offsets are computed on the device. Rows past the last offset are never read
-    back (forward) and get zero gradients (backward). The row movement is the same pair of adjoint gathers as the
-    host-count path, so the results are bit-identical to it (``grouped_mm`` takes this path for CUDA counts; it also
-    runs on CPU in fp32). The counts may sum to less than ``M`` (the rows past the last group are filler: zero
-    output, zero gradient, no GEMM work); more than ``M`` is not checked (it would need the host).
+    The padded path of :func:`_padded_grouped_mm`, so the results are bit-identical to the host-count path
+    (``grouped_mm`` takes this path for CUDA counts; it also runs on CPU in fp32). The counts may sum to less than
+    ``M`` (the rows past the last group are filler: zero output, zero gradient, no GEMM work); more than ``M`` is not
+    checked (it would need the host).
     """
     if counts.dim() != 1 or counts.shape[0] != w.shape[0] or counts.dtype.is_floating_point:
         raise ValueError(
             f"tokens_per_group must be an integer [G={w.shape[0]}] tensor, got {counts.dtype} {tuple(counts.shape)}"
         )
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise ValueError(f"grouped_mm needs equal fp32/bf16/fp16 operands, got {x.dtype} and {w.dtype}")
-    if (x.shape[1] * x.element_size()) % 16 or (w.shape[1] * w.element_size()) % 16:
-        raise ValueError(
-            f"grouped_mm needs 16-byte aligned rows (K={x.shape[1]}, N={w.shape[1]} in {x.dtype})"
-        )
-    x = x.contiguous()
+    _check_torch_operands(x, w)
+    if x.shape[0] == 0:  # no rows (a static shape)
+        return _no_rows_mm(x, w)
+    return _padded_grouped_mm(x.contiguous(), w, counts.to(torch.int64))
+
+
+def _padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
+    """Every group padded to a multiple of ``align = 16 / element_size`` rows inside a buffer of the worst-case size
+    ``M_max = M + G·(align − 1)``, the offsets computed on the device from ``cnt [G]`` (int64, on ``x``'s device).
+
+    Rows are spread into the buffer and gathered back as row gathers through an index map whose backward is the
+    gather through the inverse map (:func:`hash_moe.row_gather.row_gather`): every row is moved by one write, no
+    zero-fill + copy forward and no atomic ``index_add_`` backward (PyTorch's ``index_select`` gradient); the
+    results are bit-identical to gathering with ``index_select`` / ``index_copy``. Rows past the last offset are
+    never read back (forward) and get zero gradients (backward); rows of ``x`` past ``Σ cnt`` are filler (zeros).
+    """
     align = 16 // x.element_size()
     m, g, dev = x.shape[0], w.shape[0], x.device
-    if m == 0:  # no rows (a static shape)
-        return _no_rows_mm(x, w)
     m_max = m + g * (align - 1)
-    cnt = counts.to(torch.int64)  # [G]
     pad = (cnt + (align - 1)) // align * align  # [G] padded group sizes
     ends = cnt.cumsum(0)  # [G]
     shift = (pad.cumsum(0) - pad) - (ends - cnt)  # [G] destination minus source start

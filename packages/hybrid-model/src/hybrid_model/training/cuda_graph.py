@@ -32,6 +32,7 @@ values of the attention kernels).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,8 +46,6 @@ BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 
 def check_cuda_graph_config(tc: TrainConfig) -> None:
     """Raise ``ValueError`` (what is wrong and what to change) when ``tc`` cannot train with ``--cuda-graph``."""
-    import os
-
     if not torch.cuda.is_available():
         raise ValueError("--cuda-graph needs a CUDA device (none is visible); drop --cuda-graph on CPU")
     if not tc.bf16:
@@ -104,9 +103,7 @@ class GraphedForwardBackward:
 
     @property
     def captured(self) -> bool:
-        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-
-        return FullCudaGraphWrapper.cuda_graph["training"] is not None
+        return type(self.wrapper).cuda_graph["training"] is not None
 
     def __call__(self, key: Any, **kwargs):
         if key != self.key:

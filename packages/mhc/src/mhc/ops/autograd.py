@@ -220,7 +220,7 @@ def _coefficients_bwd_fused(
     x, fn, scale, base, mix, rstd, pre, dpre, dpost, dcomb, dout, iters, hc_eps, has_res, apply, has_dpre,
     dz, dmix, c, dx,
 ):  # fmt: skip
-    """The 0.1.0 backward launches (``MHC_KERNELS=legacy``)."""
+    """The 0.1.0 backward launches (``MHC_KERNELS=legacy``, and ``tuned`` where :func:`streams_bwd_wins` is False)."""
     t, n, d = x.shape
     m, k = fn.shape
     np_, pw = _pads(n)
