@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid_model.training.cuda_graph import check_cuda_graph_config
+
 
 @dataclass
 class TrainConfig:
@@ -83,8 +85,6 @@ class TrainConfig:
         if self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
         if self.cuda_graph:
-            from hybrid_model.training.cuda_graph import check_cuda_graph_config
-
             check_cuda_graph_config(self)
         if self.dense_steps < 0 or self.save_interval < 0 or self.warmup_steps < 0:
             raise ValueError("--dense-steps, --save-interval and --warmup-steps must be >= 0")

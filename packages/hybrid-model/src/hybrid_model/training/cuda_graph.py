@@ -33,18 +33,26 @@ values of the attention kernels).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from hybrid_model.training.config import TrainConfig
 
 # the fields of a fixed-length micro-batch that the forward step reads (copied into static buffers every step)
 BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 
 
-def check_cuda_graph_config(tc: TrainConfig) -> None:
+class GraphRunSettings(Protocol):
+    """The run settings :func:`check_cuda_graph_config` reads (a :class:`~hybrid_model.training.config.TrainConfig`;
+    a protocol so that this module does not import the config module, which imports it)."""
+
+    bf16: bool | None
+    packed: bool
+    pp: int
+    ep: int
+    tp: int
+
+
+def check_cuda_graph_config(tc: GraphRunSettings) -> None:
     """Raise ``ValueError`` (what is wrong and what to change) when ``tc`` cannot train with ``--cuda-graph``."""
     if not torch.cuda.is_available():
         raise ValueError("--cuda-graph needs a CUDA device (none is visible); drop --cuda-graph on CPU")

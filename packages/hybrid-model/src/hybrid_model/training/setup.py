@@ -1,0 +1,218 @@
+"""Construction of a ``dsv4 train`` run: process groups, the model (DDP, bf16 wrapper), the distributed optimizer,
+the LR scheduler and the batch iterator, each from a :class:`~hybrid_model.training.config.TrainConfig`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsv4_primitives.megatron_cpu import cuda_as_cpu
+from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.presets import get_preset
+from hybrid_model.training.config import TrainConfig
+
+
+def init_distributed() -> tuple[int, int]:
+    """``(rank, world)`` of the default process group, created when missing: from torchrun's environment, else one
+    local process on a free loopback port (NCCL with CUDA, gloo on CPU)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        return rank, world
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(backend, rank=0, world_size=1)
+    return 0, 1
+
+
+def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
+    """The preset of ``tc`` with its ``model_overrides`` (and ``pipeline_stages`` = ``--pp`` unless overridden)."""
+    cfg = get_preset(tc.preset)
+    changes = dict(tc.model_overrides)
+    if tc.pp > 1:
+        changes.setdefault("pipeline_stages", tc.pp)
+    return cfg.replace(**changes) if changes else cfg
+
+
+def reset_metric_trackers() -> None:
+    """Process-wide per-layer loss trackers are sized by the first model that records: start each run fresh."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from dsv4_attention import get_indexer_loss_tracker
+
+    destroy_moe_metrics_tracker()
+    get_indexer_loss_tracker().reset()
+
+
+def default_peak_tflops() -> float:
+    """Dense BF16 peak of the device for MFU (H200 989 TFLOP/s); a nominal 1 TFLOP/s on CPU."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        if "H200" in name or "H100" in name:
+            return 989.0
+        return 312.0
+    return 1.0
+
+
+def params_dtype_of(tc: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if tc.bf16 else torch.float32
+
+
+@dataclass
+class ModelParts:
+    """``core``: the :class:`~hybrid_model.model.DSv4Model` itself; ``model``: it under the bf16 ``Float16Module``
+    (with ``--bf16``) and megatron's ``DistributedDataParallel``; ``config``: its megatron ``TransformerConfig``."""
+
+    core: Any
+    model: Any
+    config: Any
+
+
+def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: torch.device) -> ModelParts:
+    """The DSv4 model of this rank's pipeline stage, seeded with ``tc.seed``, wrapped for bf16 and in DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from hybrid_model.model import build_model as build_dsv4_model
+
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    torch.manual_seed(tc.seed)
+    # bf16 as megatron's training loop does it: params (and the pipeline p2p buffers) in bf16, the model wrapped
+    # in a Float16Module (bf16 first-stage inputs, fp32 last-stage outputs); the keep-in-fp32 tensors (mHC,
+    # sinks, compressor ape, router selection bias) stay fp32. ``config.bf16`` alone makes the mHC layers cast
+    # activations to bf16, which then meet fp32 weights ("expected mat1 and mat2 to have the same dtype").
+    with cuda_as_cpu():  # PP + MTP: megatron moves the last stage's embedding copy with .cuda()
+        core = build_dsv4_model(
+            model_config,
+            pre_process=pre,
+            post_process=post,
+            pg_collection=pg,
+            pipeline_model_parallel_size=tc.pp,
+            expert_model_parallel_size=tc.ep,
+            balance_loss_coeff=tc.balance_loss_coeff,
+            indexer_loss_coeff=tc.indexer_loss_coeff,
+            bf16=tc.bf16,
+            params_dtype=params_dtype_of(tc),
+        ).to(device)
+    config = core.config
+    model = core
+    if tc.bf16:
+        from dsv4_primitives.precision.megatron import Float16ModuleKeepFP32
+
+        model = Float16ModuleKeepFP32(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+    )
+    with cuda_as_cpu():
+        model = DistributedDataParallel(config, ddp_config, model)
+    return ModelParts(core=core, model=model, config=config)
+
+
+def build_optimizer(tc: TrainConfig, model) -> Any:
+    """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from dsv4_primitives.precision.megatron import get_megatron_optimizer_keep_fp32
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=tc.lr,
+        min_lr=tc.min_lr,
+        weight_decay=tc.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=tc.clip_grad,
+        use_distributed_optimizer=True,
+        bf16=tc.bf16,
+        params_dtype=params_dtype_of(tc),
+    )
+    with cuda_as_cpu():
+        # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
+        # by the loading template, then shared by all params) — the primitives subclass fixes both
+        return get_megatron_optimizer_keep_fp32(opt_config, [model])
+
+
+def build_scheduler(tc: TrainConfig, optimizer) -> Any:
+    """megatron's ``OptimizerParamScheduler``: linear warm-up, then cosine to ``min_lr`` or WSD (constant, then a
+    cosine anneal over the last ``lr_wsd_decay_steps``); constant weight decay."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wsd = tc.lr_decay_style == "wsd"
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=tc.lr,
+        min_lr=tc.min_lr,
+        lr_warmup_steps=min(tc.warmup_steps, tc.steps - 1),
+        lr_decay_steps=max(tc.steps, 2),
+        lr_decay_style="WSD" if wsd else "cosine",
+        wsd_decay_steps=tc.lr_wsd_decay_steps if wsd else None,
+        lr_wsd_decay_style="cosine" if wsd else None,
+        start_wd=tc.weight_decay,
+        end_wd=tc.weight_decay,
+        wd_incr_steps=tc.steps,
+        wd_incr_style="constant",
+    )
+
+
+def attach_schedule_hooks(config, model) -> None:
+    """The megatron schedule's hooks on the model config: gradient finalisation, no loss scaling, DDP's no-sync."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = None
+    config.no_sync_func = model.no_sync
+
+
+def build_data(tc: TrainConfig, model_config: DSv4ModelConfig, ps) -> tuple[Any, Any]:
+    """``(batches, dataset)``: thd-packing's global-batch iterator over ``--data`` (or the embedded corpus), this
+    rank's share of every global batch (``[B, S]`` or packed THD, static shapes)."""
+    from thd_packing import (
+        BatchConfig,
+        PackedBatchIterator,
+        RawTextDataset,
+        TextDatasetConfig,
+        default_corpus_dataset,
+    )
+
+    if tc.data:
+        ds = RawTextDataset.from_paths(tc.data, TextDatasetConfig(tc.seq_len), tc.tokenizer)
+    else:
+        ds = default_corpus_dataset(tc.seq_len, tokenizer=tc.tokenizer)
+    vocab = ds.tokenizer.vocab_size if hasattr(ds, "tokenizer") else None
+    if vocab is not None and vocab > model_config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab} ids but preset {tc.preset!r} has vocab_size={model_config.vocab_size}; "
+            "choose a larger preset or set model_overrides.vocab_size in the config file"
+        )
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if tc.global_batch_size % dp_size:
+        raise ValueError(f"--global-batch-size {tc.global_batch_size} must be divisible by DP size {dp_size}")
+    batches = PackedBatchIterator(
+        ds,
+        BatchConfig(
+            global_batch_size=tc.global_batch_size,
+            max_seqlen_per_dp_cp_rank=tc.seq_len,
+            layout="thd" if tc.packed else "sbhd",
+            micro_batch_size=tc.micro_batch_size,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            static_shape=True,
+            seed=tc.seed,
+        ),
+    )
+    return batches, ds

@@ -1,0 +1,172 @@
+"""One optimizer step of ``dsv4 train``: the forward step megatron's schedule calls per micro-batch, the
+forward-backward schedule (eager or replayed as a CUDA graph), the optimizer and scheduler step, the selection-bias
+update and the loss reduction over the ranks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from dsv4_primitives.megatron_cpu import cuda_as_cpu
+from hybrid_model.training.config import TrainConfig
+
+LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
+
+
+class StepRunner:
+    """Runs training steps of one rank. ``model_config``: the :class:`~hybrid_model.config.DSv4ModelConfig`; ``core``: the unwrapped DSv4 model; ``model``: the DDP-wrapped one;
+    ``config``: their megatron config (its per-step fields ``csa_dense_mode`` and ``mtp_loss_scaling_factor`` are set
+    by the caller before each step)."""
+
+    def __init__(
+        self,
+        tc: TrainConfig,
+        model_config,
+        *,
+        core,
+        model,
+        config,
+        optimizer,
+        scheduler,
+        ps,
+        device,
+        world: int,
+    ) -> None:
+        self.tc, self.model_config = tc, model_config
+        self.core, self.model, self.config = core, model, config
+        self.optimizer, self.scheduler, self.ps, self.device, self.world = (
+            optimizer,
+            scheduler,
+            ps,
+            device,
+            world,
+        )
+        self.graphed = None  # GraphedForwardBackward once the first --cuda-graph step runs
+
+    def forward_step(self, data_iterator, model):
+        """megatron's ``forward_step_func``: one micro-batch through ``model``; returns its output and loss function."""
+        mb = next(data_iterator)
+        unwrapped = self.core
+        if isinstance(mb, dict):  # --cuda-graph: the static device buffers of a fixed-length micro-batch
+            from hybrid_model.training.cuda_graph import BATCH_FIELDS
+
+            psp = None
+            tokens, labels, loss_mask, pos, pad = (mb[k] for k in BATCH_FIELDS)
+        elif self.tc.packed:
+            psp = mb.packed_seq_params()
+            tokens, labels = mb.tokens[None].to(self.device), mb.labels[None].to(self.device)
+            loss_mask = mb.loss_mask[None].to(self.device)
+            pos = mb.position_ids[None].to(self.device)
+            pad = mb.padding_mask[None].to(self.device)  # [1, T] True on padding rows
+        else:
+            psp = None
+            tokens, labels = mb.tokens.to(self.device), mb.labels.to(self.device)
+            loss_mask, pos = mb.loss_mask.to(self.device), mb.position_ids.to(self.device)
+            pad = mb.padding_mask.to(self.device)  # [b, s]
+        # padding rows never count in the MoE balance loss or the selection-bias loads (spec §7.5: valid tokens)
+        out = model(
+            tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp, padding_mask=pad
+        )
+
+        def loss_func(output):
+            mask = loss_mask.float()
+            num = mask.sum().clamp(min=1.0)
+            loss = (output.float() * mask).sum() / num
+            report = {"lm loss": loss.detach().clone()}  # megatron divides the returned loss in place
+            if unwrapped.mtp_process and unwrapped.last_mtp_loss is not None:
+                report["mtp loss"] = unwrapped.last_mtp_loss
+            return loss, report
+
+        return out, loss_func
+
+    def __call__(self, batch, step: int) -> dict:
+        """Train on ``batch`` (one global batch's share of this rank) as optimizer step ``step`` (0-based); returns
+        the step's metrics (``step`` is 1-based there)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from hash_moe.megatron import update_selection_biases
+
+        tc = self.tc
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        fb = get_forward_backward_func()
+        kwargs = {}
+        seq = tc.seq_len  # THD packs are padded to the static capacity seq_len
+        mbs = 1 if tc.packed else tc.micro_batch_size
+        if tc.pp > 1:
+            from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
+
+            kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
+        schedule = dict(
+            forward_step_func=self.forward_step,
+            data_iterator=iter(batch.microbatches),
+            model=[self.model],
+            num_microbatches=batch.num_microbatches,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+            **kwargs,
+        )
+        if tc.cuda_graph:
+            from hybrid_model.training.cuda_graph import GraphedForwardBackward, static_batch
+
+            if self.graphed is None:
+                self.graphed = GraphedForwardBackward(fb, tc.cuda_graph_warmup_steps)
+            schedule["data_iterator"] = iter([static_batch(mb) for mb in batch.microbatches])
+            # host-side values baked into the captured step: a change recaptures
+            fb = functools.partial(
+                self.graphed, key=(self.config.csa_dense_mode, self.config.mtp_loss_scaling_factor)
+            )
+        with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
+            reports = fb(**schedule)
+            ok, grad_norm, _ = self.optimizer.step()
+        update_selection_biases(self.core, group=self.ps.get_data_parallel_group(with_context_parallel=True))
+        self.scheduler.step(increment=1)
+        m: dict = {"step": step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
+        m["lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.model_config.num_nextn_predict_layers:
+            m["mtp_weight"] = self.config.mtp_loss_scaling_factor
+        m.update(self.reduced_losses(reports, batch.num_microbatches))
+        m["skipped"] = not ok
+        if self.graphed is not None:
+            m["cuda_graph_replayed"] = self.graphed.captured
+        return m
+
+    def reduced_losses(self, reports: list[dict], num_microbatches: int) -> dict:
+        """The step's losses averaged over every rank that computed them: LM/MTP losses over the DP replicas of the
+        last stage, balance/indexer losses over all MoE/CSA layers of all stages and replicas (one all-reduce of
+        (sum, count) pairs over the world; each rank holds its own stage's layers and its own data)."""
+        local = torch.zeros(2 * len(LOSS_KEYS), dtype=torch.float64, device=self.device)
+
+        def add(key: str, values: list[float]) -> None:
+            i = LOSS_KEYS.index(key)
+            local[2 * i] += sum(values)
+            local[2 * i + 1] += len(values)
+
+        for key in ("lm loss", "mtp loss"):
+            add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r])
+        # per-layer trackers accumulate one value per micro-batch; layers of other stages stay 0
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        from dsv4_attention import get_indexer_loss_tracker
+
+        moe_tracker = get_moe_metrics_tracker()
+        entry = moe_tracker.metrics.get("seq_load_balancing_loss")
+        if entry is not None:  # recorded as loss / coeff: report the applied (coefficient-scaled) loss
+            vals = entry.values[entry.values != 0].double() * self.tc.balance_loss_coeff / num_microbatches
+            add("balance_loss", vals.tolist())
+        moe_tracker.clear()
+        tracker = get_indexer_loss_tracker()
+        vals = getattr(tracker, "values", None)
+        if isinstance(vals, torch.Tensor) and vals.numel():
+            add("indexer_loss", (vals[vals != 0].double() / num_microbatches).tolist())
+            tracker.clean()
+        if self.world > 1:
+            dist.all_reduce(local)
+        return {
+            key: float(local[2 * i] / local[2 * i + 1])
+            for i, key in enumerate(LOSS_KEYS)
+            if local[2 * i + 1] > 0
+        }
