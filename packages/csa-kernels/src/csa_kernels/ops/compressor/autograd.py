@@ -12,8 +12,8 @@ from csa_kernels.ops.compressor.reference import (
     max_entry_position,
 )
 from csa_kernels.ops.compressor.triton import compressor_pool_bwd, compressor_pool_fwd
-from csa_kernels.varlen import compressed_cu_seqlens_host, upload_host_ints
 from dsv4_primitives import RopeConfig
+from dsv4_primitives.varlen import compressed_cu_seqlens_host, upload_host_ints
 
 
 class CompressorPoolTritonFunction(torch.autograd.Function):

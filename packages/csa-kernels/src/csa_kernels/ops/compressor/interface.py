@@ -7,8 +7,8 @@ import torch
 from csa_kernels._checks import check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.compressor.reference import compress_ref, compressor_pool_ref
-from csa_kernels.varlen import sbhd_cu_seqlens, sbhd_cu_seqlens_host, sbhd_to_thd, thd_to_sbhd
 from dsv4_primitives import RopeConfig
+from dsv4_primitives.varlen import sbhd_cu_seqlens, sbhd_cu_seqlens_host, sbhd_to_thd, thd_to_sbhd
 
 
 def compressor_pool(

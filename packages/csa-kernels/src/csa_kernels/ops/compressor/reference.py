@@ -29,8 +29,8 @@ import itertools
 import torch
 
 from csa_kernels._checks import check_cu_seqlens, check_float, check_ratio, check_shape, compute_dtype
-from csa_kernels.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host, document_positions
 from dsv4_primitives import RopeConfig, apply_rope, apply_rope_ref, rms_norm_ref
+from dsv4_primitives.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host, document_positions
 
 
 def _empty_half(kv_b: torch.Tensor, logit_b: torch.Tensor, lead: int, ratio: int, c: int):

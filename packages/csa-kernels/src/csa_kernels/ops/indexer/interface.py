@@ -7,7 +7,7 @@ import torch
 from csa_kernels._checks import check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref, indexer_scores_ref, indexer_topk_ref
-from csa_kernels.varlen import (
+from dsv4_primitives.varlen import (
     compressed_cu_seqlens_host,
     sbhd_cu_seqlens_host,
     sbhd_to_thd,

@@ -32,7 +32,7 @@ from csa_kernels._checks import (
     compute_dtype,
 )
 from csa_kernels._chunking import map_row_chunks, rows_per_chunk
-from csa_kernels.varlen import compressed_cu_seqlens_host
+from dsv4_primitives.varlen import compressed_cu_seqlens_host
 
 
 def _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host=None, cuc_host=None):

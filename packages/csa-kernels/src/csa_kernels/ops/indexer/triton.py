@@ -18,7 +18,7 @@ import triton.language as tl
 
 from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
-from csa_kernels.varlen import upload_host_ints
+from dsv4_primitives.varlen import upload_host_ints
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from csa_kernels._checks import check_index_range, check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer_loss.reference import indexer_loss_ref
 from csa_kernels.ops.sparse_attn.interface import local_to_global_rows
-from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
+from dsv4_primitives.varlen import sbhd_to_thd, thd_to_sbhd
 
 
 def indexer_loss(

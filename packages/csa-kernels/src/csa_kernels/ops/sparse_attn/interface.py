@@ -7,7 +7,7 @@ import torch
 from csa_kernels._checks import check_index_range, check_shape
 from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
-from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
+from dsv4_primitives.varlen import sbhd_to_thd, thd_to_sbhd
 
 
 def sparse_attn(
