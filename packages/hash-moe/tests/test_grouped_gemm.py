@@ -17,7 +17,7 @@ def _ref_grouped(x, w, counts):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("backend", ["loop", "torch"])
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("counts", [[3, 0, 4, 1], [0, 0, 0, 5], [0, 0, 0, 0], [1]])
 def test_grouped_mm_fwd_bwd_match_reference(backend, counts):
     torch.manual_seed(sum(counts) + len(counts))
@@ -40,7 +40,7 @@ def test_backends_agree_on_cpu_fp32():
     x = torch.randn(16, 24)
     w = torch.randn(4, 32, 24)
     torch.testing.assert_close(
-        grouped_mm(x, w, counts, backend="loop"), grouped_mm(x, w, counts, backend="torch")
+        grouped_mm(x, w, counts, backend="loop"), grouped_mm(x, w, counts, backend="grouped_mm")
     )
     assert resolve_backend("auto", x, w) == "loop"  # CPU
 
@@ -55,12 +55,12 @@ def test_bad_counts():
     with pytest.raises(ValueError, match="backend"):
         grouped_mm(torch.zeros(3, 4), torch.zeros(2, 5, 4), [1, 2], backend="cutlass")
     with pytest.raises(ValueError, match="aligned"):
-        grouped_mm(torch.zeros(3, 4), torch.zeros(2, 5, 4), [1, 2], backend="torch")
+        grouped_mm(torch.zeros(3, 4), torch.zeros(2, 5, 4), [1, 2], backend="grouped_mm")
     with pytest.raises(ValueError, match="fp32/bf16"):
-        grouped_mm(torch.zeros(3, 4).double(), torch.zeros(2, 4, 4).double(), [1, 2], backend="torch")
+        grouped_mm(torch.zeros(3, 4).double(), torch.zeros(2, 4, 4).double(), [1, 2], backend="grouped_mm")
 
 
-@pytest.mark.parametrize("backend", ["loop", "torch"])
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
 def test_grouped_experts_match_per_token_reference(backend):
     torch.manual_seed(1)
     counts = [4, 0, 3]
@@ -109,7 +109,7 @@ def test_grouped_mm_torch_bf16_on_gpu(counts):
     w = torch.randn(6, 128, 256, device=dev) / 16
     g = torch.randn(sum(counts), 128, device=dev)
     xb, wb = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
-    assert resolve_backend("auto", xb, wb) == "torch"
+    assert resolve_backend("auto", xb, wb) == "grouped_mm"
     out = grouped_mm(xb, wb, counts)
     gx, gw = torch.autograd.grad((out.float() * g).sum(), (xb, wb))
     x32, w32 = x.requires_grad_(), w.requires_grad_()
@@ -271,3 +271,16 @@ def test_cuda_count_tensor_filler_rows_on_the_loop_backend():
     out = grouped_mm(x, w, torch.tensor([3, 5], device="cuda"), backend="loop")
     ref = grouped_mm(x[:8], w, [3, 5], backend="loop")
     assert torch.equal(out[:8], ref) and not out[8:].any()
+
+
+def test_backend_names_and_deprecated_torch_spelling():
+    """``"grouped_mm"`` is the fast path's name; the former ``"torch"`` still works with a DeprecationWarning, and
+    ``"reference"`` is the loop."""
+    torch.manual_seed(3)
+    x, w, counts = torch.randn(6, 8), torch.randn(2, 16, 8), [2, 4]
+    fast = grouped_mm(x, w, counts, backend="grouped_mm")
+    with pytest.warns(DeprecationWarning, match="'grouped_mm'"):
+        old = grouped_mm(x, w, counts, backend="torch")
+    assert torch.equal(old, fast)
+    assert resolve_backend("reference", x, w) == "loop"
+    torch.testing.assert_close(grouped_mm(x, w, counts, backend="reference"), fast)

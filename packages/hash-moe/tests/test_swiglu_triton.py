@@ -99,7 +99,7 @@ def test_zero_width(with_probs):
 
 def test_triton_on_cpu_without_interpreter_is_a_value_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="needs CUDA tensors"):
+    with pytest.raises(ValueError, match="needs a CUDA tensor"):
         clamped_swiglu(torch.randn(2, 4), 10.0, backend="triton")
 
 
@@ -127,7 +127,7 @@ def test_probs_without_gradient_and_nan_propagation():
     assert_close_to_ref("dgate_up", dx, _ref(x, p, dh, SMALL_LIMIT, torch.float64)[1])
     x[0, 3] = float("nan")  # a gate
     x[1, 24 + 2] = float("nan")  # an up value
-    for backend in ("triton", "torch"):
+    for backend in ("triton", "reference"):
         h = clamped_swiglu(x, SMALL_LIMIT, p, backend=backend)
         assert torch.isnan(h[0, 3]) and torch.isnan(h[1, 2]) and torch.isnan(h).sum() == 2
 
@@ -189,8 +189,25 @@ def test_model_expert_paths_run_the_fused_kernel_on_gpu(monkeypatch):
     probs = torch.rand(96, device="cuda", requires_grad=True)
     counts = torch.tensor([24, 24, 24, 24])
     out = grouped_swiglu_experts(x, counts, gu, dn, limit=10.0, probs=probs)
-    ref = grouped_swiglu_experts(x, counts, gu, dn, limit=10.0, probs=probs, activation_backend="torch")
+    ref = grouped_swiglu_experts(x, counts, gu, dn, limit=10.0, probs=probs, activation_backend="reference")
     shared = swiglu_mlp(x, gu[0], dn[0], limit=10.0)
     (out.float().sum() + shared.float().sum()).backward()
     assert calls["fwd"] == [True, False] and sorted(calls["bwd"]) == [False, True]
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_torch_backend_name_is_a_deprecated_reference_synonym(monkeypatch):
+    """hash-moe's kernels resolve through ``dsv4_primitives.dispatch``: ``"torch"`` = ``"reference"`` with a
+    DeprecationWarning, ``HASH_MOE_BACKEND`` (then ``DSV4_BACKEND``) overrides ``auto``."""
+    from hash_moe.row_gather import gather_rows
+
+    x = torch.randn(3, 8)
+    with pytest.warns(DeprecationWarning, match="'reference'"):
+        old = clamped_swiglu(x, 1.0, backend="torch")
+    assert torch.equal(old, clamped_swiglu(x, 1.0, backend="reference"))
+    with pytest.warns(DeprecationWarning):
+        gather_rows(x, torch.tensor([2, -1]), backend="torch")
+    monkeypatch.delenv("DSV4_BACKEND", raising=False)
+    monkeypatch.setenv("HASH_MOE_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="HASH_MOE_BACKEND"):
+        clamped_swiglu(x, 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4_primitives.dispatch import resolve_backend as _resolve
 from mhc import (
     HyperHead,
     ManifoldHyperConnection,
@@ -15,7 +16,6 @@ from mhc import (
     mhc_post,
     mhc_pre,
 )
-from mhc._dispatch import resolve_backend
 
 
 def _grads(module, x):
@@ -87,7 +87,13 @@ def test_expansion():
     assert expand_streams(h.bfloat16(), 2, torch.float32).dtype == torch.float32
 
 
+def resolve_backend(backend, *tensors):
+    return _resolve(backend, *tensors, op="mhc.mhc_pre")
+
+
 def test_dispatch(monkeypatch):
+    """mhc's ops resolve through dsv4_primitives.dispatch with MHC_BACKEND as their package variable."""
+    monkeypatch.delenv("DSV4_BACKEND", raising=False)
     cpu = torch.zeros(1)
     monkeypatch.delenv("MHC_BACKEND", raising=False)
     assert resolve_backend("auto", cpu) == "reference"

@@ -47,7 +47,7 @@ from csa_kernels.ops.visibility import (
     window_indices,
     window_indices_sbhd,
 )
-from csa_kernels.varlen import (
+from dsv4_primitives.varlen import (
     compressed_cu_seqlens,
     compressed_cu_seqlens_host,
     cu_seqlens_from_lengths,

@@ -8,7 +8,7 @@ from _cases import cu_from_lengths
 
 from csa_kernels.ops.indexer.reference import indexer_topk_ref
 from csa_kernels.ops.indexer.triton import indexer_topk_triton
-from csa_kernels.varlen import compressed_cu_seqlens
+from dsv4_primitives.varlen import compressed_cu_seqlens
 from dsv4_testkit import interpreting
 
 interpreter_only = pytest.mark.skipif(not interpreting(), reason="CPU interpreter case (gpu cases cover it)")

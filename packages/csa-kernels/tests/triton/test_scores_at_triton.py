@@ -12,7 +12,7 @@ from csa_kernels.ops.indexer import scores_at_autograd as SA
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref
 from csa_kernels.ops.indexer.scores_at_autograd import indexer_scores_at_triton
 from csa_kernels.ops.indexer.triton import indexer_topk_triton
-from csa_kernels.varlen import compressed_cu_seqlens
+from dsv4_primitives.varlen import compressed_cu_seqlens
 from dsv4_testkit import assert_close_to_ref, interpreting
 
 interpreter_only = pytest.mark.skipif(not interpreting(), reason="CPU interpreter case (gpu cases cover it)")

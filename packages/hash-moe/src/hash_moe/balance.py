@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dsv4_primitives.varlen import document_ids
+
 
 def tokens_per_expert(
     experts: torch.Tensor, num_experts: int, valid: torch.Tensor | None = None
@@ -72,7 +74,11 @@ def update_selection_bias_(
 
 
 def sequence_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[N]`` int64 index of the packed sequence (document) that holds each token of a THD pack."""
+    """``[N]`` int64 index of the packed sequence (document) that holds each token of a THD pack.
+
+    Validates ``cu_seqlens`` against ``num_tokens`` (one device -> host read), then
+    :func:`dsv4_primitives.varlen.document_ids`.
+    """
     cu = cu_seqlens.long()
     if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
         raise ValueError(
@@ -80,8 +86,7 @@ def sequence_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> t
         )
     if bool((cu[1:] < cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
-    pos = torch.arange(num_tokens, device=cu.device)
-    return torch.searchsorted(cu[1:], pos, right=True)
+    return document_ids(cu, num_tokens)
 
 
 def sequence_balance_loss(

@@ -6,14 +6,16 @@ out[rows of group g] = x[rows of group g] @ w[g].T          x: [M, K], w: [G, N,
 
 Backends (forward and backward give the same results):
 
-- ``"torch"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper; bf16 with 16-byte aligned ``K``/``N``; on
-  CPU it also runs in fp32). Groups whose row counts are not 16-byte multiples are padded with zero rows.
-- ``"loop"``: ``torch.split`` + one matmul per group (any device and dtype).
-- ``"auto"``: ``"torch"`` on CUDA when the dtype is bf16 and ``K``, ``N`` are multiples of 8, else ``"loop"``.
+- ``"grouped_mm"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper; bf16 with 16-byte aligned ``K``/``N``;
+  on CPU it also runs in fp32). Groups whose row counts are not 16-byte multiples are padded with zero rows.
+  (``"torch"`` is its deprecated former name.)
+- ``"loop"``: ``torch.split`` + one matmul per group (any device and dtype), the reference (``"reference"`` is a
+  synonym).
+- ``"auto"``: ``"grouped_mm"`` on CUDA when the dtype is bf16 and ``K``, ``N`` are multiples of 8, else ``"loop"``.
 
 Row counts may be host values (a list, or a CPU tensor: megatron's dispatcher copies them to the host at its sync
 point; they must sum to ``M``) or a tensor on the rows' (CUDA) device. Device counts never reach the host with the
-``"torch"`` backend (no synchronisation, CUDA-graph capturable): it pads into a buffer of the static worst-case size
+``"grouped_mm"`` backend (no synchronisation, CUDA-graph capturable): it pads into a buffer of the static worst-case size
 ``M + G·(align − 1)`` and finds the group offsets on the device. Device counts may sum to less than ``M``: the rows
 past the last group are filler (a static-size permutation of a batch with padding tokens) and come out as zeros.
 Their sum is trusted not to exceed ``M`` (checking would need the host).
@@ -28,9 +30,11 @@ from typing import Literal
 
 import torch
 
+from dsv4_primitives.dispatch import normalize_backend
 from hash_moe.row_gather import row_gather
 
-GroupedBackend = Literal["auto", "torch", "loop"]
+GroupedBackend = Literal["auto", "grouped_mm", "loop", "reference", "torch"]  # "torch": deprecated name
+GROUPED_BACKENDS = ("auto", "grouped_mm", "loop")
 
 
 def _counts_list(tokens_per_group: torch.Tensor | Sequence[int]) -> list[int]:
@@ -41,13 +45,18 @@ def _counts_list(tokens_per_group: torch.Tensor | Sequence[int]) -> list[int]:
 
 def resolve_backend(backend: GroupedBackend, x: torch.Tensor, w: torch.Tensor) -> str:
     """The backend :func:`grouped_mm` uses for these operands."""
-    if backend not in ("auto", "torch", "loop"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'loop', got {backend!r}")
+    backend = normalize_backend(
+        backend,
+        "hash_moe.grouped_mm",
+        GROUPED_BACKENDS,
+        aliases={"torch": "grouped_mm", "reference": "loop"},
+        deprecated=("torch",),
+    )
     if backend != "auto":
         return backend
     aligned = x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0  # 16-byte rows in bf16
     if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and aligned:
-        return "torch"
+        return "grouped_mm"
     return "loop"
 
 
@@ -77,7 +86,7 @@ def grouped_mm(
         x: ``[M, K]`` rows sorted by group.
         w: ``[G, N, K]`` per-group weights in ``nn.Linear`` layout (out x in).
         tokens_per_group: ``[G]`` row counts ``c_g`` (summing to ``M``; zeros allowed). A tensor on ``x``'s CUDA
-            device may sum to less than ``M`` (filler rows at the end, zero output); with the ``"torch"`` backend it
+            device may sum to less than ``M`` (filler rows at the end, zero output); with the ``"grouped_mm"`` backend it
             stays on the device (no host sync; the sum is trusted).
         backend: see the module docstring.
     """
@@ -90,7 +99,7 @@ def grouped_mm(
         and tokens_per_group.device == x.device
         and x.device.type != "cpu"
     )
-    if device_counts and resolve_backend(backend, x, w) == "torch":
+    if device_counts and resolve_backend(backend, x, w) == "grouped_mm":
         return grouped_mm_device_counts(x, w, tokens_per_group)
     counts = _counts_list(tokens_per_group)
     if (
@@ -113,14 +122,14 @@ def grouped_mm(
 
 
 def _check_torch_operands(x: torch.Tensor, w: torch.Tensor) -> None:
-    """The ``"torch"`` backend's operand rules: equal fp32/bf16/fp16 dtypes, 16-byte aligned rows."""
+    """The ``"grouped_mm"`` backend's operand rules: equal fp32/bf16/fp16 dtypes, 16-byte aligned rows."""
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise ValueError(
-            f"backend 'torch' needs equal fp32/bf16/fp16 operands, got {x.dtype} and {w.dtype}; use 'loop'"
+            f"backend 'grouped_mm' needs equal fp32/bf16/fp16 operands, got {x.dtype} and {w.dtype}; use 'loop'"
         )
     if (x.shape[1] * x.element_size()) % 16 or (w.shape[1] * w.element_size()) % 16:
         raise ValueError(
-            f"backend 'torch' needs 16-byte aligned rows (K={x.shape[1]}, N={w.shape[1]} in {x.dtype}); use 'loop'"
+            f"backend 'grouped_mm' needs 16-byte aligned rows (K={x.shape[1]}, N={w.shape[1]} in {x.dtype}); use 'loop'"
         )
 
 

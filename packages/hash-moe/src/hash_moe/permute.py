@@ -105,8 +105,8 @@ def build_permute_map(
             Rows with more True entries are a ValueError on CPU tensors; on CUDA the check would need a host sync
             and is skipped (their extra pairs would get no gradient / output): pass ``None`` when unsure.
         backend: ``"triton"`` (two launches of :func:`hash_moe.kernels.permute_triton.permute_map_triton`; the
-            PyTorch path for ``T * E = 0``, ``E > 2048`` or ``2^31`` pairs), ``"torch"`` (:func:`permute_map_torch`,
-            17 small ops, the reference) or ``"auto"`` (Triton on CUDA); identical results.
+            PyTorch path for ``T * E = 0``, ``E > 2048`` or ``2^31`` pairs), ``"reference"`` (:func:`permute_map_torch`,
+            17 small ops) or ``"auto"`` (Triton on CUDA); identical results.
     """
     _check_routing_map(routing_map)
     t, e = routing_map.shape
@@ -121,7 +121,7 @@ def build_permute_map(
     k = min(k, e)
     # the kernels count rows in int32 and take one row of experts per tile
     fits = t * e > 0 and e <= _TRITON_MAP_MAX_EXPERTS and t * (e + 1) + num_out < 2**31
-    if resolve_row_backend(backend, routing_map) == "triton" and fits:
+    if resolve_row_backend(backend, routing_map, "hash_moe.build_permute_map") == "triton" and fits:
         from hash_moe.kernels.permute_triton import permute_map_triton
 
         maps = permute_map_triton(routing_map, num_out, k)
@@ -212,7 +212,7 @@ def permute(
         num_out: rows ``R`` (see :func:`build_permute_map`; None = routed count, with a host sync).
         max_routes_per_token: ``K`` (see :func:`build_permute_map`).
         backend: ``"triton"`` (kernels of :mod:`hash_moe.kernels.permute_triton`, for the map and the rows),
-            ``"torch"`` or ``"auto"`` (Triton on CUDA).
+            ``"reference"`` or ``"auto"`` (Triton on CUDA).
 
     Returns:
         ``(x_perm [R, H], probs_perm [R] or None, PermuteMap)``; ``x_perm`` in ``x.dtype``, ``probs_perm`` in

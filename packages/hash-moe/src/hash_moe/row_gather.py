@@ -24,27 +24,20 @@ Shape legend: ``N`` source rows, ``R`` gathered rows, ``T`` summed rows, ``K`` t
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
 from torch.autograd.function import once_differentiable
 
-RowBackend = Literal["auto", "triton", "torch"]
+from dsv4_primitives.dispatch import resolve_backend
+
+RowBackend = Literal["auto", "triton", "reference", "torch"]  # "torch": deprecated synonym of "reference"
 
 
-def resolve_row_backend(backend: RowBackend, src: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"``: ``"auto"`` is Triton on CUDA tensors, PyTorch elsewhere."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "auto":
-        return "triton" if src.is_cuda else "torch"
-    if backend == "triton" and not src.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {src.device}); use backend='torch' (or 'auto') on CPU, "
-            "or set TRITON_INTERPRET=1 before importing hash_moe to run the kernels in the Triton interpreter"
-        )
-    return backend
+def resolve_row_backend(backend: RowBackend, src: torch.Tensor, op: str = "hash_moe.gather_rows") -> str:
+    """``"triton"`` or ``"reference"`` (:func:`dsv4_primitives.dispatch.resolve_backend`): ``"auto"`` is Triton on
+    CUDA tensors, PyTorch elsewhere (``HASH_MOE_BACKEND`` / ``DSV4_BACKEND`` override it)."""
+    return resolve_backend(backend, src, op=op, allow_torch_alias=True)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,10 +66,10 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, *, backend: RowBackend = "
     Args:
         src: ``[N, C]`` rows.
         idx: ``[R]`` integer row indices into ``src``, or -1.
-        backend: ``"triton"`` (kernel), ``"torch"`` or ``"auto"`` (Triton on CUDA).
+        backend: ``"triton"`` (kernel), ``"reference"`` (PyTorch) or ``"auto"`` (Triton on CUDA).
     """
     src = _as_rows(src)
-    if resolve_row_backend(backend, src) == "torch":
+    if resolve_row_backend(backend, src) == "reference":
         return gather_rows_torch(src, idx)
     from hash_moe.kernels.permute_triton import gather_rows_triton
 
@@ -91,7 +84,7 @@ def gather_sum_rows(src: torch.Tensor, idx: torch.Tensor, *, backend: RowBackend
     src = _as_rows(src)
     if idx.shape[1] == 1:
         return gather_rows(src, idx[:, 0], backend=backend)
-    if resolve_row_backend(backend, src) == "torch":
+    if resolve_row_backend(backend, src) == "reference":
         return gather_sum_rows_torch(src, idx)
     from hash_moe.kernels.permute_triton import gather_sum_rows_triton
 

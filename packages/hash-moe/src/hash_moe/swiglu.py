@@ -18,11 +18,12 @@ Shape legend: ``M`` rows (tokens, or token-expert pairs), ``F`` expert width.
 from __future__ import annotations
 
 import math
-import os
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from dsv4_primitives.dispatch import resolve_backend
 
 
 def check_swiglu_limit(limit: float | None) -> None:
@@ -84,7 +85,8 @@ class _ClampedSwiGLU(torch.autograd.Function):
         return grad_gate_up, grad_probs, None
 
 
-SwiGLUBackend = Literal["auto", "triton", "torch"]
+SwiGLUBackend = Literal["auto", "triton", "reference", "torch"]  # "torch": deprecated synonym of "reference"
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def clamped_swiglu(
@@ -103,7 +105,8 @@ def clamped_swiglu(
         gate_up: ``[..., 2F]`` fc1 output, gate half first.
         limit: the clamp ``L`` (``None`` = plain SwiGLU).
         probs: ``[...]`` per-row routing weight multiplied into ``h`` in fp32, or ``None``.
-        backend: ``"torch"`` (the PyTorch ops of :class:`_ClampedSwiGLU`), ``"triton"`` (the fused one-pass kernels
+        backend: ``"reference"`` (the PyTorch ops of :class:`_ClampedSwiGLU`; ``"torch"`` is a deprecated synonym),
+            ``"triton"`` (the fused one-pass kernels
             of :mod:`hash_moe.kernels.swiglu_triton`; not for fp64) or ``"auto"`` (Triton on CUDA unless
             ``gate_up`` is fp64, PyTorch otherwise).
     """
@@ -112,19 +115,14 @@ def clamped_swiglu(
         raise ValueError(f"gate_up's last dim must be even ([gate | up]), got {gate_up.shape[-1]}")
     if probs is not None and probs.shape != gate_up.shape[:-1]:
         raise ValueError(f"probs must be {tuple(gate_up.shape[:-1])}, got {tuple(probs.shape)}")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if gate_up.is_cuda and gate_up.dtype != torch.float64 else "torch"
+    backend = resolve_backend(
+        backend, gate_up, op="hash_moe.clamped_swiglu", triton_dtypes=_TRITON_DTYPES, allow_torch_alias=True
+    )
     if backend == "triton":
         if gate_up.dtype == torch.float64:
             raise ValueError(
-                "backend='triton' computes in fp32; fp64 gate_up takes the PyTorch path (backend='torch' or 'auto')"
-            )
-        if not gate_up.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {gate_up.device}); use backend='torch' (or 'auto') on CPU, "
-                "or set TRITON_INTERPRET=1 before importing hash_moe to run the kernels in the Triton interpreter"
+                "backend='triton' computes in fp32; fp64 gate_up takes the PyTorch path (backend='reference' or "
+                "'auto')"
             )
         from hash_moe.kernels.swiglu_triton import fused_clamped_swiglu
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mhc._dispatch import resolve_backend
+from dsv4_primitives.dispatch import resolve_backend
 from mhc.reference import (
     expand_streams_ref,
     hyper_head_ref,
@@ -94,7 +94,7 @@ def mhc_coefficients(
     RMS, the projection, the gates and Sinkhorn into one kernel and recomputes Sinkhorn in backward.
     """
     _check_coefficient_inputs(x, fn, scale, base, sinkhorn_iters)
-    if resolve_backend(backend, x, fn) == "reference":
+    if resolve_backend(backend, x, fn, op="mhc.mhc_coefficients") == "reference":
         return mhc_coefficients_ref(
             x, fn, scale, base, sinkhorn_iters=sinkhorn_iters, norm_eps=norm_eps, hc_eps=hc_eps
         )
@@ -122,7 +122,7 @@ def mhc_pre(
     """
     _check_coefficient_inputs(x, fn, scale, base, sinkhorn_iters)
     out_dtype = out_dtype or x.dtype
-    if resolve_backend(backend, x, fn) == "reference":
+    if resolve_backend(backend, x, fn, op="mhc.mhc_pre") == "reference":
         return mhc_pre_ref(
             x,
             fn,
@@ -149,7 +149,7 @@ def mhc_collapse(
             f"pre must have shape {tuple(x.shape[:-1])} for streams {tuple(x.shape)}, got {tuple(pre.shape)}"
         )
     out_dtype = out_dtype or x.dtype
-    if resolve_backend(backend, x, pre) == "reference":
+    if resolve_backend(backend, x, pre, op="mhc.mhc_collapse") == "reference":
         return mhc_collapse_ref(x, pre).to(out_dtype)
     from mhc.ops.autograd import MHCCollapseFunction
 
@@ -172,7 +172,7 @@ def mhc_post(
         raise ValueError(
             f"post/comb must be {(*lead, n)} / {(*lead, n, n)}, got {tuple(post.shape)} / {tuple(comb.shape)}"
         )
-    if resolve_backend(backend, x, f) == "reference":
+    if resolve_backend(backend, x, f, op="mhc.mhc_post") == "reference":
         return mhc_post_ref(f, x, post, comb)
     from mhc.ops.autograd import MHCPostFunction
 
@@ -202,7 +202,7 @@ def hyper_head(
     """
     _check_coefficient_inputs(x, fn, scale, base, None, head=True)
     out_dtype = out_dtype or x.dtype
-    if resolve_backend(backend, x, fn) == "reference":
+    if resolve_backend(backend, x, fn, op="mhc.hyper_head") == "reference":
         return hyper_head_ref(x, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps).to(out_dtype)
     _, _, _, out = _coefficients_triton(x, fn, scale, base, 1, norm_eps, hc_eps, True, True, out_dtype)
     return out

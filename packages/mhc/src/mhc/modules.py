@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
-from mhc._dispatch import resolve_backend
+from dsv4_primitives.dispatch import resolve_backend
 from mhc.config import MHCConfig
 from mhc.functional import expand_streams, hyper_head, mhc_coefficients, mhc_collapse, mhc_post, mhc_pre
 
@@ -75,7 +75,7 @@ class ManifoldHyperConnection(_StreamProjection):
         """``mhc_pre``: ``x [..., N, D]`` -> ``(x_in [..., D] in out_dtype or x.dtype, post, comb)``."""
         self._check(x)
         c = self.config
-        backend = resolve_backend(c.backend, x, self.fn)
+        backend = resolve_backend(c.backend, x, self.fn, op="mhc.ManifoldHyperConnection")
         if backend == "reference" and c.recompute_coefficients and torch.is_grad_enabled():
             # keep only the inputs: RMS, projection and the Sinkhorn iterates are recomputed in backward
             pre, post, comb = checkpoint(self.coefficients, x, use_reentrant=False)

@@ -4,6 +4,7 @@ the dp-balanced packing scheduler (P7), packed and contiguous-CP MTP rolls (P9),
 See the package README for the public API table and examples.
 """
 
+from dsv4_primitives.varlen import cu_seqlens_from_lengths
 from thd_packing.batches import (
     BatchConfig,
     IterationBatch,
@@ -23,7 +24,7 @@ from thd_packing.default_corpus import (
 )
 from thd_packing.mock_dataset import MockVarlenConfig, MockVarlenDataset, lognormal_lengths, read_lengths_csv
 from thd_packing.pack_builder import build_pack
-from thd_packing.packed_seqs import PackedSeqs, cu_seqlens_from_lengths
+from thd_packing.packed_seqs import PackedSeqs
 from thd_packing.roll import roll_left
 from thd_packing.samples import DocumentSample, VarlenDataset
 from thd_packing.scheduler import DocPiece, DpBalancedScheduler, Pack, Schedule, SchedulerConfig

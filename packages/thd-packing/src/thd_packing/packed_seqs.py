@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4_primitives import positions_from_cu_seqlens
+from dsv4_primitives.varlen import cu_seqlens_from_lengths, document_ids
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -34,16 +35,6 @@ def _as_cu(name: str, cu: torch.Tensor | Sequence[int]) -> torch.Tensor:
     if t.numel() > 1 and bool((t[1:] < t[:-1]).any()):
         raise ValueError(f"{name} must be non-decreasing, got {t.tolist()}")
     return t
-
-
-def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor, device=None) -> torch.Tensor:
-    """``[N+1]`` int32 cumulative sums ``[0, l0, l0+l1, ...]`` of non-negative ``lengths``."""
-    lens = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
-    if bool((lens < 0).any()):
-        raise ValueError(f"sequence lengths must be >= 0, got {lens.tolist()}")
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
-    torch.cumsum(lens, 0, out=cu[1:])
-    return cu.to(torch.int32)
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -117,9 +108,7 @@ class PackedSeqs:
             raise ValueError(
                 f"max_seqlen={max_seqlen} is smaller than the longest padded document ({longest})"
             )
-        rows = torch.arange(total, dtype=torch.int64, device=cu.device)
-        seq_ids = torch.searchsorted(cu_pad[1:].to(torch.int64), rows, right=True).to(torch.int32)
-        seq_ids = torch.where(rows < end, seq_ids, torch.full_like(seq_ids, -1))
+        seq_ids = document_ids(cu_pad, total, tail=-1).to(torch.int32)
         position_ids = positions_from_cu_seqlens(cu_pad, total)
         return cls(cu, cu_pad, int(max_seqlen), total, position_ids, seq_ids)
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from dsv4_primitives._dispatch import resolve_backend
+from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.rmsnorm.reference import rms_norm_ref
 
 MAX_TILE_D = 8192  # widest row held in registers as one tile (one read of x); wider rows loop over chunks
@@ -182,15 +182,16 @@ def rms_norm(
             inputs are copied to a contiguous buffer first). fp64 inputs always take the reference (fp64 math).
         weight: ``[D]`` or ``None`` (weightless, e.g. the per-head query norm); any floating dtype, loaded as fp32.
         eps: added to the mean square.
-        backend: ``"auto"`` (Triton for CUDA tensors, the reference otherwise; the environment variable
-            ``DSV4_PRIMITIVES_BACKEND`` overrides it), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or
-            ``"reference"`` (:func:`rms_norm_ref`; ``"torch"`` is a synonym).
+        backend: ``"auto"`` (Triton for CUDA tensors, the reference otherwise; the environment variables
+            ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override it, see :mod:`dsv4_primitives.dispatch`),
+            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"reference"`` (:func:`rms_norm_ref`;
+            ``"torch"`` is a deprecated synonym).
     Returns:
         ``[..., D]`` in ``x.dtype``; math in fp32; the weight gradient is accumulated in fp32 and returned in
         ``weight.dtype``.
     """
     _check_inputs(x, weight)
-    resolved = resolve_backend(backend, x, "rms_norm")
+    resolved = resolve_backend(backend, x, op="dsv4_primitives.rms_norm", allow_torch_alias=True)
     if resolved == "reference" or x.dtype == torch.float64 or x.shape[-1] == 0:
         return rms_norm_ref(x, weight, eps)
     return _RMSNormFunction.apply(x, weight, float(eps))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_primitives._dispatch import resolve_backend
+from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.rope.frequencies import RopeConfig, rope_cos_sin
 
 
@@ -267,16 +267,17 @@ def apply_rope(
         cfg: rotary configuration (plain base or YaRN, no mscale).
         inverse: rotate by ``-pos`` (attention-output de-rotation at the query position).
         inplace: write into ``x`` and return it (``x`` must not be a leaf requiring grad nor saved by another op).
-        backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise; the environment variable
-            ``DSV4_PRIMITIVES_BACKEND`` overrides it), ``"triton"``, ``"torch"`` (eager) or its synonym
-            ``"reference"``.
+        backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise; the environment variables
+            ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override it, see :mod:`dsv4_primitives.dispatch`),
+            ``"triton"`` or ``"reference"`` (eager; ``"torch"`` is a deprecated synonym).
         max_position: an upper bound of ``|positions|`` to size the cached table without a device sync (CUDA
             graphs); computed from ``positions`` when ``None``.
     Returns:
         ``x`` rotated, same shape and dtype (``x`` itself when ``inplace``).
     """
     _check_inputs(x, positions, cfg)
-    backend = "triton" if resolve_backend(backend, x, "apply_rope") == "triton" else "torch"
+    resolved = resolve_backend(backend, x, op="dsv4_primitives.apply_rope", allow_torch_alias=True)
+    backend = "triton" if resolved == "triton" else "torch"
     n_pos = math.prod(positions.shape)
     pos = positions.reshape(-1).to(torch.int64).contiguous()  # [N]
     if max_position is None:

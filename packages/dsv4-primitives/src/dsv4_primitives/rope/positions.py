@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_primitives.varlen import document_positions
+
 
 def positions_sbhd(seq_len: int, batch: int = 1, device=None) -> torch.Tensor:
     """``[S, B]`` int64 positions ``0 .. S-1`` for every sequence of an SBHD batch."""
@@ -14,19 +16,13 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None
     """Document-relative positions ``[T]`` (int64) of a packed THD batch.
 
     ``cu_seqlens`` is int32/int64 ``[N+1]``, non-decreasing, starting at 0 (empty documents allowed). Tokens past
-    ``cu_seqlens[-1]`` (static-shape padding up to ``total``) continue counting from the last document's end.
+    ``cu_seqlens[-1]`` (static-shape padding up to ``total``) continue counting from the last document's start
+    (:func:`dsv4_primitives.varlen.document_positions` after the checks; one device -> host read of the end).
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.to(torch.int64)
-    end = int(cu[-1])
+    end = int(cu_seqlens[-1])
     total = end if total is None else int(total)
     if total < end:
         raise ValueError(f"total={total} is smaller than cu_seqlens[-1]={end}")
-    idx = torch.arange(total, device=cu.device, dtype=torch.int64)
-    doc = torch.searchsorted(cu[1:], idx.clamp(max=max(end - 1, 0)), right=True)
-    starts = cu[doc]
-    pos = idx - starts
-    if total > end:
-        pos[end:] = idx[end:] - (cu[-2] if cu.numel() > 1 and end > 0 else 0)
-    return pos
+    return document_positions(cu_seqlens, total)

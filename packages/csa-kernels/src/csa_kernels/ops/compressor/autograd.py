@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from csa_kernels.ops.compressor.checks import check_compress_inputs, check_pool_inputs
 from csa_kernels.ops.compressor.reference import (
-    _check_compress_inputs,
-    _check_pool_inputs,
     _norm_rope_cached,
     compressed_positions_host,
     max_entry_position,
 )
 from csa_kernels.ops.compressor.triton import compressor_pool_bwd, compressor_pool_fwd
-from csa_kernels.varlen import compressed_cu_seqlens_host, upload_host_ints
 from dsv4_primitives import RopeConfig
+from dsv4_primitives.varlen import compressed_cu_seqlens_host, upload_host_ints
 
 
 class CompressorPoolTritonFunction(torch.autograd.Function):
@@ -52,7 +51,7 @@ def compressor_pool_triton(
     differentiable in ``kv``, ``score`` and ``ape`` (gradients in their own dtypes). Without ``cu_seqlens_host``
     the validation reads ``cu_seqlens`` back (one device -> host sync); with it, none.
     """
-    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)  # host list
+    cu = check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)  # host list
     cuc_list = compressed_cu_seqlens_host(cu, ratio)
     cuc = upload_host_ints(cuc_list, kv.device)  # [N+1], non-blocking
     cu_dev = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
@@ -82,10 +81,10 @@ def compress_triton(
     the Triton kernel (fp32 softmax), RMSNorm and RoPE on the fp32 pooled rows as in :func:`compress_ref` (RoPE from
     the cached tables of ``dsv4_primitives``: same values, no per-call upload).
     """
-    _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
+    check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
     kv = torch.nn.functional.linear(x, wkv.to(x.dtype))  # [T, Dk]
     score = torch.nn.functional.linear(x, wgate.to(x.dtype))  # [T, Dk]
-    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)
+    cu = check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)
     pooled, cu_c = compressor_pool_triton(
         kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu
     )  # [Tc, c] fp32

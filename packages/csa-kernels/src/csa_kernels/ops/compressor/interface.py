@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_shape
-from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.compressor.reference import compress_ref, compressor_pool_ref
-from csa_kernels.varlen import sbhd_cu_seqlens, sbhd_cu_seqlens_host, sbhd_to_thd, thd_to_sbhd
 from dsv4_primitives import RopeConfig
+from dsv4_primitives.dispatch import resolve_backend
+from dsv4_primitives.varlen import sbhd_cu_seqlens, sbhd_cu_seqlens_host, sbhd_to_thd, thd_to_sbhd
 
 
 def compressor_pool(
@@ -27,7 +27,7 @@ def compressor_pool(
     ``cu_seqlens_host``: the caller's host copy of ``cu_seqlens`` (structure validated in Python, not compared with
     the device tensor); with it the call does no device -> host sync.
     """
-    if resolve_backend(backend, kv, score) == "triton":
+    if resolve_backend(backend, kv, score, op="csa_kernels.compressor_pool") == "triton":
         from csa_kernels.ops.compressor.autograd import compressor_pool_triton
 
         return compressor_pool_triton(
@@ -56,7 +56,7 @@ def compress(
     ``cu_seqlens_host``: as in :func:`compressor_pool` (no device -> host sync when given).
     """
     args = (x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
-    if resolve_backend(backend, x) == "triton":
+    if resolve_backend(backend, x, op="csa_kernels.compress") == "triton":
         from csa_kernels.ops.compressor.autograd import compress_triton
 
         return compress_triton(*args, cu_seqlens_host=cu_seqlens_host)

@@ -28,9 +28,11 @@ import itertools
 
 import torch
 
-from csa_kernels._checks import check_cu_seqlens, check_float, check_ratio, check_shape, compute_dtype
-from csa_kernels.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host, document_positions
+from csa_kernels._checks import check_cu_seqlens, check_ratio, compute_dtype
+from csa_kernels.ops.compressor.checks import check_compress_inputs as _check_compress_inputs
+from csa_kernels.ops.compressor.checks import check_pool_inputs as _check_pool_inputs
 from dsv4_primitives import RopeConfig, apply_rope, apply_rope_ref, rms_norm_ref
+from dsv4_primitives.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host, document_positions
 
 
 def _empty_half(kv_b: torch.Tensor, logit_b: torch.Tensor, lead: int, ratio: int, c: int):
@@ -85,17 +87,6 @@ def max_entry_position(cuc: list[int], ratio: int) -> int:
     return max(0, max((b - a for a, b in itertools.pairwise(cuc)), default=0) - 1) * ratio
 
 
-def _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=None):
-    check_ratio(ratio, overlap)
-    check_shape(kv, "kv", (None, None))
-    check_float(kv, "kv")
-    check_shape(score, "score", tuple(kv.shape))
-    check_shape(ape, "ape", (ratio, kv.shape[1]))
-    if overlap and kv.shape[1] % 2:
-        raise ValueError(f"overlap=True needs an even channel count Dk = 2c, got Dk = {kv.shape[1]}")
-    return check_cu_seqlens(cu_seqlens, total=kv.shape[0], host=cu_seqlens_host)
-
-
 def compressor_pool_ref(
     kv: torch.Tensor,
     score: torch.Tensor,
@@ -147,29 +138,6 @@ def compressed_positions(
     check_ratio(ratio)
     cuc = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", host=cu_seqlens_c_host)
     return document_positions(cu_seqlens_c, cuc[-1]) * ratio
-
-
-def _check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg) -> int:
-    """Parameter checks of the full compressor (batch, streaming and Triton forms); returns the entry width ``c``."""
-    check_ratio(ratio, overlap)
-    check_shape(wkv, "wkv", (None, None))
-    check_shape(wgate, "wgate", tuple(wkv.shape))
-    check_shape(ape, "ape", (ratio, wkv.shape[0]))
-    c = wkv.shape[0] // 2 if overlap else wkv.shape[0]
-    check_shape(norm_weight, "norm_weight", (c,))
-    if not isinstance(rope_cfg, RopeConfig):
-        raise ValueError(f"rope_cfg must be a dsv4_primitives.RopeConfig, got {type(rope_cfg).__name__}")
-    if rope_cfg.rope_dim > c:
-        raise ValueError(f"rope_cfg.rope_dim = {rope_cfg.rope_dim} exceeds the entry width c = {c}")
-    return c
-
-
-def _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg) -> None:
-    """Shape / type checks of the full compressor (shared with the Triton path)."""
-    check_shape(x, "x", (None, None))
-    check_float(x, "x")
-    check_shape(wkv, "wkv", (None, x.shape[1]))
-    _check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
 
 
 def compress_ref(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_shape, compute_dtype
+from csa_kernels.ops.compressor.checks import check_compressor_params
 from csa_kernels.ops.compressor.reference import (
-    _check_compressor_params,
     _empty_half,
     _norm_rope,
     _pool_slots,
@@ -41,7 +41,7 @@ class CompressorState:
         eps: float = 1e-6,
         batch: int = 1,
     ) -> None:
-        self.c = _check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
+        self.c = check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.dtype = compute_dtype(wkv, wgate, ape, norm_weight)

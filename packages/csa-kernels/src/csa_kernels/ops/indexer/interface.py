@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_shape
-from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref, indexer_scores_ref, indexer_topk_ref
-from csa_kernels.varlen import (
+from dsv4_primitives.dispatch import resolve_backend
+from dsv4_primitives.varlen import (
     compressed_cu_seqlens_host,
     sbhd_cu_seqlens_host,
     sbhd_to_thd,
@@ -38,7 +38,7 @@ def indexer_scores(
     """Dense index scores ``[T, max_entries]`` (column = local entry, ``-inf`` invisible): :func:`indexer_scores_ref`."""
     args = (q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, chunk_size)
     hosts = dict(cu_seqlens_host=cu_seqlens_host, cu_seqlens_c_host=cu_seqlens_c_host)
-    if resolve_backend(backend, q_idx, k_idx) == "triton":
+    if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_scores") == "triton":
         from csa_kernels.ops.indexer.scores_autograd import indexer_scores_triton_checked
 
         return indexer_scores_triton_checked(*args, **hosts)
@@ -65,11 +65,11 @@ def indexer_scores_at(
     check of ``indices`` (one device -> host sync); the caller guarantees ``-1 <= indices < Tc``, out-of-range
     values are then undefined behaviour.
     """
-    if resolve_backend(backend, q_idx, k_idx) == "triton":
-        from csa_kernels.ops.indexer.reference import _check_scores_at_inputs
+    if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_scores_at") == "triton":
+        from csa_kernels.ops.indexer.checks import check_scores_at_inputs
         from csa_kernels.ops.indexer.scores_at_autograd import indexer_scores_at_triton
 
-        _check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices)
+        check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices)
         return indexer_scores_at_triton(q_idx, k_idx, weights, indices)
     return indexer_scores_at_ref(q_idx, k_idx, weights, indices, chunk_size, check_indices=check_indices)
 
@@ -94,7 +94,7 @@ def indexer_topk(
     """
     args = (q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size)
     hosts = dict(cu_seqlens_host=cu_seqlens_host, cu_seqlens_c_host=cu_seqlens_c_host)
-    if resolve_backend(backend, q_idx, k_idx) == "triton":
+    if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_topk") == "triton":
         from csa_kernels.ops.indexer.triton import indexer_topk_checked
 
         return indexer_topk_checked(*args, **hosts)

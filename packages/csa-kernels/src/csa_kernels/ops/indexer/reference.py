@@ -23,48 +23,13 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import (
-    check_cu_seqlens,
-    check_float,
-    check_index,
-    check_ratio,
-    check_shape,
     check_topk,
     compute_dtype,
 )
 from csa_kernels._chunking import map_row_chunks, rows_per_chunk
-from csa_kernels.varlen import compressed_cu_seqlens_host
-
-
-def _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host=None, cuc_host=None):
-    """Shapes, dtypes and the two ``cu_seqlens`` (host copies used when given: then no device sync); returns the
-    validated host lists ``(cu, cuc)``."""
-    check_shape(q_idx, "q_idx", (None, None, None))
-    check_float(q_idx, "q_idx")
-    t, h, d = q_idx.shape
-    check_shape(k_idx, "k_idx", (None, d))
-    check_float(k_idx, "k_idx")
-    check_shape(weights, "weights", (t, h))
-    check_ratio(ratio)
-    cu = check_cu_seqlens(cu_seqlens, total=t, host=cu_host)
-    cuc = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", total=k_idx.shape[0], host=cuc_host)
-    expected = compressed_cu_seqlens_host(cu, ratio)
-    if cuc != expected:
-        raise ValueError(f"cu_seqlens_c = {cuc} does not match floor(len / ratio) per document ({expected})")
-    return cu, cuc
-
-
-def _check_scores_inputs(
-    q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, cu_host=None, cuc_host=None
-):
-    """:func:`_check_inputs` plus the ``max_entries`` rule of the dense scores; returns ``(cu, cuc, max_entries)``."""
-    cu, cuc = _check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host, cuc_host)
-    need = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
-    max_entries = need if max_entries is None else max_entries
-    if not isinstance(max_entries, int) or max_entries < need:
-        raise ValueError(
-            f"max_entries must be an int >= {need} (largest document's entries), got {max_entries!r}"
-        )
-    return cu, cuc, max_entries
+from csa_kernels.ops.indexer.checks import check_inputs as _check_inputs
+from csa_kernels.ops.indexer.checks import check_scores_at_inputs as _check_scores_at_inputs
+from csa_kernels.ops.indexer.checks import check_scores_inputs as _check_scores_inputs
 
 
 def _chunk_scores(q, w, t_rel, k_doc, ratio):
@@ -167,18 +132,6 @@ def indexer_scores_at_ref(
     dt = compute_dtype(q_idx, k_idx, weights)
     chunk = rows_per_chunk(indices.shape[1] * max(h, d), chunk_size)
     return map_row_chunks(_scores_at_chunk, [q_idx.to(dt), weights.to(dt), indices], [k_idx.to(dt)], chunk)
-
-
-def _check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices: bool = True) -> None:
-    """Shapes, dtypes and index range of ``indexer_scores_at`` (reference and fused path)."""
-    check_shape(q_idx, "q_idx", (None, None, None))
-    check_float(q_idx, "q_idx")
-    t, h, d = q_idx.shape
-    check_shape(k_idx, "k_idx", (None, d))
-    check_float(k_idx, "k_idx")
-    check_shape(weights, "weights", (t, h))
-    check_float(weights, "weights")
-    check_index(indices, "indices", t, k_idx.shape[0], enabled=check_indices)
 
 
 def _scores_at_chunk(q, w, idx, k):

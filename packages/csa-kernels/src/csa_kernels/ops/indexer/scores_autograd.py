@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels.ops.indexer.reference import _check_scores_inputs, indexer_scores_ref
+from csa_kernels.ops.indexer.checks import check_scores_inputs
+from csa_kernels.ops.indexer.reference import indexer_scores_ref
 from csa_kernels.ops.indexer.triton import indexer_scores_triton
 
 
@@ -67,7 +68,7 @@ def indexer_scores_triton_checked(
 ) -> torch.Tensor:
     """Public-contract form (validation and ``max_entries`` rule of :func:`indexer_scores_ref`); fp32 output. With
     both host lists neither the forward nor the backward does a device -> host sync."""
-    cu, cuc, max_entries = _check_scores_inputs(
+    cu, cuc, max_entries = check_scores_inputs(
         q_idx,
         k_idx,
         weights,

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
-from csa_kernels.varlen import upload_host_ints
+from dsv4_primitives.varlen import upload_host_ints
 
 
 @triton.jit
@@ -231,10 +231,10 @@ def indexer_topk_checked(
     requires grad, attaches the gradient of the scores at the selected entries (forward value unchanged, no
     recomputation: :func:`csa_kernels.ops.indexer.scores_at_autograd.attach_scores_at_grad`). With both host lists
     the call (and its backward) does no device -> host sync."""
-    from csa_kernels.ops.indexer.reference import _check_inputs
+    from csa_kernels.ops.indexer.checks import check_inputs
     from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
 
-    cu, cuc = _check_inputs(
+    cu, cuc = check_inputs(
         q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_seqlens_host, cu_seqlens_c_host
     )
     check_topk(topk)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels.ops.indexer_loss.reference import _check_inputs
+from csa_kernels.ops.indexer_loss.checks import check_inputs
 from csa_kernels.ops.indexer_loss.triton import indexer_loss_bwd, indexer_loss_fwd
 
 
@@ -37,7 +37,7 @@ def indexer_loss_triton(
     """Fused Triton form of :func:`~csa_kernels.ops.indexer_loss.reference.indexer_loss_ref`: ``(loss, per_row_kl
     [T])`` in fp32; ``q``, ``kv_all``, ``lse`` are detached, ``index_scores`` gets ``(softmax - teacher) * dKL``.
     ``check_indices=False`` skips the range check of ``comp_indices`` (its device -> host sync)."""
-    _check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale, check_indices)
+    check_inputs(q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale, check_indices)
     per_row = IndexerLossTritonFunction.apply(
         q.detach(), kv_all.detach(), lse.detach(), comp_indices, index_scores, float(softmax_scale)
     )

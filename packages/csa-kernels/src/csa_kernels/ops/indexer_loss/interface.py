@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_index_range, check_shape
-from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.indexer_loss.reference import indexer_loss_ref
 from csa_kernels.ops.sparse_attn.interface import local_to_global_rows
-from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
+from dsv4_primitives.dispatch import resolve_backend
+from dsv4_primitives.varlen import sbhd_to_thd, thd_to_sbhd
 
 
 def indexer_loss(
@@ -29,7 +29,7 @@ def indexer_loss(
     guarantees ``-1 <= comp_indices < Nkv``, out-of-range values are then undefined behaviour.
     """
     args = (q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale)
-    if resolve_backend(backend, q, kv_all) == "triton":
+    if resolve_backend(backend, q, kv_all, op="csa_kernels.indexer_loss") == "triton":
         from csa_kernels.ops.indexer_loss.autograd import indexer_loss_triton
 
         return indexer_loss_triton(*args, check_indices=check_indices)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels.ops.sparse_attn.reference import _check_inputs
+from csa_kernels.ops.sparse_attn.checks import check_inputs
 from csa_kernels.ops.sparse_attn.triton import compact_indices, sparse_attn_bwd, sparse_attn_fwd
 
 
@@ -31,7 +31,7 @@ class SparseAttnTritonFunction(torch.autograd.Function):
 
 
 def _check(q, kv, attn_sink, indices, softmax_scale, check_indices: bool) -> None:
-    _check_inputs(q, kv, attn_sink, indices, softmax_scale, check_indices)
+    check_inputs(q, kv, attn_sink, indices, softmax_scale, check_indices)
     if q.dtype != kv.dtype:
         raise ValueError(
             f"q and kv must share one floating dtype (bf16 on GPU), got {q.dtype} and {kv.dtype}"

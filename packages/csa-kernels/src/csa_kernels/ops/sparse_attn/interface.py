@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_index_range, check_shape
-from csa_kernels._dispatch import resolve_backend
 from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
-from csa_kernels.varlen import sbhd_to_thd, thd_to_sbhd
+from dsv4_primitives.dispatch import resolve_backend
+from dsv4_primitives.varlen import sbhd_to_thd, thd_to_sbhd
 
 
 def sparse_attn(
@@ -25,7 +25,7 @@ def sparse_attn(
     ``check_indices=False`` skips the checks that need a device -> host sync (``indices`` in ``[-1, Nkv)``, finite
     ``attn_sink``; both backends): the caller guarantees them, violations are undefined behaviour.
     """
-    if resolve_backend(backend, q, kv) == "triton":
+    if resolve_backend(backend, q, kv, op="csa_kernels.sparse_attn") == "triton":
         from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 
         return sparse_attn_triton(q, kv, attn_sink, indices, softmax_scale, check_indices=check_indices)

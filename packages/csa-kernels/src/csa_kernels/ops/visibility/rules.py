@@ -24,7 +24,7 @@ import itertools
 import torch
 
 from csa_kernels._checks import check_cu_seqlens, check_ratio
-from csa_kernels.varlen import compressed_cu_seqlens_host, document_ids, upload_host_ints
+from dsv4_primitives.varlen import compressed_cu_seqlens_host, document_ids, upload_host_ints
 
 
 def window_indices(
