@@ -29,3 +29,12 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
             f"Triton backend needs CUDA tensors (got device {t.device}); on CPU use backend='reference' "
             "or set TRITON_INTERPRET=1 before importing csa_kernels to run the kernels in the interpreter"
         )
+
+
+def resolve_deterministic(flag: bool | None) -> bool:
+    """The ``deterministic`` switch of the backward kernels: an explicit ``True`` / ``False`` wins; ``None`` follows
+    ``torch.are_deterministic_algorithms_enabled()`` (``torch.use_deterministic_algorithms(True)``, which
+    ``dsv4 train --deterministic`` sets)."""
+    if flag is None:
+        return torch.are_deterministic_algorithms_enabled()
+    return bool(flag)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from csa_kernels._triton_utils import resolve_deterministic
 from csa_kernels.ops.sparse_attn.checks import check_inputs
 from csa_kernels.ops.sparse_attn.triton import compact_indices, sparse_attn_bwd, sparse_attn_fwd
 
@@ -12,11 +13,12 @@ class SparseAttnTritonFunction(torch.autograd.Function):
     """o, lse = sparse_attn(q, kv, sink, indices); saves q, kv, sink, compacted indices, o and lse."""
 
     @staticmethod
-    def forward(ctx, q, kv, attn_sink, indices, softmax_scale):
+    def forward(ctx, q, kv, attn_sink, indices, softmax_scale, deterministic):
         idx_c, counts = compact_indices(indices)
         o, lse = sparse_attn_fwd(q, kv, attn_sink, idx_c, counts, softmax_scale)
         ctx.save_for_backward(q, kv, attn_sink, idx_c, counts, o, lse)
         ctx.softmax_scale = softmax_scale
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -26,8 +28,10 @@ class SparseAttnTritonFunction(torch.autograd.Function):
         # lse is marked non-differentiable (callers use it detached, e.g. the indexer loss teacher).
         if do is None:
             do = torch.zeros_like(o)
-        dq, dkv, dsink = sparse_attn_bwd(q, kv, attn_sink, idx_c, counts, ctx.softmax_scale, o, lse, do)
-        return dq, dkv, dsink.to(attn_sink.dtype), None, None
+        dq, dkv, dsink = sparse_attn_bwd(
+            q, kv, attn_sink, idx_c, counts, ctx.softmax_scale, o, lse, do, deterministic=ctx.deterministic
+        )
+        return dq, dkv, dsink.to(attn_sink.dtype), None, None, None
 
 
 def _check(q, kv, attn_sink, indices, softmax_scale, check_indices: bool) -> None:
@@ -46,11 +50,15 @@ def sparse_attn_triton(
     softmax_scale: float,
     *,
     check_indices: bool = True,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Triton sparse MQA attention with sink; ``(o [T, H, D] q.dtype, lse [T, H] fp32)``, differentiable.
 
     Same contract and validation as :func:`csa_kernels.ops.sparse_attn.reference.sparse_attn_ref`;
     ``check_indices=False`` skips the index-range and finite-sink checks (their device -> host sync).
+    ``deterministic``: the backward's ``dkv`` from the atomic-free key-major pass (bitwise reproducible);
+    ``None`` follows ``torch.are_deterministic_algorithms_enabled()``.
     """
     _check(q, kv, attn_sink, indices, softmax_scale, check_indices)
-    return SparseAttnTritonFunction.apply(q, kv, attn_sink, indices, softmax_scale)
+    det = resolve_deterministic(deterministic)
+    return SparseAttnTritonFunction.apply(q, kv, attn_sink, indices, softmax_scale, det)

@@ -19,16 +19,23 @@ def sparse_attn(
     *,
     backend: str = "auto",
     check_indices: bool = True,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared-KV sparse attention with sink, THD: ``(o [T, H, D], lse [T, H])``. Math: :func:`sparse_attn_ref`.
 
     ``check_indices=False`` skips the checks that need a device -> host sync (``indices`` in ``[-1, Nkv)``, finite
     ``attn_sink``; both backends): the caller guarantees them, violations are undefined behaviour.
+    ``deterministic`` (Triton backend): ``True`` computes the backward's ``dkv`` without atomics (bitwise
+    reproducible), ``False`` with fp32 atomics, ``None`` (default) follows
+    ``torch.are_deterministic_algorithms_enabled()``. The reference backend is deterministic on CPU, and on CUDA
+    under ``torch.use_deterministic_algorithms(True)``.
     """
     if resolve_backend(backend, q, kv, op="csa_kernels.sparse_attn") == "triton":
         from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 
-        return sparse_attn_triton(q, kv, attn_sink, indices, softmax_scale, check_indices=check_indices)
+        return sparse_attn_triton(
+            q, kv, attn_sink, indices, softmax_scale, check_indices=check_indices, deterministic=deterministic
+        )
     return sparse_attn_ref(q, kv, attn_sink, indices, softmax_scale, check_indices=check_indices)
 
 
@@ -50,10 +57,12 @@ def sparse_attn_sbhd(
     *,
     backend: str = "auto",
     check_indices: bool = True,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SBHD form: ``q [S, B, H, D]``, ``kv [Skv, B, D]``, ``indices [S, B, K]`` LOCAL rows of each sequence's ``kv``
     (``-1`` = empty) -> ``o [S, B, H, D]``, ``lse [S, B, H]``. ``kv`` is typically ``cat([kv, entries], 0)``.
-    ``check_indices``: as in :func:`sparse_attn` (the local range ``[-1, Skv)`` is checked here)."""
+    ``check_indices``, ``deterministic``: as in :func:`sparse_attn` (the local range ``[-1, Skv)`` is checked
+    here)."""
     check_shape(q, "q", (None, None, None, None))
     s, b = q.shape[:2]
     check_shape(kv, "kv", (None, b, q.shape[3]))
@@ -67,5 +76,6 @@ def sparse_attn_sbhd(
         softmax_scale,
         backend=backend,
         check_indices=check_indices,
+        deterministic=deterministic,
     )
     return thd_to_sbhd(o, b), thd_to_sbhd(lse, b)

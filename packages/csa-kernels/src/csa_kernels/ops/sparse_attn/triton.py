@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+from csa_kernels.ops.sparse_attn.dkv_keymajor import dkv_keymajor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -117,6 +118,7 @@ def _sparse_attn_bwd_dq_kernel(
     IDX,
     CNT,
     DQ,
+    PDP,
     stride_qt,
     stride_qh,
     stride_kvn,
@@ -134,7 +136,12 @@ def _sparse_attn_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """dq[t,h] = scale * sum_j ds[t,h,j] kv_j with ds = p (dp - delta); one program per (token, head block)."""
+    """dq[t,h] = scale * sum_j ds[t,h,j] kv_j with ds = p (dp - delta); one program per (token, head block).
+
+    Also writes ``PDP[t,h] = sum_j p[t,h,j] dp[t,h,j]`` (fp32 from the fp32 softmax statistics): the exact
+    ``<do, o>`` of the unrounded output, from which the sink gradient is taken (``delta`` comes from the rounded
+    ``o`` and would carry its bf16 error into ``dsink``, where the sum over tokens cancels).
+    """
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -154,6 +161,7 @@ def _sparse_attn_bwd_dq_kernel(
     qk_scale_log2 = scale * 1.4426950408889634
     cnt = tl.load(CNT + t)
     dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    pdp = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start in range(0, cnt, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < cnt
@@ -168,12 +176,14 @@ def _sparse_attn_bwd_dq_kernel(
         p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)  # [BLOCK_H, BLOCK_N]
         dp = tl.dot(do, tl.trans(kv), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])  # dL/dz (z already scaled)
+        pdp += tl.sum(p * dp, 1)
         dq = tl.dot(ds.to(kv.dtype), kv, dq, input_precision=PRECISION)
     tl.store(
         DQ + t * stride_dqt + offs_h[:, None] * stride_dqh + offs_d[None, :],
         (dq * scale).to(DQ.dtype.element_ty),
         mask=mask_hd,
     )
+    tl.store(PDP + t * H + offs_h, pdp, mask=mask_h)
 
 
 @triton.jit
@@ -400,17 +410,22 @@ def sparse_attn_bwd(
     o: torch.Tensor,
     lse: torch.Tensor,
     do: torch.Tensor,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward kernels; returns ``(dq [T,H,D] q.dtype, dkv [Nkv,D] kv.dtype, dsink [H] fp32)``."""
+    """Backward kernels; returns ``(dq [T,H,D] q.dtype, dkv [Nkv,D] kv.dtype, dsink [H] fp32)``.
+
+    ``deterministic``: ``dkv`` from the atomic-free key-major pass (:mod:`.dkv_keymajor`, bitwise reproducible)
+    instead of the token-major kernel with fp32 atomics. ``dq`` and ``dsink`` are deterministic either way.
+    """
     T, H, D = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     do = do if do.stride(-1) == 1 else do.contiguous()
     kv = kv.contiguous()
     dq = torch.empty_like(q)
-    dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     delta = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    pdp = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
-        return dq, dkv32.to(kv.dtype), torch.zeros_like(attn_sink, dtype=torch.float32)
+        return dq, torch.zeros_like(kv), torch.zeros_like(attn_sink, dtype=torch.float32)
     bd = next_pow2(D)
     dh = min(next_pow2(H), 16)
     _delta_kernel[(T, triton.cdiv(H, dh))](
@@ -430,28 +445,32 @@ def sparse_attn_bwd(
         num_stages=stages,
     )
     _sparse_attn_bwd_dq_kernel[grid](
-        *args, dq, *strides, dq.stride(0), dq.stride(1), H, softmax_scale, BLOCK_N=block_n, **meta
+        *args, dq, pdp, *strides, dq.stride(0), dq.stride(1), H, softmax_scale, BLOCK_N=block_n, **meta
     )
-    if interpreting():
-        kv_bn, kv_dc, kv_warps, kv_stages = block_n, min(bd, 64), 4, 1
-    elif q.element_size() >= 4 and D > 256:  # fp32: the bf16 tiles would spill 512 B per thread
-        kv_bn, kv_dc, kv_warps, kv_stages = 16, 64, 8, 1
+    if deterministic:
+        dkv32 = dkv_keymajor(q, kv, do, lse, delta, indices, counts, softmax_scale, _precision(q))
     else:
-        kv_bn, kv_dc, kv_warps, kv_stages = BWD_DKV_CONFIG
-    meta.update(num_warps=kv_warps, num_stages=kv_stages)
-    _sparse_attn_bwd_dkv_kernel[grid](
-        *args,
-        dkv32,
-        *strides,
-        dkv32.stride(0),
-        H,
-        softmax_scale,
-        BLOCK_N=kv_bn,
-        BLOCK_DC=min(kv_dc, bd),
-        **meta,
-    )
-    # dsink[h] = -sum_t p_sink[t,h] * delta[t,h],  p_sink = exp(sink - lse)
-    dsink = -(torch.exp(attn_sink.float()[None, :] - lse) * delta).sum(0)
+        dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        if interpreting():
+            kv_bn, kv_dc, kv_warps, kv_stages = block_n, min(bd, 64), 4, 1
+        elif q.element_size() >= 4 and D > 256:  # fp32: the bf16 tiles would spill 512 B per thread
+            kv_bn, kv_dc, kv_warps, kv_stages = 16, 64, 8, 1
+        else:
+            kv_bn, kv_dc, kv_warps, kv_stages = BWD_DKV_CONFIG
+        meta.update(num_warps=kv_warps, num_stages=kv_stages)
+        _sparse_attn_bwd_dkv_kernel[grid](
+            *args,
+            dkv32,
+            *strides,
+            dkv32.stride(0),
+            H,
+            softmax_scale,
+            BLOCK_N=kv_bn,
+            BLOCK_DC=min(kv_dc, bd),
+            **meta,
+        )
+    # dsink[h] = -sum_t p_sink[t,h] * <do, o>[t,h],  p_sink = exp(sink - lse); <do, o> = sum_j p dp in fp32
+    dsink = -(torch.exp(attn_sink.float()[None, :] - lse) * pdp).sum(0)
     return dq, dkv32.to(kv.dtype), dsink
 
 
