@@ -26,14 +26,16 @@ def _inputs(lengths, HI, DI, ratio, device, dtype, seed=0):
     return q, k, w, cu.to(device), cuc.to(device)
 
 
-def _check(lengths, HI, DI, ratio, topk, device, dtype, chunk_size=None):
-    q, k, w, cu, cuc = _inputs(lengths, HI, DI, ratio, device, dtype)
-    idx, val = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc, chunk_size)
-    ridx, rval = indexer_topk_ref(q.double(), k.double(), w.double(), ratio, topk, cu, cuc)
+def _check(lengths, HI, DI, ratio, topk, device, dtype, chunk_size=None, entry_tile=None, seed=0):
+    q, k, w, cu, cuc = _inputs(lengths, HI, DI, ratio, device, dtype, seed=seed)
+    idx, val = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc, chunk_size, entry_tile=entry_tile)
+    ridx, rval = indexer_topk_ref(q.double(), k.double(), w.double(), ratio, topk, cu.cpu(), cuc.cpu())
     assert idx.dtype == torch.int32 and idx.shape == ridx.shape
     # same number of -1 slots (I1) and, per row, the same selected set (no exact ties in random data)
-    assert torch.equal((idx < 0).sum(1), (ridx < 0).sum(1))
+    assert torch.equal((idx < 0).sum(1).cpu(), (ridx < 0).sum(1))
     assert torch.equal(idx.sort(1).values.cpu(), ridx.sort(1).values.cpu())
+    if dtype == torch.float32:  # and the same order (descending score)
+        assert torch.equal(idx.cpu(), ridx)
     finite = torch.isfinite(rval)
     assert torch.equal(torch.isfinite(val).cpu(), finite.cpu())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -60,13 +62,100 @@ def test_indexer_topk_interpreter(lengths, HI, DI, ratio, topk, chunk):
     _check(lengths, HI, DI, ratio, topk, "cpu", torch.float32, chunk)
 
 
+@interpreter_only
+@pytest.mark.parametrize(
+    "lengths,HI,DI,ratio,topk,chunk,tile",
+    [
+        ([37], 3, 16, 4, 5, None, 3),  # one document, tiles of 3 entries merged into the running top-k
+        ([1, 0, 9, 23, 61], 2, 24, 4, 6, 16, 4),  # THD: several documents, shorter than k, empty, chunks + tiles
+        ([50, 18], 4, 16, 2, 3, 20, 7),  # ratio 2, chunk boundary inside a document, last tile partial
+        ([40], 2, 16, 4, 12, None, 5),  # top-k > one tile: the running best outgrows the tile
+    ],
+)
+def test_indexer_topk_streaming_interpreter(lengths, HI, DI, ratio, topk, chunk, tile):
+    """The streaming merge (several entry tiles per chunk of rows) selects exactly the reference's entries, in the
+    reference's order, with -1 padding where fewer than top-k entries are visible."""
+    _check(lengths, HI, DI, ratio, topk, "cpu", torch.float32, chunk, entry_tile=tile)
+
+
+@interpreter_only
+def test_indexer_topk_bf16_inputs_interpreter():
+    """bf16 q / k / weights (the GPU training dtype): same selected sets as the fp64 reference on the same values."""
+    _check([1, 0, 9, 23], 2, 16, 4, 5, "cpu", torch.bfloat16, entry_tile=4, seed=5)
+
+
+def _tie_inputs(T, ratio, device, seed=1):
+    """Rows full of exact ties: every score is one of {-1, 0, 0.5, 1} x a positive per-row weight."""
+    HI, DI = 1, 16
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.zeros(T // ratio, DI)
+    k[:, 0] = torch.tensor([-1.0, 0.0, 0.0, 0.0, 0.5, 1.0])[torch.randint(0, 6, (T // ratio,), generator=gen)]
+    q = torch.zeros(T, HI, DI)
+    q[:, :, 0] = 1.0
+    w = torch.ones(T, HI)
+    cu = torch.tensor([0, T // 2, T], dtype=torch.int32)  # two documents (THD)
+    return q.to(device), k.to(device), w.to(device), cu.to(device), compressed_cu_seqlens(cu, ratio).to(device)
+
+
+@interpreter_only
+@pytest.mark.parametrize("tile", [None, 3, 8])
+def test_indexer_topk_streaming_ties_interpreter(tile):
+    """Oracle I6 through the merge: exact ties split across tiles still go to the LOWER entry, in order."""
+    q, k, w, cu, cuc = _tie_inputs(96, 4, "cpu")
+    idx, val = indexer_topk_triton(q, k, w, 4, 8, cu, cuc, entry_tile=tile)
+    ridx, rval = indexer_topk_ref(q, k, w, 4, 8, cu, cuc)
+    assert torch.equal(idx, ridx) and torch.equal(val, rval)
+
+
+@interpreter_only
+def test_indexer_topk_streaming_memory_bound(monkeypatch):
+    """No score buffer larger than one tile of one chunk: the rows x entries product stays below the tile bound,
+    far below [T, C]."""
+    from csa_kernels.ops.indexer import topk_streaming
+    from csa_kernels.ops.indexer import triton as IT
+
+    sizes = []
+    real = IT._launch_scores
+    monkeypatch.setattr(IT, "_launch_scores", lambda q, k, w, out, *a, **kw: sizes.append(out.numel()) or real(q, k, w, out, *a, **kw))
+    monkeypatch.setattr(topk_streaming, "TILE_ELEMENTS", 16 * 24)
+    monkeypatch.setattr(IT, "TILE_ELEMENTS", 16 * 24)
+    lengths = [300]
+    q, k, w, cu, cuc = _inputs(lengths, 2, 16, 4, "cpu", torch.float32)
+    idx, _ = indexer_topk_triton(q, k, w, 4, 8, cu, cuc, entry_tile=16)
+    ridx, _ = indexer_topk_ref(q, k, w, 4, 8, cu, cuc)
+    assert torch.equal(idx, ridx)
+    assert len(sizes) > 10 and max(sizes) <= 16 * 24 < 300 * 75
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "lengths,HI,DI,ratio,topk",
-    [([1, 0, 9, 23], 2, 24, 4, 40), ([1000, 3, 517], 64, 128, 4, 64), ([2048], 64, 128, 4, 512)],
+    "lengths,HI,DI,ratio,topk,tile",
+    [
+        ([1, 0, 9, 23], 2, 24, 4, 40, None),
+        ([1000, 3, 517], 64, 128, 4, 64, None),
+        ([2048], 64, 128, 4, 512, None),
+        ([4096, 700, 3], 64, 128, 4, 512, 256),  # several tiles per chunk: the merge on the GPU
+    ],
 )
-def test_indexer_topk_gpu(lengths, HI, DI, ratio, topk):
-    _check(lengths, HI, DI, ratio, topk, "cuda", torch.float32)
+def test_indexer_topk_gpu(lengths, HI, DI, ratio, topk, tile):
+    _check(lengths, HI, DI, ratio, topk, "cuda", torch.float32, entry_tile=tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, 128])
+def test_indexer_topk_gpu_bf16(tile):
+    """bf16 inputs (issue 16): the selected sets equal the fp64 reference's on the same bf16 values."""
+    _check([2048, 517, 1], 64, 128, 4, 512, "cuda", torch.bfloat16, entry_tile=tile, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, 5])
+def test_indexer_topk_gpu_streaming_ties(tile):
+    """Exact ties across tiles on the GPU: the same indices and order as the reference (lower entry first)."""
+    q, k, w, cu, cuc = _tie_inputs(512, 4, "cuda")
+    idx, val = indexer_topk_triton(q, k, w, 4, 8, cu, cuc, entry_tile=tile)
+    ridx, rval = indexer_topk_ref(q.cpu(), k.cpu(), w.cpu(), 4, 8, cu.cpu(), cuc.cpu())
+    assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
 @pytest.mark.gpu

@@ -53,12 +53,21 @@ def _forward_backward(fn, q, k, w, idx, g, dtype, device):
     return [s.detach()] + [x.grad for x in leaves]
 
 
-def check_scores_at(q, k, w, idx, dtype, device, seed=1):
+def check_scores_at(q, k, w, idx, dtype, device, seed=1, deterministic=False):
     """Score and all gradients of the fused op vs the fp64 reference, under the testkit tolerance rule; the
-    upstream gradient is nonzero at ``-1`` slots too (the kernel must ignore it there)."""
+    upstream gradient is nonzero at ``-1`` slots too (the kernel must ignore it there). ``deterministic``: the
+    key-major ``dk``, and the backward run twice must give the same bits."""
     q, k, w = (x.to(dtype) for x in (q, k, w))  # the kernel and the references see the same rounded inputs
     g = torch.randn(idx.shape, generator=torch.Generator().manual_seed(seed))
-    got = _forward_backward(indexer_scores_at_triton, q, k, w, idx, g, dtype, device)
+
+    def fused(*a):
+        return indexer_scores_at_triton(*a, deterministic=deterministic)
+
+    got = _forward_backward(fused, q, k, w, idx, g, dtype, device)
+    if deterministic:
+        again = _forward_backward(fused, q, k, w, idx, g, dtype, device)
+        for name, a, b in zip(NAMES, got, again):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
     ref = _forward_backward(indexer_scores_at_ref, q, k, w, idx, g, torch.float64, device)
     oracle = indexer_scores_at_ref if dtype == torch.float32 else same_dtype_oracle
     ydt = _forward_backward(oracle, q, k, w, idx, g, dtype, device)
@@ -92,11 +101,23 @@ def test_scores_at_interpreter_fp32(case):
 
 
 @interpreter_only
-def test_scores_at_repeated_entries_accumulate():
-    """Top-k never repeats an entry in a row, but the op must still sum repeated entries (dk atomics)."""
+@pytest.mark.parametrize("case", CPU_CASES[1:5] + [(40, 3, 16, 37, 9, (4,))])
+def test_scores_at_interpreter_deterministic(case):
+    """The atomic-free key-major dk (several entry blocks of BLOCK_R 16 in the last case): gradients vs the
+    reference, bitwise equal over two runs."""
+    T, HI, DI, Tc, K, empty = case
+    q, k, w, idx = scores_at_case(T, HI, DI, Tc, K, seed=T + HI, empty_rows=empty)
+    check_scores_at(q, k, w, idx, torch.float32, "cpu", deterministic=True)
+
+
+@interpreter_only
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_scores_at_repeated_entries_accumulate(deterministic):
+    """Top-k never repeats an entry in a row, but the op must still sum repeated entries (dk atomics, or the
+    key-major pass's per-row sum of the upstream gradient over the repeated slots)."""
     q, k, w, _ = scores_at_case(5, 2, 16, 3, 6)
     idx = torch.tensor([[0, 0, 1, -1, 0, 2]] * 5, dtype=torch.int32)
-    check_scores_at(q, k, w, idx, torch.float32, "cpu")
+    check_scores_at(q, k, w, idx, torch.float32, "cpu", deterministic=deterministic)
 
 
 @interpreter_only
@@ -193,29 +214,36 @@ def test_topk_gradient_path_does_not_recompute_forward(monkeypatch):
 
 
 @interpreter_only
-def test_topk_gradient_path_deterministic_mode_uses_reference(monkeypatch):
-    """Under torch.use_deterministic_algorithms(True) the backward avoids the atomic kernel: equal to the reference
-    gradients bit for bit."""
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("atomic backward kernel under deterministic algorithms")
-
+def test_topk_gradient_path_deterministic_mode(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the backward takes the atomic-free key-major dk (it ran the
+    fp32 reference before 0.3): gradients equal to the reference formulation (fp32 tolerance), bitwise equal over
+    two runs; ``deterministic=True`` does the same without the global flag."""
+    seen = []
+    real = SA.scores_at_bwd
+    monkeypatch.setattr(SA, "scores_at_bwd", lambda *a, deterministic: seen.append(deterministic) or real(*a, deterministic=deterministic))
     q, k, w, cu, cuc = _topk_inputs([17, 5], 2, 16, 4, seed=3)
     idx, _ = indexer_topk_triton(q, k, w, 4, 3, cu, cuc)
     g = torch.randn(idx.shape)
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, w)]
     (torch.where(idx >= 0, indexer_scores_at_ref(*ref_leaves, idx), 0.0) * g).sum().backward()
-    monkeypatch.setattr(SA, "scores_at_bwd", forbidden)
-    leaves = [x.clone().requires_grad_() for x in (q, k, w)]
+
+    def run(**kw):
+        leaves = [x.clone().requires_grad_() for x in (q, k, w)]
+        _, vals = indexer_topk(*leaves, 4, 3, cu, cuc, backend="triton", **kw)
+        (torch.where(idx >= 0, vals, 0.0) * g).sum().backward()
+        return [x.grad for x in leaves]
+
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        _, vals = indexer_topk(*leaves, 4, 3, cu, cuc, backend="triton")
-        (torch.where(idx >= 0, vals, 0.0) * g).sum().backward()
+        first = run()
     finally:
         torch.use_deterministic_algorithms(prev)
-    for a, b in zip(leaves, ref_leaves):
-        assert torch.equal(a.grad, b.grad)
+    second = run(deterministic=True)
+    assert seen == [True, True]
+    for a, b, r in zip(first, second, ref_leaves):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r.grad, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------- GPU

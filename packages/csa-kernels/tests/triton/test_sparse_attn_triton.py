@@ -149,7 +149,7 @@ def test_sparse_attn_sink_grad_many_slots_bf16():
     ``sum_j p dp`` of the softmax statistics, not from the bf16-rounded output, so its error stays within the
     2x rule (it was 3x plain bf16 PyTorch at K = 577 when taken from ``<do, o_bf16>``)."""
     gen = torch.Generator().manual_seed(7)
-    T, H, D, Nkv, K = 24, 4, 32, 700, 577
+    T, H, D, Nkv, K = 8, 4, 32, 700, 577
     # bf16-exact inputs: the reference then sees the kernel's operands and the fp32-accuracy check below holds
     q, kv = torch.randn(T, H, D, generator=gen), torch.randn(Nkv, D, generator=gen)
     q, kv = q.bfloat16().float(), kv.bfloat16().float()
@@ -163,11 +163,10 @@ def test_sparse_attn_sink_grad_many_slots_bf16():
         o, _ = fn(q.to(dt), kv.to(dt), ss, idx, D**-0.5)
         o.backward(do.to(dt))
         ref.append(ss.grad)
-    for det in (False, True):
-        got = _grads(q, kv, sink, idx, do, torch.bfloat16, "cpu", deterministic=det)[2]
-        assert_close_to_ref("dsink", got, ref[0], ref[1])
-        err = (got.double() - ref[0]).abs().max()
-        assert err <= 1e-3 * ref[0].abs().max(), "the sink gradient should be fp32-accurate"
+    got = _grads(q, kv, sink, idx, do, torch.bfloat16, "cpu", deterministic=False)[2]  # dsink: same either way
+    assert_close_to_ref("dsink", got, ref[0], ref[1])
+    err = (got.double() - ref[0]).abs().max()
+    assert err <= 1e-4 * ref[0].abs().max(), "the sink gradient should be fp32-accurate"
 
 
 @interpreter_only

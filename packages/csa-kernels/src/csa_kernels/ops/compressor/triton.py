@@ -13,7 +13,8 @@ Backward (``g = dP[e, ch]``): ``dv = a * g``, ``dl = a * (v - P) * g``; ``dscore
 the rows / channels the slot was read from (each (row, channel) feeds exactly one entry, so plain stores, no
 atomics; the kernel writes 0 to the rows of incomplete tail blocks, of documents without a complete block and
 to the unused prev half of a document's last block, so the gradient buffers need no zero fill), and
-``dape[j, ch] += dl`` over all entries with fp32 atomics. Softmax statistics are recomputed in backward (the
+``dape[j, ch] += dl`` over all entries (per-program partials summed in a fixed order: deterministic; or fp32
+atomics into one buffer). Softmax statistics are recomputed in backward (the
 pooling reads each input once; recomputation is cheaper than saving the ``[Tc, 2m, c]`` weights).
 
 Schedule: the softmax runs over the slot axis, which is never a tensor axis: every tensor is a ``[BLOCK_C]``
@@ -182,6 +183,7 @@ def _compressor_pool_kernel(
     stride_o,
     stride_dkv,
     stride_dsc,
+    stride_dape_prog,
     TC,
     C,
     C_OFF,
@@ -197,6 +199,9 @@ def _compressor_pool_kernel(
 ):
     e_first = tl.program_id(0) * PER_PROG
     e_stop = tl.minimum(e_first + PER_PROG, TC)
+    # deterministic mode: each program adds dape into its own partial (stride_dape_prog > 0; only this program's
+    # threads, each its own (slot, channel), touch it, in program order), summed in a fixed order on the host side
+    DAPE += tl.program_id(0).to(tl.int64) * stride_dape_prog
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] prev-half / output channels
     mc = ch < C
     ch_own = ch + C_OFF  # own-half channels: [c, 2c) when overlapping, [0, c) otherwise
@@ -368,11 +373,16 @@ def _resident_programs(args: tuple, meta: dict, key: tuple, limits: tuple[int, i
     return _RESIDENT[key]
 
 
-def _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=None, dscore=None, dape=None):
+def _launch(
+    kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=None, dscore=None, dape=None, deterministic=False
+):
     """One launch of ``cdiv(Tc, PER_PROG)`` x ``cdiv(c, BLOCK_C)`` programs. ``PER_PROG`` (consecutive entries per
     program) is as large as leaves about two waves of the programs the GPU holds at once (from the compiled
     kernel's register count), so the hardware scheduler still balances the tail while backward's ``dape``
-    atomics (one per (slot, channel) per program on the held schedule) shrink with larger inputs."""
+    atomics (one per (slot, channel) per program on the held schedule) shrink with larger inputs.
+
+    ``deterministic`` (backward): every program adds ``dape`` into its own fp32 partial ``[ratio, Dk]``; the
+    partials are summed in program order into ``dape`` (bitwise reproducible; no two programs share an address)."""
     n_docs = cu.shape[0] - 1
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
     backward = dout is not None
@@ -399,6 +409,7 @@ def _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=Non
         dummy.stride(0),
         dkv.stride(0) if backward else kv.stride(0),
         dscore.stride(0) if backward else score.stride(0),
+        0,  # stride_dape_prog, set below
         tc,
         c,
         c if overlap else 0,
@@ -423,7 +434,15 @@ def _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=Non
         resident_e = max(1, _resident_programs(tuple(args), meta, key, limits) // n_cb)  # entries in flight
         per_prog = max(1, tc // (2 * resident_e))
     args[-1] = per_prog
-    _compressor_pool_kernel[(triton.cdiv(tc, per_prog), n_cb)](*args, **meta)
+    n_prog = triton.cdiv(tc, per_prog)
+    part = None
+    if backward and deterministic:
+        part = torch.zeros((n_prog, *dape.shape), dtype=torch.float32, device=dape.device)
+        args[9] = part
+        args[16] = part.stride(0)
+    _compressor_pool_kernel[(n_prog, n_cb)](*args, **meta)
+    if part is not None:
+        dape.copy_(part.sum(0))
 
 
 def compressor_pool_fwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool) -> torch.Tensor:
@@ -437,8 +456,14 @@ def compressor_pool_fwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: b
     return out
 
 
-def compressor_pool_bwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool, dout: torch.Tensor):
+def compressor_pool_bwd(
+    kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool, dout: torch.Tensor, deterministic: bool = True
+):
     """``(dkv [T, Dk] kv.dtype, dscore [T, Dk] score.dtype, dape [ratio, Dk] fp32)``.
+
+    ``deterministic`` (default): ``dape`` from per-program partials summed in a fixed order (bitwise
+    reproducible; costs one ``[programs, ratio, Dk]`` fp32 buffer and a small sum) instead of shared fp32 atomics
+    (``False``, kept for comparison). ``dkv`` / ``dscore`` are plain stores, deterministic either way.
 
     The kernel writes every row of ``dkv`` / ``dscore`` (zeros where no slot reads the row), so they start
     uninitialised unless there is no entry at all.
@@ -448,7 +473,7 @@ def compressor_pool_bwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: b
         return torch.zeros_like(kv), torch.zeros_like(score), dape
     dkv = _grad_buffer(kv)
     dscore = _grad_buffer(score)
-    _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape)
+    _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape, deterministic)
     return dkv, dscore, dape
 
 

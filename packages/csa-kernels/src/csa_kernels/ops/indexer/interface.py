@@ -57,20 +57,23 @@ def indexer_scores_at(
     *,
     backend: str = "auto",
     check_indices: bool = True,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Index scores ``[T, K]`` at global compressed rows ``indices`` (``-inf`` at -1): :func:`indexer_scores_at_ref`.
 
     Triton path: fused forward and backward (:mod:`csa_kernels.ops.indexer.scores_at_triton`), fp32 output,
     ``chunk_size`` unused (nothing larger than ``[T, K]`` is formed). ``check_indices=False`` skips the range
     check of ``indices`` (one device -> host sync); the caller guarantees ``-1 <= indices < Tc``, out-of-range
-    values are then undefined behaviour.
+    values are then undefined behaviour. ``deterministic`` (Triton): ``True`` computes the backward's ``dk`` by
+    the atomic-free key-major pass (bitwise reproducible), ``False`` with fp32 atomics, ``None`` (default) follows
+    ``torch.are_deterministic_algorithms_enabled()``.
     """
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_scores_at") == "triton":
         from csa_kernels.ops.indexer.checks import check_scores_at_inputs
         from csa_kernels.ops.indexer.scores_at_autograd import indexer_scores_at_triton
 
         check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices)
-        return indexer_scores_at_triton(q_idx, k_idx, weights, indices)
+        return indexer_scores_at_triton(q_idx, k_idx, weights, indices, deterministic)
     return indexer_scores_at_ref(q_idx, k_idx, weights, indices, chunk_size, check_indices=check_indices)
 
 
@@ -87,17 +90,19 @@ def indexer_topk(
     backend: str = "auto",
     cu_seqlens_host: list[int] | None = None,
     cu_seqlens_c_host: list[int] | None = None,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k compressed entries per query: ``(indices [T, topk] int32 global rows, -1 padded; scores [T, topk])``.
 
-    Math, tie rule and memory: :func:`indexer_topk_ref`.
+    Math, tie rule and memory: :func:`indexer_topk_ref`. ``deterministic``: as in :func:`indexer_scores_at`
+    (the gradient of the returned scores; the selection itself is deterministic on both backends).
     """
     args = (q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size)
     hosts = dict(cu_seqlens_host=cu_seqlens_host, cu_seqlens_c_host=cu_seqlens_c_host)
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_topk") == "triton":
         from csa_kernels.ops.indexer.triton import indexer_topk_checked
 
-        return indexer_topk_checked(*args, **hosts)
+        return indexer_topk_checked(*args, **hosts, deterministic=deterministic)
     return indexer_topk_ref(*args, **hosts)
 
 

@@ -6,47 +6,39 @@
   backward runs the fused backward kernel at the selected entries (formerly a chunked fp32 reference recomputation,
   ~30 ms per flash-smoke step on the H200).
 
-Under ``torch.use_deterministic_algorithms(True)`` the backward runs the fp32 reference instead (the kernel adds
-``dk`` with atomics, whose summation order varies between runs).
+``deterministic`` (``None``: ``torch.are_deterministic_algorithms_enabled()``): ``dk`` from the atomic-free
+key-major pass (:mod:`.scores_at_keymajor`), bitwise reproducible; otherwise the row kernel adds ``dk`` with fp32
+atomics, whose summation order varies between runs. (Before 0.3 the deterministic mode ran the fp32 reference.)
 """
 
 from __future__ import annotations
 
 import torch
 
+from csa_kernels._triton_utils import resolve_deterministic
 from csa_kernels.ops.indexer.scores_at_triton import scores_at_bwd, scores_at_fwd
 
 
-def _backward(q_idx, k_idx, weights, indices, grad, needs):
+def _backward(q_idx, k_idx, weights, indices, grad, needs, deterministic):
     """``(dq, dk, dw)`` (``None`` where ``needs`` is False) of the scores at ``indices`` for upstream ``grad``."""
-    if not torch.are_deterministic_algorithms_enabled():
-        dq, dk, dw = scores_at_bwd(q_idx, k_idx, weights, indices, grad)
-        return tuple(g if n else None for g, n in zip((dq, dk, dw), needs))
-    from csa_kernels.ops.indexer.reference import indexer_scores_at_ref
-
-    leaves = [x.detach().requires_grad_(n) for x, n in zip((q_idx, k_idx, weights), needs)]
-    live = [x for x in leaves if x.requires_grad]
-    if not live:
-        return None, None, None
-    with torch.enable_grad():
-        out = indexer_scores_at_ref(*leaves, indices)
-        grads = iter(torch.autograd.grad(out, live, grad.to(out.dtype), allow_unused=True))
-    res = [next(grads) if x.requires_grad else None for x in leaves]
-    return tuple(None if g is None else g.to(x.dtype) for g, x in zip(res, (q_idx, k_idx, weights)))
+    dq, dk, dw = scores_at_bwd(q_idx, k_idx, weights, indices, grad, deterministic=resolve_deterministic(deterministic))
+    return tuple(g if n else None for g, n in zip((dq, dk, dw), needs))
 
 
 class IndexerScoresAtFunction(torch.autograd.Function):
     """``score [T, K] fp32 = indexer_scores_at(q_idx, k_idx, weights, indices)``: fused forward and backward."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, weights, indices):
+    def forward(ctx, q_idx, k_idx, weights, indices, deterministic):
         ctx.save_for_backward(q_idx, k_idx, weights, indices)
+        ctx.deterministic = deterministic
         return scores_at_fwd(q_idx, k_idx, weights, indices)
 
     @staticmethod
     def backward(ctx, grad):
         q_idx, k_idx, weights, indices = ctx.saved_tensors
-        return (*_backward(q_idx, k_idx, weights, indices, grad, ctx.needs_input_grad[:3]), None)
+        grads = _backward(q_idx, k_idx, weights, indices, grad, ctx.needs_input_grad[:3], ctx.deterministic)
+        return (*grads, None, None)
 
 
 class _ScoresAtGradFunction(torch.autograd.Function):
@@ -54,14 +46,16 @@ class _ScoresAtGradFunction(torch.autograd.Function):
     indices)`` (zero at ``-1`` slots). ``values`` itself gets no gradient."""
 
     @staticmethod
-    def forward(ctx, values, q_idx, k_idx, weights, indices):
+    def forward(ctx, values, q_idx, k_idx, weights, indices, deterministic):
         ctx.save_for_backward(q_idx, k_idx, weights, indices)
+        ctx.deterministic = deterministic
         return values
 
     @staticmethod
     def backward(ctx, grad):
         q_idx, k_idx, weights, indices = ctx.saved_tensors
-        return (None, *_backward(q_idx, k_idx, weights, indices, grad, ctx.needs_input_grad[1:4]), None)
+        grads = _backward(q_idx, k_idx, weights, indices, grad, ctx.needs_input_grad[1:4], ctx.deterministic)
+        return (None, *grads, None, None)
 
 
 def attach_scores_at_grad(
@@ -70,6 +64,7 @@ def attach_scores_at_grad(
     k_idx: torch.Tensor,  # [Tc, DI]
     weights: torch.Tensor,  # [T, HI]
     indices: torch.Tensor,  # [T, K] int32, -1 = empty
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """``values`` (same tensor values, no recomputation) with the gradient of the scores at ``indices`` attached,
     when grad mode is on and any of ``q_idx``, ``k_idx``, ``weights`` requires grad; else ``values`` itself.
@@ -77,12 +72,17 @@ def attach_scores_at_grad(
     Equivalent to ``values + (live - live.detach())`` with ``live = where(indices >= 0, indexer_scores_at(...), 0)``.
     """
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q_idx, k_idx, weights)):
-        return _ScoresAtGradFunction.apply(values.detach(), q_idx, k_idx, weights, indices)
+        return _ScoresAtGradFunction.apply(values.detach(), q_idx, k_idx, weights, indices, deterministic)
     return values
 
 
 def indexer_scores_at_triton(
-    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
-    """Differentiable fused ``indexer_scores_at`` (inputs validated by the caller); ``[T, K]`` fp32."""
-    return IndexerScoresAtFunction.apply(q_idx, k_idx, weights, indices)
+    """Differentiable fused ``indexer_scores_at`` (inputs validated by the caller); ``[T, K]`` fp32.
+    ``deterministic``: module docstring."""
+    return IndexerScoresAtFunction.apply(q_idx, k_idx, weights, indices, deterministic)

@@ -7,7 +7,7 @@ Per query row ``t`` with slots ``j`` (``e = idx[t, j]`` a global row of ``k_idx`
     dS[t, j, h]  = g[t, j] * w[t, h] * [S[t, j, h] > 0]                   (g = 0 where e = -1)
     dw[t, h]     = sum_j g[t, j] * relu(S[t, j, h])
     dq[t, h, :]  = sum_j dS[t, j, h] * k[e]
-    dk[e, :]    += sum_h dS[t, j, h] * q[t, h, :]                         (fp32 atomics)
+    dk[e, :]    += sum_h dS[t, j, h] * q[t, h, :]                         (fp32 atomics, or the key-major pass)
 
 Schedule: one program per (query row, block of BLOCK_H heads). The row's heads sit on the MMA M dimension and share
 each gathered ``[BLOCK_J, DI]`` key tile (gathered once per head block): the score GEMM ``q k^T`` is
@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+from csa_kernels.ops.indexer.scores_at_keymajor import scores_at_dk_keymajor
 
 
 @triton.jit
@@ -130,8 +131,10 @@ def _scores_at_bwd_kernel(
     BLOCK_J: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    WRITE_DK: tl.constexpr,
 ):
-    """dq, dw of one (query row, head block) in registers; dk tiles added to the fp32 DK buffer with atomics."""
+    """dq, dw of one (query row, head block) in registers; dk tiles added to the fp32 DK buffer with atomics
+    (``WRITE_DK``; off when the deterministic key-major pass computes ``dk``)."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = offs_h < HI
@@ -160,13 +163,14 @@ def _scores_at_bwd_kernel(
         else:
             ds_op = ds.to(K.dtype.element_ty)
         dq = tl.dot(ds_op, k, dq, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(ds_op), q, input_precision=PRECISION)  # [BLOCK_J, BLOCK_DI]
-        tl.atomic_add(
-            DK + rows[:, None] * stride_dkc + offs_d[None, :],
-            dk,
-            mask=valid[:, None] & md[None, :],
-            sem="relaxed",
-        )
+        if WRITE_DK:
+            dk = tl.dot(tl.trans(ds_op), q, input_precision=PRECISION)  # [BLOCK_J, BLOCK_DI]
+            tl.atomic_add(
+                DK + rows[:, None] * stride_dkc + offs_d[None, :],
+                dk,
+                mask=valid[:, None] & md[None, :],
+                sem="relaxed",
+            )
     tl.store(
         DQ + t * stride_dqt + offs_h[:, None] * stride_dqh + offs_d[None, :],
         dq.to(DQ.dtype.element_ty),
@@ -276,8 +280,12 @@ def scores_at_bwd(
     weights: torch.Tensor,  # [T, HI]
     indices: torch.Tensor,  # [T, K]
     grad: torch.Tensor,  # [T, K] d loss / d score (ignored where indices = -1)
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq [T, HI, DI] q dtype, dk [Tc, DI] k dtype, dw [T, HI] weights dtype)`` of the scores at ``indices``."""
+    """``(dq [T, HI, DI] q dtype, dk [Tc, DI] k dtype, dw [T, HI] weights dtype)`` of the scores at ``indices``.
+
+    ``deterministic``: ``dk`` from the atomic-free key-major pass (:mod:`.scores_at_keymajor`, bitwise
+    reproducible) instead of fp32 atomics in the row kernel; ``dq`` and ``dw`` are deterministic either way."""
     check_triton_device(q_idx, k_idx, weights, indices, grad)
     T, HI, DI = q_idx.shape
     KS = indices.shape[1]
@@ -288,7 +296,7 @@ def scores_at_bwd(
     g = grad if grad.stride(-1) == 1 else grad.contiguous()
     dq = torch.empty((T, HI, DI), dtype=q.dtype, device=q.device)
     dw = torch.empty((T, HI), dtype=w.dtype, device=q.device)
-    dk = torch.zeros((k.shape[0], DI), dtype=torch.float32, device=q.device)
+    dk = torch.zeros((0 if deterministic else k.shape[0], DI), dtype=torch.float32, device=q.device)
     cfg = _bwd_config(HI, DI, q.dtype == torch.float32)
     _scores_at_bwd_kernel[(T, triton.cdiv(HI, cfg[0]))](
         q,
@@ -311,6 +319,9 @@ def scores_at_bwd(
         dw.stride(0),
         HI,
         KS,
+        WRITE_DK=not deterministic,
         **_meta(q, cfg),
     )
+    if deterministic:
+        dk = scores_at_dk_keymajor(q, k, w, idx, g, _meta(q, cfg)["PRECISION"])
     return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype)

@@ -6,8 +6,9 @@ Schedule: the query rows of each document are cut into blocks of BLOCK_T rows (b
 one program per (row block, block of BLOCK_N entries of that document) keeps its key tile in shared memory and loops
 over the HI heads: per head one [BLOCK_T, DI] x [DI, BLOCK_N] MMA, then ReLU and the per-row head weight are folded
 into an fp32 accumulator. Tiles entirely past the block's last visible entry are skipped (causal prefix only).
-Scores land in a ``[rows_of_chunk, C_max]`` fp32 buffer (one chunk of rows at a time); ``torch.topk`` on the GPU
-selects (CUDA's top-k keeps the lowest-indexed entries among ties, the rule of oracle I6).
+Top-k streams (:mod:`.topk_streaming`): per chunk of rows, tiles of entries are scored into a ``[rows, tile]`` fp32
+buffer and merged into a running ``[rows, topk]`` best (CUDA top-k keeps the lowest positions among ties, the
+running best is kept in (value desc, entry asc) order, so ties go to the lower entry: the rule of oracle I6).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton.language as tl
 
 from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+from csa_kernels.ops.indexer.topk_streaming import ENTRY_TILE, TILE_ELEMENTS, stream_chunk_topk
 from dsv4_primitives.varlen import upload_host_ints
 
 
@@ -38,6 +40,7 @@ def _indexer_scores_kernel(
     stride_wt,
     stride_ot,
     row0,
+    col0,
     ratio,
     HI,
     DI: tl.constexpr,
@@ -55,12 +58,12 @@ def _indexer_scores_kernel(
     c0 = tl.load(BLK_C0 + b)
     n_c = tl.load(BLK_NC + b)
     max_vis = (p0 + (t1 - t0)) // ratio  # visible entries of the block's last row
-    if nb * BLOCK_N < max_vis:
+    if col0 + nb * BLOCK_N < max_vis:
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mt = offs_t < t1
         pos = p0 + tl.arange(0, BLOCK_T)
         n_vis = (pos + 1) // ratio  # [BLOCK_T]
-        offs_j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = col0 + nb * BLOCK_N + tl.arange(0, BLOCK_N)  # local entry ids of the document
         mj = offs_j < n_c
         offs_d = tl.arange(0, BLOCK_DI)
         md = offs_d < DI
@@ -86,7 +89,7 @@ def _indexer_scores_kernel(
         vis = offs_j[None, :] < n_vis[:, None]
         acc = tl.where(vis, acc, -float("inf"))
         tl.store(
-            OUT + (offs_t - row0).to(tl.int64)[:, None] * stride_ot + offs_j[None, :],
+            OUT + (offs_t - row0).to(tl.int64)[:, None] * stride_ot + (offs_j - col0)[None, :],
             acc,
             mask=mt[:, None] & mj[None, :],
         )
@@ -119,12 +122,12 @@ def _prepare_scores(q_idx, k_idx, weights, cu: list[int], cuc: list[int]):
     return q_idx, k_idx.contiguous(), weights.contiguous(), cfg, blocks, meta
 
 
-def _launch_scores(q_idx, k_idx, weights, out, meta, r0: int, ratio: int, width: int, cfg) -> None:
+def _launch_scores(q_idx, k_idx, weights, out, meta, r0: int, ratio: int, width: int, cfg, col0: int = 0) -> None:
     """Fused score pass of the row blocks in ``meta`` into ``out`` (row ``r0`` of the pack = row 0 of ``out``),
-    over the first ``width`` entries of each document."""
+    over the entries ``[col0, width)`` of each document (entry ``col0`` = column 0 of ``out``)."""
     block_t, block_n, warps, stages = cfg
     _, HI, DI = q_idx.shape
-    _indexer_scores_kernel[(meta.shape[1], triton.cdiv(width, block_n))](
+    _indexer_scores_kernel[(meta.shape[1], triton.cdiv(width - col0, block_n))](
         q_idx,
         k_idx,
         weights,
@@ -140,6 +143,7 @@ def _launch_scores(q_idx, k_idx, weights, out, meta, r0: int, ratio: int, width:
         weights.stride(0),
         out.stride(0),
         r0,
+        col0,
         ratio,
         HI,
         DI=DI,
@@ -165,11 +169,14 @@ def indexer_topk_triton(
     *,
     cu_host: list[int] | None = None,
     cuc_host: list[int] | None = None,
+    entry_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused scores + top-k: ``(indices [T, topk] int32 global compressed rows, -1 padded; scores [T, topk] fp32)``.
+    """Fused scores + streaming top-k: ``(indices [T, topk] int32 global compressed rows, -1 padded; scores
+    [T, topk] fp32)``; :mod:`.topk_streaming` (``[T, C]`` is never formed, memory ``O(T * topk)``).
 
     Scores are not differentiable here (the caller re-attaches a gradient path, see the public ``indexer_topk``).
-    ``chunk_size`` bounds the rows of one score buffer (default: as many rows as keep it <= 256 MiB).
+    ``chunk_size`` bounds the rows of one chunk (default: as many rows as keep one score tile plus the running top-k
+    at ``TILE_ELEMENTS`` fp32); ``entry_tile`` the entries of one tile (default ``ENTRY_TILE``).
     ``cu_host`` / ``cuc_host``: validated host lists of the two ``cu_seqlens`` (read back from the device, one
     sync each, when not given).
     """
@@ -183,9 +190,10 @@ def indexer_topk_triton(
     if T == 0 or c_max == 0:
         return indices, values
     q_idx, k_idx, weights, cfg, blocks, meta = _prepare_scores(q_idx, k_idx, weights, cu, cuc)
+    tile = min(entry_tile or ENTRY_TILE, c_max)
     if chunk_size is None:
-        chunk_size = max(cfg[0], (1 << 26) // max(c_max, 1))
-    # chunks of whole row blocks
+        chunk_size = max(cfg[0], TILE_ELEMENTS // max(tile + topk, 1))
+    # chunks of whole row blocks; per chunk, tiles of entries merged into a running top-k (never [T, C])
     i = 0
     while i < len(blocks):
         j, rows = i, 0
@@ -196,14 +204,15 @@ def indexer_topk_triton(
         n_vis_max = max((b[2] + b[1] - b[0]) // ratio for b in blocks[i:j])
         width = min(c_max, n_vis_max)
         if width > 0:
-            buf = torch.full((r1 - r0, width), float("-inf"), dtype=torch.float32, device=q_idx.device)
-            _launch_scores(q_idx, k_idx, weights, buf, meta[:, i:j], r0, ratio, width, cfg)
-            k = min(topk, width)
-            if buf.is_cuda:  # CUDA top-k keeps the lowest-indexed entries among ties (oracle I6)
-                vals, cols = buf.topk(k, dim=1, sorted=True)
-            else:  # CPU top-k does not: a stable descending sort gives the same rule
-                vals, cols = torch.sort(buf, dim=1, descending=True, stable=True)
-                vals, cols = vals[:, :k], cols[:, :k]
+            chunk_meta = meta[:, i:j]
+
+            def score_tile(c0, c1, chunk_meta=chunk_meta, r0=r0, r1=r1):
+                buf = torch.full((r1 - r0, c1 - c0), float("-inf"), dtype=torch.float32, device=q_idx.device)
+                _launch_scores(q_idx, k_idx, weights, buf, chunk_meta, r0, ratio, c1, cfg, col0=c0)
+                return buf
+
+            vals, cols = stream_chunk_topk(score_tile, r1 - r0, width, topk, tile, q_idx.device)
+            k = vals.shape[1]
             entry0 = torch.repeat_interleave(
                 meta[3, i:j].long(), (meta[1, i:j] - meta[0, i:j]).long(), output_size=r1 - r0
             )
@@ -226,6 +235,7 @@ def indexer_topk_checked(
     *,
     cu_seqlens_host=None,
     cu_seqlens_c_host=None,
+    deterministic=None,
 ):
     """Public-contract form of :func:`indexer_topk_triton`: validates like the reference and, when any input
     requires grad, attaches the gradient of the scores at the selected entries (forward value unchanged, no
@@ -251,7 +261,7 @@ def indexer_topk_checked(
         cuc_host=cuc,
     )
     # forward value = the selection pass's scores; backward = the fused kernel at the selected entries
-    return idx, attach_scores_at_grad(vals, q_idx, k_idx, weights, idx)
+    return idx, attach_scores_at_grad(vals, q_idx, k_idx, weights, idx, deterministic)
 
 
 def indexer_scores_triton(

@@ -15,8 +15,8 @@ deterministically and without a device -> host sync:
 
 ``_dkv_keymajor_kernel`` runs one program per (row block, split): the block's ``[BLOCK_R, D]`` rows stay resident,
 the program walks its share of the block's token list and per token (and head block) does four MMAs:
-``sT = kv_b qᵀ``, ``dpT = kv_b doᵀ`` (``[BLOCK_R, BLOCK_H]``), then ``acc += dsTᵀ... `` i.e.
-``acc += (scale dsT) q + pT do`` (``[BLOCK_R, D]`` fp32 in registers), with ``m[t, r]`` (counted from the token's
+``sT = kv_b qᵀ``, ``dpT = kv_b doᵀ`` (``[BLOCK_R, BLOCK_H]``), then ``acc += (scale dsT) q + pT do``
+(``[BLOCK_R, D]`` fp32 in registers), with ``m[t, r]`` (counted from the token's
 segment) multiplying ``pT``; rows the token does not read get ``m = 0``. Each split writes its own fp32 partial
 ``[n_split, rows, D]``; the splits are summed in a fixed order (``torch.sum`` over the split axis). No atomics, no
 order that depends on scheduling: two runs give the same bits. The splits exist for load balance (a compressed entry
@@ -181,17 +181,22 @@ def _config(H: int, fp32: bool) -> tuple[int, int, int, int]:
     return 64, block_h, 8, 1
 
 
-def transposed_index(indices: torch.Tensor, counts: torch.Tensor, n_rows: int, block_r: int):
-    """Device-built, deterministic transposed index (module docstring, steps 1-3).
-
-    Returns ``(sorted_idx [T, K], seg_start, seg_end [n_blocks, T], tok [n_blocks * T], ntok, tok_off [n_blocks])``.
-    """
-    T, K = indices.shape
-    nb = triton.cdiv(max(n_rows, 1), block_r)
+def sort_rows(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's valid entries first, ascending (a stable integer sort: equal rows keep their slot order);
+    returns ``(sorted [T, K] int32 with INT32_MAX after the valid ones, order [T, K] int64, counts [T] int32)``."""
     big = torch.iinfo(torch.int32).max
-    sidx = torch.where(indices >= 0, indices, big).sort(dim=1).values.contiguous()  # valid rows first, ascending
-    seg_start = torch.zeros((nb, T), dtype=torch.int32, device=indices.device)
-    seg_end = torch.zeros((nb, T), dtype=torch.int32, device=indices.device)
+    valid = indices >= 0
+    srt = torch.where(valid, indices.to(torch.int32), big).sort(dim=1, stable=True)
+    return srt.values.contiguous(), srt.indices, valid.sum(1, dtype=torch.int32)
+
+
+def transposed_index(sidx: torch.Tensor, counts: torch.Tensor, n_rows: int, block_r: int):
+    """Device-built, deterministic transposed index (module docstring, steps 2-3) of the row-sorted index ``sidx``
+    (:func:`sort_rows`). Returns ``(seg_start, seg_end [n_blocks, T], tok [n_blocks * T], ntok, tok_off)``."""
+    T, K = sidx.shape
+    nb = triton.cdiv(max(n_rows, 1), block_r)
+    seg_start = torch.zeros((nb, T), dtype=torch.int32, device=sidx.device)
+    seg_end = torch.zeros((nb, T), dtype=torch.int32, device=sidx.device)
     if K > 0:
         _segments_kernel[(T,)](
             sidx, counts, seg_start, seg_end, T, sidx.stride(0), BLOCK_R=block_r, BLOCK_K=min(next_pow2(K), 1024)
@@ -200,11 +205,19 @@ def transposed_index(indices: torch.Tensor, counts: torch.Tensor, n_rows: int, b
     pos = torch.cumsum(touched, 0, dtype=torch.int32)  # [nb * T], inclusive
     ntok = (seg_end > 0).sum(1, dtype=torch.int32)  # [nb]
     tok_off = (torch.cumsum(ntok, 0, dtype=torch.int32) - ntok).contiguous()
-    tok = torch.empty(nb * T, dtype=torch.int32, device=indices.device)
+    tok = torch.empty(nb * T, dtype=torch.int32, device=sidx.device)
     total = nb * T
     blk = 1024
     _list_kernel[(triton.cdiv(total, blk),)](seg_end, pos, tok, total, T, BLOCK=blk)
-    return sidx, seg_start, seg_end, tok, ntok, tok_off
+    return seg_start, seg_end, tok, ntok, tok_off
+
+
+def n_splits(n_blocks: int, block_r: int, width: int) -> int:
+    """Token-list splits per row block: as many as keep the fp32 partials ``[splits, rows, width]`` under
+    ``PARTIAL_BYTES`` (at most ``MAX_SPLIT``; 2 in the interpreter, to exercise the fixed-order sum)."""
+    if interpreting():
+        return 2
+    return max(1, min(MAX_SPLIT, PARTIAL_BYTES // max(1, n_blocks * block_r * width * 4)))
 
 
 def dkv_keymajor(
@@ -223,8 +236,9 @@ def dkv_keymajor(
     n_rows = kv.shape[0]
     block_r, block_h, warps, stages = _config(H, q.element_size() >= 4 and D > 256)
     nb = triton.cdiv(max(n_rows, 1), block_r)
-    sidx, seg_start, seg_end, tok, ntok, tok_off = transposed_index(indices, counts, n_rows, block_r)
-    n_split = 2 if interpreting() else max(1, min(MAX_SPLIT, PARTIAL_BYTES // max(1, nb * block_r * D * 4)))
+    sidx, _, _ = sort_rows(indices)
+    seg_start, seg_end, tok, ntok, tok_off = transposed_index(sidx, counts, n_rows, block_r)
+    n_split = n_splits(nb, block_r, D)
     part = torch.zeros((n_split, nb * block_r, D), dtype=torch.float32, device=kv.device)
     _dkv_keymajor_kernel[(nb, n_split)](
         q,

@@ -1,0 +1,67 @@
+"""Streaming indexer top-k: the fused score pass in tiles of entries, merged into a running top-k per row.
+
+Never forms ``[T, C]`` (nor ``[T, HI, C]``): the query rows of the pack are processed in chunks of whole row blocks
+(blocks never straddle documents, see :mod:`.triton`), and for each chunk the visible entries in tiles of
+``entry_tile`` columns; a tile's fp32 scores ``[rows, entry_tile]`` are merged with the chunk's running best
+``[rows, topk]`` (values + local entry ids) and dropped. Memory: the outputs ``8 * T * topk`` bytes plus one tile
+and one merge buffer, ``O(rows * (topk + entry_tile))``, whatever ``T`` and ``C``.
+
+Selection rule (the reference's, oracle I6): the ``min(topk, visible)`` highest scores in descending order, ties
+toward the LOWER entry index; ``-1`` / ``-inf`` in the trailing slots. Exactness of the merge: every selection is
+made over ``cat([best, tile])``, where ``best`` holds lower entry ids than the tile and is kept in canonical order
+(value descending, entry ascending: one int64 sort of a composite key per merge), so "lowest position among ties"
+is "lowest entry among ties". On CUDA ``torch.topk`` makes the selection (it keeps the lowest positions among
+ties), on CPU a stable descending sort does. Rows see only their causal prefix: a chunk stops at the entries
+visible to its last row, and tiles past a row block's last visible entry are skipped by the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# default tile of entries per merge step and the bound (elements) of one chunk's score tile
+ENTRY_TILE = 4096
+TILE_ELEMENTS = 1 << 23
+
+
+def canonical_order(vals: torch.Tensor, ents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder each row by (value descending, entry ascending): one descending sort of the int64 key
+    ``ord(value) << 32 | (2^31 - 1 - entry)`` (``ord`` maps fp32 bits to a signed int in float order)."""
+    bits = vals.contiguous().view(torch.int32)
+    ordv = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # float order as signed ints
+    key = (ordv << 32) | (0x7FFFFFFF - ents.to(torch.int64))
+    order = key.sort(dim=1, descending=True).indices
+    return vals.gather(1, order), ents.gather(1, order)
+
+
+def select_topk(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` best of each row, lowest position among ties: CUDA top-k, or a stable descending sort on CPU."""
+    if cand.is_cuda:
+        return cand.topk(k, dim=1, sorted=True)
+    vals, pos = torch.sort(cand, dim=1, descending=True, stable=True)
+    return vals[:, :k], pos[:, :k]
+
+
+def stream_chunk_topk(score_tile, rows: int, width: int, topk: int, entry_tile: int, device):
+    """Top-k of one chunk of rows over the local entries ``[0, width)``.
+
+    ``score_tile(col0, col1) -> [rows, col1 - col0]`` fp32 (``-inf`` where invisible) computes one tile.
+    Returns ``(values [rows, k], local entry ids [rows, k] int64)`` with ``k = min(topk, width)``, canonical order.
+    """
+    best_v = best_i = None
+    n_tiles = -(-width // entry_tile)
+    for tile in range(n_tiles):
+        c0, c1 = tile * entry_tile, min(width, (tile + 1) * entry_tile)
+        buf = score_tile(c0, c1)  # [rows, c1 - c0]
+        ids = torch.arange(c0, c1, device=device)
+        if best_v is None:
+            cand_v, cand_i = buf, None
+        else:
+            cand_v = torch.cat([best_v, buf], 1)
+            cand_i = torch.cat([best_i, ids.expand(rows, -1)], 1)
+        k = min(topk, cand_v.shape[1])
+        best_v, pos = select_topk(cand_v, k)
+        best_i = pos + c0 if cand_i is None else cand_i.gather(1, pos)
+        if tile + 1 < n_tiles or best_v.is_cuda:  # CUDA's order among ties is not specified: make it canonical
+            best_v, best_i = canonical_order(best_v, best_i)
+    return best_v, best_i
