@@ -16,8 +16,10 @@ Our timed calls pass the trusted-caller options (``cu_seqlens_host``, ``check_in
 call, as the attention layer calls them); the correctness gates and the eager reference keep the checks.
 
 Sections (``--sections``): attention (with ``--sweep``: forward launch configs at V4-Flash and SWA-only, each
-checked against the default's output), indexer (+ top-k), compressor (ratio 4 overlap and ratio 128; GB/s of
-compulsory traffic, memory bound), indexer_loss (V4-Flash / V4-Pro sparse phase, with a launch-config sweep).
+checked against the default's output), determinism (atomic vs key-major deterministic backward, bitwise check;
+``bench_det_stream.py``), indexer (+ top-k), indexer_stream (streaming top-k at S 8192 / 65536 with peak memory),
+compressor (ratio 4 overlap and ratio 128; GB/s of compulsory traffic, memory bound), indexer_loss (V4-Flash /
+V4-Pro sparse phase, with a launch-config sweep).
 """
 
 from __future__ import annotations
@@ -704,7 +706,9 @@ ATTN_SHAPES = {
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="directory for the JSON result")
-    ap.add_argument("--sections", default="attention,indexer,compressor,indexer_loss")
+    ap.add_argument(
+        "--sections", default="attention,determinism,indexer,indexer_stream,compressor,indexer_loss"
+    )
     ap.add_argument("--attn-shapes", default="flash,flash16k,pro,swa,hca,hca64k")
     ap.add_argument("--eager-max-s", type=int, default=4096, help="skip the eager reference above this S")
     ap.add_argument("--no-flex", action="store_true")
@@ -731,9 +735,9 @@ def main(argv=None) -> int:
         flex_shapes = set() if args.no_flex else set(args.flex_shapes.split(","))
         bench_attention(shapes, args.eager_max_s, flex_shapes)
         _dump_partial(args.out, args.tag, failed)
-    for sec in ("indexer", "compressor", "indexer_loss"):
+    for sec in ("determinism", "indexer", "indexer_stream", "compressor", "indexer_loss"):
         if sec in sections:
-            fn = globals().get(f"section_{sec}")
+            fn = globals().get(f"section_{sec}") or _issue20_section(sec)
             if fn is None:
                 continue
             try:
@@ -764,6 +768,26 @@ def main(argv=None) -> int:
     print_table()
     print("FAILED: " + ", ".join(failed) if failed else "all correctness gates passed")
     return 1 if failed else 0
+
+
+def _issue20_section(sec: str):
+    """``determinism`` / ``indexer_stream`` from ``bench_det_stream.py``, given this script's helpers."""
+    import types
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_det_stream
+
+    h = types.SimpleNamespace(
+        record=record,
+        timeit=timeit,
+        peak_extra_gib=peak_extra_gib,
+        gate=gate,
+        attn_inputs=attn_inputs,
+        attn_flops=attn_flops,
+        indexer_inputs=_indexer_inputs,
+        GATES=GATES,
+    )
+    return lambda: getattr(bench_det_stream, f"section_{sec}")(h)
 
 
 def _dump_partial(out: Path, tag: str, failed: list[str]) -> None:

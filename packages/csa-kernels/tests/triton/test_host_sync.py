@@ -4,6 +4,8 @@ backends (Triton in the interpreter); GPU: ``torch.cuda.set_sync_debug_mode("err
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _nosync import HostReadError, no_host_reads
@@ -137,6 +139,25 @@ def test_trusted_calls_read_nothing_back(op, backend):
         fn()
 
 
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
+@interpreter_only
+@pytest.mark.parametrize("op", ["indexer", "attention_and_loss", "compressor_pool"])
+def test_trusted_calls_read_nothing_back_deterministic(op):
+    """The deterministic backwards (key-major dkv / dk: transposed index built on the device) stay sync-free."""
+    fn = op_calls(Case("cpu"), "triton")[op]
+    with _deterministic_algorithms(), no_host_reads():
+        fn()
+
+
 def test_detector_catches_the_default_validation():
     """The same calls without the trusted options do read back (so the test above can fail)."""
     c = Case("cpu")
@@ -206,3 +227,20 @@ def test_trusted_calls_do_not_sync_on_gpu(op, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["indexer", "attention_and_loss", "compressor_pool"])
+def test_trusted_calls_do_not_sync_on_gpu_deterministic(op, monkeypatch):
+    """The same under torch.use_deterministic_algorithms(True): the atomic-free backwards do not sync either."""
+    monkeypatch.delenv("CSA_KERNELS_BACKEND", raising=False)
+    with _deterministic_algorithms():
+        op_calls(Case("cuda", torch.bfloat16), "auto")[op]()
+        torch.cuda.synchronize()
+        fn = op_calls(Case("cuda", torch.bfloat16), "auto")[op]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()

@@ -67,7 +67,15 @@ def test_indexer_topk_interpreter(lengths, HI, DI, ratio, topk, chunk):
     "lengths,HI,DI,ratio,topk,chunk,tile",
     [
         ([37], 3, 16, 4, 5, None, 3),  # one document, tiles of 3 entries merged into the running top-k
-        ([1, 0, 9, 23, 61], 2, 24, 4, 6, 16, 4),  # THD: several documents, shorter than k, empty, chunks + tiles
+        (
+            [1, 0, 9, 23, 61],
+            2,
+            24,
+            4,
+            6,
+            16,
+            4,
+        ),  # THD: several documents, shorter than k, empty, chunks + tiles
         ([50, 18], 4, 16, 2, 3, 20, 7),  # ratio 2, chunk boundary inside a document, last tile partial
         ([40], 2, 16, 4, 12, None, 5),  # top-k > one tile: the running best outgrows the tile
     ],
@@ -94,7 +102,13 @@ def _tie_inputs(T, ratio, device, seed=1):
     q[:, :, 0] = 1.0
     w = torch.ones(T, HI)
     cu = torch.tensor([0, T // 2, T], dtype=torch.int32)  # two documents (THD)
-    return q.to(device), k.to(device), w.to(device), cu.to(device), compressed_cu_seqlens(cu, ratio).to(device)
+    return (
+        q.to(device),
+        k.to(device),
+        w.to(device),
+        cu.to(device),
+        compressed_cu_seqlens(cu, ratio).to(device),
+    )
 
 
 @interpreter_only
@@ -116,7 +130,11 @@ def test_indexer_topk_streaming_memory_bound(monkeypatch):
 
     sizes = []
     real = IT._launch_scores
-    monkeypatch.setattr(IT, "_launch_scores", lambda q, k, w, out, *a, **kw: sizes.append(out.numel()) or real(q, k, w, out, *a, **kw))
+    monkeypatch.setattr(
+        IT,
+        "_launch_scores",
+        lambda q, k, w, out, *a, **kw: sizes.append(out.numel()) or real(q, k, w, out, *a, **kw),
+    )
     monkeypatch.setattr(topk_streaming, "TILE_ELEMENTS", 16 * 24)
     monkeypatch.setattr(IT, "TILE_ELEMENTS", 16 * 24)
     lengths = [300]

@@ -220,7 +220,11 @@ def test_topk_gradient_path_deterministic_mode(monkeypatch):
     two runs; ``deterministic=True`` does the same without the global flag."""
     seen = []
     real = SA.scores_at_bwd
-    monkeypatch.setattr(SA, "scores_at_bwd", lambda *a, deterministic: seen.append(deterministic) or real(*a, deterministic=deterministic))
+    monkeypatch.setattr(
+        SA,
+        "scores_at_bwd",
+        lambda *a, deterministic: seen.append(deterministic) or real(*a, deterministic=deterministic),
+    )
     q, k, w, cu, cuc = _topk_inputs([17, 5], 2, 16, 4, seed=3)
     idx, _ = indexer_topk_triton(q, k, w, 4, 3, cu, cuc)
     g = torch.randn(idx.shape)

@@ -163,7 +163,9 @@ def test_sparse_attn_sink_grad_many_slots_bf16():
         o, _ = fn(q.to(dt), kv.to(dt), ss, idx, D**-0.5)
         o.backward(do.to(dt))
         ref.append(ss.grad)
-    got = _grads(q, kv, sink, idx, do, torch.bfloat16, "cpu", deterministic=False)[2]  # dsink: same either way
+    got = _grads(q, kv, sink, idx, do, torch.bfloat16, "cpu", deterministic=False)[
+        2
+    ]  # dsink: same either way
     assert_close_to_ref("dsink", got, ref[0], ref[1])
     err = (got.double() - ref[0]).abs().max()
     assert err <= 1e-4 * ref[0].abs().max(), "the sink gradient should be fp32-accurate"

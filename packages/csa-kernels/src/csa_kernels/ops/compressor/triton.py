@@ -374,7 +374,20 @@ def _resident_programs(args: tuple, meta: dict, key: tuple, limits: tuple[int, i
 
 
 def _launch(
-    kv, score, ape, cu, cuc, tc, ratio, overlap, out, dout=None, dkv=None, dscore=None, dape=None, deterministic=False
+    kv,
+    score,
+    ape,
+    cu,
+    cuc,
+    tc,
+    ratio,
+    overlap,
+    out,
+    dout=None,
+    dkv=None,
+    dscore=None,
+    dape=None,
+    deterministic=False,
 ):
     """One launch of ``cdiv(Tc, PER_PROG)`` x ``cdiv(c, BLOCK_C)`` programs. ``PER_PROG`` (consecutive entries per
     program) is as large as leaves about two waves of the programs the GPU holds at once (from the compiled
@@ -457,7 +470,16 @@ def compressor_pool_fwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: b
 
 
 def compressor_pool_bwd(
-    kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool, dout: torch.Tensor, deterministic: bool = True
+    kv,
+    score,
+    ape,
+    cu,
+    cuc,
+    tc: int,
+    ratio: int,
+    overlap: bool,
+    dout: torch.Tensor,
+    deterministic: bool = True,
 ):
     """``(dkv [T, Dk] kv.dtype, dscore [T, Dk] score.dtype, dape [ratio, Dk] fp32)``.
 
@@ -473,7 +495,9 @@ def compressor_pool_bwd(
         return torch.zeros_like(kv), torch.zeros_like(score), dape
     dkv = _grad_buffer(kv)
     dscore = _grad_buffer(score)
-    _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape, deterministic)
+    _launch(
+        kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape, deterministic
+    )
     return dkv, dscore, dape
 
 

@@ -21,7 +21,9 @@ from csa_kernels.ops.indexer.scores_at_triton import scores_at_bwd, scores_at_fw
 
 def _backward(q_idx, k_idx, weights, indices, grad, needs, deterministic):
     """``(dq, dk, dw)`` (``None`` where ``needs`` is False) of the scores at ``indices`` for upstream ``grad``."""
-    dq, dk, dw = scores_at_bwd(q_idx, k_idx, weights, indices, grad, deterministic=resolve_deterministic(deterministic))
+    dq, dk, dw = scores_at_bwd(
+        q_idx, k_idx, weights, indices, grad, deterministic=resolve_deterministic(deterministic)
+    )
     return tuple(g if n else None for g, n in zip((dq, dk, dw), needs))
 
 

@@ -67,7 +67,9 @@ def _dk_keymajor_kernel(
         offs_d = tl.arange(0, BLOCK_DI)
         md = offs_d < DI
         kb = tl.load(
-            K + rows.to(tl.int64)[:, None] * stride_kc + offs_d[None, :], mask=mr[:, None] & md[None, :], other=0.0
+            K + rows.to(tl.int64)[:, None] * stride_kc + offs_d[None, :],
+            mask=mr[:, None] & md[None, :],
+            other=0.0,
         )  # [BLOCK_R, BLOCK_DI]
         if UPCAST:
             kb = kb.to(tl.float32)

@@ -62,6 +62,8 @@ def stream_chunk_topk(score_tile, rows: int, width: int, topk: int, entry_tile: 
         k = min(topk, cand_v.shape[1])
         best_v, pos = select_topk(cand_v, k)
         best_i = pos + c0 if cand_i is None else cand_i.gather(1, pos)
-        if tile + 1 < n_tiles or best_v.is_cuda:  # CUDA's order among ties is not specified: make it canonical
+        if (
+            tile + 1 < n_tiles or best_v.is_cuda
+        ):  # CUDA's order among ties is not specified: make it canonical
             best_v, best_i = canonical_order(best_v, best_i)
     return best_v, best_i

@@ -122,7 +122,9 @@ def _prepare_scores(q_idx, k_idx, weights, cu: list[int], cuc: list[int]):
     return q_idx, k_idx.contiguous(), weights.contiguous(), cfg, blocks, meta
 
 
-def _launch_scores(q_idx, k_idx, weights, out, meta, r0: int, ratio: int, width: int, cfg, col0: int = 0) -> None:
+def _launch_scores(
+    q_idx, k_idx, weights, out, meta, r0: int, ratio: int, width: int, cfg, col0: int = 0
+) -> None:
     """Fused score pass of the row blocks in ``meta`` into ``out`` (row ``r0`` of the pack = row 0 of ``out``),
     over the entries ``[col0, width)`` of each document (entry ``col0`` = column 0 of ``out``)."""
     block_t, block_n, warps, stages = cfg

@@ -119,7 +119,9 @@ def _dkv_keymajor_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         md = offs_d < D
         kvb = tl.load(
-            KV + rows.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :], mask=mr[:, None] & md[None, :], other=0.0
+            KV + rows.to(tl.int64)[:, None] * stride_kvn + offs_d[None, :],
+            mask=mr[:, None] & md[None, :],
+            other=0.0,
         )  # [BLOCK_R, BLOCK_D]
         if UPCAST:
             kvb = kvb.to(tl.float32)
@@ -139,7 +141,9 @@ def _dkv_keymajor_kernel(
                 offs_h = h0 + tl.arange(0, BLOCK_H)
                 mh = offs_h < H
                 mhd = mh[:, None] & md[None, :]
-                q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=mhd, other=0.0)
+                q = tl.load(
+                    Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=mhd, other=0.0
+                )
                 do = tl.load(
                     DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_d[None, :], mask=mhd, other=0.0
                 )
@@ -148,7 +152,9 @@ def _dkv_keymajor_kernel(
                     do = do.to(tl.float32)
                 lse2 = tl.load(LSE + t * H + offs_h, mask=mh, other=0.0) * 1.4426950408889634
                 delta = tl.load(DELTA + t * H + offs_h, mask=mh, other=0.0)
-                s_t = tl.dot(kvb, tl.trans(q), input_precision=PRECISION) * qk_scale_log2  # [BLOCK_R, BLOCK_H]
+                s_t = (
+                    tl.dot(kvb, tl.trans(q), input_precision=PRECISION) * qk_scale_log2
+                )  # [BLOCK_R, BLOCK_H]
                 live = (mult[:, None] > 0) & mh[None, :]
                 p_t = tl.where(live, tl.exp2(s_t - lse2[None, :]), 0.0) * multf[:, None]
                 dp_t = tl.dot(kvb, tl.trans(do), input_precision=PRECISION)
@@ -199,7 +205,14 @@ def transposed_index(sidx: torch.Tensor, counts: torch.Tensor, n_rows: int, bloc
     seg_end = torch.zeros((nb, T), dtype=torch.int32, device=sidx.device)
     if K > 0:
         _segments_kernel[(T,)](
-            sidx, counts, seg_start, seg_end, T, sidx.stride(0), BLOCK_R=block_r, BLOCK_K=min(next_pow2(K), 1024)
+            sidx,
+            counts,
+            seg_start,
+            seg_end,
+            T,
+            sidx.stride(0),
+            BLOCK_R=block_r,
+            BLOCK_K=min(next_pow2(K), 1024),
         )
     touched = (seg_end > 0).view(-1)
     pos = torch.cumsum(touched, 0, dtype=torch.int32)  # [nb * T], inclusive
