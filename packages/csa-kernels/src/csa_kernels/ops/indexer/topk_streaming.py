@@ -9,9 +9,11 @@ and one merge buffer, ``O(rows * (topk + entry_tile))``, whatever ``T`` and ``C`
 Selection rule (the reference's, oracle I6): the ``min(topk, visible)`` highest scores in descending order, ties
 toward the LOWER entry index; ``-1`` / ``-inf`` in the trailing slots. Exactness of the merge: every selection is
 made over ``cat([best, tile])``, where ``best`` holds lower entry ids than the tile and is kept in canonical order
-(value descending, entry ascending: one int64 sort of a composite key per merge), so "lowest position among ties"
-is "lowest entry among ties". On CUDA ``torch.topk`` makes the selection (it keeps the lowest positions among
-ties), on CPU a stable descending sort does. Rows see only their causal prefix: a chunk stops at the entries
+(value descending, entry ascending: on CUDA one int64 sort of a composite key before each further merge; the CPU
+stable sort keeps that order by itself), so "lowest position among ties" is "lowest entry among ties". On CUDA
+``torch.topk`` makes the selection (it keeps the lowest positions among ties; the order of tied values in its
+output is unspecified, which only the final output keeps: the selected set and the value sequence are exact), on CPU
+a stable descending sort does. Rows see only their causal prefix: a chunk stops at the entries
 visible to its last row, and tiles past a row block's last visible entry are skipped by the kernel.
 """
 
@@ -21,13 +23,13 @@ import torch
 
 # default tile of entries per merge step and the bound (elements) of one chunk's score tile
 ENTRY_TILE = 4096
-TILE_ELEMENTS = 1 << 23
+TILE_ELEMENTS = 1 << 24
 
 
 def canonical_order(vals: torch.Tensor, ents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder each row by (value descending, entry ascending): one descending sort of the int64 key
     ``ord(value) << 32 | (2^31 - 1 - entry)`` (``ord`` maps fp32 bits to a signed int in float order)."""
-    bits = vals.contiguous().view(torch.int32)
+    bits = (vals + 0.0).contiguous().view(torch.int32)  # + 0.0: -0.0 -> +0.0 (equal values, equal keys)
     ordv = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # float order as signed ints
     key = (ordv << 32) | (0x7FFFFFFF - ents.to(torch.int64))
     order = key.sort(dim=1, descending=True).indices
@@ -46,14 +48,14 @@ def stream_chunk_topk(score_tile, rows: int, width: int, topk: int, entry_tile: 
     """Top-k of one chunk of rows over the local entries ``[0, width)``.
 
     ``score_tile(col0, col1) -> [rows, col1 - col0]`` fp32 (``-inf`` where invisible) computes one tile.
-    Returns ``(values [rows, k], local entry ids [rows, k] int64)`` with ``k = min(topk, width)``, canonical order.
+    Returns ``(values [rows, k], local entry ids [rows, k] int64)`` with ``k = min(topk, width)``, descending.
     """
     best_v = best_i = None
     n_tiles = -(-width // entry_tile)
     for tile in range(n_tiles):
         c0, c1 = tile * entry_tile, min(width, (tile + 1) * entry_tile)
         buf = score_tile(c0, c1)  # [rows, c1 - c0]
-        ids = torch.arange(c0, c1, device=device)
+        ids = torch.arange(c0, c1, device=device, dtype=torch.int32)
         if best_v is None:
             cand_v, cand_i = buf, None
         else:
