@@ -68,7 +68,7 @@ def section_determinism(h) -> bool:
                 h.peak_extra_gib(lambda det=det: fb(det)),
             )
         if S == 4096 and H == 64:
-            for cfg in ((64, 64, 8, 1), (64, 64, 8, 2), (32, 64, 4, 1), (32, 64, 8, 2), (64, 32, 4, 1)):
+            for cfg in ((32, 64, 4, 1), (32, 64, 4, 2), (32, 64, 8, 1), (16, 64, 4, 1), (16, 64, 4, 2)):
                 dkv_keymajor.KEYMAJOR_CONFIG_OVERRIDE = cfg
                 try:
                     h.record(
