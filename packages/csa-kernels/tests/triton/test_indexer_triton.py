@@ -31,6 +31,7 @@ def _check(lengths, HI, DI, ratio, topk, device, dtype, chunk_size=None, entry_t
     idx, val = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc, chunk_size, entry_tile=entry_tile)
     ridx, rval = indexer_topk_ref(q.double(), k.double(), w.double(), ratio, topk, cu.cpu(), cuc.cpu())
     ridx, rval = ridx.cpu(), rval.cpu()
+    idx, val = idx.cpu(), val.cpu()
     assert idx.dtype == torch.int32 and idx.shape == ridx.shape
     # same number of -1 slots (I1) and, per row, the same selected set (no exact ties in random data)
     assert torch.equal((idx < 0).sum(1).cpu(), (ridx < 0).sum(1))

@@ -184,9 +184,10 @@ def _config(H: int, fp32: bool) -> tuple[int, int, int, int]:
     block_h = 64 if H >= 64 else max(16, next_pow2(H))
     if fp32:  # exact fp32 dots: [32, 512] fp32 kv block + q / do tiles
         return 32, min(block_h, 32), 8, 1
-    # H200 sweep at V4-Flash S=4096 (fwd+bwd ms): (64, 64, 8, 1) 45.8; (32, 64, 4, 1) 13.2; (32, 64, 8, 2) 13.2;
-    # (64, 32, 4, 1) 19.0; (64, 64, 8, 2) needs 325 KiB of shared memory
-    return 32, block_h, 4, 1
+    # H200 sweeps at V4-Flash S=4096 (fwd+bwd ms; atomic path 7.8): (32, 64, 8, 1) 10.0; (32, 64, 4, 1) 13.2-13.4;
+    # (32, 64, 8, 2) 13.2; (16, 64, 4, 1) 14.9; (64, 32, 4, 1) 19.0; (64, 64, 8, 1) 45.8 (spills); (32, 64, 4, 2)
+    # 130; (64, 64, 8, 2) needs 325 KiB of shared memory
+    return 32, block_h, 8, 1
 
 
 def sort_rows(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
