@@ -61,6 +61,7 @@ def _run(lengths, H, D, ratio, window, topk, dtype, device, seed=0, lse_shift=0.
     assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
     for name, a, r, rd in zip(("loss", "per_row_kl", "d_index_scores"), got, r64, rdt):
         assert_close_to_ref(name, a, r, rd)
+    return got, run(indexer_loss_triton, q.to(dtype), kv.to(dtype), lse.float(), torch.float32)
 
 
 CPU_CASES = [
@@ -76,6 +77,15 @@ CPU_CASES = [
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_indexer_loss_interpreter_fp32(case):
     _run(*case, dtype=torch.float32, device="cpu")
+
+
+@interpreter_only
+def test_indexer_loss_backward_bitwise_reproducible():
+    """The loss, per-row KL and ``d index_scores`` (an elementwise backward: no cross-program reduction) are
+    bitwise equal over two runs (audit for ``dsv4 train --deterministic``)."""
+    first, again = _run(*CPU_CASES[3], dtype=torch.float32, device="cpu")
+    for name, a, b in zip(("loss", "per_row_kl", "d_index_scores"), first, again):
+        assert torch.equal(a, b), f"{name} differs between two runs"
 
 
 @interpreter_only
