@@ -2,7 +2,8 @@
 
 Sessions:
   test(package=...)          CPU tests of one package in the synced .venv (gpu/benchmark markers excluded)
-  test_isolated(package=...) the same tests in a venv holding only that package's declared closure
+  test_isolated(package=...) import smoke without extras, then the tests with them, in a venv holding only
+                             that package's declared closure
   lint                       ruff format --check + ruff check
   dag                        package dependency rules (tools/check_dag.py)
   gpu                        gpu-marked tests (says so and exits 0 without CUDA)
@@ -12,6 +13,7 @@ Sessions:
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 import nox
@@ -58,19 +60,19 @@ def test(session: nox.Session, package: str) -> None:
 @nox.session(python="3.12")
 @nox.parametrize("package", PACKAGES)
 def test_isolated(session: nox.Session, package: str) -> None:
-    """Tests in a venv built only from the package's declared closure: catches undeclared imports."""
-    session.run_install(
-        "uv",
-        "sync",
-        "--frozen",
-        "--package",
-        package,
-        "--group",
-        "test",
-        "--inexact",
-        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
-        external=True,
-    )
+    """Tests in a venv built only from the package's declared closure: catches undeclared imports.
+
+    Two steps: (1) the package alone, without its extras or test group (an exact sync, so nothing else is left
+    in the venv), and ``tools/import_smoke.py``: every module imports, megatron-only ones refuse with an
+    ``ImportError`` naming the extra; (2) the package with every extra and its test group, and the full CPU tests.
+    """
+    env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
+    sync = ("uv", "sync", "--frozen", "--package", package, "--no-default-groups")
+    session.run_install(*sync, env=env, external=True)
+    session.run("python", "tools/import_smoke.py", package)
+    extras = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]
+    extra_args = [f"--extra={e}" for e in extras.get("optional-dependencies", {})]
+    session.run_install(*sync, *extra_args, "--group", "test", "--inexact", env=env, external=True)
     session.run(
         "python", "-m", "pytest", f"packages/{package}/tests", "-q", "-m", CPU_MARKERS, *session.posargs
     )

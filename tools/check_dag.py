@@ -2,7 +2,10 @@
 
 Rules (DEVELOPERS.md): a package may depend only on packages listed above it in ORDER; dsv4-testkit is a test-only
 dependency; every cross-package import must be declared in the importer's pyproject; nobody imports another
-package's private (``_``-prefixed) module. Exit status 1 with one line per violation.
+package's private (``_``-prefixed) module; megatron-core is imported only where it is declared: a package with
+megatron-core as a base dependency may import it anywhere, a package with it only in its ``[megatron]`` extra (directly
+or through another member's ``[megatron]``) only inside functions or in its ``megatron/`` subpackage (whose
+``__init__`` raises an ``ImportError`` naming the extra). Exit status 1 with one line per violation.
 """
 
 from __future__ import annotations
@@ -41,6 +44,40 @@ def declared(dist: str) -> tuple[set[str], set[str]]:
     for group in meta.get("dependency-groups", {}).values():
         test |= {_req_name(r) for r in group if isinstance(r, str)}
     return runtime, test
+
+
+def megatron_declared(dist: str) -> str | None:
+    """``"base"`` when megatron-core is a runtime dependency, ``"extra"`` when only the ``[megatron]`` extra brings it
+    (megatron-core or a member's ``[megatron]``), else ``None``."""
+    meta = tomllib.loads((ROOT / "packages" / dist / "pyproject.toml").read_text())
+    if any(_req_name(r) == "megatron-core" for r in meta["project"].get("dependencies", [])):
+        return "base"
+    for req in meta["project"].get("optional-dependencies", {}).get("megatron", []):
+        if _req_name(req) == "megatron-core" or "[megatron]" in req.replace(" ", ""):
+            return "extra"
+    return None
+
+
+def megatron_imports(path: Path) -> list[tuple[int, bool]]:
+    """``(line, runs at import)`` of every ``megatron`` import (function bodies and ``if TYPE_CHECKING:`` blocks do
+    not run at import)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    deferred = set()  # nodes that do not run at import: function bodies and TYPE_CHECKING blocks
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
+            isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        ):
+            deferred |= {id(n) for n in ast.walk(node) if n is not node}
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        if any(n == "megatron" or n.startswith("megatron.") for n in names):
+            found.append((node.lineno, id(node) not in deferred))
+    return found
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -89,6 +126,22 @@ def check() -> list[str]:
                         )
                     if any(p.startswith("_") and not p.startswith("__") for p in parts[1:]):
                         errors.append(f"{where}: imports private module {mod} of {target}")
+        megatron = megatron_declared(dist)
+        src = ROOT / "packages" / dist / "src"
+        for path in sorted(src.rglob("*.py")) if src.is_dir() else []:
+            rel = path.relative_to(ROOT)
+            in_subpackage = "megatron" in path.relative_to(src).parts[1:-1]
+            for lineno, module_level in megatron_imports(path):
+                if megatron is None:
+                    errors.append(
+                        f"{rel}:{lineno}: imports megatron but {dist} declares megatron-core nowhere"
+                    )
+                elif megatron == "extra" and module_level and not in_subpackage:
+                    errors.append(
+                        f"{rel}:{lineno}: module-level megatron import outside {dist}'s megatron/ subpackage, but "
+                        "megatron-core is only its [megatron] extra (import it inside the function, or move the "
+                        "module into the subpackage)"
+                    )
     return errors
 
 

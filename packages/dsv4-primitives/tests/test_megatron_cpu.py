@@ -1,10 +1,19 @@
-"""CPU shims for megatron-core's CUDA assumptions (``dsv4_primitives.megatron_cpu``)."""
+"""CPU shims for megatron-core's CUDA assumptions (``dsv4_primitives.megatron.cpu``)."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from dsv4_primitives.megatron_cpu import cuda_as_cpu
+from dsv4_primitives.megatron import (
+    apply_cpu_shims,
+    cpu_shims,
+    cpu_shims_applied,
+    cuda_as_cpu,
+    remove_cpu_shims,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
@@ -85,3 +94,50 @@ def test_cuda_as_cpu_runs_megatron_schedules(megatron_cpu):
     mean.sum().backward()
     torch.testing.assert_close(torch.stack([d["loss"] for d in losses]), mean.detach())
     torch.testing.assert_close(model.w.grad, ref.w.grad)
+
+
+def test_current_device_shim_is_explicit_and_reversible():
+    """Shim 1 is a process-wide patch of ``torch.cuda.current_device``: only explicit calls apply it, and
+    ``cpu_shims`` / ``cuda_as_cpu`` restore the original on exit (unless it was applied before them)."""
+    real = torch.cuda.current_device
+    was_applied = cpu_shims_applied()
+    remove_cpu_shims()
+    try:
+        original = torch.cuda.current_device
+        with cpu_shims():
+            assert torch.cuda.current_device() == "cpu" and cpu_shims_applied()
+        assert torch.cuda.current_device is original and not cpu_shims_applied()
+        with cuda_as_cpu():
+            assert torch.cuda.current_device() == "cpu"
+        assert torch.cuda.current_device is original
+        assert apply_cpu_shims() and not apply_cpu_shims()  # idempotent
+        with cpu_shims():
+            pass
+        assert torch.cuda.current_device() == "cpu"  # applied before the block: left in place
+        remove_cpu_shims()
+        assert torch.cuda.current_device is original
+    finally:
+        if was_applied:
+            apply_cpu_shims()
+        else:
+            torch.cuda.current_device = real
+
+
+def test_imports_patch_nothing_and_old_paths_warn():
+    """Importing dsv4_primitives and its megatron subpackage patches nothing; the old module paths still work, warn
+    with a DeprecationWarning and give the same objects."""
+    code = (
+        "import warnings, torch\n"
+        "real = torch.cuda.current_device\n"
+        "import dsv4_primitives, dsv4_primitives.megatron, dsv4_primitives.megatron.precision as new_p\n"
+        "assert torch.cuda.current_device is real\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import dsv4_primitives.megatron_cpu as old_c, dsv4_primitives.precision.megatron as old_p\n"
+        "assert sum(issubclass(x.category, DeprecationWarning) for x in w) == 2, [str(x.message) for x in w]\n"
+        "assert old_c.cuda_as_cpu is dsv4_primitives.megatron.cuda_as_cpu\n"
+        "assert old_p.Float16ModuleKeepFP32 is new_p.Float16ModuleKeepFP32\n"
+        "assert torch.cuda.current_device is real\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr

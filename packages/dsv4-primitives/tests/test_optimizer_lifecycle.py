@@ -48,7 +48,7 @@ def _build(seed, dist_opt, overrides):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
-    from dsv4_primitives.precision.megatron import Float16ModuleKeepFP32, get_megatron_optimizer_keep_fp32
+    from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32, get_megatron_optimizer_keep_fp32
 
     cfg = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
@@ -139,7 +139,7 @@ VARIANTS = [
 def _lifecycle(rank, world_size, ckpt_root):
     from megatron.core import dist_checkpointing
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
 
     results = {}
     with megatron_cpu_context(), cuda_as_cpu():
@@ -211,8 +211,8 @@ def test_megatron_0192_float16_optimizer_mismaps_native_fp32(megatron_cpu):
     """Regression pin: the unfixed optimizer cannot checkpoint an interleaved bf16/fp32 model; ours can."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
-    from dsv4_primitives.precision.megatron import Float16OptimizerWithNativeFP32Params
+    from dsv4_primitives.megatron import cuda_as_cpu
+    from dsv4_primitives.megatron.precision import Float16OptimizerWithNativeFP32Params
 
     with cuda_as_cpu():
         ddp, opt = _build(seed=1, dist_opt=False, overrides={})
@@ -242,8 +242,8 @@ def test_megatron_0192_distributed_optimizer_group_index_map(megatron_cpu):
     """Regression pin: 0.19.2's param -> (group, position) map points at other params' shards; ours does not."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
-    from dsv4_primitives.precision.megatron import DistributedOptimizerWithNativeFP32Params
+    from dsv4_primitives.megatron import cuda_as_cpu
+    from dsv4_primitives.megatron.precision import DistributedOptimizerWithNativeFP32Params
 
     with cuda_as_cpu():
         ddp, opt = _build(seed=1, dist_opt=True, overrides={})

@@ -152,7 +152,7 @@ def test_float16_module_keep_fp32_forward_and_training(megatron_cpu, fp16):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
-    from dsv4_primitives.precision.megatron import Float16ModuleKeepFP32
+    from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
 
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=not fp16, fp16=fp16)
     half = torch.float16 if fp16 else torch.bfloat16

@@ -145,7 +145,7 @@ class _CpuSideStream:
 def alltoall_dispatcher_on_cpu():
     """Run megatron-core 0.19.2's ``alltoall`` token dispatcher on CPU (test-only; a null context with CUDA).
 
-    ``dsv4_primitives.megatron_cpu.cuda_as_cpu`` already stands in for ``torch.cuda.current_stream``; this adds:
+    ``dsv4_primitives.megatron.cuda_as_cpu`` already stands in for ``torch.cuda.current_stream``; this adds:
 
     1. the dispatcher's side stream, preset as the class attribute (so ``__init__`` never calls
        ``torch.cuda.Stream()``), and ``torch.cuda.stream(<that stand-in>)`` as a null context;
@@ -162,7 +162,7 @@ def alltoall_dispatcher_on_cpu():
         return
     from megatron.core.transformer.moe import token_dispatcher as td
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
 
     side = _CpuSideStream()
     cls = td.MoEAlltoAllTokenDispatcher

@@ -30,7 +30,7 @@ def _init():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from dsv4_primitives.megatron_cpu import init_rng_tracker
+    from dsv4_primitives.megatron import init_rng_tracker
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")

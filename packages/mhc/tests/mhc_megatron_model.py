@@ -107,7 +107,7 @@ def run_stage(rank: int, world_size: int) -> dict:
     """
     from megatron.core.pipeline_parallel import schedules
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
     from dsv4_testkit import megatron_cpu_context
     from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 

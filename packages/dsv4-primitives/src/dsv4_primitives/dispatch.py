@@ -37,13 +37,17 @@ def package_env_var(op: str) -> str:
     return op.split(".", 1)[0].upper() + "_BACKEND"
 
 
-def env_backend(op: str) -> tuple[str, str] | None:
+def env_backend(op: str, allow_torch_alias: bool = False) -> tuple[str, str] | None:
     """``(backend, variable)`` set in the environment for ``op`` (package variable first, then
-    :data:`GLOBAL_ENV_VAR`), or ``None`` when both are unset, empty or ``auto``."""
+    :data:`GLOBAL_ENV_VAR`), or ``None`` when both are unset, empty or ``auto`` (``torch`` = ``reference``, deprecated,
+    when ``allow_torch_alias``)."""
     for var in (package_env_var(op), GLOBAL_ENV_VAR):
         value = os.environ.get(var, "").strip().lower()
         if not value or value == "auto":
             continue
+        if value == "torch" and allow_torch_alias:
+            warnings.warn(f"{var}=torch is deprecated, use {var}=reference", DeprecationWarning, stacklevel=3)
+            value = "reference"
         if value not in BACKENDS:
             raise ValueError(f"environment variable {var}={value!r} must be one of {BACKENDS} (read by {op})")
         return value, var
@@ -106,7 +110,7 @@ def resolve_backend(
     present = [t for t in tensors if isinstance(t, torch.Tensor)]
     source = f"backend={backend!r}"
     if backend == "auto":
-        env = env_backend(op)
+        env = env_backend(op, allow_torch_alias)
         if env is None:
             on_cuda = bool(present) and all(t.is_cuda for t in present)
             dtypes_ok = triton_dtypes is None or all(t.dtype in triton_dtypes for t in present)

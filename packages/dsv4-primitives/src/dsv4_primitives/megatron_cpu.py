@@ -1,123 +1,30 @@
-"""Running megatron-core 0.19.2's ``transformer_impl="local"`` path on a machine without CUDA.
+"""Deprecated location: use :mod:`dsv4_primitives.megatron.cpu` (``pip install 'dsv4-primitives[megatron]'``).
 
-megatron-core assumes CUDA in a few places even on its local (non-transformer-engine) path. Each shim below names
-the assumption it neutralises; all are no-ops when CUDA is available. They are used by ``dsv4 train`` on CPU and by
-the test fixtures in ``dsv4-testkit``.
-
-1. ``torch.cuda.current_device()`` is called at ~200 sites (``GlobalMemoryBuffer.get_tensor``, ``RotaryEmbedding``,
-   buffers of the distributed optimizer, ...): on CPU it is redirected to return ``"cpu"``.
-2. ``model_parallel_cuda_manual_seed`` needs a CUDA driver, and without it ``get_cuda_rng_tracker().fork()`` raises
-   "cuda rng state model-parallel-rng is not added": the tracker is initialised in its inference mode, whose
-   ``fork()`` is a null context (dropout then draws from the default CPU generator).
-3. megatron-core's optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``, ``clip_grads``)
-   and pipeline schedules (``total_num_tokens = torch.zeros(..., device="cuda")`` in all three
-   ``forward_backward_*`` functions) create tensors with ``device='cuda'``, call ``.cuda()`` on state, and
-   classify params by ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` /
-   ``== 'torch.cuda.FloatTensor'``. :func:`cuda_as_cpu` is a ``TorchFunctionMode`` that, while active and only
-   without CUDA, maps ``device='cuda'`` (factory functions and ``Tensor.to``) to the CPU, makes ``Tensor.cuda()`` a
-   no-op and reports CPU tensors' ``Tensor.type()`` with the ``torch.cuda.`` prefix megatron expects. Wrap
-   optimizer construction, ``step()``, ``get_forward_backward_func()(...)`` calls and checkpoint save/load in it on
-   CPU. Nothing else about tensor behaviour changes.
-4. ``_ParamAndGradBucketGroup.start_grad_sync`` (DDP) calls ``torch.cuda.current_stream()`` to wait for CUDA-graph
-   events, and dist-checkpointing's ``FileSystemWriterAsync.preload_tensors`` calls ``torch.cuda.synchronize()``;
-   inside :func:`cuda_as_cpu` the first returns a CPU stand-in whose ``wait_event``/``wait_stream``/
-   ``synchronize`` do nothing and the second does nothing (CPU work is synchronous). Both are restored on exit.
-
-Not CPU-specific: megatron-core 0.19.2's dist-checkpointing *save* calls ``psutil``, which megatron-core does not
-declare; dsv4-primitives declares it as a dependency.
+This alias re-exports the same objects and warns once at import.
 """
 
-from __future__ import annotations
+import warnings
 
-import contextlib
+from dsv4_primitives.megatron.cpu import (
+    apply_cpu_shims,
+    cpu_shims,
+    cpu_shims_applied,
+    cuda_as_cpu,
+    init_rng_tracker,
+    remove_cpu_shims,
+)
 
-import torch
-from torch.overrides import TorchFunctionMode
+warnings.warn(
+    "dsv4_primitives.megatron_cpu is deprecated; import from dsv4_primitives.megatron (or .megatron.cpu)",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
-_patched = False
-
-
-def apply_cpu_shims() -> None:
-    """Neutralise megatron-core's CUDA assumptions when no CUDA device exists (idempotent)."""
-    global _patched
-    if torch.cuda.is_available() or _patched:
-        return
-    torch.cuda.current_device = lambda: "cpu"  # shim 1
-    _patched = True
-
-
-def init_rng_tracker(seed: int = 1234, *, cuda_graph_safe: bool = False) -> None:
-    """Seed megatron-core's RNG tracker: the real CUDA tracker on GPU, the null-fork tracker on CPU (shim 2).
-
-    ``cuda_graph_safe``: the tracker keeps its streams as graph-safe generators (megatron's
-    ``use_cudagraphable_rng``), which megatron's ``FullCudaGraphWrapper`` registers with every captured graph; it
-    refuses the default tensor states ("expected a Generator, but got Tensor"). GPU only; ignored on CPU.
-    """
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
-
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graph_safe, force_reset_rng=True)
-    else:
-        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-def _is_cuda_device(dev) -> bool:
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    if isinstance(dev, str):
-        return dev.split(":")[0] == "cuda"
-    return False
-
-
-class _CudaAsCpuMode(TorchFunctionMode):
-    """Shim 3 (see the module docstring): ``cuda`` placements become CPU ones; CPU ``type()`` names look CUDA."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            if (
-                args[0].device.type == "cpu"
-                and name.startswith("torch.")
-                and not name.startswith("torch.cuda.")
-            ):
-                return "torch.cuda." + name[len("torch.") :]
-            return name
-        return func(*args, **kwargs)
-
-
-class _CpuStream:
-    """What ``torch.cuda.current_stream()`` returns inside :func:`cuda_as_cpu` (shim 4): CPU work is synchronous."""
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def cuda_as_cpu():
-    """Run megatron-core DDP/optimizer code on CPU tensors (shims 3 and 4); a null context with CUDA."""
-    if torch.cuda.is_available():
-        yield
-        return
-    apply_cpu_shims()
-    saved = torch.cuda.current_stream, torch.cuda.synchronize
-    torch.cuda.current_stream = lambda device=None: _CpuStream()
-    torch.cuda.synchronize = lambda device=None: None
-    try:
-        with _CudaAsCpuMode():
-            yield
-    finally:
-        torch.cuda.current_stream, torch.cuda.synchronize = saved
+__all__ = [
+    "apply_cpu_shims",
+    "cpu_shims",
+    "cpu_shims_applied",
+    "cuda_as_cpu",
+    "init_rng_tracker",
+    "remove_cpu_shims",
+]

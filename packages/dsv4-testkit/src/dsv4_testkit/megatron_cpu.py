@@ -1,7 +1,9 @@
 """megatron-core parallel state for tests, on CPU with gloo (or on GPU with NCCL when run there).
 
 The CUDA assumptions of megatron-core 0.19.2's local path are neutralised by
-:func:`dsv4_primitives.megatron_cpu.apply_cpu_shims` (each shim is documented there).
+:func:`dsv4_primitives.megatron.cpu_shims` for the duration of the block (each shim is documented in
+:mod:`dsv4_primitives.megatron.cpu`); nothing stays patched after it. Needs the ``[megatron]`` extra
+(``pip install 'dsv4-testkit[megatron]'``).
 """
 
 from __future__ import annotations
@@ -24,28 +26,31 @@ def megatron_cpu_context(
     If no process group exists yet, a world-size-1 group is created (gloo on CPU, NCCL on CUDA) and destroyed on
     exit; inside :func:`dsv4_testkit.run_distributed` workers the existing group is reused.
     """
+    from dsv4_primitives.extras import require_megatron
+
+    require_megatron("dsv4-testkit[megatron]", "dsv4_testkit.megatron_cpu_context")
     from megatron.core import parallel_state
 
-    from dsv4_primitives.megatron_cpu import apply_cpu_shims, init_rng_tracker
+    from dsv4_primitives.megatron import cpu_shims, init_rng_tracker
 
-    apply_cpu_shims()
-    own_group = not dist.is_initialized()
-    if own_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-    )
-    init_rng_tracker(seed)
-    try:
-        yield parallel_state
-    finally:
-        parallel_state.destroy_model_parallel()
+    with cpu_shims():
+        own_group = not dist.is_initialized()
         if own_group:
-            dist.destroy_process_group()
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ["MASTER_PORT"] = str(free_port())
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+        )
+        init_rng_tracker(seed)
+        try:
+            yield parallel_state
+        finally:
+            parallel_state.destroy_model_parallel()
+            if own_group:
+                dist.destroy_process_group()

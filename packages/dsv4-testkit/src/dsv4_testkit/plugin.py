@@ -4,13 +4,24 @@
   CUDA.
 - Skips ``gpu``-marked tests when CUDA is absent, and ``benchmark``-marked tests unless ``--run-benchmarks``.
 - Provides fixtures ``megatron_cpu`` (megatron-core parallel state, world size 1) and ``seed``.
+- Under the Triton interpreter, every test starts with pristine ``triton.language`` namespaces (autouse fixture
+  ``pristine_triton_language``; Triton 3.6's interpreter leaks patches, see :mod:`dsv4_testkit.triton_env`).
+- NaN poisoning is on for every test (autouse fixture ``nan_poison_allocations``): fresh ``torch.empty``-family
+  allocations come back filled with NaN (integers: a sentinel), so a kernel that leaves an output slot unwritten
+  fails its comparison with the reference. Opt out per test with ``@pytest.mark.no_nan_poison`` (a test that
+  legitimately reads uninitialised memory), or for a run with ``--no-nan-poison``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from dsv4_testkit.triton_env import ensure_interpreter_if_no_cuda
+from dsv4_testkit.triton_env import (
+    ensure_interpreter_if_no_cuda,
+    interpreting,
+    restore_triton_language,
+    snapshot_triton_language,
+)
 
 ensure_interpreter_if_no_cuda()
 
@@ -18,6 +29,21 @@ ensure_interpreter_if_no_cuda()
 def pytest_addoption(parser):
     parser.addoption(
         "--run-benchmarks", action="store_true", default=False, help="run benchmark-marked tests"
+    )
+    parser.addoption(
+        "--no-nan-poison",
+        action="store_true",
+        default=False,
+        help="do not fill fresh torch.empty allocations with NaN (the testkit's default for every test)",
+    )
+
+
+def pytest_configure(config):
+    if interpreting():  # before any kernel runs: the pristine triton.language namespaces
+        snapshot_triton_language()
+    config.addinivalue_line(
+        "markers",
+        "no_nan_poison: this test reads uninitialised memory on purpose; torch.empty allocations are not NaN-filled",
     )
 
 
@@ -33,6 +59,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "benchmark" in item.keywords and not run_bench:
             item.add_marker(skip_bench)
+
+
+@pytest.fixture(autouse=True)
+def pristine_triton_language():
+    """Autouse: under the Triton interpreter, every test starts with the ``triton.language`` namespaces of the session
+    start (the interpreter leaks patches of ``tl.core`` through device-function calls such as ``tl.sum``; see
+    :mod:`dsv4_testkit.triton_env`), so no test depends on which interpreted kernels ran before it."""
+    if interpreting():
+        snapshot_triton_language()
+        restore_triton_language()
+    yield
+    if interpreting():
+        restore_triton_language()
+
+
+@pytest.fixture(autouse=True)
+def nan_poison_allocations(request):
+    """Autouse: NaN-poison fresh ``torch.empty``-family allocations during the test (see
+    :func:`dsv4_testkit.poison.poison_allocations`); off for ``@pytest.mark.no_nan_poison`` or ``--no-nan-poison``."""
+    if request.node.get_closest_marker("no_nan_poison") or request.config.getoption("--no-nan-poison"):
+        yield False
+        return
+    from dsv4_testkit.poison import poison_allocations
+
+    with poison_allocations():
+        yield True
 
 
 @pytest.fixture

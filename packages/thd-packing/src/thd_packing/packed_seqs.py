@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4_primitives import positions_from_cu_seqlens
+from dsv4_primitives.extras import require_megatron
 from dsv4_primitives.varlen import cu_seqlens_from_lengths, document_ids
 
 if TYPE_CHECKING:
@@ -182,6 +183,7 @@ class PackedSeqs:
         ``total_tokens`` is set to ``T`` so megatron precomputes ``seq_idx``; ``pad_between_seqs`` is True when any
         document has per-document padding. ``cp_group`` is passed through unchanged.
         """
+        require_megatron("thd-packing[megatron]", "PackedSeqs.to_packed_seq_params")
         from megatron.core.packed_seq_params import PackedSeqParams
 
         return PackedSeqParams(

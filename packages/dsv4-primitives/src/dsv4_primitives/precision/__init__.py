@@ -1,4 +1,5 @@
-"""Selective FP32 runtime (P1). megatron-core integration lives in :mod:`dsv4_primitives.precision.megatron`."""
+"""Selective FP32 runtime (P1). megatron-core integration lives in :mod:`dsv4_primitives.megatron.precision`
+(the ``[megatron]`` extra)."""
 
 from dsv4_primitives.precision.fp8 import fp8_disabled_context
 from dsv4_primitives.precision.keep_fp32 import (

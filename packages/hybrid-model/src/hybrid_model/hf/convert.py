@@ -40,7 +40,7 @@ _CARRIED = (
 
 def _dist_ckpt_context():
     """megatron's checkpoint writer synchronises CUDA streams; on CPU that is redirected (a no-op with CUDA)."""
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
 
     return cuda_as_cpu()
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv4_primitives.megatron_cpu import cuda_as_cpu
+from dsv4_primitives.megatron import cuda_as_cpu
 
 DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv4_primitives.megatron_cpu import cuda_as_cpu
+from dsv4_primitives.megatron import cuda_as_cpu
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.presets import get_preset
 from hybrid_model.training.config import TrainConfig
@@ -110,7 +110,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
     config = core.config
     model = core
     if tc.bf16:
-        from dsv4_primitives.precision.megatron import Float16ModuleKeepFP32
+        from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
 
         model = Float16ModuleKeepFP32(config, model)
     ddp_config = DistributedDataParallelConfig(
@@ -125,7 +125,7 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
     """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from dsv4_primitives.precision.megatron import get_megatron_optimizer_keep_fp32
+    from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
 
     opt_config = OptimizerConfig(
         optimizer="adam",

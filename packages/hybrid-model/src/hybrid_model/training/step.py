@@ -9,7 +9,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from dsv4_primitives.megatron_cpu import cuda_as_cpu
+from dsv4_primitives.megatron import cuda_as_cpu
 from hybrid_model.training.config import TrainConfig
 
 LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")

@@ -42,7 +42,7 @@ class Trainer:
         from megatron.core import parallel_state as ps
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from dsv4_primitives.megatron_cpu import apply_cpu_shims, init_rng_tracker
+        from dsv4_primitives.megatron import apply_cpu_shims, init_rng_tracker
 
         self.tc = tc
         apply_cpu_shims()

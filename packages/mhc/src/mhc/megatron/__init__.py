@@ -1,7 +1,8 @@
 """megatron-core 0.19.2 integration of mHC (P2) and its pipeline transport (P3).
 
 Imported explicitly (``import mhc.megatron``), never by ``import mhc``, so the ops stay usable without paying
-megatron-core's import time.
+megatron-core's import time. Needs the ``[megatron]`` extra (``pip install 'mhc[megatron]'``): without megatron-core
+the import raises an ``ImportError`` naming it.
 
 - :class:`HyperConnectionLayer` / :func:`hyper_connection_layer_spec`: any ``TransformerLayer`` built from a spec
   (attention-only, MLP/MoE-only, or both) as an mHC layer on ``[s, b, n·d]`` streams.
@@ -11,13 +12,17 @@ megatron-core's import time.
   ``n·d`` tensor shapes on inter-stage edges for megatron-core's pipeline schedules.
 """
 
-from mhc.megatron.layer import HyperConnectionLayer, hyper_connection_layer_spec, mhc_config_for
-from mhc.megatron.pipeline import (
+from dsv4_primitives.extras import require_megatron
+
+require_megatron("mhc[megatron]", "mhc.megatron")
+
+from mhc.megatron.layer import HyperConnectionLayer, hyper_connection_layer_spec, mhc_config_for  # noqa: E402
+from mhc.megatron.pipeline import (  # noqa: E402
     make_mhc_adjust_tensor_shapes_fn,
     mhc_p2p_tensor_shapes,
     mhc_pipeline_hidden_size,
 )
-from mhc.megatron.stack import HyperConnectionHybridStack, hyper_connection_stack_spec
+from mhc.megatron.stack import HyperConnectionHybridStack, hyper_connection_stack_spec  # noqa: E402
 
 __all__ = [
     "HyperConnectionHybridStack",
