@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import pkgutil
 import sys
 import tomllib
 from pathlib import Path
@@ -58,8 +57,14 @@ def smoke(dist: str) -> list[str]:
     name = dist.replace("-", "_")
     pkg = importlib.import_module(name)
     imported = gated = 0
-    for info in pkgutil.walk_packages(pkg.__path__, prefix=name + "."):
-        mod = info.name
+    root = Path(pkg.__file__).parent
+    for file in sorted(root.rglob("*.py")):  # every module file (namespace subpackages included)
+        parts = file.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if not parts:
+            continue
+        mod = ".".join((name, *parts))
         megatron_only = "megatron" in mod.split(".")[1:] or mod.endswith(
             ("megatron_cpu", "precision.megatron")
         )
