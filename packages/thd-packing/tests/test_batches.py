@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -190,6 +192,38 @@ def test_reject_policy_and_config_errors(mock):
     ]:
         with pytest.raises(ValueError, match=match):
             BatchConfig(global_batch_size=4, max_seqlen_per_dp_cp_rank=8, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+def test_long_text_documents_are_split_never_dropped(tmp_path, layout):
+    """A text far longer than both the dataset's seq_capacity and the pack capacity reaches the model whole: the
+    dataset splits it into samples, THD packing / SBHD rows split those into pieces, every token trained once."""
+    from thd_packing import RawTextDataset, TextDatasetConfig
+
+    long = "".join(chr(ord("a") + i % 26) for i in range(1000))
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": long}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    ds = RawTextDataset.from_paths(tmp_path / "a.jsonl", TextDatasetConfig(seq_capacity=300))
+    cfg = BatchConfig(
+        global_batch_size=len(ds), max_seqlen_per_dp_cp_rank=64, layout=layout, shuffle=False, max_num_seqs=4
+    )
+    batch = next(PackedBatchIterator(ds, cfg))
+    got: dict[int, list[tuple[int, list[int], list[int]]]] = {}
+    for mb in batch.microbatches:
+        for b, piece in enumerate(mb.pieces):
+            if piece is None:  # an SBHD filler row
+                continue
+            if layout == "thd":
+                row0 = int(mb.packed_seqs.cu_seqlens_padded[b])
+                t, lab = mb.tokens[row0 : row0 + piece.length], mb.labels[row0 : row0 + piece.length]
+            else:
+                t, lab = mb.tokens[b, : piece.length], mb.labels[b, : piece.length]
+            got.setdefault(piece.doc, []).append((piece.start, t.tolist(), lab.tolist()))
+    tokens = [t for doc in sorted(got) for _, ts, _ in sorted(got[doc]) for t in ts]
+    labels = [x for doc in sorted(got) for _, _, ls in sorted(got[doc]) for x in ls]
+    ids = list(long.encode()) + [ds.eod] + list(b"short") + [ds.eod]
+    assert tokens == [t for i, t in enumerate(ids[:-1]) if i != len(long)]  # no EOD row between documents
+    assert labels == [t for i, t in enumerate(ids[1:]) if i != len(long)]
+    assert batch.seqlen_sum == len(long) + len("short")
 
 
 def test_default_corpus_feeds_the_iterator():

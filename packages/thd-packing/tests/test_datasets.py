@@ -14,6 +14,7 @@ from thd_packing import (
     default_corpus,
     default_corpus_dataset,
     default_corpus_documents,
+    format_source_stats,
     load_tokenizer,
     read_lengths_csv,
 )
@@ -24,7 +25,9 @@ def _bytes(s: str) -> list[int]:
 
 
 def test_raw_text_sample_layout():
-    ds = RawTextDataset.from_texts(["héllo", "", "abcdefghij"], TextDatasetConfig(seq_capacity=4))
+    cfg = TextDatasetConfig(seq_capacity=4, long_documents="truncate")
+    with pytest.warns(UserWarning, match=r"truncated 2 of 3 documents to seq_capacity=4 rows \(8 tokens not used\)"):
+        ds = RawTextDataset.from_texts(["héllo", "", "abcdefghij"], cfg)
     assert isinstance(ds, VarlenDataset)
     eod = ByteTokenizer.eod
     s0 = ds[0]
@@ -46,7 +49,8 @@ def test_short_text_keeps_every_token_and_ends_with_eod():
 
 def test_split_long_documents_keeps_every_token():
     text = "0123456789"
-    ds = RawTextDataset.from_texts([text, "ab"], TextDatasetConfig(seq_capacity=4, long_documents="split"))
+    assert TextDatasetConfig(seq_capacity=4).long_documents == "split"  # the default: nothing is cut
+    ds = RawTextDataset.from_texts([text, "ab"], TextDatasetConfig(seq_capacity=4))
     full = _bytes(text) + [256]
     assert ds.lengths.tolist() == [4, 4, 2, 2]
     assert torch.cat([ds[i].tokens for i in range(3)]).tolist() == full[:-1]
@@ -69,6 +73,42 @@ def test_from_paths_and_skip_report(tmp_path):
     with pytest.warns(UserWarning, match="1 skipped"):
         ds = RawTextDataset.from_paths(tmp_path / "a.jsonl", TextDatasetConfig(8, errors="skip"))
     assert len(ds) == 2 and ds.report.num_skipped == 1 and ds.report.records == 2
+
+
+def test_source_stats_count_documents_tokens_splits_truncations_and_skips(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "0123456789"}\n{"text": 1}\n{"text": "ab"}\n')
+    d = tmp_path / "dir"
+    (d / "sub").mkdir(parents=True)
+    (d / "x.TXT").write_text("x" * 9)
+    (d / "sub" / "y.md").write_text("yyyy")
+    (d / "skip.png").write_bytes(b"\0")
+    paths = [tmp_path / "a.jsonl", d]
+    with pytest.warns(UserWarning, match="1 skipped"):
+        ds = RawTextDataset.from_paths(paths, TextDatasetConfig(4, errors="skip"))
+    a, b = ds.source_stats()
+    assert (a.source, a.files, a.documents, a.tokens, a.samples) == (str(paths[0]), 1, 2, 12, 4)
+    assert (a.split, a.truncated, a.truncated_tokens, a.skipped, a.ignored) == (1, 0, 0, 1, 0)
+    assert (b.source, b.files, b.documents, b.tokens, b.samples) == (str(d), 2, 2, 13, 4)
+    assert (b.split, b.truncated, b.skipped, b.ignored) == (1, 0, 0, 1)
+    assert ds.num_tokens == 12 + 13  # a row per token of every text (the last row of a document predicts EOD)
+    text = format_source_stats(ds.source_stats())
+    assert text.splitlines()[0] == (
+        f"{paths[0]}: 1 file, 2 documents, 12 tokens -> 4 samples; 1 split, 0 truncated, 1 bad records skipped"
+    )
+    assert text.splitlines()[1].endswith("1 split, 0 truncated, 0 bad records skipped, 1 directory entries ignored")
+    assert text.splitlines()[2].startswith("total: 3 files, 4 documents, 25 tokens -> 8 samples; 2 split")
+    with pytest.warns(UserWarning, match="truncated 2 of 4 documents"):
+        cut = RawTextDataset.from_paths(paths, TextDatasetConfig(4, errors="skip", long_documents="truncate"))
+    a, b = cut.source_stats()
+    assert (a.samples, a.split, a.truncated, a.truncated_tokens) == (2, 0, 1, 6)
+    assert (b.samples, b.split, b.truncated, b.truncated_tokens) == (2, 0, 1, 5)
+    assert "1 truncated (6 tokens not used)" in a.summary()
+
+
+def test_from_texts_source_stats():
+    (st,) = RawTextDataset.from_texts(["abcdefgh", ""], TextDatasetConfig(3)).source_stats()
+    assert (st.source, st.files, st.documents, st.tokens, st.samples, st.split) == ("<texts>", 0, 2, 8, 4, 1)
+    assert st.summary().startswith("<texts>: 2 documents, 8 tokens -> 4 samples")
 
 
 def test_no_usable_documents(tmp_path):
@@ -206,5 +246,8 @@ def test_default_corpus_dataset():
     empty = sum(1 for d in default_corpus_documents(200_000) if not d)  # an empty file is one [EOD, EOD] row
     assert ds.num_tokens == ds.corpus_info.num_bytes + empty
     assert ds.tokenizer.decode(ds[0].tokens.tolist()) == default_corpus_documents(200_000)[0][:256]
+    (st,) = ds.source_stats()
+    assert st.source.startswith("default corpus (Python") and st.files == len(ds.corpus_info.files)
+    assert (st.documents, st.samples, st.truncated) == (len(ds.corpus_info.files), len(ds), 0)
     with pytest.raises(ValueError, match="max_bytes"):
         default_corpus(max_bytes=0)

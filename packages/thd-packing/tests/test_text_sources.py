@@ -22,11 +22,23 @@ def test_jsonl_json_parquet_and_txt_dir(tmp_path):
     (d / "z.txt").write_text("last")
     (d / "sub" / "m.txt").write_text("middle\n")
     (d / "a.txt").write_text("first")
-    (d / "ignored.md").write_text("not a .txt file")
+    (d / "notes.md").write_text("markdown is text too")
     recs, report = _read([tmp_path / "a.jsonl", tmp_path / "b.json", tmp_path / "c.parquet", d])
-    assert [r.text for r in recs] == ["one", "two", "three", "", "four", "five", "first", "middle\n", "last"]
+    assert [r.text for r in recs] == [
+        "one",
+        "two",
+        "three",
+        "",
+        "four",
+        "five",
+        "first",
+        "markdown is text too",
+        "middle\n",
+        "last",
+    ]
     assert [r.line for r in recs[:4]] == [1, 3, 2, 3]
-    assert report.files == 6 and report.records == 9 and report.num_skipped == 0
+    assert [r.source for r in recs] == [0, 0, 1, 1, 2, 2, 3, 3, 3, 3]
+    assert report.files == 7 and report.records == 10 and report.num_skipped == 0 and report.ignored == []
 
 
 def test_custom_text_key(tmp_path):
@@ -134,7 +146,7 @@ def test_skip_mode_counts_every_bad_record(tmp_path):
     [
         (lambda p: p / "missing.jsonl", "does not exist"),
         (lambda p: (p / "x.csv").write_text("a") and p / "x.csv", "unsupported file type"),
-        (lambda p: (p / "emptydir").mkdir() or p / "emptydir", "no .txt files"),
+        (lambda p: (p / "emptydir").mkdir() or p / "emptydir", "holds no files of a supported type"),
         (lambda p: [], "no data paths"),
     ],
 )
@@ -147,3 +159,80 @@ def test_bad_errors_policy(tmp_path):
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(ValueError, match="errors must be"):
         _read(tmp_path / "a.txt", errors="ignore")
+
+
+def test_directory_reads_every_format_recursively_and_lists_what_it_ignores(tmp_path):
+    d = tmp_path / "corpus"
+    (d / "sub" / "deeper").mkdir(parents=True)
+    (d / ".git").mkdir()
+    (d / ".git" / "HEAD.txt").write_text("hidden directories are not read")
+    (d / "A.TXT").write_text("upper-case extension")
+    (d / "b.jsonl").write_text('{"text": "jsonl in a directory"}\n')
+    (d / "sub" / "c.Md").write_text("markdown")
+    (d / "sub" / "d.JSON").write_text('[{"text": "json"}]')
+    pq.write_table(pa.table({"text": ["parquet"]}), d / "sub" / "deeper" / "e.parquet")
+    (d / "sub" / "image.png").write_bytes(b"\x89PNG")
+    (d / "README").write_text("no extension")
+    (d / ".DS_Store").write_bytes(b"\0")
+    recs, report = _read(d)
+    assert [r.text for r in recs] == ["upper-case extension", "jsonl in a directory", "markdown", "json", "parquet"]
+    ignored = {i.path.removeprefix(str(d) + "/"): i.reason for i in report.ignored}
+    assert ignored.keys() == {".git", ".DS_Store", "README", "sub/image.png"}
+    assert ignored[".git"] == "hidden directory, not read"
+    assert ignored[".DS_Store"] == "hidden file, not read"
+    assert ignored["README"].startswith("unsupported file (no extension; supported: .jsonl")
+    assert ignored["sub/image.png"].startswith("unsupported file (type '.png'")
+    assert "4 directory entries ignored" in report.summary() and "ignored " + str(d / "README") in report.summary()
+    (src,) = report.sources
+    assert (src.path, src.files, src.records, src.skipped, len(src.ignored)) == (str(d), 5, 5, 0, 4)
+
+
+def test_explicit_files_are_case_insensitive_and_unsupported_ones_refused(tmp_path):
+    (tmp_path / "a.JSONL").write_text('{"text": "x"}\n')
+    (tmp_path / "b.TXT").write_text("y")
+    recs, _ = _read([tmp_path / "a.JSONL", tmp_path / "b.TXT"])
+    assert [r.text for r in recs] == ["x", "y"]
+    (tmp_path / "c.csv").write_text("text\nz\n")
+    with pytest.raises(ValueError, match=r"c\.csv: unsupported file type '\.csv'"):
+        _read(tmp_path / "c.csv")
+
+
+def test_directory_of_only_unsupported_files_lists_them(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.csv").write_text("a")
+    with pytest.raises(ValueError, match=r"holds no files of a supported type(.|\n)*x\.csv: unsupported file"):
+        _read(tmp_path / "d")
+
+
+def test_several_sources_accumulate_in_order_with_per_source_counts(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "a1"}\n{"text": 2}\n{"text": "a3"}\n')
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "x.txt").write_text("x")
+    (d / "y.txt").write_text("")
+    (d / "z.bin").write_bytes(b"\0")
+    (tmp_path / "b.json").write_text('[{"text": "b1"}]')
+    recs, report = _read([tmp_path / "a.jsonl", d, tmp_path / "b.json"], errors="skip")
+    assert [(r.text, r.source) for r in recs] == [("a1", 0), ("a3", 0), ("x", 1), ("b1", 2)]
+    counts = [(s.files, s.records, s.skipped, len(s.ignored)) for s in report.sources]
+    assert counts == [(1, 2, 1, 0), (2, 1, 1, 1), (1, 1, 0, 0)]
+    assert (report.files, report.records, report.num_skipped) == (4, 4, 2)
+
+
+def test_a_file_read_twice_is_refused(tmp_path):
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "x.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"x\.txt is read twice"):
+        _read([d, d / "x.txt"])
+    with pytest.raises(ValueError, match="read twice"):
+        _read([d / "x.txt", d / "x.txt"])
+
+
+def test_error_hint_names_the_skip_switch(tmp_path):
+    (tmp_path / "a.jsonl").write_text("not json\n")
+    with pytest.raises(TextRecordError, match="read with errors='skip' to skip bad records") as err:
+        _read(tmp_path / "a.jsonl")
+    cli = TextRecordError(err.value.record, skip_hint="pass --skip-bad-records")
+    assert str(cli).startswith(f"{tmp_path / 'a.jsonl'}:1: invalid JSON")
+    assert str(cli).endswith("Fix the record, or pass --skip-bad-records to skip bad records and count them.")

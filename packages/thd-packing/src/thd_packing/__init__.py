@@ -35,14 +35,24 @@ from thd_packing.static_shape import (
     pad_to_static_shape,
     unpad_static_shape,
 )
-from thd_packing.text_dataset import RawTextDataset, TextDatasetConfig
-from thd_packing.text_sources import ReadReport, SkippedRecord, TextRecord, TextRecordError, read_text_records
+from thd_packing.text_dataset import RawTextDataset, SourceStats, TextDatasetConfig, format_source_stats
+from thd_packing.text_sources import (
+    SUPPORTED_SUFFIXES,
+    IgnoredPath,
+    ReadReport,
+    SkippedRecord,
+    SourceReport,
+    TextRecord,
+    TextRecordError,
+    read_text_records,
+)
 from thd_packing.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
+    "SUPPORTED_SUFFIXES",
     "BatchConfig",
     "ByteTokenizer",
     "DefaultCorpusInfo",
@@ -50,6 +60,7 @@ __all__ = [
     "DocumentSample",
     "DpBalancedScheduler",
     "HFTokenizer",
+    "IgnoredPath",
     "IterationBatch",
     "MockVarlenConfig",
     "MockVarlenDataset",
@@ -62,6 +73,8 @@ __all__ = [
     "Schedule",
     "SchedulerConfig",
     "SkippedRecord",
+    "SourceReport",
+    "SourceStats",
     "StaticPack",
     "StaticPadInfo",
     "StaticShapeConfig",
@@ -79,6 +92,7 @@ __all__ = [
     "default_corpus",
     "default_corpus_dataset",
     "default_corpus_documents",
+    "format_source_stats",
     "load_tokenizer",
     "lognormal_lengths",
     "pad_to_static_shape",

@@ -20,7 +20,7 @@ def build_dataset(
     tokenizer: Tokenizer | str | Path | None = None,
     eod_mask_loss: bool = False,
     errors: Literal["raise", "skip"] = "raise",
-    long_documents: Literal["truncate", "split"] = "truncate",
+    long_documents: Literal["truncate", "split"] = "split",
     mock: MockVarlenConfig | None = None,
     default_corpus_max_bytes: int = DEFAULT_CORPUS_MAX_BYTES,
 ) -> VarlenDataset:
@@ -31,8 +31,8 @@ def build_dataset(
     - anything else: files / directories read by :meth:`RawTextDataset.from_paths`.
 
     ``tokenizer`` is ``None``/``"byte"`` (built-in byte level) or a Hugging Face ``tokenizer.json`` path; every
-    document longer than ``seq_capacity`` rows is truncated or split (``long_documents``; the default corpus always
-    splits).
+    document longer than ``seq_capacity`` rows is split into several samples (default) or truncated (``long_documents``;
+    the default corpus always splits).
     """
     if data is None or (isinstance(data, str) and data == "default"):
         return default_corpus_dataset(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thd_packing.text_dataset import RawTextDataset, TextDatasetConfig
+from thd_packing.text_sources import ReadReport, SourceReport
 from thd_packing.tokenizer import Tokenizer
 
 DEFAULT_CORPUS_MAX_BYTES = 4 * 2**20
@@ -109,10 +110,13 @@ def default_corpus_dataset(
 
     Source files longer than ``seq_capacity`` tokens are split into consecutive samples
     (``long_documents='split'``), so the whole corpus is used. ``dataset.corpus_info`` holds the
-    :class:`DefaultCorpusInfo`.
+    :class:`DefaultCorpusInfo`; ``dataset.source_stats()`` names the corpus as one source.
     """
     docs, info = default_corpus(max_bytes)
     config = TextDatasetConfig(seq_capacity, eod_mask_loss=eod_mask_loss, long_documents="split")
-    ds = RawTextDataset.from_texts(docs, config, tokenizer)
+    name = f"default corpus (Python {info.python_version} standard library, {info.stdlib_dir})"
+    n = len(info.files)
+    report = ReadReport(files=n, records=n, sources=[SourceReport(name, files=n, records=n)])
+    ds = RawTextDataset(docs, config, tokenizer, report=report)
     ds.corpus_info = info
     return ds

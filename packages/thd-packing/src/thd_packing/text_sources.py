@@ -1,4 +1,4 @@
-"""Reading raw-text documents from JSONL / JSON / Parquet files and directories of ``.txt`` files (P8).
+"""Reading raw-text documents from JSONL / JSON / Parquet / plain-text files and directories of them (P8).
 
 Every record must carry a string ``text`` field (the key is configurable). Bad input is never silently dropped:
 with ``errors='raise'`` (default) the first problem raises :class:`TextRecordError` naming the file and line (or
@@ -6,33 +6,54 @@ Parquet row); with ``errors='skip'`` the record is skipped and logged in a :clas
 empty file, undecodable UTF-8 bytes, invalid JSON, a record that is not an object, a missing or non-string ``text``
 (null included), an unreadable Parquet file or a non-string ``text`` column.
 
-Formats:
+Formats (by file extension, case-insensitive: ``a.TXT`` is a text file):
 
 - ``.jsonl``: one JSON object per line; blank lines are not records and are ignored.
 - ``.json``: one top-level array of objects (or a single object); line numbers point at each element's start.
 - ``.parquet``: a string column ``text``.
-- ``.txt``: the whole file is one document.
-- a directory: every ``*.txt`` below it (recursively), sorted by relative path.
+- ``.txt`` / ``.md``: the whole file is one document.
+- a directory: every file of a supported format below it (recursively), sorted by relative path. Everything else
+  below it is *ignored and listed* in :attr:`ReadReport.ignored` with the reason: files of other types, hidden
+  files and directories (name starting with ``.``, e.g. ``.git``), symbolic links to directories (not followed).
+  A directory without any supported file is an error.
+
+Each path argument is one *source*; :attr:`ReadReport.sources` counts files, records, skipped records and ignored
+entries per source, and :attr:`TextRecord.source` is the index of the source a record came from. A file reached
+twice (named twice, or named and inside a named directory) is an error: it would be trained on twice.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".md")
 
 
 @dataclass(frozen=True)
 class TextRecord:
-    """One document's text and where it came from (``line`` is a Parquet row number for Parquet files)."""
+    """One document's text and where it came from (``line`` is a Parquet row number for Parquet files;
+    ``source`` the index of the path argument that named the file or its directory)."""
 
     text: str
     path: str
     line: int
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class IgnoredPath:
+    """A file or directory below a data directory that was not read, and why."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -50,33 +71,60 @@ class SkippedRecord:
 
 
 @dataclass
+class SourceReport:
+    """Counts of one source (one path argument): files read, records kept, records skipped, entries ignored."""
+
+    path: str
+    files: int = 0
+    records: int = 0
+    skipped: int = 0
+    ignored: list[IgnoredPath] = field(default_factory=list)
+
+
+@dataclass
 class ReadReport:
-    """Counts of one read: files, records kept, and every skipped record with its reason."""
+    """Counts of one read: files, records kept, every skipped record with its reason, every ignored entry of a data
+    directory with its reason, and the same counts per source (``sources[i]`` for path argument ``i``)."""
 
     files: int = 0
     records: int = 0
     skipped: list[SkippedRecord] = field(default_factory=list)
+    sources: list[SourceReport] = field(default_factory=list)
 
     @property
     def num_skipped(self) -> int:
         return len(self.skipped)
 
+    @property
+    def ignored(self) -> list[IgnoredPath]:
+        """Entries of the data directories that were not read (every source's)."""
+        return [i for s in self.sources for i in s.ignored]
+
     def summary(self, limit: int = 5) -> str:
+        ignored = self.ignored
         head = f"{self.records} records from {self.files} files, {self.num_skipped} skipped"
+        if ignored:
+            head += f", {len(ignored)} directory entries ignored"
         lines = [f"  {s}" for s in self.skipped[:limit]]
         if self.num_skipped > limit:
-            lines.append(f"  ... and {self.num_skipped - limit} more")
+            lines.append(f"  ... and {self.num_skipped - limit} more skipped")
+        lines += [f"  ignored {i}" for i in ignored[:limit]]
+        if len(ignored) > limit:
+            lines.append(f"  ... and {len(ignored) - limit} more ignored")
         return "\n".join([head, *lines])
 
 
 class TextRecordError(ValueError):
-    """A bad record or file; ``str(err)`` starts with ``path:line``."""
+    """A bad record or file; ``str(err)`` starts with ``path:line``.
 
-    def __init__(self, record: SkippedRecord) -> None:
-        super().__init__(
-            f"{record}. Fix the record, or read with errors='skip' to skip bad records and count them."
-        )
+    ``skip_hint`` names the switch that skips bad records where the error is shown (a command-line tool re-raises
+    with its own flag, e.g. ``TextRecordError(err.record, skip_hint="pass --skip-bad-records")``).
+    """
+
+    def __init__(self, record: SkippedRecord, skip_hint: str = "read with errors='skip'") -> None:
+        super().__init__(f"{record}. Fix the record, or {skip_hint} to skip bad records and count them.")
         self.record = record
+        self.skip_hint = skip_hint
 
 
 class _Sink:
@@ -84,36 +132,100 @@ class _Sink:
         if errors not in ("raise", "skip"):
             raise ValueError(f"errors must be 'raise' or 'skip', got {errors!r}")
         self.errors, self.report = errors, report
+        self.source: SourceReport | None = None
 
     def problem(self, path: Path, line: int | None, reason: str, unit: str = "line") -> None:
         rec = SkippedRecord(str(path), line, reason, unit)
         if self.errors == "raise":
             raise TextRecordError(rec)
         self.report.skipped.append(rec)
+        if self.source is not None:
+            self.source.skipped += 1
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def _walk_directory(root: Path, ignored: list[IgnoredPath]) -> list[Path]:
+    """Supported files below ``root`` sorted by relative POSIX path; everything else goes to ``ignored``."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        keep = []
+        for name in sorted(dirnames):
+            d = here / name
+            if name.startswith("."):
+                ignored.append(IgnoredPath(str(d), "hidden directory, not read"))
+            elif d.is_symlink():
+                ignored.append(IgnoredPath(str(d), "symbolic link to a directory, not followed"))
+            else:
+                keep.append(name)
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            f = here / name
+            if name.startswith("."):
+                ignored.append(IgnoredPath(str(f), "hidden file, not read"))
+            elif _suffix(f) not in SUPPORTED_SUFFIXES:
+                kind = f"type {_suffix(f)!r}" if _suffix(f) else "no extension"
+                ignored.append(
+                    IgnoredPath(str(f), f"unsupported file ({kind}; supported: {', '.join(SUPPORTED_SUFFIXES)})")
+                )
+            elif not f.is_file():
+                ignored.append(IgnoredPath(str(f), "not a regular file"))
+            else:
+                found.append(f)
+    found.sort(key=lambda q: q.relative_to(root).as_posix())
+    ignored.sort(key=lambda i: Path(i.path).relative_to(root).as_posix())
+    return found
+
+
+def resolve_text_sources(
+    paths: str | Path | Sequence[str | Path],
+) -> list[tuple[SourceReport, list[Path]]]:
+    """Expand each path argument (a source) into its ordered files to read; each source's
+    :class:`SourceReport` lists the directory entries it ignores (module docstring)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise ValueError(
+            "no data paths given; pass JSONL/JSON/Parquet/.txt/.md files or directories holding them"
+        )
+    out: list[tuple[SourceReport, list[Path]]] = []
+    seen: dict[Path, Path] = {}
+    for p in map(Path, paths):
+        source = SourceReport(str(p))
+        if p.is_dir():
+            files = _walk_directory(p, source.ignored)
+            if not files:
+                listed = "".join(f"\n  ignored {i}" for i in source.ignored[:5])
+                raise ValueError(
+                    f"directory {p} holds no files of a supported type ({', '.join(SUPPORTED_SUFFIXES)}, "
+                    f"searched recursively){listed}"
+                )
+        elif p.is_file():
+            if _suffix(p) not in SUPPORTED_SUFFIXES:
+                raise ValueError(
+                    f"{p}: unsupported file type {p.suffix!r}; expected one of {SUPPORTED_SUFFIXES} "
+                    "(case-insensitive)"
+                )
+            files = [p]
+        else:
+            raise ValueError(f"data path {p} does not exist")
+        for f in files:
+            key = f.resolve()
+            if key in seen:
+                raise ValueError(
+                    f"data file {f} is read twice (through {seen[key]} and {p}); pass every file once"
+                )
+            seen[key] = p
+        out.append((source, files))
+    return out
 
 
 def resolve_text_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     """Expand files and directories into the ordered list of files to read (see the module docstring)."""
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    if not paths:
-        raise ValueError("no data paths given; pass JSONL/JSON/Parquet files or a directory of .txt files")
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(p.rglob("*.txt"), key=lambda q: q.relative_to(p).as_posix())
-            if not found:
-                raise ValueError(f"directory {p} holds no .txt files")
-            files += found
-        elif p.is_file():
-            if p.suffix not in SUPPORTED_SUFFIXES:
-                raise ValueError(
-                    f"{p}: unsupported file type {p.suffix!r}; expected one of {SUPPORTED_SUFFIXES}"
-                )
-            files.append(p)
-        else:
-            raise ValueError(f"data path {p} does not exist")
-    return files
+    return [f for _, files in resolve_text_sources(paths) for f in files]
 
 
 def _text_of(obj, path: Path, line: int, text_key: str, sink: _Sink, unit: str = "line") -> str | None:
@@ -257,7 +369,13 @@ def _read_txt(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord]:
         yield TextRecord(s, str(path), 1)
 
 
-_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".txt": _read_txt}
+_READERS = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_json,
+    ".parquet": _read_parquet,
+    ".txt": _read_txt,
+    ".md": _read_txt,
+}
 
 
 def read_text_records(
@@ -269,12 +387,19 @@ def read_text_records(
 ) -> Iterator[TextRecord]:
     """Yield every document of ``paths`` in order (files as given, directories sorted).
 
-    ``report`` (optional) is filled with file/record counts and skipped records as the iterator advances.
+    ``report`` (optional) is filled with file/record counts, skipped records and ignored directory entries (in
+    total and per source) as the iterator advances; the paths are resolved (and checked) on the first ``next``.
     """
     report = ReadReport() if report is None else report
     sink = _Sink(errors, report)
-    for path in resolve_text_files(paths):
-        report.files += 1
-        for rec in _READERS[path.suffix](path, text_key, sink):
-            report.records += 1
-            yield rec
+    sources = resolve_text_sources(paths)
+    report.sources += [source for source, _ in sources]
+    for index, (source, files) in enumerate(sources):
+        sink.source = source
+        for path in files:
+            report.files += 1
+            source.files += 1
+            for rec in _READERS[_suffix(path)](path, text_key, sink):
+                report.records += 1
+                source.records += 1
+                yield TextRecord(rec.text, rec.path, rec.line, index)
