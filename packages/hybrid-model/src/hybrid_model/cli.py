@@ -21,8 +21,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--packed", action="store_true", default=None, help="packed THD batches instead of [B, S]")
     p.add_argument("--dense-steps", type=int, help="dense-attention warm-up steps before sparse CSA")
-    p.add_argument("--data", nargs="+", help="text files (thd-packing formats: JSONL/JSON/Parquet/.txt dirs)")
-    p.add_argument("--tokenizer", help="HF tokenizers JSON file (default: byte-level)")
+    _add_data_flags(p)
     p.add_argument("--lr", type=float)
     p.add_argument(
         "--lr-decay-style", choices=("cosine", "wsd"), help="cosine (default) or warmup-stable-decay"
@@ -69,6 +68,33 @@ def _train_parser(sub) -> None:
     p.add_argument("--cuda-graph-warmup-steps", type=int, help="eager steps before the capture (default 2)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s (in TFLOP/s) for MFU")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+
+
+def _add_data_flags(p) -> None:
+    """The data flags of ``dsv4 train`` (reading rules: :mod:`hybrid_model.training.data`)."""
+    p.add_argument(
+        "--data",
+        nargs="+",
+        action="extend",
+        metavar="PATH",
+        help="text sources, read in order (repeat the flag or list several): .jsonl/.json/.parquet/.txt/.md files "
+        "or directories (read recursively, every supported format, extensions case-insensitive; other files are "
+        "listed as ignored). Default: the embedded corpus",
+    )
+    p.add_argument("--tokenizer", help="HF tokenizers JSON file (default: byte-level)")
+    p.add_argument(
+        "--long-docs",
+        choices=("split", "truncate"),
+        help="documents longer than --seq-len tokens: split into several sequences (default) or truncate (the "
+        "start summary counts what is cut)",
+    )
+    p.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        default=None,
+        help="skip bad records (invalid JSON, missing text, undecodable bytes, empty files) and count them in the "
+        "start summary, instead of stopping at the first",
+    )
 
 
 def train_config_from_args(args):

@@ -27,6 +27,9 @@ class TrainConfig:
     ``cuda_graph``: capture each training step's forward + backward (all micro-batches) in one CUDA graph with
     megatron-core's ``FullCudaGraphWrapper`` after ``cuda_graph_warmup_steps`` eager steps, then replay it (the
     optimizer step stays eager). One GPU, fixed-length ``[B, S]`` batches; see :mod:`hybrid_model.training.cuda_graph`.
+    ``data``: text sources read in order (empty: the embedded default corpus); ``long_docs``: ``"split"`` documents
+    longer than ``seq_len`` into several sequences or ``"truncate"`` them; ``skip_bad_records``: skip and count bad
+    records instead of stopping at the first (see :mod:`hybrid_model.training.data`).
     """
 
     preset: str = "tiny"
@@ -53,6 +56,8 @@ class TrainConfig:
     ep: int = 1
     data: list[str] = field(default_factory=list)
     tokenizer: str | None = None
+    long_docs: str = "split"
+    skip_bad_records: bool = False
     out: str = "runs/dsv4"
     resume: bool = False
     init_from: str | None = None
@@ -92,6 +97,10 @@ class TrainConfig:
             raise ValueError(
                 "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
             )
+        if self.long_docs not in ("split", "truncate"):
+            raise ValueError(f"--long-docs must be 'split' or 'truncate', got {self.long_docs!r}")
+        if isinstance(self.data, str):  # a config file's "data": "path" means one source
+            self.data = [self.data]
         if self.lr_decay_style not in ("cosine", "wsd"):
             raise ValueError(f"--lr-decay-style must be 'cosine' or 'wsd', got {self.lr_decay_style!r}")
         if self.lr_decay_style == "wsd" and not 0 < self.lr_wsd_decay_steps <= self.steps:

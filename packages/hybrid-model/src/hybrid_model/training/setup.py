@@ -178,41 +178,22 @@ def attach_schedule_hooks(config, model) -> None:
     config.no_sync_func = model.no_sync
 
 
-def build_data(tc: TrainConfig, model_config: DSv4ModelConfig, ps) -> tuple[Any, Any]:
+def build_data(
+    tc: TrainConfig, model_config: DSv4ModelConfig, ps, *, announce: bool = False
+) -> tuple[Any, Any]:
     """``(batches, dataset)``: thd-packing's global-batch iterator over ``--data`` (or the embedded corpus), this
-    rank's share of every global batch (``[B, S]`` or packed THD, static shapes)."""
-    from thd_packing import (
-        BatchConfig,
-        PackedBatchIterator,
-        RawTextDataset,
-        TextDatasetConfig,
-        default_corpus_dataset,
-    )
+    rank's share of every global batch (``[B, S]`` or packed THD, static shapes); reading rules and the per-source
+    summary (printed when ``announce``) in :mod:`hybrid_model.training.data`."""
+    from hybrid_model.training.data import build_batches, build_text_dataset, data_summary
 
-    if tc.data:
-        ds = RawTextDataset.from_paths(tc.data, TextDatasetConfig(tc.seq_len), tc.tokenizer)
-    else:
-        ds = default_corpus_dataset(tc.seq_len, tokenizer=tc.tokenizer)
-    vocab = ds.tokenizer.vocab_size if hasattr(ds, "tokenizer") else None
-    if vocab is not None and vocab > model_config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {vocab} ids but preset {tc.preset!r} has vocab_size={model_config.vocab_size}; "
-            "choose a larger preset or set model_overrides.vocab_size in the config file"
-        )
-    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if tc.global_batch_size % dp_size:
-        raise ValueError(f"--global-batch-size {tc.global_batch_size} must be divisible by DP size {dp_size}")
-    batches = PackedBatchIterator(
+    ds = build_text_dataset(tc)
+    if announce:
+        print(data_summary(ds, tc), flush=True)
+    batches = build_batches(
         ds,
-        BatchConfig(
-            global_batch_size=tc.global_batch_size,
-            max_seqlen_per_dp_cp_rank=tc.seq_len,
-            layout="thd" if tc.packed else "sbhd",
-            micro_batch_size=tc.micro_batch_size,
-            dp_size=dp_size,
-            dp_rank=dp_rank,
-            static_shape=True,
-            seed=tc.seed,
-        ),
+        tc,
+        vocab_size=model_config.vocab_size,
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
     )
     return batches, ds

@@ -72,13 +72,14 @@ class Trainer:
         self.out = Path(tc.out)
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
         self._stop = False
+        # the data first: bad data fail before the model is built
+        self.batches, self.dataset = build_data(tc, self.model_config, ps, announce=self.is_logger)
         parts = build_model(tc, self.model_config, ps, self.pg, self.device)
         self.core = parts.core  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.model, self.config = parts.model, parts.config
         self.optimizer = build_optimizer(tc, self.model)
         self.scheduler = build_scheduler(tc, self.optimizer)
         attach_schedule_hooks(self.config, self.model)
-        self.batches, self.dataset = build_data(tc, self.model_config, ps)
         self.checkpointer = Checkpointer(
             core=self.core,
             optimizer=self.optimizer,

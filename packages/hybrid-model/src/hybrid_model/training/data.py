@@ -1,0 +1,99 @@
+"""The training data of ``dsv4 train``: the dataset of the ``--data`` sources (or the embedded default corpus), the
+per-source summary printed at the start of a run, and the per-rank batch iterator.
+
+Reading rules (thd-packing's readers, :mod:`thd_packing.text_sources`):
+
+- every ``--data`` path is one source; repeated ``--data`` flags accumulate, all sources are read in order;
+- a directory is read recursively: every ``.jsonl`` / ``.json`` / ``.parquet`` / ``.txt`` / ``.md`` file
+  (extensions case-insensitive), sorted by relative path; other files, hidden entries and directory links are
+  ignored and listed in the summary with the reason;
+- a document longer than ``--seq-len`` tokens is split into several training sequences (``--long-docs split``, the
+  default) or cut (``--long-docs truncate``; the summary counts the cut documents and the tokens not used);
+- a bad record stops the run with its file and line, unless ``--skip-bad-records`` skips and counts it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from hybrid_model.training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from thd_packing import PackedBatchIterator, RawTextDataset
+
+#: how the ``dsv4 train`` messages name the switch that skips bad records
+SKIP_HINT = "pass --skip-bad-records"
+#: bad records / ignored directory entries listed one by one in the summary (the rest are counted)
+SUMMARY_LIST_LIMIT = 10
+
+
+def build_text_dataset(tc: TrainConfig) -> RawTextDataset:
+    """The dataset of ``tc.data`` (every source, in order) or the default corpus, ``tc.seq_len`` rows per sample.
+
+    Raises ``ValueError`` (a :class:`~thd_packing.TextRecordError` for a bad record, advising
+    ``--skip-bad-records``) for unreadable input.
+    """
+    from thd_packing import RawTextDataset, TextDatasetConfig, TextRecordError, default_corpus_dataset
+
+    if not tc.data:
+        return default_corpus_dataset(tc.seq_len, tokenizer=tc.tokenizer)
+    config = TextDatasetConfig(
+        tc.seq_len, errors="skip" if tc.skip_bad_records else "raise", long_documents=tc.long_docs
+    )
+    try:
+        with warnings.catch_warnings():  # the run prints its own summary of skipped and truncated documents
+            warnings.filterwarnings("ignore", message="RawTextDataset (skipped|truncated)", category=UserWarning)
+            return RawTextDataset.from_paths(tc.data, config, tc.tokenizer)
+    except TextRecordError as err:
+        raise TextRecordError(err.record, skip_hint=SKIP_HINT) from None
+
+
+def data_summary(ds: RawTextDataset, tc: TrainConfig) -> str:
+    """What the run read, per source: documents, tokens, samples, documents split / truncated / skipped, and
+    the skipped records and ignored directory entries (the first :data:`SUMMARY_LIST_LIMIT` of each)."""
+    from thd_packing import format_source_stats
+
+    mode = "split" if not tc.data else tc.long_docs
+    head = f"dsv4 train: data (--seq-len {tc.seq_len}, long documents: {mode}):"
+    lines = [head, *(f"  {line}" for line in format_source_stats(ds.source_stats()).splitlines())]
+    report = ds.report
+    for what, items in (("skipped bad record", report.skipped), ("ignored", report.ignored)):
+        lines += [f"  {what}: {item}" for item in items[:SUMMARY_LIST_LIMIT]]
+        if len(items) > SUMMARY_LIST_LIMIT:
+            lines.append(f"  ... and {len(items) - SUMMARY_LIST_LIMIT} more {what} entries")
+    return "\n".join(lines)
+
+
+def build_batches(
+    ds: RawTextDataset, tc: TrainConfig, *, vocab_size: int, dp_size: int, dp_rank: int
+) -> PackedBatchIterator:
+    """This DP rank's batch iterator over ``ds``: packed THD microbatches (``--packed``; pack capacity
+    ``--seq-len``, longer samples split into pieces) or ``[micro_batch_size, seq_len]`` rows."""
+    from thd_packing import BatchConfig, PackedBatchIterator
+
+    vocab = ds.tokenizer.vocab_size
+    if vocab > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab} ids but preset {tc.preset!r} has vocab_size={vocab_size}; "
+            "choose a larger preset or set model_overrides.vocab_size in the config file"
+        )
+    if tc.global_batch_size % dp_size:
+        raise ValueError(f"--global-batch-size {tc.global_batch_size} must be divisible by DP size {dp_size}")
+    return PackedBatchIterator(
+        ds,
+        BatchConfig(
+            global_batch_size=tc.global_batch_size,
+            max_seqlen_per_dp_cp_rank=tc.seq_len,
+            layout="thd" if tc.packed else "sbhd",
+            micro_batch_size=tc.micro_batch_size,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            too_long="split",
+            static_shape=True,
+            seed=tc.seed,
+        ),
+    )
+
+
+__all__ = ["SKIP_HINT", "build_batches", "build_text_dataset", "data_summary"]
