@@ -2,7 +2,8 @@
 
 The direction follows ``SRC`` (``--to`` overrides): a directory with ``config.json`` + safetensors converts to a
 megatron checkpoint; a megatron dist checkpoint (``metadata.json``; or a ``dsv4 train`` run directory, whose
-``checkpoints/latest`` is used, with ``--preset``) converts to an HF checkpoint directory.
+``checkpoints/latest`` is used, with ``--preset``) converts to an HF checkpoint directory. ``OUT`` must be new or
+empty unless ``--overwrite``; it is written in a temporary directory and renamed into place once complete.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ def add_convert_parser(sub) -> None:
     p.add_argument(
         "src", help="HF checkpoint directory, or megatron dist checkpoint / dsv4 train run directory"
     )
-    p.add_argument("out", help="output directory (new or empty)")
+    p.add_argument("out", help="output directory (new or empty; see --overwrite)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty output directory (as a whole, once the conversion has succeeded)",
+    )
     p.add_argument("--to", choices=("megatron", "hf"), help="target format (default: the other one)")
     p.add_argument(
         "--mtp",
@@ -53,7 +59,7 @@ def run_convert(args) -> int:
     to = args.to or _direction(src)
     if to == "megatron":
         mtp = {"auto": None, "yes": True, "no": False}[args.mtp]
-        path = convert_hf_to_megatron(src, out, mtp=mtp)
+        path = convert_hf_to_megatron(src, out, mtp=mtp, overwrite=args.overwrite)
         print(f"dsv4 convert: {src} (HF) -> {path} (megatron dist checkpoint)")
         return 0
     cfg = None
@@ -64,7 +70,7 @@ def run_convert(args) -> int:
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     files = convert_megatron_to_hf(
-        src, out, model_config=cfg, max_shard_bytes=int(args.max_shard_gb * 1024**3)
+        src, out, model_config=cfg, max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite
     )
     print(f"dsv4 convert: {src} (megatron) -> {out} (HF, {len(files)} safetensors file(s))")
     return 0

@@ -8,11 +8,22 @@ megatron -> HF: ``dist_checkpointing.load`` of the ``"model"`` entry (a ``conver
 checkpoint / run directory with an explicit model config) -> official names -> the names transformers'
 ``save_pretrained`` writes + a transformers 5.x ``config.json`` (``DeepseekV4ForCausalLM.from_pretrained`` loads it;
 ``mtp.*`` tensors are kept, transformers ignores them).
+
+Output safety: the output directory must be new or empty unless ``overwrite=True`` (``dsv4 convert --overwrite``),
+which replaces it as a whole. The source is read and converted completely before anything is written, the output
+is written to a temporary directory beside ``out_dir`` and renamed into place at the end: an error or an interrupted
+run never leaves a half-written or mixed output directory (a leftover ``.NAME.partial-*`` directory of a killed run
+may be deleted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,6 +56,51 @@ def _dist_ckpt_context():
     return cuda_as_cpu()
 
 
+def check_output_dir(out_dir: str | Path, *, overwrite: bool = False, source: str | Path | None = None) -> Path:
+    """``out_dir`` as a ``Path`` if a conversion may write it: new, an empty directory, or (``overwrite``) a
+    directory to replace; never the source, a directory inside it or one that holds it."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} exists and is not a directory; choose a directory path")
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()
+        if src == dst or src.is_relative_to(dst) or dst.is_relative_to(src):
+            raise ValueError(
+                f"output directory {out} and source {source} overlap; write the conversion to a separate directory"
+            )
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        held = sorted(q.name for q in out.iterdir())
+        raise ValueError(
+            f"output directory {out} is not empty (holds {held[:4]}); choose a new or empty directory, or pass "
+            "--overwrite (overwrite=True) to replace it"
+        )
+    return out
+
+
+@contextlib.contextmanager
+def staged_output_dir(out_dir: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a new empty directory beside ``out_dir``; when the block succeeds it becomes ``out_dir`` (an existing
+    ``out_dir`` is replaced only with ``overwrite``), when it raises it is deleted and ``out_dir`` is untouched."""
+    out = check_output_dir(out_dir, overwrite=overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output gets the usual permissions
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(old / out.name)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+
+
 def save_megatron_checkpoint(model, out_dir: str | Path, *, extra: dict | None = None) -> Path:
     """Save ``model`` as a megatron dist checkpoint ``{"model": sharded_state_dict}`` in the empty or new
     directory ``out_dir``, plus ``dsv4_model_config.json``."""
@@ -66,8 +122,12 @@ def save_megatron_checkpoint(model, out_dir: str | Path, *, extra: dict | None =
     return out
 
 
-def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, mtp: bool | None = None) -> Path:
-    """HF / official checkpoint directory -> megatron dist checkpoint of :class:`DSv4Model` in ``out_dir``."""
+def convert_hf_to_megatron(
+    hf_dir: str | Path, out_dir: str | Path, *, mtp: bool | None = None, overwrite: bool = False
+) -> Path:
+    """HF / official checkpoint directory -> megatron dist checkpoint of :class:`DSv4Model` in ``out_dir`` (new or
+    empty, or replaced with ``overwrite``; written whole or not at all, see the module docstring)."""
+    out = check_output_dir(out_dir, overwrite=overwrite, source=hf_dir)
     cfg, official = read_official_checkpoint(hf_dir, mtp=mtp)
     model = build_empty_model(cfg, "cpu")
     load_official_state_dict(model, official)
@@ -75,7 +135,9 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, mtp: bool
     carried = {k: src[k] for k in _CARRIED if k in src}
     if not cfg.num_nextn_predict_layers and src.get("num_nextn_predict_layers"):
         carried["num_nextn_predict_layers"] = src["num_nextn_predict_layers"]  # the source model has MTP
-    return save_megatron_checkpoint(model, out_dir, extra={"hf_config_extra": carried})
+    with staged_output_dir(out, overwrite=overwrite) as tmp:
+        save_megatron_checkpoint(model, tmp, extra={"hf_config_extra": carried})
+    return out
 
 
 def _resolve_checkpoint_dir(path: Path) -> Path:
@@ -85,6 +147,16 @@ def _resolve_checkpoint_dir(path: Path) -> Path:
         if latest.is_file():
             return base / latest.read_text().strip()
     return path
+
+
+def _describe(err: BaseException) -> str:
+    """A one-line description of a load error (torch's ``CheckpointException`` wraps each rank's exception with its
+    whole traceback: name the wrapped exceptions instead)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        return "; ".join(f"{type(x).__name__}: {x}".rstrip(": ") for x in inner)
+    return f"{type(err).__name__}: {err}".rstrip(": ")
 
 
 def load_megatron_checkpoint(
@@ -98,7 +170,17 @@ def load_megatron_checkpoint(
     if not (path / "metadata.json").is_file():
         raise ValueError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
     meta_file = path / MODEL_CONFIG_FILE
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    meta = {}
+    if meta_file.is_file():
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"{meta_file} is unreadable or not valid JSON ({e}); restore it from the conversion that wrote it, or "
+                "delete it and pass the model configuration (dsv4 convert --preset NAME)"
+            ) from e
+        if not isinstance(meta, dict):
+            raise ValueError(f"{meta_file} must hold a JSON object; delete it and pass --preset NAME")
     if model_config is None:
         if "model_config" not in meta:
             raise ValueError(
@@ -107,19 +189,33 @@ def load_megatron_checkpoint(
         model_config = DSv4ModelConfig.from_dict(meta["model_config"])
     if model_config.pipeline_stages != 1 or model_config.hybrid_layer_pattern is not None:
         model_config = model_config.replace(pipeline_stages=1, hybrid_layer_pattern=None)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     model = build_empty_model(model_config, "cpu")
-    with _dist_ckpt_context():
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    try:
+        with _dist_ckpt_context():
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    except (Exception, CheckpointException) as e:  # many types for bad files; CheckpointException is a BaseException
+        raise ValueError(
+            f"{path}: cannot load the megatron dist checkpoint ({_describe(e)}); its files are incomplete or corrupt, "
+            "or it holds another model (pass the --preset it was trained with)"
+        ) from e
     model.load_state_dict(state["model"])
     model.hf_config_extra = meta.get("hf_config_extra", {})
     return model.to(device).eval()
 
 
-def export_hf_checkpoint(model, out_dir: str | Path, *, max_shard_bytes: int = 5 * 1024**3) -> list[Path]:
-    """Write ``model`` as a transformers-loadable DeepSeek-V4 checkpoint directory (``save_pretrained`` names)."""
+def export_hf_checkpoint(
+    model, out_dir: str | Path, *, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False
+) -> list[Path]:
+    """Write ``model`` as a transformers-loadable DeepSeek-V4 checkpoint directory (``save_pretrained`` names);
+    ``out_dir`` new or empty (or replaced with ``overwrite``), written whole or not at all."""
+    out = check_output_dir(out_dir, overwrite=overwrite)
     tensors = {hf_saved_name(k): v for k, v in official_state_dict(model).items()}
     config = hf_config_from_model_config(model.model_config, **getattr(model, "hf_config_extra", {}))
-    return write_checkpoint(out_dir, tensors, config, max_shard_bytes=max_shard_bytes)
+    with staged_output_dir(out, overwrite=overwrite) as tmp:
+        files = write_checkpoint(tmp, tensors, config, max_shard_bytes=max_shard_bytes)
+    return [out / f.name for f in files]
 
 
 def convert_megatron_to_hf(
@@ -128,7 +224,10 @@ def convert_megatron_to_hf(
     *,
     model_config: DSv4ModelConfig | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    overwrite: bool = False,
 ) -> list[Path]:
-    """Megatron dist checkpoint of our model -> HF checkpoint directory ``out_dir`` (returns the weight files)."""
+    """Megatron dist checkpoint of our model -> HF checkpoint directory ``out_dir`` (returns the weight files);
+    ``out_dir`` new or empty (or replaced with ``overwrite``), written whole or not at all."""
+    check_output_dir(out_dir, overwrite=overwrite, source=ckpt_dir)
     model = load_megatron_checkpoint(ckpt_dir, model_config=model_config)
-    return export_hf_checkpoint(model, out_dir, max_shard_bytes=max_shard_bytes)
+    return export_hf_checkpoint(model, out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
