@@ -63,6 +63,9 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+        from hybrid_model.training.determinism import use_deterministic_cpu_kernels
+
+        self._restore_determinism = use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs
         self.model_config = model_config_for(tc)
         self._previous_stream = None
         if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
@@ -190,6 +193,7 @@ class Trainer:
             torch.cuda.synchronize()
             torch.cuda.set_stream(self._previous_stream)
             self._previous_stream = None
+        self._restore_determinism()
         self.ps.destroy_model_parallel()
 
 
