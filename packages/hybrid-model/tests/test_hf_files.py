@@ -126,7 +126,9 @@ def test_load_and_convert_of_a_truncated_checkpoint_name_the_file(megatron_cpu, 
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial output left
 
 
-def test_convert_refuses_non_empty_output_and_overwrites_only_when_told(megatron_cpu, hf_dir, tmp_path, capsys):
+def test_convert_refuses_non_empty_output_and_overwrites_only_when_told(
+    megatron_cpu, hf_dir, tmp_path, capsys
+):
     from hybrid_model.cli import main
 
     out = tmp_path / "out"
@@ -188,5 +190,52 @@ def test_corrupt_megatron_checkpoint_names_the_directory(megatron_cpu, hf_dir, t
         convert.convert_megatron_to_hf(mg, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
     (mg / convert.MODEL_CONFIG_FILE).write_text("{trunc")
-    with pytest.raises(ValueError, match=rf"{mg / convert.MODEL_CONFIG_FILE} is unreadable or not valid JSON"):
+    with pytest.raises(
+        ValueError, match=rf"{mg / convert.MODEL_CONFIG_FILE} is unreadable or not valid JSON"
+    ):
         convert.load_megatron_checkpoint(mg)
+
+
+def test_init_from_a_corrupt_checkpoint_names_it(megatron_cpu, hf_dir, tmp_path):
+    """``dsv4 train --init-from`` of a checkpoint whose files are truncated: exit 2, one message naming it."""
+    import os
+    import subprocess
+    import sys
+
+    from hybrid_model.hf import convert
+
+    mg = tmp_path / "mg"
+    convert.convert_hf_to_megatron(hf_dir, mg)
+    for f in mg.glob("*.distcp"):
+        _truncate(f)
+    (tmp_path / "a.txt").write_text("some text to train on " * 20)
+    code = "import sys; from hybrid_model.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = [
+        "train",
+        "--init-from",
+        str(mg),
+        "--data",
+        str(tmp_path / "a.txt"),
+        "--steps",
+        "1",
+        "--seq-len",
+        "32",
+    ]
+    argv += [
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"dsv4 train: error: --init-from {mg}: cannot load the model weights (" in proc.stderr

@@ -22,7 +22,11 @@ def _sources(tmp_path):
     """A JSONL file (a 1000-byte document, a bad record, a short one) and a directory of mixed formats."""
     a = tmp_path / "a.jsonl"
     a.write_text(
-        json.dumps({"text": "x" * 1000}) + "\n" + '{"body": "no text field"}\n' + json.dumps({"text": "hi"}) + "\n"
+        json.dumps({"text": "x" * 1000})
+        + "\n"
+        + '{"body": "no text field"}\n'
+        + json.dumps({"text": "hi"})
+        + "\n"
     )
     d = tmp_path / "docs"
     (d / "sub").mkdir(parents=True)

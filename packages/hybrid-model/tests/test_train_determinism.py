@@ -30,7 +30,10 @@ def _gather_grads(reps: int) -> list[torch.Tensor]:
 def test_cpu_gather_backward_is_bit_identical_with_two_threads():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     try:
         restore = use_deterministic_cpu_kernels(torch.device("cpu"))
         assert torch.are_deterministic_algorithms_enabled()

@@ -201,7 +201,9 @@ def test_long_text_documents_are_split_never_dropped(tmp_path, layout):
     from thd_packing import RawTextDataset, TextDatasetConfig
 
     long = "".join(chr(ord("a") + i % 26) for i in range(1000))
-    (tmp_path / "a.jsonl").write_text(json.dumps({"text": long}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"text": long}) + "\n" + json.dumps({"text": "short"}) + "\n"
+    )
     ds = RawTextDataset.from_paths(tmp_path / "a.jsonl", TextDatasetConfig(seq_capacity=300))
     cfg = BatchConfig(
         global_batch_size=len(ds), max_seqlen_per_dp_cp_rank=64, layout=layout, shuffle=False, max_num_seqs=4

@@ -26,7 +26,9 @@ def _bytes(s: str) -> list[int]:
 
 def test_raw_text_sample_layout():
     cfg = TextDatasetConfig(seq_capacity=4, long_documents="truncate")
-    with pytest.warns(UserWarning, match=r"truncated 2 of 3 documents to seq_capacity=4 rows \(8 tokens not used\)"):
+    with pytest.warns(
+        UserWarning, match=r"truncated 2 of 3 documents to seq_capacity=4 rows \(8 tokens not used\)"
+    ):
         ds = RawTextDataset.from_texts(["héllo", "", "abcdefghij"], cfg)
     assert isinstance(ds, VarlenDataset)
     eod = ByteTokenizer.eod
@@ -95,7 +97,9 @@ def test_source_stats_count_documents_tokens_splits_truncations_and_skips(tmp_pa
     assert text.splitlines()[0] == (
         f"{paths[0]}: 1 file, 2 documents, 12 tokens -> 4 samples; 1 split, 0 truncated, 1 bad records skipped"
     )
-    assert text.splitlines()[1].endswith("1 split, 0 truncated, 0 bad records skipped, 1 directory entries ignored")
+    assert text.splitlines()[1].endswith(
+        "1 split, 0 truncated, 0 bad records skipped, 1 directory entries ignored"
+    )
     assert text.splitlines()[2].startswith("total: 3 files, 4 documents, 25 tokens -> 8 samples; 2 split")
     with pytest.warns(UserWarning, match="truncated 2 of 4 documents"):
         cut = RawTextDataset.from_paths(paths, TextDatasetConfig(4, errors="skip", long_documents="truncate"))

@@ -175,14 +175,23 @@ def test_directory_reads_every_format_recursively_and_lists_what_it_ignores(tmp_
     (d / "README").write_text("no extension")
     (d / ".DS_Store").write_bytes(b"\0")
     recs, report = _read(d)
-    assert [r.text for r in recs] == ["upper-case extension", "jsonl in a directory", "markdown", "json", "parquet"]
+    assert [r.text for r in recs] == [
+        "upper-case extension",
+        "jsonl in a directory",
+        "markdown",
+        "json",
+        "parquet",
+    ]
     ignored = {i.path.removeprefix(str(d) + "/"): i.reason for i in report.ignored}
     assert ignored.keys() == {".git", ".DS_Store", "README", "sub/image.png"}
     assert ignored[".git"] == "hidden directory, not read"
     assert ignored[".DS_Store"] == "hidden file, not read"
     assert ignored["README"].startswith("unsupported file (no extension; supported: .jsonl")
     assert ignored["sub/image.png"].startswith("unsupported file (type '.png'")
-    assert "4 directory entries ignored" in report.summary() and "ignored " + str(d / "README") in report.summary()
+    assert (
+        "4 directory entries ignored" in report.summary()
+        and "ignored " + str(d / "README") in report.summary()
+    )
     (src,) = report.sources
     assert (src.path, src.files, src.records, src.skipped, len(src.ignored)) == (str(d), 5, 5, 0, 4)
 
@@ -200,7 +209,9 @@ def test_explicit_files_are_case_insensitive_and_unsupported_ones_refused(tmp_pa
 def test_directory_of_only_unsupported_files_lists_them(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.csv").write_text("a")
-    with pytest.raises(ValueError, match=r"holds no files of a supported type(.|\n)*x\.csv: unsupported file"):
+    with pytest.raises(
+        ValueError, match=r"holds no files of a supported type(.|\n)*x\.csv: unsupported file"
+    ):
         _read(tmp_path / "d")
 
 

@@ -169,7 +169,9 @@ def _walk_directory(root: Path, ignored: list[IgnoredPath]) -> list[Path]:
             elif _suffix(f) not in SUPPORTED_SUFFIXES:
                 kind = f"type {_suffix(f)!r}" if _suffix(f) else "no extension"
                 ignored.append(
-                    IgnoredPath(str(f), f"unsupported file ({kind}; supported: {', '.join(SUPPORTED_SUFFIXES)})")
+                    IgnoredPath(
+                        str(f), f"unsupported file ({kind}; supported: {', '.join(SUPPORTED_SUFFIXES)})"
+                    )
                 )
             elif not f.is_file():
                 ignored.append(IgnoredPath(str(f), "not a regular file"))

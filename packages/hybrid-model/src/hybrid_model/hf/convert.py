@@ -56,7 +56,9 @@ def _dist_ckpt_context():
     return cuda_as_cpu()
 
 
-def check_output_dir(out_dir: str | Path, *, overwrite: bool = False, source: str | Path | None = None) -> Path:
+def check_output_dir(
+    out_dir: str | Path, *, overwrite: bool = False, source: str | Path | None = None
+) -> Path:
     """``out_dir`` as a ``Path`` if a conversion may write it: new, an empty directory, or (``overwrite``) a
     directory to replace; never the source, a directory inside it or one that holds it."""
     out = Path(out_dir)
@@ -149,7 +151,7 @@ def _resolve_checkpoint_dir(path: Path) -> Path:
     return path
 
 
-def _describe(err: BaseException) -> str:
+def describe_load_error(err: BaseException) -> str:
     """A one-line description of a load error (torch's ``CheckpointException`` wraps each rank's exception with its
     whole traceback: name the wrapped exceptions instead)."""
     failures = getattr(err, "failures", None)
@@ -195,9 +197,12 @@ def load_megatron_checkpoint(
     try:
         with _dist_ckpt_context():
             state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
-    except (Exception, CheckpointException) as e:  # many types for bad files; CheckpointException is a BaseException
+    except (
+        Exception,
+        CheckpointException,
+    ) as e:  # many types for bad files; CheckpointException is a BaseException
         raise ValueError(
-            f"{path}: cannot load the megatron dist checkpoint ({_describe(e)}); its files are incomplete or corrupt, "
+            f"{path}: cannot load the megatron dist checkpoint ({describe_load_error(e)}); its files are incomplete or corrupt, "
             "or it holds another model (pass the --preset it was trained with)"
         ) from e
     model.load_state_dict(state["model"])

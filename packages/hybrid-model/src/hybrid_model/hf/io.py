@@ -25,13 +25,17 @@ def _read_json(f: Path, what: str) -> Any:
     try:
         text = f.read_text(encoding="utf-8")
     except OSError as e:
-        raise ValueError(f"{f}: cannot read the {what} ({e.strerror or e}); check the file's permissions") from e
+        raise ValueError(
+            f"{f}: cannot read the {what} ({e.strerror or e}); check the file's permissions"
+        ) from e
     except UnicodeDecodeError as e:
         raise ValueError(f"{f}: the {what} is not UTF-8 text ({e.reason}); {_REFETCH}") from e
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{f} is not valid JSON ({e}); the {what} is truncated or corrupt: {_REFETCH}") from e
+        raise ValueError(
+            f"{f} is not valid JSON ({e}); the {what} is truncated or corrupt: {_REFETCH}"
+        ) from e
 
 
 def _require_dir(path: str | Path) -> Path:
@@ -50,7 +54,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{f} does not exist: a DeepSeek-V4 checkpoint directory needs its config.json")
     config = _read_json(f, "model config")
     if not isinstance(config, dict):
-        raise ValueError(f"{f} holds a JSON {type(config).__name__}, not an object of config fields; {_REFETCH}")
+        raise ValueError(
+            f"{f} holds a JSON {type(config).__name__}, not an object of config fields; {_REFETCH}"
+        )
     return config
 
 

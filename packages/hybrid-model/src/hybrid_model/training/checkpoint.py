@@ -152,8 +152,18 @@ class Checkpointer:
                 f"--init-from {path}: not a megatron dist checkpoint (give an iter_XXXXXXX directory or a run "
                 "directory with checkpoints/latest)"
             )
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from hybrid_model.hf.convert import describe_load_error
+
         with cuda_as_cpu():
-            state = dist_checkpointing.load({"model": self.core.sharded_state_dict()}, str(p))
+            try:
+                state = dist_checkpointing.load({"model": self.core.sharded_state_dict()}, str(p))
+            except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+                raise ValueError(
+                    f"--init-from {p}: cannot load the model weights ({describe_load_error(e)}); the checkpoint's "
+                    "files are incomplete or corrupt, or it holds another model (use the preset it was trained with)"
+                ) from e
             self.core.load_state_dict(state["model"])
             self.optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
         return p

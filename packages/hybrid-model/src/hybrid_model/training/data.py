@@ -43,7 +43,9 @@ def build_text_dataset(tc: TrainConfig) -> RawTextDataset:
     )
     try:
         with warnings.catch_warnings():  # the run prints its own summary of skipped and truncated documents
-            warnings.filterwarnings("ignore", message="RawTextDataset (skipped|truncated)", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="RawTextDataset (skipped|truncated)", category=UserWarning
+            )
             return RawTextDataset.from_paths(tc.data, config, tc.tokenizer)
     except TextRecordError as err:
         raise TextRecordError(err.record, skip_hint=SKIP_HINT) from None
