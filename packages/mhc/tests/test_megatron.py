@@ -131,6 +131,27 @@ def test_p2p_shapes(megatron_cpu):
         make_mhc_adjust_tensor_shapes_fn(0)
 
 
+def test_pipeline_dtype_must_be_the_stream_dtype(megatron_cpu):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mhc.megatron import check_mhc_pipeline_dtype, hyper_connection_stack_spec, mhc_pipeline_dtype
+
+    fp32_streams = MHCConfig(hidden_size=D)
+    bf16_streams = MHCConfig(hidden_size=D, stream_dtype=torch.bfloat16)
+    assert mhc_pipeline_dtype(fp32_streams) == torch.float32
+    assert mhc_pipeline_dtype(bf16_streams) == torch.bfloat16
+    pp2_bf16 = dataclasses.replace(tiny.transformer_config(2), pipeline_dtype=torch.bfloat16)
+    check_mhc_pipeline_dtype(pp2_bf16, bf16_streams)
+    check_mhc_pipeline_dtype(tiny.transformer_config(2), fp32_streams)
+    check_mhc_pipeline_dtype(dataclasses.replace(tiny.transformer_config(1), pipeline_dtype=torch.bfloat16), fp32_streams)
+    with pytest.raises(ValueError, match="pipeline_dtype=torch.float32"):
+        check_mhc_pipeline_dtype(pp2_bf16, fp32_streams)
+    # the stack refuses at build time (the regression: bf16 p2p buffers for fp32 streams broke the first send)
+    spec = hyper_connection_stack_spec(tiny.local_hybrid_stack_spec(), fp32_streams)
+    with pytest.raises(ValueError, match="mHC streams crossing pipeline stages"):
+        build_module(spec, pp2_bf16, pre_process=True, post_process=False, layer_type_list=["*", "-"])
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_pp2_matches_pp1():

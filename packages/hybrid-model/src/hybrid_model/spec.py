@@ -121,7 +121,10 @@ def transformer_config(
         mtp_loss_scaling_factor=cfg.mtp_loss_weight,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
-        pipeline_dtype=params_dtype,
+        # the p2p buffers carry the mHC streams [s, b, n·d] (and their gradients), stored in the stream dtype (fp32)
+        # whatever params_dtype is: a bf16 buffer would round the residual streams at every stage boundary, which a
+        # single-stage run never does (mhc.megatron.pipeline; megatron's fp32_residual_connection does the same)
+        pipeline_dtype=mhc_config(cfg).stream_dtype,
         params_dtype=params_dtype,
         bf16=bf16,
         init_method_std=init_method_std,

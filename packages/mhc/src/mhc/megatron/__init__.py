@@ -9,7 +9,8 @@ the import raises an ``ImportError`` naming it.
 - :class:`HyperConnectionHybridStack` / :func:`hyper_connection_stack_spec`: a ``HybridStack`` that expands the
   embedding into ``n`` streams, wraps every layer, and collapses with the HyperHead before the final norm.
 - :func:`mhc_p2p_tensor_shapes`, :func:`make_mhc_adjust_tensor_shapes_fn`, :func:`mhc_pipeline_hidden_size`: the
-  ``n·d`` tensor shapes on inter-stage edges for megatron-core's pipeline schedules.
+  ``n·d`` tensor shapes on inter-stage edges for megatron-core's pipeline schedules;
+  :func:`mhc_pipeline_dtype` / :func:`check_mhc_pipeline_dtype`: their dtype (the stream dtype).
 """
 
 from dsv4_primitives.extras import require_megatron
@@ -18,8 +19,10 @@ require_megatron("mhc[megatron]", "mhc.megatron")
 
 from mhc.megatron.layer import HyperConnectionLayer, hyper_connection_layer_spec, mhc_config_for  # noqa: E402
 from mhc.megatron.pipeline import (  # noqa: E402
+    check_mhc_pipeline_dtype,
     make_mhc_adjust_tensor_shapes_fn,
     mhc_p2p_tensor_shapes,
+    mhc_pipeline_dtype,
     mhc_pipeline_hidden_size,
 )
 from mhc.megatron.stack import HyperConnectionHybridStack, hyper_connection_stack_spec  # noqa: E402
@@ -27,10 +30,12 @@ from mhc.megatron.stack import HyperConnectionHybridStack, hyper_connection_stac
 __all__ = [
     "HyperConnectionHybridStack",
     "HyperConnectionLayer",
+    "check_mhc_pipeline_dtype",
     "hyper_connection_layer_spec",
     "hyper_connection_stack_spec",
     "make_mhc_adjust_tensor_shapes_fn",
     "mhc_config_for",
     "mhc_p2p_tensor_shapes",
+    "mhc_pipeline_dtype",
     "mhc_pipeline_hidden_size",
 ]

@@ -10,13 +10,29 @@ Use::
 
     forward_backward_pipelining_without_interleaving(..., adjust_tensor_shapes_fn=make_mhc_adjust_tensor_shapes_fn(4))
 
-The p2p buffers are allocated in ``config.pipeline_dtype``: set it to the streams' storage dtype
-(``MHCConfig.stream_dtype``, fp32 by default) or the streams are rounded on every stage boundary.
+What crosses a stage boundary, in which dtype (megatron allocates both p2p buffers in ``config.pipeline_dtype``):
+
+=================================  ===============  =================================================================
+tensor                             dtype            why
+=================================  ===============  =================================================================
+streams ``X [s, b, n·d]`` forward  stream dtype     the residual streams are stored in ``MHCConfig.stream_dtype``
+                                                    (fp32 by default, also under bf16 params): a bf16 buffer would
+                                                    round them at every boundary, which a single-stage run never does
+gradient ``dL/dX`` backward        stream dtype     autograd's gradient of an fp32 tensor is fp32 (same buffer dtype)
+=================================  ===============  =================================================================
+
+So ``config.pipeline_dtype`` must equal the stream dtype: :func:`check_mhc_pipeline_dtype` refuses anything else
+at build time (:class:`~mhc.megatron.HyperConnectionHybridStack` calls it), instead of gloo/NCCL failing at the first
+send with a byte-count mismatch (a bf16 buffer is half the size of the fp32 streams) or silently rounding. With the
+stream dtype on the wire the transport is exact: a pipelined run computes the same streams and stream gradients as
+one stage does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+import torch
 
 
 def mhc_pipeline_hidden_size(
@@ -31,6 +47,27 @@ def mhc_pipeline_hidden_size(
         raise ValueError(f"hidden_size and num_streams must be positive, got {hidden_size}, {num_streams}")
     inactive = (is_recv and is_first_stage) or ((not is_recv) and is_last_stage)
     return hidden_size if inactive else hidden_size * num_streams
+
+
+def mhc_pipeline_dtype(mhc) -> torch.dtype:
+    """The dtype of every inter-stage p2p tensor of an mHC model: the streams' storage dtype ``mhc.stream_dtype``."""
+    return mhc.stream_dtype
+
+
+def check_mhc_pipeline_dtype(config, mhc) -> None:
+    """``ValueError`` unless ``config.pipeline_dtype`` is the stream dtype (checked only with pipeline stages).
+
+    ``config``: the megatron ``TransformerConfig``; ``mhc``: the :class:`~mhc.MHCConfig` of the stack.
+    """
+    if (config.pipeline_model_parallel_size or 1) <= 1:
+        return
+    want = mhc_pipeline_dtype(mhc)
+    if config.pipeline_dtype != want:
+        raise ValueError(
+            f"config.pipeline_dtype={config.pipeline_dtype} but the mHC streams crossing pipeline stages are "
+            f"{want} (MHCConfig.stream_dtype): set pipeline_dtype={want} (the p2p buffers hold the streams "
+            "[s, b, n·d] and their gradients; another dtype breaks the transfer or rounds the residual streams)"
+        )
 
 
 def _expand(shapes: Sequence, num_streams: int) -> list:

@@ -21,6 +21,7 @@ from torch import nn
 from dsv4_primitives import RMSNorm
 from mhc.config import MHCConfig
 from mhc.megatron.layer import HyperConnectionLayer, mhc_config_for
+from mhc.megatron.pipeline import check_mhc_pipeline_dtype
 from mhc.modules import HyperHead, StreamExpansion
 
 
@@ -47,10 +48,12 @@ class HyperConnectionHybridStack(HybridStack):
     ) -> None:
         if config.recompute_granularity == "full":
             raise ValueError("HyperConnectionHybridStack does not support recompute_granularity='full'")
+        mhc = mhc or mhc_config_for(config)
+        check_mhc_pipeline_dtype(config, mhc)  # the p2p buffers carry the streams: refuse before building
         super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
         self.post_layer_norm = post_layer_norm
         self.return_streams = return_streams
-        self.mhc_config = mhc or mhc_config_for(config)
+        self.mhc_config = mhc
         self.layers = nn.ModuleList(
             HyperConnectionLayer(config, layer, mhc=self.mhc_config) for layer in self.layers
         )
