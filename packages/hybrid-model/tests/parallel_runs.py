@@ -31,7 +31,9 @@ def _gather_distributed_optimizer_shards(ddp) -> None:
         for bucket in group.buckets:
             shards = shard_buffer(bucket.grad_data, size)
             gathered = [torch.empty_like(s) for s in shards]
-            dist.all_gather(gathered, shards[rank].clone(), group=group.intra_distributed_optimizer_instance_group)
+            dist.all_gather(
+                gathered, shards[rank].clone(), group=group.intra_distributed_optimizer_instance_group
+            )
             for r, s in enumerate(shards):
                 if r != rank:
                     s.copy_(gathered[r])
@@ -76,10 +78,9 @@ def capture_first_step_grads(trainer) -> dict:
 
 def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_initial: bool = False) -> dict:
     """Train each ``(name, TrainConfig kwargs)`` in turn; ``{name: {"metrics": [...], "grads": {...}}}``."""
+    from dsv4_primitives import is_keep_in_fp32
     from hybrid_model.training.config import TrainConfig
     from hybrid_model.training.trainer import Trainer
-
-    from dsv4_primitives import is_keep_in_fp32
 
     results = {}
     for name, kw in runs:

@@ -89,7 +89,12 @@ def parallel(reference, tmp_path_factory):
             runs = [
                 (
                     f"{name}-{dt}",
-                    dict(_BASE, bf16=dt == "bf16", out=str(out / f"{name}-{dt}"), init_from=reference[dt]["init"])
+                    dict(
+                        _BASE,
+                        bf16=dt == "bf16",
+                        out=str(out / f"{name}-{dt}"),
+                        init_from=reference[dt]["init"],
+                    )
                     | layout,
                 )
                 for name, (w, layout) in CELLS.items()
@@ -131,7 +136,10 @@ def test_cell_matches_single_process(reference, parallel, cell, dtype):
             assert err <= 2e-5 * float(g_ref.abs().max()) + 1e-9, (cell, name, err)
         return
     if "ep" not in cell:  # no forward arithmetic changes without EP: bitwise
-        assert (got[0]["lm_loss"], got[0]["mtp_loss"]) == (ref["metrics"][0]["lm_loss"], ref["metrics"][0]["mtp_loss"])
+        assert (got[0]["lm_loss"], got[0]["mtp_loss"]) == (
+            ref["metrics"][0]["lm_loss"],
+            ref["metrics"][0]["mtp_loss"],
+        )
     bound = _bf16_loss_bound(reference)
     for step, (g, r) in enumerate(zip(got, ref["metrics"], strict=True), start=1):
         for key in ("lm_loss", "mtp_loss"):

@@ -1,20 +1,17 @@
 """bf16 on CPU (gloo): the distributed optimizer with keep-in-fp32 params under DP2, and checkpoint resume at another
-parallel layout (DP2 -> DP1, PP2 -> PP1).
+DP size (DP2 -> DP1).
 
-A DP2 and a PP2 run train 4 steps in bf16 and save at step 2 (``dp_reshardable`` distributed-optimizer format:
-bf16 weights, fp32 keep-in-fp32 params, fp32 main params and Adam moments). The step-2 checkpoint is then resumed
-by one process, which trains steps 3 and 4.
+A DP2 run trains 4 steps in bf16 and saves at step 2 (bf16 weights, fp32 keep-in-fp32 params, fp32 main params and
+Adam moments, megatron's ``dp_reshardable`` distributed-optimizer format). One process then resumes the step-2
+checkpoint and trains steps 3 and 4. (A resume at another PP/TP/EP is refused before loading, see
+``hybrid_model.training.checkpoint.check_resume_layout`` and ``test_resume_layout_check.py``.)
 
 * Step 3 (the next step after the resume) runs its forward on the restored weights and the same micro-batches: its
-  LM and MTP losses are bitwise those of the uninterrupted run (neither DP nor PP changes forward arithmetic; the mHC
-  streams cross stages in fp32, so a PP boundary rounds nothing).
-* Step 4 follows an update from restored Adam moments. The step-3 gradients of the two layouts differ only in the
-  fp32 order of the DP reduction / micro-batch accumulation and of the grad norm (and, for PP, the word embedding's
-  main-head + MTP sum: fp32 across stages, bf16 on one stage), so the updated fp32 main params differ by rounding and
-  at most a few bf16 weights by one ulp. Bound: ``|ΔL| <= u·|L|`` with ``u = 2**-8`` the bf16 unit roundoff — the
-  loss may move by less than one bf16 rounding of itself. A lost or mis-resharded optimizer state (Adam's first
-  step from zero moments is ``lr·sign(g)``) moves every weight by up to ``lr`` and is caught by the step-4 gradient
-  norm bound below it.
+  LM and MTP losses are bitwise those of the uninterrupted run (DP changes no forward arithmetic).
+* Step 4 follows an update from the restored Adam moments. The step-3 gradients of the two layouts differ only in
+  the fp32 order of the DP reduction vs the micro-batch accumulation (and so the grad norm), so the updated fp32
+  main params differ by fp32 rounding and at most a few bf16 weights by one ulp. Bound: ``|ΔL| <= u·|L|`` with
+  ``u = 2**-8`` the bf16 unit roundoff: the loss may move by less than one bf16 rounding of itself.
 """
 
 from __future__ import annotations
@@ -34,24 +31,36 @@ from dsv4_testkit import run_distributed
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 _BASE = dict(
-    seq_len=160, global_batch_size=4, micro_batch_size=1, warmup_steps=1, lr=3e-3, steps=4, bf16=True, save_interval=2
+    seq_len=160,
+    global_batch_size=4,
+    micro_batch_size=1,
+    warmup_steps=1,
+    lr=3e-3,
+    steps=4,
+    bf16=True,
+    save_interval=2,
 )
 _BF16_U = 2.0**-8
-LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2)}
+LAYOUTS = {"dp2": dict()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     saved = run_distributed(
-        train_layouts, 2, [(name, dict(_BASE, out=str(tmp / name)) | lay) for name, lay in LAYOUTS.items()], timeout=1200
+        train_layouts,
+        2,
+        [(name, dict(_BASE, out=str(tmp / name)) | lay) for name, lay in LAYOUTS.items()],
+        timeout=1200,
     )
     for name in LAYOUTS:  # the step-2 checkpoint as the newest one of a fresh run directory
         dst = tmp / f"{name}-to-1" / "checkpoints"
         shutil.copytree(tmp / name / "checkpoints" / "iter_0000002", dst / "iter_0000002")
         (dst / "latest").write_text("iter_0000002")
     (resumed,) = run_distributed(
-        train_layouts, 1, [(name, dict(_BASE, out=str(tmp / f"{name}-to-1"), resume=True)) for name in LAYOUTS]
+        train_layouts,
+        1,
+        [(name, dict(_BASE, out=str(tmp / f"{name}-to-1"), resume=True)) for name in LAYOUTS],
     )
     return saved, resumed
 

@@ -143,8 +143,10 @@ def test_pipeline_dtype_must_be_the_stream_dtype(megatron_cpu):
     pp2_bf16 = dataclasses.replace(tiny.transformer_config(2), pipeline_dtype=torch.bfloat16)
     check_mhc_pipeline_dtype(pp2_bf16, bf16_streams)
     check_mhc_pipeline_dtype(tiny.transformer_config(2), fp32_streams)
-    check_mhc_pipeline_dtype(dataclasses.replace(tiny.transformer_config(1), pipeline_dtype=torch.bfloat16), fp32_streams)
-    with pytest.raises(ValueError, match="pipeline_dtype=torch.float32"):
+    check_mhc_pipeline_dtype(
+        dataclasses.replace(tiny.transformer_config(1), pipeline_dtype=torch.bfloat16), fp32_streams
+    )
+    with pytest.raises(ValueError, match=r"pipeline_dtype=torch\.float32"):
         check_mhc_pipeline_dtype(pp2_bf16, fp32_streams)
     # the stack refuses at build time (the regression: bf16 p2p buffers for fp32 streams broke the first send)
     spec = hyper_connection_stack_spec(tiny.local_hybrid_stack_spec(), fp32_streams)

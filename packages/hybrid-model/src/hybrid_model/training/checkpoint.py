@@ -24,6 +24,34 @@ def rng_layout(ps) -> tuple[int, int, int]:
     )
 
 
+def model_layout(ps) -> tuple[int, int, int]:
+    """``(PP, TP, EP)`` sizes: what a resume cannot change (see :func:`check_resume_layout`)."""
+    return (
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    )
+
+
+def check_resume_layout(common: dict, path: Path | str, layout: tuple[int, int, int]) -> None:
+    """``ValueError`` unless ``layout`` = (PP, TP, EP) is the one the checkpoint was saved at.
+
+    The distributed optimizer's ``dp_reshardable`` state is flat buffer shards whose layout depends on which
+    parameters a PP/TP/EP rank holds: megatron re-splits it over DP only. Its other format, ``fully_reshardable``,
+    is not offered: with PP > 1 its save writes the later stages' fp32 main params and Adam moments wrong on our
+    stack (zeros / another stage's values; a PP2 -> PP1 resume ran one exact step, then diverged).
+    ``common``: the checkpoint's common state with ``model_layout``; checkpoints written before it existed give PP
+    and TP through ``rng_layout`` = (PP, TP, DP).
+    """
+    saved = common.get("model_layout") or [*common.get("rng_layout", [0, 0])[:2], layout[2]]
+    if tuple(saved) != tuple(layout):
+        raise ValueError(
+            f"{path} was saved at (PP, TP, EP) = {tuple(saved)}; this run is {tuple(layout)}. Its optimizer state "
+            "(megatron's dp_reshardable format) can be resumed at another DP size only: resume at the saved "
+            "PP/TP/EP, or start from its weights with --init-from (optimizer, schedule and data start fresh)"
+        )
+
+
 def rng_state(ps):
     """This rank's RNG state (CPU generator, CUDA generator + megatron's tracker on GPU) as one ShardedObject
     at (pp rank, tp rank, dp rank): every rank keeps its own stream across a resume."""
@@ -92,6 +120,7 @@ class Checkpointer:
             "step": step,
             "data": self.batches.state_dict(),  # the global iteration (identical on every rank)
             "rng_layout": list(rng_layout(self.ps)),
+            "model_layout": list(model_layout(self.ps)),
         }
         if with_rng:
             state["rng_state"] = rng_state(self.ps)
@@ -115,8 +144,9 @@ class Checkpointer:
 
     def load_latest(self) -> int | None:
         """Restore model, optimizer (Adam moments + per-param step), LR scheduler, data position and RNG state of
-        ``checkpoints/latest`` and return its step; ``None`` when there is none. The RNG streams are restored only
-        when the parallel layout (PP, TP, DP) is the saved one."""
+        ``checkpoints/latest`` and return its step; ``None`` when there is none. The DP size may differ from the
+        saved one, PP/TP/EP may not (:func:`check_resume_layout`); the RNG streams are restored only when the
+        parallel layout (PP, TP, DP) is the saved one."""
         from megatron.core import dist_checkpointing
 
         latest = self.dir / "latest"
@@ -124,6 +154,7 @@ class Checkpointer:
             return None
         path = self.dir / latest.read_text().strip()
         common = dist_checkpointing.load_common_state_dict(str(path))
+        check_resume_layout(common, path, model_layout(self.ps))
         same_layout = list(common.get("rng_layout", [])) == list(rng_layout(self.ps))
         with cuda_as_cpu():
             state = dist_checkpointing.load(

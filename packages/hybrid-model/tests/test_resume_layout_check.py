@@ -1,0 +1,21 @@
+"""The resume-layout refusal (no processes needed: the check reads only a checkpoint's common state)."""
+
+import pytest
+
+from hybrid_model.training.checkpoint import check_resume_layout
+
+
+def test_resume_only_at_the_saved_model_layout():
+    common = {"model_layout": [2, 1, 1], "rng_layout": [2, 1, 2]}
+    check_resume_layout(common, "ckpt", (2, 1, 1))  # the DP size may change: not part of the layout
+    for layout in ((1, 1, 1), (2, 1, 2), (4, 1, 1)):
+        with pytest.raises(ValueError, match=r"saved at \(PP, TP, EP\) = \(2, 1, 1\).*--init-from"):
+            check_resume_layout(common, "ckpt", layout)
+
+
+def test_checkpoints_without_model_layout_use_the_rng_layout():
+    old = {"rng_layout": [2, 1, 4]}  # (PP, TP, DP) of checkpoints written before model_layout
+    check_resume_layout(old, "ckpt", (2, 1, 1))
+    check_resume_layout(old, "ckpt", (2, 1, 2))  # EP unknown there: megatron's own load checks it
+    with pytest.raises(ValueError, match=r"\(PP, TP, EP\) = \(2, 1, 1\)"):
+        check_resume_layout(old, "ckpt", (1, 1, 1))
