@@ -1,6 +1,7 @@
-"""dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm with a fused Triton path, fused vocab-parallel cross entropy."""
+"""dsv4-primitives: keep-in-FP32 runtime (P1), partial interleaved RoPE / YaRN / inverse RoPE (P6), fp32 RMSNorm with a fused Triton path, fused vocab-parallel cross entropy, fused output head + cross entropy."""
 
 from dsv4_primitives.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_ref
+from dsv4_primitives.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from dsv4_primitives.precision import (
     KEEP_IN_FP32_ATTR,
     KeepFP32Mixin,
@@ -39,6 +40,8 @@ __all__ = [
     "convert_module_to_dtype_except_fp32_marked",
     "fp8_disabled_context",
     "is_keep_in_fp32",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
     "mark_keep_in_fp32",
     "positions_from_cu_seqlens",
     "positions_sbhd",
