@@ -9,7 +9,7 @@ from dsv4_primitives import linear_cross_entropy, linear_cross_entropy_ref, voca
 from dsv4_testkit import assert_close_to_ref, interpreting, run_distributed
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch"] + (["triton"] if interpreting() or DEV == "cuda" else [])
+BACKENDS = ["reference"] + (["triton"] if interpreting() or DEV == "cuda" else [])
 
 
 def _inputs(t, v, d, dtype, device=DEV, seed=0, ignore=()):
@@ -35,7 +35,7 @@ def _grads(fn, h, w, y, g):
 def _unfused(h, w, y):
     """The unfused path: logits in the input dtype (what the output layer makes), then the fused CE; ignored rows 0."""
     ignored = y == -100
-    loss = vocab_parallel_cross_entropy(h @ w.t(), torch.where(ignored, 0, y), backend="torch")
+    loss = vocab_parallel_cross_entropy(h @ w.t(), torch.where(ignored, 0, y), backend="reference")
     return torch.where(ignored, 0.0, loss)
 
 
@@ -95,7 +95,7 @@ def test_loss_mask_with_zeros(backend):
 def test_out_of_vocabulary_target_follows_megatron():
     h, w, y, g = _inputs(5, 20, 8, torch.float32)
     y[1], y[3] = 20, 57  # not ignore_index: megatron's value (no target logit), no one-hot
-    _check(h, w, y, g, "torch", 6)
+    _check(h, w, y, g, "reference", 6)
 
 
 def test_leading_dims_and_zero_tokens():
@@ -157,11 +157,11 @@ def _tp_worker(rank, world, dtype_name):
 
     dtype = getattr(torch, dtype_name)
     h, w, y, g = _inputs(11, 2 * 23, 16, dtype, device="cpu", seed=5, ignore=(4,))
-    full = _grads(lambda a, b, c: linear_cross_entropy(a, b, c, vocab_chunk=5, backend="torch"), h, w, y, g)
+    full = _grads(lambda a, b, c: linear_cross_entropy(a, b, c, vocab_chunk=5, backend="reference"), h, w, y, g)
     shard = slice(rank * 23, (rank + 1) * 23)
     ours = _grads(
         lambda a, b, c: linear_cross_entropy(
-            a, b, c, tp_group=dist.group.WORLD, vocab_chunk=5, backend="torch"
+            a, b, c, tp_group=dist.group.WORLD, vocab_chunk=5, backend="reference"
         ),
         h,
         w[shard],

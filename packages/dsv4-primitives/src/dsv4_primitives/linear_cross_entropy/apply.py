@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dsv4_primitives._dispatch import resolve_backend
+from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.cross_entropy.apply import _IMPLS
 
 _CHUNK_ELEMENTS = 1 << 28  # logits elements of one vocabulary chunk (512 MiB in bf16)
@@ -204,13 +204,15 @@ def linear_cross_entropy(
         ignore_index: target id of rows without a loss (default ``-100``, torch's).
         vocab_chunk: weight rows per chunk; default: ``2**28 / T`` rounded down to a multiple of 128 (at least 128),
             i.e. at most 512 MiB of bf16 logits per chunk.
-        backend: the cross-entropy kernels per chunk: ``"auto"`` (Triton on CUDA, eager PyTorch otherwise;
-            ``DSV4_PRIMITIVES_BACKEND`` overrides), ``"triton"``, ``"torch"`` / ``"reference"`` (eager).
+        backend: the cross-entropy kernels per chunk (:mod:`dsv4_primitives.dispatch`): ``"auto"`` (Triton on
+            CUDA, eager PyTorch otherwise; ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override), ``"triton"``,
+            ``"reference"`` (eager PyTorch statistics and gradient per chunk; the GEMMs are the same).
     Returns:
         ``loss [*]`` fp32; gradients flow to ``hidden`` and ``weight`` in their dtype.
     """
     world, start = _check_inputs(hidden, weight, target, tp_group, vocab_start, ignore_index, vocab_chunk)
-    impl = "triton" if resolve_backend(backend, hidden, "linear_cross_entropy") == "triton" else "torch"
+    chosen = resolve_backend(backend, hidden, weight, op="dsv4_primitives.linear_cross_entropy")
+    impl = "triton" if chosen == "triton" else "torch"
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, d]
     t = target.reshape(-1)  # [T]
     chunk = _chunk_rows(h.shape[0], weight.shape[0], vocab_chunk)
