@@ -109,7 +109,7 @@ def test_causality_of_logits(megatron_cpu):
     assert (ref[:, cut:] - out[:, cut:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_fused_cross_entropy_matches_megatron(megatron_cpu, monkeypatch, backend):
     """``cross_entropy_loss_fusion`` (our default: dsv4-primitives' fused CE) gives megatron's per-token LM and MTP
     losses and the same parameter gradients (incl. the in-place logits gradient of both heads)."""
@@ -122,7 +122,7 @@ def test_fused_cross_entropy_matches_megatron(megatron_cpu, monkeypatch, backend
     runs = []
     for fused in (False, True):
         torch.manual_seed(0)
-        model = build_model(cfg, cross_entropy_loss_fusion=fused).train()
+        model = build_model(cfg, cross_entropy_loss_fusion=fused, fused_linear_cross_entropy=False).train()
         assert model.config.cross_entropy_loss_fusion is fused
         loss = model(ids, None, None, labels=labels)
         loss.mean().backward()
@@ -133,4 +133,36 @@ def test_fused_cross_entropy_matches_megatron(megatron_cpu, monkeypatch, backend
     torch.testing.assert_close(m1, m0, rtol=1e-5, atol=1e-5)
     assert g0.keys() == g1.keys()
     for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fused_linear_cross_entropy_matches_unfused_head(megatron_cpu, monkeypatch, backend):
+    """The default fused head (``linear_cross_entropy``: no [s, b, V] logits) gives the unfused head's (output layer
+    logits + megatron's cross entropy) per-token LM and MTP losses and the same gradients of every parameter,
+    the shared head weight included; without labels the model still returns the logits."""
+    from hybrid_model.model import build_model
+
+    monkeypatch.setenv("DSV4_PRIMITIVES_BACKEND", backend)
+    cfg = get_preset("tiny")
+    ids = torch.randint(0, cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(ids, -1, 1)
+    runs = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg, cross_entropy_loss_fusion=False, fused_linear_cross_entropy=fused).train()
+        assert model.fused_linear_cross_entropy is fused
+        loss = model(ids, None, None, labels=labels)
+        assert loss.shape == (2, 23) and loss.dtype == torch.float32
+        (loss * torch.linspace(0, 1, 23)).mean().backward()  # per-token weights, zeros included
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            logits = model.eval()(ids, None, None)
+        runs.append((loss.detach(), model.last_mtp_loss, grads, logits))
+    (l0, m0, g0, z0), (l1, m1, g1, z1) = runs
+    assert z1.shape == (2, 23, cfg.vocab_size) and torch.equal(z0, z1)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m1, m0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and "output_layer.weight" in g1
+    for n in g0:  # fp32: the chunked GEMMs sum in another order
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -5,7 +5,9 @@ Dataflow (spec §1.1, §8)::
     e = Embed(ids)                         [s, b, d]      first stage
     X = DSv4HybridStack(e, ids)            [s, b, n·d]    streams between stages (pipeline transport: mhc P3)
     h = RMSNorm(HyperHead(X))              [s, b, d]      last stage
-    logits = h @ head.T                    [b, s, V]      (loss per token when labels are given)
+    logits = h @ head.T                    [b, s, V]      (without labels)
+    loss_t = lse(h_t head^T) - (h_t head^T)[y_t]  [b, s]  (with labels: dsv4-primitives' linear_cross_entropy,
+                                                           the [s, b, V] logits never materialised)
     MTP (last stage): DSv4MultiTokenPrediction(X, Embed(ids rolled left)) -> shared head -> loss on t+2,
                       weight ``mtp_loss_weight``, attached to h with megatron's ``MTPLossAutoScaler``
 
@@ -35,6 +37,10 @@ class DSv4Model(HybridModel):
         config: the megatron config (:func:`hybrid_model.spec.transformer_config`).
         stack_spec: decoder spec (default :func:`hybrid_model.spec.dsv4_stack_spec`).
         pre_process / post_process: pipeline-stage flags; pg_collection: explicit process groups.
+        fused_linear_cross_entropy: the losses of both heads (main and MTP) through dsv4-primitives'
+            ``linear_cross_entropy`` (vocab-chunked head GEMM + cross entropy; no ``[s, b, V]`` logits or fp32
+            copies); ``False``: the output layer's logits, then :meth:`compute_language_model_loss`. Logits are
+            returned whenever no labels are given either way.
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class DSv4Model(HybridModel):
         pg_collection: ProcessGroupCollection | None = None,
         vp_stage: int | None = None,
         backend=None,
+        fused_linear_cross_entropy: bool = True,
     ) -> None:
         from hybrid_model.spec import dsv4_stack_spec, dsv4_stack_submodules, mhc_config
 
@@ -75,6 +82,7 @@ class DSv4Model(HybridModel):
             vp_stage=vp_stage,
         )
         self.model_config = model_config
+        self.fused_linear_cross_entropy = bool(fused_linear_cross_entropy)
         self.mtp_process = bool(post_process and parsed.mtp_num_depths)
         if self.mtp_process:
             from hybrid_model.mtp import DSv4MultiTokenPrediction
@@ -155,6 +163,8 @@ class DSv4Model(HybridModel):
                 padding_mask,
                 router_cu,
             )
+        if labels is not None and self._fused_head():
+            return self.head_loss(hidden, labels)  # [b, s]
         logits, _ = self.output_layer(hidden, runtime_gather_output=runtime_gather_output)  # [s, b, V]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V]
@@ -165,6 +175,14 @@ class DSv4Model(HybridModel):
     ):
         """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``). ``router_cu``:
         the pack's :func:`~hybrid_model.mtp.router_cu_seqlens` when the caller already has them."""
+        h = self.mtp_hidden(streams, input_ids, position_ids, packed_seq_params, padding_mask, router_cu)
+        logits, _ = self.output_layer(h)
+        return logits
+
+    def mtp_hidden(
+        self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None, router_cu=None
+    ):
+        """The MTP depth's final hidden states ``[s, b, d]`` (the shared head's input; see :meth:`mtp_logits`)."""
         from hybrid_model.mtp import mtp_roll_left, router_cu_seqlens
 
         next_ids = mtp_roll_left(input_ids, packed_seq_params)  # token t+1 at t (0 at each document's end)
@@ -172,27 +190,52 @@ class DSv4Model(HybridModel):
         if router_cu is None:
             router_cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1])
         self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, router_cu)
-        h = self.mtp(
+        return self.mtp(
             streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask
-        )
-        logits, _ = self.output_layer(h)
-        return logits
+        )  # [s, b, d]
 
     def _attach_mtp_loss(
         self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask, router_cu
     ):
         from hybrid_model.mtp import mtp_roll_left
 
-        logits = self.mtp_logits(streams, input_ids, position_ids, psp, padding_mask, router_cu)
+        h = self.mtp_hidden(streams, input_ids, position_ids, psp, padding_mask, router_cu)  # [s, b, d]
         mtp_labels = mtp_roll_left(labels, psp)  # labels[t] = ids[t+1] -> mtp_labels[t] = ids[t+2]
         mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
         mask = mtp_roll_left(mask, psp)  # a document's last position has no t+2
-        per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
+        if self._fused_head():
+            per_token = self.head_loss(h, mtp_labels)  # [b, s]
+        else:
+            logits, _ = self.output_layer(h)  # [s, b, V]
+            per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
         num = mask.sum().clamp(min=1.0)
         mtp_loss = (per_token * mask).sum() / num
         self.last_mtp_loss = mtp_loss.detach()
         scale = self.config.mtp_loss_scaling_factor / (self.config.mtp_num_layers or 1)
         return MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
+
+    def _fused_head(self) -> bool:
+        """Whether losses go through :meth:`head_loss` (the fused head needs the whole sequence on every rank: no
+        sequence parallelism, whose gathered head input only the output layer makes)."""
+        return self.fused_linear_cross_entropy and not self.config.sequence_parallel
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` of the shared output head on ``hidden [s, b, d]`` against ``labels
+        [b, s]``, fused: dsv4-primitives' ``linear_cross_entropy`` walks this rank's vocabulary shard of the head
+        weight ``[V/tp, d]`` in chunks (bf16 GEMMs with fp32 accumulation, the fused cross-entropy kernels per
+        chunk, vocab-parallel reductions over the tensor-parallel group) and recomputes each chunk's logits in the
+        backward. Same values as the output layer + :meth:`compute_language_model_loss` up to the rounding of the
+        chunked GEMMs."""
+        from dsv4_primitives import linear_cross_entropy
+
+        tp = self.pg_collection.tp
+        loss = linear_cross_entropy(
+            hidden,
+            self.output_layer.weight,
+            labels.transpose(0, 1),  # [s, b]
+            tp_group=tp if tp is not None and tp.size() > 1 else None,
+        )  # [s, b] fp32
+        return loss.transpose(0, 1).contiguous()  # [b, s]
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy ``[b, s]`` of ``logits [s, b, V/tp]`` (this rank's vocabulary shard).
@@ -239,9 +282,11 @@ def build_model(
     post_process: bool = True,
     pg_collection: ProcessGroupCollection | None = None,
     backend=None,
+    fused_linear_cross_entropy: bool = True,
     **config_kwargs,
 ) -> DSv4Model:
-    """Build a :class:`DSv4Model` (megatron parallel state must be initialised)."""
+    """Build a :class:`DSv4Model` (megatron parallel state must be initialised); ``config_kwargs`` go to
+    :func:`hybrid_model.spec.transformer_config`."""
     from hybrid_model.spec import transformer_config
 
     tc = transformer_config(model_config, **config_kwargs)
@@ -252,4 +297,5 @@ def build_model(
         post_process=post_process,
         pg_collection=pg_collection,
         backend=backend,
+        fused_linear_cross_entropy=fused_linear_cross_entropy,
     )
