@@ -157,7 +157,9 @@ def _tp_worker(rank, world, dtype_name):
 
     dtype = getattr(torch, dtype_name)
     h, w, y, g = _inputs(11, 2 * 23, 16, dtype, device="cpu", seed=5, ignore=(4,))
-    full = _grads(lambda a, b, c: linear_cross_entropy(a, b, c, vocab_chunk=5, backend="reference"), h, w, y, g)
+    full = _grads(
+        lambda a, b, c: linear_cross_entropy(a, b, c, vocab_chunk=5, backend="reference"), h, w, y, g
+    )
     shard = slice(rank * 23, (rank + 1) * 23)
     ours = _grads(
         lambda a, b, c: linear_cross_entropy(

@@ -53,7 +53,7 @@ def _build(impl, dist_opt, bf16=True, device="cpu"):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
-    from dsv4_primitives.precision.megatron import Float16ModuleKeepFP32
+    from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     cfg = TransformerConfig(
@@ -139,7 +139,7 @@ def test_resolve_impl():
 
 @pytest.mark.parametrize("dist_opt", [True, False])
 def test_fused_inner_optimizer_keeps_megatron_groups(megatron_cpu, dist_opt):
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
 
     with cuda_as_cpu():
         _, ref = _build("unfused", dist_opt)
@@ -161,7 +161,7 @@ def test_set_adam_impl_refuses_non_torch_adam(megatron_cpu):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -177,7 +177,7 @@ def test_set_adam_impl_refuses_non_torch_adam(megatron_cpu):
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 @pytest.mark.parametrize("dist_opt, bf16", [(True, True), (False, True), (True, False)])
 def test_parity_with_megatron_adam(megatron_cpu, impl, dist_opt, bf16):
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
 
     steps = 6
     with cuda_as_cpu():
@@ -239,7 +239,7 @@ def _find_param_groups(obj):
     "save_impl, load_impl", [("unfused", "fused"), ("fused", "unfused"), ("fused", "fused")]
 )
 def test_checkpoint_round_trip_across_impls(megatron_cpu, tmp_path, dist_opt, save_impl, load_impl):
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
     from hybrid_model.training.trainer import _sync_saver_queue
 
     _sync_saver_queue()
@@ -276,7 +276,7 @@ def test_checkpoint_round_trip_across_impls(megatron_cpu, tmp_path, dist_opt, sa
 def test_state_dict_format_identical(megatron_cpu, dist_opt):
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject
 
-    from dsv4_primitives.megatron_cpu import cuda_as_cpu
+    from dsv4_primitives.megatron import cuda_as_cpu
 
     def layout(obj, prefix=""):
         """Flat {path: type / (key, shape, dtype) / value} of a (sharded) state dict."""

@@ -90,3 +90,21 @@ def test_exact_resume(tmp_path):
     assert tail == full[3:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))  # rows after the resume point are rewritten
+
+
+def test_fused_optimizer_exact_resume_and_cross_impl_resume(tmp_path):
+    """``--optimizer-impl fused`` (torch's fused AdamW kernel; on CPU here) resumes bit-identically, and a checkpoint
+    it wrote resumes under megatron's own optimizer (``unfused``): same format, Adam state and step restored, so
+    the losses stay within the fused/unfused rounding difference (hybrid_model.training.optimizer)."""
+    kw = dict(steps=6, warmup_steps=2)
+    run = tmp_path / "run"
+    full = _train_metrics(tmp_path, out=str(run), save_interval=3, optimizer_impl="fused", **kw)
+    (run / "checkpoints" / "latest").write_text("iter_0000003")
+    tail = _train_metrics(tmp_path, out=str(run), resume=True, optimizer_impl="fused", **kw)
+    assert tail == full[3:]
+    (run / "checkpoints" / "latest").write_text("iter_0000003")
+    other = _train_metrics(tmp_path, out=str(run), resume=True, optimizer_impl="unfused", **kw)
+    assert len(other) == 3
+    for a, b in zip(other, full[3:], strict=True):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-3 * abs(b["lm_loss"]), (a, b)
+        assert a["lr"] == b["lr"]

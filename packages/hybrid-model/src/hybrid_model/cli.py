@@ -66,6 +66,19 @@ def _train_parser(sub) -> None:
         "FullCudaGraphWrapper) and replay it; removes the kernel-launch overhead of short sequences",
     )
     p.add_argument("--cuda-graph-warmup-steps", type=int, help="eager steps before the capture (default 2)")
+    p.add_argument(
+        "--optimizer-impl",
+        choices=["auto", "fused", "foreach", "unfused"],
+        help="kernel of megatron's torch AdamW: fused (one pass), foreach (multi-tensor), unfused (megatron's "
+        "optimizer as built); default auto = fused on CUDA, unfused on CPU; checkpoints are interchangeable",
+    )
+    p.add_argument(
+        "--fused-linear-ce",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="main and MTP head losses without materialising the [s, b, V] logits (vocab-chunked head GEMM + "
+        "cross entropy; default on); --no-fused-linear-ce: output-layer logits, then the fused cross entropy",
+    )
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s (in TFLOP/s) for MFU")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 

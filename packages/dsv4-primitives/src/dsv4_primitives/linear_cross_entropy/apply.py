@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.cross_entropy.apply import _IMPLS
+from dsv4_primitives.dispatch import resolve_backend
 
 _CHUNK_ELEMENTS = 1 << 28  # logits elements of one vocabulary chunk (512 MiB in bf16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

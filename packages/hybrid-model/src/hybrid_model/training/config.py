@@ -30,6 +30,11 @@ class TrainConfig:
     ``data``: text sources read in order (empty: the embedded default corpus); ``long_docs``: ``"split"`` documents
     longer than ``seq_len`` into several sequences or ``"truncate"`` them; ``skip_bad_records``: skip and count bad
     records instead of stopping at the first (see :mod:`hybrid_model.training.data`).
+    ``optimizer_impl``: the kernel of megatron's torch AdamW (:mod:`hybrid_model.training.optimizer`): ``"auto"``
+    (fused on CUDA, megatron's own choice on CPU), ``"fused"``, ``"foreach"`` or ``"unfused"`` (megatron's
+    optimizer as built); checkpoints are the same whichever is used. ``fused_linear_ce``: the main and MTP head
+    losses through dsv4-primitives' ``linear_cross_entropy`` (no ``[s, b, V]`` logits); ``False``: the output
+    layer's logits, then the fused cross entropy.
     """
 
     preset: str = "tiny"
@@ -69,6 +74,8 @@ class TrainConfig:
     bf16: bool | None = None
     cuda_graph: bool = False
     cuda_graph_warmup_steps: int = 2
+    optimizer_impl: str = "auto"
+    fused_linear_ce: bool = True
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
@@ -91,6 +98,12 @@ class TrainConfig:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
         if self.cuda_graph:
             check_cuda_graph_config(self)
+        from hybrid_model.training.optimizer import OPTIMIZER_IMPLS
+
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"--optimizer-impl must be one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}"
+            )
         if self.dense_steps < 0 or self.save_interval < 0 or self.warmup_steps < 0:
             raise ValueError("--dense-steps, --save-interval and --warmup-steps must be >= 0")
         if self.tp != 1:

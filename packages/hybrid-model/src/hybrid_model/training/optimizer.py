@@ -150,7 +150,7 @@ def set_adam_impl(optimizer, impl: str):
 def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwargs):
     """megatron-core's optimizer for ``model_chunks`` (``get_megatron_optimizer`` with the keep-in-FP32 fix-ups of
     dsv4-primitives) on the torch Adam kernel ``impl`` (``"auto"`` resolved from the first param's device)."""
-    from dsv4_primitives.precision.megatron import get_megatron_optimizer_keep_fp32
+    from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
 
     device = next((p.device for m in model_chunks for p in m.parameters()), torch.device("cpu"))
     optimizer = get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)

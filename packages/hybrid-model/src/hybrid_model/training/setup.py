@@ -106,6 +106,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
             indexer_loss_coeff=tc.indexer_loss_coeff,
             bf16=tc.bf16,
             params_dtype=params_dtype_of(tc),
+            fused_linear_cross_entropy=tc.fused_linear_ce,
         ).to(device)
     config = core.config
     model = core
@@ -122,10 +123,11 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
 
 
 def build_optimizer(tc: TrainConfig, model) -> Any:
-    """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``."""
+    """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``,
+    on the AdamW kernel ``tc.optimizer_impl`` (:mod:`hybrid_model.training.optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
+    from hybrid_model.training.optimizer import build_optimizer as build_megatron_optimizer
 
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -143,7 +145,7 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
     with cuda_as_cpu():
         # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
         # by the loading template, then shared by all params) — the primitives subclass fixes both
-        return get_megatron_optimizer_keep_fp32(opt_config, [model])
+        return build_megatron_optimizer(opt_config, [model], impl=tc.optimizer_impl)
 
 
 def build_scheduler(tc: TrainConfig, optimizer) -> Any:
