@@ -137,6 +137,22 @@ def test_resolve_impl():
         resolve_impl("apex", torch.device("cpu"))
 
 
+def test_cli_flags():
+    from hybrid_model.cli import build_parser, train_config_from_args
+    from hybrid_model.training.config import TrainConfig
+
+    tc = train_config_from_args(
+        build_parser().parse_args(["train", "--optimizer-impl", "fused", "--no-fused-linear-ce"])
+    )
+    assert tc.optimizer_impl == "fused" and tc.fused_linear_ce is False
+    tc = train_config_from_args(build_parser().parse_args(["train"]))
+    assert tc.optimizer_impl == "auto" and tc.fused_linear_ce is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--optimizer-impl", "apex"])
+    with pytest.raises(ValueError, match="--optimizer-impl must be one of"):
+        TrainConfig(optimizer_impl="apex")
+
+
 @pytest.mark.parametrize("dist_opt", [True, False])
 def test_fused_inner_optimizer_keeps_megatron_groups(megatron_cpu, dist_opt):
     from dsv4_primitives.megatron import cuda_as_cpu
