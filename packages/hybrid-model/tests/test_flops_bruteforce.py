@@ -78,6 +78,8 @@ def _component(path: str, shapes, cfg) -> str:
     leaf = path.rsplit(".", 1)[-1]
     if path in ("output_layer", "decoder.hyper_head", "mtp.hyper_head"):
         return "heads"  # main + MTP head share output_layer; split by call count below
+    if path == "" and shapes[0][-1] == cfg.hidden_size and shapes[1][0] == cfg.hidden_size:
+        return "heads"  # the fused head (DSv4Model.head_loss): the head GEMM over vocabulary chunks
     if path in ("mtp.e_proj", "mtp.h_proj"):
         return "mtp.projections"
     if ".core_attention.indexer." in path:

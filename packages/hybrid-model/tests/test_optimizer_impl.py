@@ -256,9 +256,9 @@ def _find_param_groups(obj):
 )
 def test_checkpoint_round_trip_across_impls(megatron_cpu, tmp_path, dist_opt, save_impl, load_impl):
     from dsv4_primitives.megatron import cuda_as_cpu
-    from hybrid_model.training.trainer import _sync_saver_queue
+    from hybrid_model.training.checkpoint import sync_saver_queue
 
-    _sync_saver_queue()
+    sync_saver_queue()
     with cuda_as_cpu():
         ddp, opt = _build(save_impl, dist_opt)
         for s in range(3):
