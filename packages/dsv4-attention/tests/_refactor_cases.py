@@ -41,7 +41,8 @@ def run_case(name: str, pg) -> dict[str, torch.Tensor]:
     """State dict (default init, then re-drawn), output, input and parameter gradients of case ``name``."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from dsv4_attention import IndexerLossAutoScaler, get_dsv4_attention_spec, get_indexer_loss_tracker
+    from dsv4_attention import IndexerLossAutoScaler, get_indexer_loss_tracker
+    from dsv4_attention.megatron import get_dsv4_attention_spec
 
     ratio, overrides, lengths = CASES[name]
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def build(pg):
     """
     from megatron.core.transformer.spec_utils import build_module
 
-    from dsv4_attention import get_dsv4_attention_spec
+    from dsv4_attention.megatron import get_dsv4_attention_spec
 
     def _build(ratio, layer_number=1, seed=0, init_std=0.2, is_mtp_layer=False, **overrides):
         torch.manual_seed(seed)

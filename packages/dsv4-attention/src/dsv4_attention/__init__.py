@@ -1,30 +1,31 @@
-"""dsv4-attention: DSv4 hybrid self-attention (window / CSA / HCA) for megatron-core, SBHD and packed THD.
+"""dsv4-attention: DSv4 hybrid self-attention (window / CSA / HCA): a plain-PyTorch core and a megatron adapter.
 
-Public API (see the package README):
+Core (no megatron; see the package README):
 
-- :class:`DSv4AttentionConfig`: ``MLATransformerConfig`` subclass with the DSv4 fields and their validation.
-- :class:`DSv4HybridAttention`: the ``self_attention`` module (one class, three layer kinds by ``compress_ratio``).
-- :class:`CompressedSparseAttention`, :class:`Compressor`, :class:`LightningIndexer`,
-  :class:`GroupedOutputProjection`: its submodules (paper names).
-- :func:`get_dsv4_attention_spec` / :func:`get_dsv4_layer_spec` (+ ``window_/csa_/hca_attention_spec``),
-  :class:`DSv4TransformerLayer`: ModuleSpec builders and the MTP-aware ``TransformerLayer``.
+- :class:`LayerKind`: window / CSA / HCA, from which the compress ratio, compressor overlap and indexer follow.
+- :class:`DSv4Attention` + :class:`AttentionConfig`: one layer on packed token rows; :class:`CompressedSparseAttention`
+  (+ :class:`CoreAttentionConfig`), :class:`Compressor` (+ :class:`CompressorConfig`), :class:`LightningIndexer`
+  (+ :class:`IndexerConfig`), :class:`GroupedOutputProjection`: its submodules (paper names), frozen configs.
 - :class:`IndexerLossAutoScaler`, :class:`IndexerLossTracker`, :func:`get_indexer_loss_tracker`: indexer-loss
   scheduling and logging.
 - :func:`token_layout`, :class:`TokenLayout`: SBHD / THD plumbing.
 - :func:`parameter_table`: analytic parameter counts per layer kind.
+
+megatron adapter (extra ``[megatron]``): :mod:`dsv4_attention.megatron` (``DSv4AttentionConfig``,
+``DSv4HybridAttention``, the spec builders, ``DSv4TransformerLayer``). Their 0.2 names at this top level still
+resolve (with a ``DeprecationWarning``).
 """
 
-from dsv4_attention.attention import DSv4HybridAttention, DSv4HybridAttentionSubmodules
-from dsv4_attention.compressor import Compressor, CompressorSubmodules
-from dsv4_attention.config import (
-    LAYER_KINDS,
-    VALID_COMPRESS_RATIOS,
-    DSv4AttentionConfig,
-    check_compress_ratio,
-)
-from dsv4_attention.core import CompressedSparseAttention, CompressedSparseAttentionSubmodules
+from __future__ import annotations
+
+import importlib
+import warnings
+
+from dsv4_attention.attention import AttentionConfig, DSv4Attention, build_core_attention, rope_config_for_kind
+from dsv4_attention.compressor import Compressor, CompressorConfig
+from dsv4_attention.core import CompressedSparseAttention, CoreAttentionConfig
 from dsv4_attention.grouped_projection import GroupedOutputProjection
-from dsv4_attention.indexer import LightningIndexer, LightningIndexerSubmodules
+from dsv4_attention.indexer import IndexerConfig, IndexerState, LightningIndexer
 from dsv4_attention.indexer_loss import (
     IndexerLossAutoScaler,
     IndexerLossTracker,
@@ -32,54 +33,70 @@ from dsv4_attention.indexer_loss import (
     get_indexer_loss_tracker,
     indexer_loss_tracker_slot,
 )
+from dsv4_attention.kind import LAYER_KINDS, VALID_COMPRESS_RATIOS, LayerKind, check_compress_ratio
 from dsv4_attention.layout import TokenLayout, sbhd_layout, thd_layout, token_layout
 from dsv4_attention.param_counts import parameter_table
-from dsv4_attention.specs import (
-    DSv4TransformerLayer,
-    csa_attention_spec,
-    default_backend,
-    get_core_attention_spec,
-    get_dsv4_attention_spec,
-    get_dsv4_layer_spec,
-    hca_attention_spec,
-    te_backend,
-    window_attention_spec,
-)
 
 __version__ = "0.2.1"
 
 __all__ = [
     "LAYER_KINDS",
     "VALID_COMPRESS_RATIOS",
+    "AttentionConfig",
     "CompressedSparseAttention",
-    "CompressedSparseAttentionSubmodules",
     "Compressor",
-    "CompressorSubmodules",
-    "DSv4AttentionConfig",
-    "DSv4HybridAttention",
-    "DSv4HybridAttentionSubmodules",
-    "DSv4TransformerLayer",
+    "CompressorConfig",
+    "CoreAttentionConfig",
+    "DSv4Attention",
     "GroupedOutputProjection",
+    "IndexerConfig",
     "IndexerLossAutoScaler",
     "IndexerLossTracker",
+    "IndexerState",
+    "LayerKind",
     "LightningIndexer",
-    "LightningIndexerSubmodules",
     "TokenLayout",
     "__version__",
     "attach_indexer_loss",
+    "build_core_attention",
     "check_compress_ratio",
-    "csa_attention_spec",
-    "default_backend",
-    "get_core_attention_spec",
-    "get_dsv4_attention_spec",
-    "get_dsv4_layer_spec",
     "get_indexer_loss_tracker",
-    "hca_attention_spec",
     "indexer_loss_tracker_slot",
     "parameter_table",
+    "rope_config_for_kind",
     "sbhd_layout",
-    "te_backend",
     "thd_layout",
     "token_layout",
-    "window_attention_spec",
 ]
+
+#: 0.2 top-level names that moved to :mod:`dsv4_attention.megatron` (resolved lazily, with a DeprecationWarning)
+MOVED_TO_MEGATRON = frozenset(
+    {
+        "CompressedSparseAttentionSubmodules",
+        "CompressorSubmodules",
+        "DSv4AttentionConfig",
+        "DSv4HybridAttention",
+        "DSv4HybridAttentionSubmodules",
+        "DSv4TransformerLayer",
+        "LightningIndexerSubmodules",
+        "csa_attention_spec",
+        "default_backend",
+        "get_core_attention_spec",
+        "get_dsv4_attention_spec",
+        "get_dsv4_layer_spec",
+        "hca_attention_spec",
+        "te_backend",
+        "window_attention_spec",
+    }
+)
+
+
+def __getattr__(name: str):
+    if name in MOVED_TO_MEGATRON:
+        warnings.warn(
+            f"dsv4_attention.{name} moved to dsv4_attention.megatron.{name} (extra `dsv4-attention[megatron]`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("dsv4_attention.megatron"), name)
+    raise AttributeError(f"module 'dsv4_attention' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""KV compressor module (spec §3): CSA (ratio 4, overlapping "two series") and HCA (ratio 128, plain blocks).
+"""KV compressor (spec §3): CSA (ratio 4, overlapping "two series") and HCA (ratio 128, plain blocks).
 
 Per document of a pack (``cu_seqlens``), from the block input ``x`` (after ``attn_norm``, NOT the query latent):
 
@@ -7,90 +7,98 @@ Per document of a pack (``cu_seqlens``), from the block input ``x`` (after ``att
     P     = csa_kernels.compressor_pool(kv, score, ape, ratio, overlap, cu_seqlens)   # [Tc, c] fp32 softmax pooling
     C     = RoPE(norm(P), pos = w * ratio)      # [Tc, c]   weighted RMSNorm, rotation at the block's first token
 
-Only complete blocks are compressed (a document of length ``L`` gives ``floor(L / ratio)`` entries). The projections
-come from the spec's linear provider; the pooling numerics from csa-kernels.
+Only complete blocks are compressed (a document of length ``L`` gives ``floor(L / ratio)`` entries). Plain PyTorch:
+the linears and the norm are injected (bias-free ``nn.Linear`` / :class:`dsv4_primitives.RMSNorm` by default); the
+pooling numerics come from csa-kernels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 
 from dsv4_attention._kernels import compressed_cu_seqlens_host, compressed_positions, compressor_pool
-from dsv4_attention._linears import column_parallel_kwargs
+from dsv4_attention._linears import default_norm, linear_out, plain_linear
 from dsv4_attention._rope import rope
+from dsv4_attention.kind import LayerKind
 from dsv4_primitives import KeepFP32Mixin, RopeConfig, mark_keep_in_fp32
 
 
-@dataclass
-class CompressorSubmodules:
-    """Submodules of :class:`Compressor`: two column-parallel linears and a weighted RMSNorm."""
+@dataclass(frozen=True)
+class CompressorConfig:
+    """One compressor: its layer ``kind`` (CSA or HCA), input width ``d`` and entry width ``c``.
 
-    linear_wkv: Any = None
-    linear_wgate: Any = None
-    norm: Any = None
+    Attributes:
+        kind: :attr:`LayerKind.CSA` (ratio 4, overlapping) or :attr:`LayerKind.HCA` (ratio 128).
+        hidden_size: ``d`` (width of the block input ``x``).
+        head_dim: entry width ``c`` (512 for the main KV, ``c_I`` = 128 for the indexer keys).
+        eps: epsilon of the weighted RMSNorm.
+    """
+
+    kind: LayerKind
+    hidden_size: int
+    head_dim: int
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, LayerKind) or not self.kind.has_compressor:
+            raise ValueError(f"a compressor needs kind LayerKind.CSA or LayerKind.HCA, got {self.kind!r}")
+        if self.hidden_size <= 0 or self.head_dim <= 0:
+            raise ValueError(
+                f"compressor sizes must be positive, got hidden_size={self.hidden_size}, head_dim={self.head_dim}"
+            )
+
+    @property
+    def ratio(self) -> int:
+        return self.kind.compress_ratio
+
+    @property
+    def width(self) -> int:
+        """``coff * c``: output width of ``linear_wkv`` / ``linear_wgate`` (``coff`` = 2 when overlapping)."""
+        return (2 if self.kind.overlap else 1) * self.head_dim
 
 
-class Compressor(KeepFP32Mixin, MegatronModule):
+class Compressor(KeepFP32Mixin, torch.nn.Module):
     """Softmax-gated block compressor producing one ``head_dim``-wide entry per complete block.
 
     Args:
-        config: :class:`~dsv4_attention.config.DSv4AttentionConfig`.
-        submodules: :class:`CompressorSubmodules`.
-        compress_ratio: block size (4 overlapping, 128 plain).
-        head_dim: entry width ``c`` (512 for the main KV, ``c_I`` = 128 for the indexer keys).
+        cfg: :class:`CompressorConfig`.
         rope_cfg: the layer's rotary table.
-        pg_collection: explicit process groups (``tp`` is used by the linears).
+        linear_wkv, linear_wgate: ``[d] -> [coff*c]`` projections (default: bias-free ``nn.Linear``).
+        norm: weighted RMSNorm over ``c`` (default :class:`dsv4_primitives.RMSNorm`).
+        device: where ``ape`` (and default submodules) are created.
+        init_method: initialiser of ``ape`` (``None``: zeros).
     """
 
     def __init__(
         self,
-        config,
-        submodules: CompressorSubmodules,
-        compress_ratio: int,
-        head_dim: int,
+        cfg: CompressorConfig,
         rope_cfg: RopeConfig,
-        pg_collection,
+        *,
+        linear_wkv: torch.nn.Module | None = None,
+        linear_wgate: torch.nn.Module | None = None,
+        norm: torch.nn.Module | None = None,
+        device=None,
+        init_method: Callable[[torch.Tensor], object] | None = None,
     ) -> None:
-        super().__init__(config=config)
-        if compress_ratio not in (4, 128):
-            raise ValueError(f"Compressor needs compress_ratio 4 (CSA) or 128 (HCA), got {compress_ratio}")
-        if pg_collection is None:
-            raise ValueError("Compressor needs an explicit ProcessGroupCollection (pg_collection)")
-        self.compress_ratio = compress_ratio
-        self.overlap = compress_ratio == 4
-        self.head_dim = head_dim
+        super().__init__()
+        self._init_compressor(cfg, rope_cfg, linear_wkv, linear_wgate, norm, device, init_method)
+
+    def _init_compressor(self, cfg, rope_cfg, linear_wkv, linear_wgate, norm, device, init_method) -> None:
+        self.cfg = cfg
+        self.compress_ratio = cfg.ratio
+        self.overlap = cfg.kind.overlap
+        self.head_dim = cfg.head_dim
         self.rope_cfg = rope_cfg
-        coff = 2 if self.overlap else 1
-        width = coff * head_dim
-        common = column_parallel_kwargs(config, pg_collection.tp)
-        self.linear_wkv = build_module(
-            submodules.linear_wkv,
-            config.hidden_size,
-            width,
-            tp_comm_buffer_name="csa_compressor_wkv",
-            **common,
-        )
-        self.linear_wgate = build_module(
-            submodules.linear_wgate,
-            config.hidden_size,
-            width,
-            tp_comm_buffer_name="csa_compressor_wgate",
-            **common,
-        )
-        self.norm = build_module(
-            submodules.norm, config=config, hidden_size=head_dim, eps=config.layernorm_epsilon
-        )
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        if torch.get_default_device().type == "meta":
-            device = "meta"
-        self.ape = torch.nn.Parameter(torch.empty(compress_ratio, width, dtype=torch.float32, device=device))
-        if config.perform_initialization and device != "meta":
-            config.init_method(self.ape)
+        d, width = cfg.hidden_size, cfg.width
+        self.linear_wkv = linear_wkv if linear_wkv is not None else plain_linear(d, width, device=device)
+        self.linear_wgate = linear_wgate if linear_wgate is not None else plain_linear(d, width, device=device)
+        self.norm = norm if norm is not None else default_norm(cfg.head_dim, cfg.eps, device)
+        self.ape = torch.nn.Parameter(torch.zeros(cfg.ratio, width, dtype=torch.float32, device=device))
+        if init_method is not None and self.ape.device.type != "meta":
+            init_method(self.ape)
         mark_keep_in_fp32(self.ape)
 
     def forward(
@@ -109,8 +117,8 @@ class Compressor(KeepFP32Mixin, MegatronModule):
         ``cu_seqlens_host``: host copy of ``cu_seqlens`` (:attr:`~dsv4_attention.layout.TokenLayout.bounds_host`;
         with it and ``max_position`` the compressor does no device-to-host synchronisation).
         """
-        kv, _ = self.linear_wkv(x)  # [T, coff*c]
-        score, _ = self.linear_wgate(x)  # [T, coff*c]
+        kv = linear_out(self.linear_wkv, x)  # [T, coff*c]
+        score = linear_out(self.linear_wgate, x)  # [T, coff*c]
         pooled, cu_c = compressor_pool(
             kv,
             score,

@@ -1,11 +1,11 @@
 """Core attention of one DSv4 layer: window + compressed entries + sink in one softmax (spec §2.2, §3.4, §4, §5).
 
-``CompressedSparseAttention`` covers the three layer kinds (paper names):
+``CompressedSparseAttention`` covers the three layer kinds (:class:`~dsv4_attention.kind.LayerKind`):
 
-* ratio 0, sliding-window attention: keys = the last ``n_win`` raw tokens of the document (incl. the query);
-* ratio 128, heavily compressed attention (HCA): window + every visible compressed entry (``w < floor((t+1)/128)``);
-* ratio 4, compressed sparse attention (CSA): window + the lightning indexer's top-k visible entries (sparse phase)
-  or every visible entry (dense phase, ``config.csa_dense_mode``).
+* ``WINDOW``, sliding-window attention: keys = the last ``n_win`` raw tokens of the document (incl. the query);
+* ``HCA``, heavily compressed attention: window + every visible compressed entry (``w < floor((t+1)/128)``);
+* ``CSA``, compressed sparse attention: window + the lightning indexer's top-k visible entries (sparse phase)
+  or every visible entry (dense phase, ``forward(..., dense=True)``).
 
 Shared-KV MQA (K = V = ``kv_all = cat(kv [T, c], entries [Tc, c])``), per-head fp32 sink logit used raw:
 
@@ -14,19 +14,16 @@ Shared-KV MQA (K = V = ``kv_all = cat(kv [T, c], entries [Tc, c])``), per-head f
 
 CSA layers also compute the indexer KL loss (§5.2; teacher = the main attention's probabilities under its full
 denominator, summed over heads, L1-normalised over the loss set; student = softmax of the index scores over the same
-set; dense phase or ``dsa_indexer_use_sparse_loss=False``: all visible entries, else the selected top-k). The loss,
-times ``dsa_indexer_loss_coeff``, is attached to the output with :class:`~dsv4_attention.indexer_loss.IndexerLossAutoScaler`
-(also when the coefficient is 0, so the indexer parameters always receive a gradient) and saved to the tracker.
+set; dense phase or ``use_sparse_loss=False``: all visible entries, else the selected top-k), returned times the
+``indexer_loss_coeff`` argument. The phase (``dense``) and the loss weight are arguments of ``forward``, not config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 import torch
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 
 from dsv4_attention._kernels import (
     attention_indices,
@@ -35,73 +32,87 @@ from dsv4_attention._kernels import (
     visible_compressed_indices,
     window_indices,
 )
-from dsv4_attention.config import LAYER_KINDS, check_compress_ratio
+from dsv4_attention.compressor import Compressor
+from dsv4_attention.indexer import IndexerState, LightningIndexer
+from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
-from dsv4_primitives import KeepFP32Mixin, RopeConfig, mark_keep_in_fp32
+from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
+
+BACKENDS = ("auto", "triton", "reference")
 
 
-@dataclass
-class CompressedSparseAttentionSubmodules:
-    """Submodules of :class:`CompressedSparseAttention` (``None`` where the layer kind has none)."""
+@dataclass(frozen=True)
+class CoreAttentionConfig:
+    """One core attention.
 
-    compressor: Any = None
-    indexer: Any = None
+    Attributes:
+        kind: the layer kind (ratio, compressor overlap and indexer follow from it).
+        num_heads, head_dim: ``n_h``, ``c``.
+        window: ``n_win`` raw tokens per query (incl. itself).
+        backend: csa-kernels ``backend`` (``auto``: Triton on CUDA, the reference on CPU).
+        use_sparse_loss: sparse phase KL over the selected top-k (True, spec §5.2) or all visible entries (False).
+    """
+
+    kind: LayerKind
+    num_heads: int
+    head_dim: int
+    window: int
+    backend: Literal["auto", "triton", "reference"] = "auto"
+    use_sparse_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, LayerKind):
+            raise ValueError(f"CoreAttentionConfig.kind must be a LayerKind, got {self.kind!r}")
+        if self.num_heads <= 0 or self.head_dim <= 0 or self.window < 1:
+            raise ValueError(
+                f"need num_heads, head_dim > 0 and window >= 1, got {self.num_heads}, {self.head_dim}, {self.window}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
-class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
+class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
     """Window / HCA / CSA core attention with a per-head fp32 sink (``attn_sink [n_h]``).
 
     Args:
-        config: :class:`~dsv4_attention.config.DSv4AttentionConfig`.
-        submodules: :class:`CompressedSparseAttentionSubmodules` (compressor needed for ratio 4/128, indexer for 4).
-        compress_ratio: 0, 4 or 128.
-        rope_cfg: the layer's rotary table (shared by compressor and indexer).
-        pg_collection: explicit process groups.
+        cfg: :class:`CoreAttentionConfig`.
+        compressor: the KV :class:`Compressor` (CSA / HCA; ``None`` for window layers).
+        indexer: the :class:`LightningIndexer` (CSA only).
+        device: where ``attn_sink`` is created.
     """
 
     def __init__(
         self,
-        config,
-        submodules: CompressedSparseAttentionSubmodules,
-        compress_ratio: int,
-        rope_cfg: RopeConfig,
-        pg_collection,
+        cfg: CoreAttentionConfig,
+        *,
+        compressor: Compressor | None = None,
+        indexer: LightningIndexer | None = None,
+        device=None,
     ) -> None:
-        super().__init__(config=config)
-        self.compress_ratio = check_compress_ratio(compress_ratio)
-        self.kind = LAYER_KINDS[self.compress_ratio]
-        self.window = config.csa_window_size
-        self.head_dim = config.v_head_dim
-        self.num_heads = config.num_attention_heads
+        super().__init__()
+        self._init_core(cfg, compressor, indexer, device)
+
+    def _init_core(self, cfg, compressor, indexer, device) -> None:
+        kind = cfg.kind
+        if (compressor is None) == kind.has_compressor:
+            raise ValueError(f"a {kind.name} layer {'needs' if kind.has_compressor else 'has no'} compressor")
+        if (indexer is None) == kind.has_indexer:
+            raise ValueError(f"a {kind.name} layer {'needs' if kind.has_indexer else 'has no'} indexer")
+        self.cfg = cfg
+        self.kind = kind
+        self.compress_ratio = kind.compress_ratio
+        self.window = cfg.window
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads
         self.softmax_scale = self.head_dim**-0.5
-        self.compressor = None
-        self.indexer = None
-        if self.compress_ratio:
-            if submodules.compressor is None:
-                raise ValueError(f"compress_ratio={compress_ratio} needs a compressor submodule in the spec")
-            self.compressor = build_module(
-                submodules.compressor,
-                config=config,
-                compress_ratio=self.compress_ratio,
-                head_dim=self.head_dim,
-                rope_cfg=rope_cfg,
-                pg_collection=pg_collection,
-            )
-        if self.compress_ratio == 4:
-            if submodules.indexer is None:
-                raise ValueError("compress_ratio=4 (CSA) needs an indexer submodule in the spec")
-            self.indexer = build_module(
-                submodules.indexer, config=config, rope_cfg=rope_cfg, pg_collection=pg_collection
-            )
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        if torch.get_default_device().type == "meta":
-            device = "meta"
+        self.compressor = compressor
+        self.indexer = indexer
         self.attn_sink = torch.nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=device))
         mark_keep_in_fp32(self.attn_sink)
 
     @property
     def backend(self) -> str:
-        return self.config.csa_kernel_backend
+        return self.cfg.backend
 
     def forward(
         self,
@@ -110,6 +121,9 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         x: torch.Tensor,
         q_latent: torch.Tensor,
         layout: TokenLayout,
+        *,
+        dense: bool = False,
+        indexer_loss_coeff: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend.
 
@@ -119,6 +133,8 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
             x: ``[T, d]`` block input (compressor and indexer input).
             q_latent: ``[T, d_c]`` query latent ``cQ`` (indexer input).
             layout: token layout (segments, positions, padding rows).
+            dense: dense phase (CSA attends every visible entry; the indexer loss runs over all of them).
+            indexer_loss_coeff: weight of the returned indexer loss.
         Returns:
             ``o [T, n_h, c]`` (before the inverse RoPE) and the indexer loss (scalar, times the coefficient) or
             ``None`` when no loss is computed (not CSA, eval mode or grad disabled).
@@ -130,7 +146,7 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         host = layout.bounds_host
         backend = self.backend
         win = window_indices(cu, self.window, cu_seqlens_host=host)  # [T, W]
-        if not self.compress_ratio:
+        if self.compressor is None:
             o, _ = sparse_attn(
                 q, kv, self.attn_sink, win, self.softmax_scale, backend=backend, check_indices=False
             )
@@ -145,7 +161,7 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         )  # [Tc, c]
         kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
         max_c = layout.max_compressed_entries(self.compress_ratio)  # host int: no device sync
-        dense = self.indexer is None or self.config.csa_dense_mode
+        dense = self.indexer is None or dense
         want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
         state = topk_scores = None
         if self.indexer is not None:
@@ -172,26 +188,35 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         )
         loss = None
         if want_loss:
-            loss = self._indexer_loss(
-                q, kv_all, lse, comp, topk_scores, state, cu, cu_c, max_c, layout, dense
-            )
+            kl = self._indexer_kl(q, kv_all, lse, comp, topk_scores, state, cu_c, max_c, layout, dense)
+            loss = kl * indexer_loss_coeff
         return o, loss
 
-    def _indexer_loss(
-        self, q, kv_all, lse, comp, topk_scores, state, cu, cu_c, max_c, layout, dense
+    def _indexer_kl(
+        self,
+        q: torch.Tensor,
+        kv_all: torch.Tensor,
+        lse: torch.Tensor,
+        comp: torch.Tensor,
+        topk_scores: torch.Tensor | None,
+        state: IndexerState,
+        cu_c: torch.Tensor,
+        max_c: int,
+        layout: TokenLayout,
+        dense: bool,
     ) -> torch.Tensor:
-        """KL(teacher || softmax(index scores)) over the loss set, mean over real rows with entries, x coeff.
+        """KL(teacher || softmax(index scores)) over the loss set, mean over real rows with entries.
 
-        Loss set: every visible entry (dense phase, or ``dsa_indexer_use_sparse_loss=False``), else the selected
-        top-k. The student logits come from ``indexer_scores`` (column = local entry, aligned with
+        Loss set: every visible entry (dense phase, or ``use_sparse_loss=False``), else the selected top-k. The
+        student logits come from ``indexer_scores`` (column = local entry, aligned with
         ``visible_compressed_indices``) or are the top-k scores themselves.
         """
         t = q.shape[0]
         backend = self.backend
-        if dense or not self.config.dsa_indexer_use_sparse_loss:
+        if dense or not self.cfg.use_sparse_loss:
             loss_set = comp if dense else self._visible(layout, cu_c, max_c)
             student = self.indexer.scores(
-                state, cu, max_c, backend=backend, cu_seqlens_host=layout.bounds_host
+                state, layout.cu_seqlens, max_c, backend=backend, cu_seqlens_host=layout.bounds_host
             )  # [T, max_c]
         else:
             loss_set, student = comp, topk_scores  # [T, k]
@@ -212,11 +237,9 @@ class CompressedSparseAttention(KeepFP32Mixin, MegatronModule):
         rows = valid.any(-1)
         if layout.real_rows is not None:
             rows = rows & layout.real_rows
-        kl = torch.where(rows, per_row, torch.zeros_like(per_row)).sum() / rows.sum().clamp(min=1)
-        coeff = self.config.dsa_indexer_loss_coeff or 0.0
-        return kl * coeff
+        return torch.where(rows, per_row, torch.zeros_like(per_row)).sum() / rows.sum().clamp(min=1)
 
-    def _visible(self, layout, cu_c: torch.Tensor, max_c: int) -> torch.Tensor:
+    def _visible(self, layout: TokenLayout, cu_c: torch.Tensor, max_c: int) -> torch.Tensor:
         """Every visible compressed entry per query ``[T, max_c]`` (global rows, -1 padded), without a sync."""
         ratio = self.compress_ratio
         return visible_compressed_indices(

@@ -13,33 +13,40 @@ checkpoint tensor ``attn.wo_a`` (HF ``o_a_proj``).
 from __future__ import annotations
 
 import torch
-from megatron.core.transformer.module import MegatronModule
 
 
-class GroupedOutputProjection(MegatronModule):
+class GroupedOutputProjection(torch.nn.Module):
     """``wo_a``: ``[.., n_h*c] -> [.., g*d_g]`` with a block-diagonal weight stored as ``[g*d_g, n_h*c/g]``.
 
-    Built by ``build_module(spec, in_features, groups, rank, config=..., init_method=...)``; returns ``(out, None)``
-    like megatron linears.
+    ``GroupedOutputProjection(input_size, groups, rank, device=..., dtype=..., init_method=...)``; returns
+    ``(out, None)`` like megatron linears (the megatron adapter builds it from a spec with megatron's keywords).
     """
 
     def __init__(
-        self, input_size: int, groups: int, rank: int, *, config, init_method=None, **_unused
+        self,
+        input_size: int,
+        groups: int,
+        rank: int,
+        *,
+        device=None,
+        dtype: torch.dtype | None = None,
+        init_method=None,
     ) -> None:
-        super().__init__(config=config)
+        super().__init__()
+        self._init_projection(input_size, groups, rank, device, dtype, init_method)
+
+    def _init_projection(self, input_size, groups, rank, device, dtype, init_method) -> None:
         if groups <= 0 or input_size % groups:
             raise ValueError(f"input_size={input_size} must be divisible by groups={groups}")
         self.input_size, self.groups, self.rank = input_size, groups, rank
         self.group_in = input_size // groups
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        if torch.get_default_device().type == "meta":
-            device = "meta"
         self.weight = torch.nn.Parameter(
-            torch.empty(groups * rank, self.group_in, dtype=config.params_dtype, device=device)
+            torch.empty(groups * rank, self.group_in, dtype=dtype, device=device)
         )
-        init = init_method if init_method is not None else config.init_method
-        if config.perform_initialization and device != "meta":
-            init(self.weight)
+        if init_method is None:
+            torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's default, per group block
+        elif self.weight.device.type != "meta":
+            init_method(self.weight)
 
     def dense_weight(self) -> torch.Tensor:
         """The equivalent block-diagonal ``[g*d_g, n_h*c]`` matrix (oracle A3)."""

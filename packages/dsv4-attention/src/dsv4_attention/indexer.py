@@ -6,34 +6,65 @@ Inputs are DETACHED (the LM loss never reaches the indexer; it is trained only b
     KI = compressor(x)                                           # [Tc, c_I], its own ratio-4 overlapping compressor
     wI = linear_weights_proj(x) * c_I^-1/2 * n_I^-1/2            # [T, n_I]
     I[t, s] = sum_h wI[t, h] * ReLU(<qI[t, h], KI[s]>)           # visible entries of t's document, else -inf
-    sel(t)  = top-k(I[t, :]), k_eff = min(k, #entries), ties -> lower index, -1 padding
+    sel(t)  = top-k(I[t, :]), k_eff = min(k, #entries), -1 padding
 
-The scoring and top-k numerics come from csa-kernels (``indexer_topk`` chunked over tokens; ``indexer_scores`` for
-the differentiable student logits of the loss).
+Exact score ties (spec §4.2): ``tie_break="lower_index"`` (rule 2, the default) keeps the lower entry index, through
+csa-kernels' ``indexer_topk`` (chunked over tokens, Triton on CUDA); ``"torch_topk"`` (rule 1) is CPU ``torch.topk``
+over each query's full masked row, how transformers and the official code break ties on CPU (only to reproduce
+their logits; csa-kernels ``indexer_topk_ref(tie_break="torch_topk")``). ``indexer_scores`` gives the
+differentiable student logits of the loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 import torch
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 
 from dsv4_attention._kernels import compressed_cu_seqlens_host, indexer_scores, indexer_topk
-from dsv4_attention._linears import column_parallel_kwargs
+from dsv4_attention._linears import linear_out, plain_linear
 from dsv4_attention._rope import rope
+from dsv4_attention.compressor import Compressor, CompressorConfig
+from dsv4_attention.kind import LayerKind
 from dsv4_primitives import RopeConfig
 
+TIE_BREAKS = ("lower_index", "torch_topk")
 
-@dataclass
-class LightningIndexerSubmodules:
-    """Submodules of :class:`LightningIndexer`."""
 
-    linear_wq_b: Any = None
-    linear_weights_proj: Any = None
-    compressor: Any = None
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Sizes and top-k rule of one lightning indexer.
+
+    Attributes:
+        hidden_size: ``d`` (input of ``weights_proj`` and of the indexer's compressor).
+        q_lora_rank: ``d_c`` (the shared query latent ``cQ``).
+        n_heads, head_dim: ``n_I``, ``c_I``.
+        topk: ``k`` selected entries per query.
+        eps: epsilon of the compressor's RMSNorm.
+        tie_break: ``"lower_index"`` (spec §4.2 rule 2) or ``"torch_topk"`` (rule 1, CPU ``torch.topk``).
+    """
+
+    hidden_size: int
+    q_lora_rank: int
+    n_heads: int
+    head_dim: int
+    topk: int
+    eps: float = 1e-6
+    tie_break: Literal["lower_index", "torch_topk"] = "lower_index"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "q_lora_rank", "n_heads", "head_dim", "topk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"IndexerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.tie_break not in TIE_BREAKS:
+            raise ValueError(f"IndexerConfig.tie_break must be one of {TIE_BREAKS}, got {self.tie_break!r}")
+
+    @property
+    def compressor(self) -> CompressorConfig:
+        """The indexer's own ratio-4 overlapping compressor (entries of width ``c_I``)."""
+        return CompressorConfig(LayerKind.CSA, self.hidden_size, self.head_dim, self.eps)
 
 
 @dataclass
@@ -46,44 +77,49 @@ class IndexerState:
     cu_seqlens_c: torch.Tensor  # int32 [N+1]
 
 
-class LightningIndexer(MegatronModule):
-    """Lightning indexer with its own ratio-4 compressor (parameters: ``wq_b``, ``weights_proj``, compressor)."""
+class LightningIndexer(torch.nn.Module):
+    """Lightning indexer with its own ratio-4 compressor (parameters: ``wq_b``, ``weights_proj``, compressor).
+
+    Args:
+        cfg: :class:`IndexerConfig`.
+        rope_cfg: the layer's rotary table.
+        linear_wq_b: ``[d_c] -> [n_I*c_I]``; linear_weights_proj: ``[d] -> [n_I]`` (default bias-free ``nn.Linear``).
+        compressor: the indexer's :class:`Compressor` (default: built from ``cfg.compressor``).
+        device: where default submodules are created.
+    """
 
     def __init__(
-        self, config, submodules: LightningIndexerSubmodules, rope_cfg: RopeConfig, pg_collection
+        self,
+        cfg: IndexerConfig,
+        rope_cfg: RopeConfig,
+        *,
+        linear_wq_b: torch.nn.Module | None = None,
+        linear_weights_proj: torch.nn.Module | None = None,
+        compressor: Compressor | None = None,
+        device=None,
     ) -> None:
-        super().__init__(config=config)
-        if pg_collection is None:
-            raise ValueError("LightningIndexer needs an explicit ProcessGroupCollection (pg_collection)")
-        self.n_heads = config.dsa_indexer_n_heads
-        self.head_dim = config.dsa_indexer_head_dim
-        self.topk = config.dsa_indexer_topk
-        self.compress_ratio = 4
+        super().__init__()
+        self._init_indexer(cfg, rope_cfg, linear_wq_b, linear_weights_proj, compressor, device)
+
+    def _init_indexer(self, cfg, rope_cfg, linear_wq_b, linear_weights_proj, compressor, device) -> None:
+        self.cfg = cfg
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.topk = cfg.topk
+        self.compress_ratio = LayerKind.CSA.compress_ratio
         self.rope_cfg = rope_cfg
-        common = column_parallel_kwargs(config, pg_collection.tp)
-        self.linear_wq_b = build_module(
-            submodules.linear_wq_b,
-            config.q_lora_rank,
-            self.n_heads * self.head_dim,
-            tp_comm_buffer_name="csa_indexer_wq_b",
-            **common,
-        )
-        self.linear_weights_proj = build_module(
-            submodules.linear_weights_proj,
-            config.hidden_size,
-            self.n_heads,
-            tp_comm_buffer_name="csa_indexer_weights_proj",
-            **common,
-        )
-        self.compressor = build_module(
-            submodules.compressor,
-            config=config,
-            compress_ratio=4,
-            head_dim=self.head_dim,
-            rope_cfg=rope_cfg,
-            pg_collection=pg_collection,
-        )
+        if linear_wq_b is None:
+            linear_wq_b = plain_linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, device=device)
+        if linear_weights_proj is None:
+            linear_weights_proj = plain_linear(cfg.hidden_size, cfg.n_heads, device=device)
+        self.linear_wq_b = linear_wq_b
+        self.linear_weights_proj = linear_weights_proj
+        self.compressor = compressor if compressor is not None else Compressor(cfg.compressor, rope_cfg, device=device)
         self.weight_scale = (self.head_dim**-0.5) * (self.n_heads**-0.5)
+
+    def set_tie_break(self, tie_break: Literal["lower_index", "torch_topk"]) -> None:
+        """Switch the top-k tie rule (validated; the config stays frozen, a new one replaces it)."""
+        self.cfg = dataclasses.replace(self.cfg, tie_break=tie_break)
 
     def forward(
         self,
@@ -105,7 +141,7 @@ class LightningIndexer(MegatronModule):
         x = x.detach()
         q_latent = q_latent.detach()
         t = x.shape[0]
-        q, _ = self.linear_wq_b(q_latent)  # [T, n_I*c_I]
+        q = linear_out(self.linear_wq_b, q_latent)  # [T, n_I*c_I]
         q = rope(
             q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg, max_position=max_position
         )  # [T, n_I, c_I]
@@ -117,7 +153,7 @@ class LightningIndexer(MegatronModule):
             max_position=max_position,
             cu_seqlens_host=cu_seqlens_host,
         )  # [Tc, c_I]
-        w, _ = self.linear_weights_proj(x)  # [T, n_I]
+        w = linear_out(self.linear_weights_proj, x)  # [T, n_I]
         return IndexerState(q, k, w * self.weight_scale, cu_c)
 
     def select(
@@ -130,8 +166,10 @@ class LightningIndexer(MegatronModule):
         """Top-k per query: ``(indices [T, k] int32 global compressed rows (-1 trailing), scores [T, k] fp32)``.
 
         The scores are differentiable in the indexer's parameters (the sparse-loss student); the indices are not.
-        ``cu_seqlens_host``: host copy of ``cu_seqlens`` (no device sync).
+        ``cu_seqlens_host``: host copy of ``cu_seqlens`` (no device sync). Ties follow ``cfg.tie_break``.
         """
+        if self.cfg.tie_break == "torch_topk":
+            return self._select_torch_topk(state, cu_seqlens)
         idx, scores = indexer_topk(
             state.q,
             state.k,
@@ -144,6 +182,24 @@ class LightningIndexer(MegatronModule):
             **_host_kwargs(cu_seqlens_host, self.compress_ratio),
         )
         return idx, scores
+
+    def _select_torch_topk(self, state: IndexerState, cu_seqlens: torch.Tensor):
+        """Spec §4.2 rule 1: CPU ``torch.topk`` over each query's full masked row (the CPU reference reads the
+        boundaries itself), results moved back to the state's device."""
+        from csa_kernels import indexer_topk_ref
+
+        dev = state.q.device
+        idx, scores = indexer_topk_ref(
+            state.q.cpu(),
+            state.k.cpu(),
+            state.weights.cpu(),
+            self.compress_ratio,
+            self.topk,
+            cu_seqlens.cpu(),
+            state.cu_seqlens_c.cpu(),
+            tie_break="torch_topk",
+        )
+        return idx.to(dev), scores.to(dev)
 
     def scores(
         self,

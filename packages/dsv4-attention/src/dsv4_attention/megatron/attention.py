@@ -1,0 +1,206 @@
+"""``DSv4HybridAttention``: the megatron ``self_attention`` adapter of :class:`~dsv4_attention.attention.DSv4Attention`.
+
+It is a drop-in ``self_attention`` submodule of megatron's ``TransformerLayer`` (0.19.2): constructor keywords
+``config, layer_number, pg_collection[, pp_layer_offset, cp_comm_type, name]`` from the layer, ``compress_ratio``
+(or ``kind``) / ``is_mtp_layer`` from the spec params; ``forward`` accepts the layer's keyword arguments, flattens
+SBHD ``[s, b, d]`` / THD ``[t, 1, d]`` activations into token rows (:mod:`dsv4_attention.layout`), runs the core
+layer and returns ``(y, None)``. The adapter owns what is megatron's: the spec-built linears, the process groups,
+the layer numbering (kind lookup, indexer-loss tracker slot) and the training phase it passes to the core
+(:meth:`DSv4HybridAttention.set_dense_attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from dsv4_attention.attention import DSv4Attention
+from dsv4_attention.indexer_loss import get_indexer_loss_tracker, indexer_loss_tracker_slot
+from dsv4_attention.kind import LayerKind
+from dsv4_attention.layout import token_layout
+from dsv4_attention.megatron._linears import column_parallel_kwargs
+from dsv4_attention.megatron.config import DSv4AttentionConfig
+
+
+@dataclass
+class DSv4HybridAttentionSubmodules:
+    """Submodules of :class:`DSv4HybridAttention` (linears from a backend provider, RMSNorms, core attention)."""
+
+    linear_q_down_proj: Any = None
+    q_layernorm: Any = None
+    linear_q_up_proj: Any = None
+    linear_kv_proj: Any = None
+    kv_layernorm: Any = None
+    core_attention: Any = None
+    linear_o_group_proj: Any = None
+    linear_proj: Any = None
+
+
+class DSv4HybridAttention(DSv4Attention, MegatronModule):
+    """DSv4 self-attention (window-only / CSA / HCA) for SBHD and packed THD, built from a megatron spec.
+
+    Args:
+        config: :class:`~dsv4_attention.megatron.config.DSv4AttentionConfig`.
+        submodules: :class:`DSv4HybridAttentionSubmodules` (see :func:`~dsv4_attention.megatron.specs.get_dsv4_attention_spec`).
+        layer_number: 1-based layer number (within the MTP depth for MTP layers, as megatron numbers them).
+        attn_mask_type: must be causal (accepted for megatron compatibility).
+        kind / compress_ratio: the layer kind (a :class:`LayerKind` or its ratio 0 / 4 / 128); neither ->
+            ``config.layer_kind(layer_number, is_mtp_layer)``.
+        is_mtp_layer: MTP layer (kind lookup after the main layers, own indexer-loss tracker slot).
+        pg_collection: explicit ``ProcessGroupCollection`` (required).
+    """
+
+    def __init__(
+        self,
+        config: DSv4AttentionConfig,
+        submodules: DSv4HybridAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        *,
+        kind: LayerKind | None = None,
+        compress_ratio: int | None = None,
+        is_mtp_layer: bool = False,
+        pg_collection=None,
+        pp_layer_offset: int | None = None,
+        cp_comm_type: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        MegatronModule.__init__(self, config)
+        if not isinstance(config, DSv4AttentionConfig):
+            raise ValueError(
+                f"DSv4HybridAttention needs a DSv4AttentionConfig (or subclass), got {type(config).__name__}"
+            )
+        self._check_groups(pg_collection)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"DSv4 attention is causal; attn_mask_type={attn_mask_type} is not supported")
+        self.layer_number = layer_number
+        self.is_mtp_layer = is_mtp_layer
+        self.pg_collection = pg_collection
+        if kind is None:
+            kind = (
+                config.layer_kind(layer_number, is_mtp_layer)
+                if compress_ratio is None
+                else LayerKind.from_ratio(compress_ratio)
+            )
+        elif compress_ratio is not None and LayerKind.from_ratio(compress_ratio) is not kind:
+            raise ValueError(f"kind={kind.name} disagrees with compress_ratio={compress_ratio}")
+        cfg = config.attention_config(LayerKind.coerce(kind))
+        self.dense_attention = bool(config.csa_dense_mode)
+        d, dc, n_h, c = config.hidden_size, config.q_lora_rank, cfg.num_heads, cfg.head_dim
+        g, dg, eps = cfg.o_groups, cfg.o_lora_rank, cfg.eps
+
+        col = column_parallel_kwargs(config, pg_collection.tp)
+        # built in checkpoint order (parameter initialisation draws from the RNG in this order)
+        q_down = build_module(submodules.linear_q_down_proj, d, dc, tp_comm_buffer_name="q_down_proj", **col)
+        q_norm = build_module(submodules.q_layernorm, config=config, hidden_size=dc, eps=eps)
+        q_up = build_module(submodules.linear_q_up_proj, dc, n_h * c, tp_comm_buffer_name="q_up_proj", **col)
+        kv_proj = build_module(submodules.linear_kv_proj, d, c, tp_comm_buffer_name="kv_proj", **col)
+        kv_norm = build_module(submodules.kv_layernorm, config=config, hidden_size=c, eps=eps)
+        core = build_module(
+            submodules.core_attention, config=config, kind=cfg.kind, rope_cfg=cfg.rope, pg_collection=pg_collection
+        )
+        o_group_proj = build_module(
+            submodules.linear_o_group_proj, n_h * c, g, dg, config=config, init_method=config.init_method
+        )
+        proj = build_module(
+            submodules.linear_proj,
+            g * dg,
+            d,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=pg_collection.tp,
+        )
+        self._init_attention(cfg, q_down, q_norm, q_up, kv_proj, kv_norm, core, o_group_proj, proj)
+
+    @staticmethod
+    def _check_groups(pg_collection) -> None:
+        if pg_collection is None:
+            raise ValueError(
+                "DSv4HybridAttention needs an explicit ProcessGroupCollection: pass pg_collection= "
+                "(TransformerLayer forwards its own)"
+            )
+        tp = getattr(pg_collection, "tp", None)
+        if tp is None:
+            raise ValueError("pg_collection.tp must be set (the tensor-parallel group of the linear layers)")
+        if tp.size() > 1:
+            raise ValueError(
+                f"DSv4 attention supports tensor-parallel size 1 only, pg_collection.tp has {tp.size()}"
+            )
+        cp = getattr(pg_collection, "cp", None)
+        if cp is not None and cp.size() > 1:
+            raise ValueError(
+                "DSv4 attention does not support context parallelism yet (pg_collection.cp size > 1)"
+            )
+
+    # ------------------------------------------------------------------ identity and phase
+    @property
+    def tracker_slot(self) -> int:
+        """0-based indexer-loss tracker slot of this layer (MTP layers after the main layers)."""
+        return indexer_loss_tracker_slot(self.layer_number, self.config.num_layers, self.is_mtp_layer)
+
+    def set_dense_attention(self, dense: bool) -> None:
+        """Training phase of the following forwards: dense (CSA attends every visible entry) or sparse (top-k)."""
+        self.dense_attention = bool(dense)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        inference_context: Any = None,
+        rotary_pos_emb: Any = None,
+        rotary_pos_cos: Any = None,
+        rotary_pos_sin: Any = None,
+        rotary_pos_cos_sin: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: Any = None,
+        *,
+        inference_params: Any = None,
+    ) -> tuple[torch.Tensor, None]:
+        """``hidden_states [s, b, d]`` (SBHD) or ``[t, 1, d]`` + THD ``packed_seq_params`` -> ``(out, None)``."""
+        self._reject_unsupported(
+            attention_mask,
+            key_value_states,
+            inference_context if inference_context is not None else inference_params,
+            (rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin),
+            attention_bias,
+            sequence_len_offset,
+        )
+        layout = token_layout(hidden_states, packed_seq_params)
+        coeff = self.config.dsa_indexer_loss_coeff
+        y, loss = self.forward_tokens(
+            layout.to_tokens(hidden_states), layout, dense=self.dense_attention, indexer_loss_coeff=coeff or 0.0
+        )  # [T, d]
+        if loss is not None and coeff:
+            get_indexer_loss_tracker().save(loss, self.tracker_slot, self.config.tracker_num_layers)
+        return layout.from_tokens(y), None
+
+    def _reject_unsupported(self, mask, kv_states, inference, rotary, bias, seq_offset) -> None:
+        if mask is not None:
+            raise ValueError(
+                "DSv4 attention builds its own causal/window/document masks; pass attention_mask=None "
+                "(explicit attention masks are not supported; use PackedSeqParams for document boundaries)"
+            )
+        if kv_states is not None:
+            raise ValueError("DSv4 attention is self-attention only: key_value_states must be None")
+        if inference is not None or seq_offset is not None:
+            raise ValueError("DSv4 attention has no KV-cache inference path: inference_context must be None")
+        if any(r is not None for r in rotary):
+            raise ValueError(
+                "DSv4 attention applies its own per-layer RoPE; the model must not pass rotary_pos_emb/cos/sin "
+                "(use a multi_latent_attention config so HybridModel/GPTModel build no model-level RoPE)"
+            )
+        if bias is not None:
+            raise ValueError("DSv4 attention does not take an attention_bias")
