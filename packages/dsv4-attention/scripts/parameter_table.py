@@ -11,7 +11,8 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention import DSv4AttentionConfig, get_dsv4_attention_spec, parameter_table
+from dsv4_attention import parameter_table
+from dsv4_attention.megatron import DSv4AttentionConfig, get_dsv4_attention_spec
 from dsv4_testkit import megatron_cpu_context
 
 SHAPES = {

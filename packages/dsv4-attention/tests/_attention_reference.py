@@ -92,7 +92,7 @@ def reference_document(module, p, x, *, dense=None, pos_offset=0):
             scores = (wi[:, :, None] * torch.relu(torch.einsum("thd,sd->ths", qi, ki))).sum(1)  # [L, n]
             scores = scores.masked_fill(~vis, float("-inf"))
             extras["scores"] = scores
-            use_dense = cfg.csa_dense_mode if dense is None else dense
+            use_dense = module.dense_attention if dense is None else dense
             if not use_dense and n:
                 k = min(cfg.dsa_indexer_topk, n)
                 order = torch.sort(scores.detach(), dim=1, descending=True, stable=True).indices[:, :k]

@@ -25,6 +25,6 @@ TINY = dict(
 
 
 def tiny_config(**overrides):
-    from dsv4_attention import DSv4AttentionConfig
+    from dsv4_attention.megatron import DSv4AttentionConfig
 
     return DSv4AttentionConfig(**{**TINY, **overrides})

@@ -6,7 +6,8 @@ import pytest
 import torch
 from _attention_testconfig import tiny_config
 
-from dsv4_attention import DSv4AttentionConfig, IndexerLossAutoScaler, check_compress_ratio
+from dsv4_attention import IndexerLossAutoScaler, check_compress_ratio
+from dsv4_attention.megatron import DSv4AttentionConfig
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]
 

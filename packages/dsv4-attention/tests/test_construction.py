@@ -9,13 +9,8 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention import (
-    CompressedSparseAttention,
-    DSv4HybridAttention,
-    LightningIndexer,
-    get_dsv4_attention_spec,
-    parameter_table,
-)
+from dsv4_attention import CompressedSparseAttention, LayerKind, LightningIndexer, parameter_table
+from dsv4_attention.megatron import DSv4HybridAttention, get_dsv4_attention_spec
 
 COMMON = {
     "linear_q_down_proj.weight": (32, 64),
@@ -53,6 +48,7 @@ def test_construction_per_kind(build, ratio):
     m = build(ratio, init_std=None)
     assert isinstance(m, DSv4HybridAttention) and isinstance(m.core_attention, CompressedSparseAttention)
     assert m.layer_kind == {0: "sliding_window", 4: "csa", 128: "hca"}[ratio]
+    assert m.kind is LayerKind.from_ratio(ratio) and m.core_attention.kind is m.kind
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     assert shapes == EXPECTED[ratio]
     assert (m.core_attention.compressor is None) == (ratio == 0)
@@ -129,7 +125,7 @@ def test_rejections(build, pg):
 
 def test_meta_device_build_and_backend_choice(pg):
     """Full V4-Pro CSA shapes build on the meta device (no memory); the CPU default backend is megatron-local."""
-    from dsv4_attention import default_backend
+    from dsv4_attention.megatron import default_backend
 
     assert isinstance(default_backend(), LocalSpecProvider)
     cfg = tiny_config(

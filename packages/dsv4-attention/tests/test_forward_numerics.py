@@ -119,8 +119,8 @@ def test_translation_invariance(build, ratio, seq, delta):
     x = torch.randn(seq, 64, dtype=torch.float64)
     layout = sbhd_layout(seq, 1)
     with torch.no_grad():
-        y0 = m.forward_tokens(x, layout)
-        y1 = m.forward_tokens(x, dataclasses.replace(layout, position_offset=delta))
+        y0, _ = m.forward_tokens(x, layout)
+        y1, _ = m.forward_tokens(x, dataclasses.replace(layout, position_offset=delta))
     torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-5)
     # and the reference agrees on the shifted run
     yr = reference_forward(m, params_of(m, requires_grad=False), [x], pos_offset=delta)[0][0]
@@ -137,23 +137,23 @@ def test_short_sequences_ignore_the_indexer(build):
             if ".indexer." in name:
                 prm.add_(torch.randn_like(prm))
         y1 = _sbhd_run(m, x)
-        m.config.csa_dense_mode = True
+        m.set_dense_attention(True)
         y_dense = _sbhd_run(m, x)
-        m.config.csa_dense_mode = False
+        m.set_dense_attention(False)
     torch.testing.assert_close(y1, y0, rtol=0, atol=1e-6)
     torch.testing.assert_close(y_dense, y0, rtol=0, atol=1e-6)
 
 
 def test_dense_sparse_phase_switch(build):
     """Longer than m*k: sparse (top-k) and dense (all visible) differ; each equals its reference; the switch is the
-    shared config flag, read at every forward."""
+    layer's ``set_dense_attention`` (the phase is an argument of the core's forward)."""
     m = build(4)
     x = torch.randn(40, 1, 64)
     with torch.no_grad():
         y_sparse = _sbhd_run(m, x)
-        m.config.csa_dense_mode = True
+        m.set_dense_attention(True)
         y_dense = _sbhd_run(m, x)
-        m.config.csa_dense_mode = False
+        m.set_dense_attention(False)
     assert (y_sparse - y_dense).abs().max() > 1e-3
     ref_s, _ = _ref_sbhd(m, x, torch.float64, dense=False)
     ref_d, _ = _ref_sbhd(m, x, torch.float64, dense=True)

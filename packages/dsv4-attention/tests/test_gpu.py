@@ -8,7 +8,8 @@ from _attention_reference import params_of, reference_forward
 from _attention_testconfig import tiny_config
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention import IndexerLossAutoScaler, get_dsv4_attention_spec
+from dsv4_attention import IndexerLossAutoScaler
+from dsv4_attention.megatron import get_dsv4_attention_spec
 from dsv4_testkit import assert_close_to_ref
 
 

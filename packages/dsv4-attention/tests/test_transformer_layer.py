@@ -9,7 +9,7 @@ from _attention_testconfig import tiny_config
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import build_module
 
-from dsv4_attention import DSv4HybridAttention, DSv4TransformerLayer, get_dsv4_layer_spec
+from dsv4_attention.megatron import DSv4HybridAttention, DSv4TransformerLayer, get_dsv4_layer_spec
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 128])

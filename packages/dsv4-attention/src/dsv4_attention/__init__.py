@@ -21,7 +21,12 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from dsv4_attention.attention import AttentionConfig, DSv4Attention, build_core_attention, rope_config_for_kind
+from dsv4_attention.attention import (
+    AttentionConfig,
+    DSv4Attention,
+    build_core_attention,
+    rope_config_for_kind,
+)
 from dsv4_attention.compressor import Compressor, CompressorConfig
 from dsv4_attention.core import CompressedSparseAttention, CoreAttentionConfig
 from dsv4_attention.grouped_projection import GroupedOutputProjection

@@ -84,7 +84,7 @@ class AttentionConfig:
             raise ValueError(f"rope.rope_dim must be even, positive and < head_dim={self.head_dim}, got {r}")
         if self.kind.has_indexer and self.indexer is None:
             raise ValueError("a CSA layer needs an IndexerConfig (AttentionConfig.indexer)")
-        self.core  # validates window / backend
+        _ = self.core  # validates window / backend
 
     @property
     def core(self) -> CoreAttentionConfig:
@@ -165,9 +165,7 @@ class DSv4Attention(torch.nn.Module):
             given(linear_proj, lambda: plain_linear(cfg.o_groups * cfg.o_lora_rank, d, **lin)),
         )
 
-    def _init_attention(
-        self, cfg, q_down, q_norm, q_up, kv_proj, kv_norm, core, o_group_proj, proj
-    ) -> None:
+    def _init_attention(self, cfg, q_down, q_norm, q_up, kv_proj, kv_norm, core, o_group_proj, proj) -> None:
         """Register the submodules in checkpoint order (the state-dict keys of the 0.2 layer)."""
         if core.kind is not cfg.kind:
             raise ValueError(f"core_attention is a {core.kind.name} core but the layer is {cfg.kind.name}")

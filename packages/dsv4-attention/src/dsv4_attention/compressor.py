@@ -94,7 +94,9 @@ class Compressor(KeepFP32Mixin, torch.nn.Module):
         self.rope_cfg = rope_cfg
         d, width = cfg.hidden_size, cfg.width
         self.linear_wkv = linear_wkv if linear_wkv is not None else plain_linear(d, width, device=device)
-        self.linear_wgate = linear_wgate if linear_wgate is not None else plain_linear(d, width, device=device)
+        self.linear_wgate = (
+            linear_wgate if linear_wgate is not None else plain_linear(d, width, device=device)
+        )
         self.norm = norm if norm is not None else default_norm(cfg.head_dim, cfg.eps, device)
         self.ape = torch.nn.Parameter(torch.zeros(cfg.ratio, width, dtype=torch.float32, device=device))
         if init_method is not None and self.ape.device.type != "meta":

@@ -114,7 +114,9 @@ class LightningIndexer(torch.nn.Module):
             linear_weights_proj = plain_linear(cfg.hidden_size, cfg.n_heads, device=device)
         self.linear_wq_b = linear_wq_b
         self.linear_weights_proj = linear_weights_proj
-        self.compressor = compressor if compressor is not None else Compressor(cfg.compressor, rope_cfg, device=device)
+        self.compressor = (
+            compressor if compressor is not None else Compressor(cfg.compressor, rope_cfg, device=device)
+        )
         self.weight_scale = (self.head_dim**-0.5) * (self.n_heads**-0.5)
 
     def set_tie_break(self, tie_break: Literal["lower_index", "torch_topk"]) -> None:

@@ -102,7 +102,11 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         kv_proj = build_module(submodules.linear_kv_proj, d, c, tp_comm_buffer_name="kv_proj", **col)
         kv_norm = build_module(submodules.kv_layernorm, config=config, hidden_size=c, eps=eps)
         core = build_module(
-            submodules.core_attention, config=config, kind=cfg.kind, rope_cfg=cfg.rope, pg_collection=pg_collection
+            submodules.core_attention,
+            config=config,
+            kind=cfg.kind,
+            rope_cfg=cfg.rope,
+            pg_collection=pg_collection,
         )
         o_group_proj = build_module(
             submodules.linear_o_group_proj, n_h * c, g, dg, config=config, init_method=config.init_method
@@ -181,7 +185,10 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         layout = token_layout(hidden_states, packed_seq_params)
         coeff = self.config.dsa_indexer_loss_coeff
         y, loss = self.forward_tokens(
-            layout.to_tokens(hidden_states), layout, dense=self.dense_attention, indexer_loss_coeff=coeff or 0.0
+            layout.to_tokens(hidden_states),
+            layout,
+            dense=self.dense_attention,
+            indexer_loss_coeff=coeff or 0.0,
         )  # [T, d]
         if loss is not None and coeff:
             get_indexer_loss_tracker().save(loss, self.tracker_slot, self.config.tracker_num_layers)

@@ -312,4 +312,3 @@ class DSv4AttentionConfig(MLATransformerConfig):
             return None
         ratios = self.csa_compress_ratios[: self.tracker_num_layers]
         return sum(1 for x in ratios if LayerKind.from_ratio(x).has_indexer)
-

@@ -58,11 +58,15 @@ class MegatronCompressor(Compressor, MegatronModule):
         cfg = CompressorConfig(kind, config.hidden_size, head_dim, config.layernorm_epsilon)
         common = column_parallel_kwargs(config, pg.tp)
         d = config.hidden_size
-        wkv = build_module(submodules.linear_wkv, d, cfg.width, tp_comm_buffer_name="csa_compressor_wkv", **common)
+        wkv = build_module(
+            submodules.linear_wkv, d, cfg.width, tp_comm_buffer_name="csa_compressor_wkv", **common
+        )
         wgate = build_module(
             submodules.linear_wgate, d, cfg.width, tp_comm_buffer_name="csa_compressor_wgate", **common
         )
-        norm = build_module(submodules.norm, config=config, hidden_size=head_dim, eps=config.layernorm_epsilon)
+        norm = build_module(
+            submodules.norm, config=config, hidden_size=head_dim, eps=config.layernorm_epsilon
+        )
         self._init_compressor(
             cfg, rope_cfg, wkv, wgate, norm, param_device(config), init_method_or_skip(config)
         )
@@ -80,7 +84,9 @@ class LightningIndexerSubmodules:
 class MegatronLightningIndexer(LightningIndexer, MegatronModule):
     """:class:`~dsv4_attention.indexer.LightningIndexer` with spec-built linears and compressor."""
 
-    def __init__(self, config, submodules: LightningIndexerSubmodules, rope_cfg: RopeConfig, pg_collection) -> None:
+    def __init__(
+        self, config, submodules: LightningIndexerSubmodules, rope_cfg: RopeConfig, pg_collection
+    ) -> None:
         MegatronModule.__init__(self, config)
         pg = _require_pg(pg_collection, "LightningIndexer")
         cfg = config.indexer_config()
@@ -146,7 +152,9 @@ class MegatronCompressedSparseAttention(CompressedSparseAttention, MegatronModul
         if kind.has_indexer:
             if submodules.indexer is None:
                 raise ValueError("a CSA layer needs an indexer submodule in the spec")
-            indexer = build_module(submodules.indexer, config=config, rope_cfg=rope_cfg, pg_collection=pg_collection)
+            indexer = build_module(
+                submodules.indexer, config=config, rope_cfg=rope_cfg, pg_collection=pg_collection
+            )
         self._init_core(config.core_attention_config(kind), compressor, indexer, param_device(config))
 
 
@@ -155,7 +163,9 @@ class MegatronGroupedOutputProjection(GroupedOutputProjection, MegatronModule):
     ``build_module(spec, in_features, groups, rank, config=..., init_method=...)`` (``params_dtype``, megatron's
     placement and ``perform_initialization``)."""
 
-    def __init__(self, input_size: int, groups: int, rank: int, *, config, init_method=None, **_unused) -> None:
+    def __init__(
+        self, input_size: int, groups: int, rank: int, *, config, init_method=None, **_unused
+    ) -> None:
         MegatronModule.__init__(self, config)
         self._init_projection(
             input_size,
