@@ -123,7 +123,9 @@ def test_load_from_state_dict_tensor_and_file(tmp_path):
 def test_hash_layers_count_moe_layers_not_pattern_symbols():
     # upstream pitfall: "WEWECE" with 3 hash layers must hash all three E's, not just the first
     assert hash_moe_layer_numbers("WEWECE", 3) == [2, 4, 6]
-    assert hash_moe_layer_flags("WE|WECEHE/WE", 2) == [False, True, False, True, False, False, False, False]
+    assert hash_moe_layer_flags("WEWE|CEHE/WE", 2) == [False, True, False, True, False, False, False, False]
+    with pytest.raises(ValueError, match="first pipeline stage"):  # the hash layers need input_ids: stage 1
+        hash_moe_layer_flags("WE|WECEHE/WE", 2)
     assert hash_moe_layer_flags("WEWE", 0) == [False] * 4
     with pytest.raises(ValueError, match="MoE layers"):
         hash_moe_layer_flags("WEWE/WE", 3)  # MTP layers never count

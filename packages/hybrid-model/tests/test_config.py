@@ -45,6 +45,29 @@ def test_config_validation_messages():
         get_preset("tiny").replace(o_groups=3)
 
 
+def test_compress_ratios_are_checked_against_attention_kinds_at_config_time():
+    """A ratio dsv4-attention has no layer kind for fails when the config is made, not when the spec is built."""
+    with pytest.raises(
+        ValueError,
+        match=r"csa_compress_ratio=8: dsv4-attention's CSA layers compress 4 .*set csa_compress_ratio=4",
+    ):
+        DSv4ModelConfig(csa_compress_ratio=8)
+    with pytest.raises(ValueError, match=r"hca_compress_ratio=64: .*LayerKind.HCA"):
+        get_preset("tiny").replace(hca_compress_ratio=64)
+
+
+def test_pattern_is_parsed_once_and_kinds_travel():
+    from dsv4_attention import LayerKind
+
+    cfg = get_preset("tiny")
+    assert cfg.parsed_pattern is cfg.parsed_pattern  # cached on the (frozen) config
+    assert cfg.parsed_pattern.pattern == cfg.layer_pattern == "WECEHECEHECE/WE"
+    kinds = [li.attention_kind for li in cfg.layers() if li.attention_kind is not None]
+    assert [k.symbol for k in kinds] == list("WCHCHCW")
+    assert kinds[1] is LayerKind.CSA and kinds[1].has_indexer and kinds[2].compress_ratio == 128
+    assert cfg.replace(num_layers=4).parsed_pattern.pattern == "WECEHECE/WE"  # a replaced config parses anew
+
+
 def test_round_trip_dict():
     for f in PRESETS.values():
         c = f()

@@ -80,11 +80,11 @@ def test_indexer_loss_set_follows_the_phase(megatron_cpu, monkeypatch):
     ids = torch.randint(0, cfg.vocab_size, (1, 300))  # > 128 tokens: HCA and CSA entries exist
     for dense, want_calls in ((False, 0), (True, 3)):  # three CSA layers in tiny's main stack
         calls.clear()
-        model.config.csa_dense_mode = dense
+        model.set_step_state(dense_attention=dense)
         loss = model(ids, None, None, labels=torch.roll(ids, -1, 1))
         loss.mean().backward()
         assert len(calls) == want_calls, (dense, len(calls))
-    model.config.csa_dense_mode = False
+    model.set_step_state(dense_attention=False)
 
 
 def test_causality_of_logits(megatron_cpu):

@@ -200,7 +200,7 @@ def test_mtp_sbhd_targets_and_loss_weight(megatron_cpu):
     hook = model.mtp.register_forward_pre_hook(_recorder(seen, "streams"))
     grads = {}
     for weight in (0.3, 0.6, 0.0):
-        model.config.mtp_loss_scaling_factor = weight
+        model.set_step_state(mtp_loss_weight=weight)
         model.zero_grad(set_to_none=True)
         model(ids, None, None, labels=labels, loss_mask=mask).sum().backward()
         grads[weight] = model.mtp.e_proj.weight.grad.clone()

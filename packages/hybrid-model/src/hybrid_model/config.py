@@ -2,18 +2,23 @@
 
 ``DSv4ModelConfig`` holds the architecture only; parallel sizes and training knobs live in the CLI's
 ``TrainConfig``. The layer pattern is derived from ``compress_ratios`` unless ``hybrid_layer_pattern`` is given,
-in which case both must agree (validated in ``__post_init__``).
+in which case both must agree (validated in ``__post_init__``). The pattern is parsed once per config
+(:attr:`DSv4ModelConfig.parsed_pattern`); every consumer reads that object. The CSA / HCA compress ratios are checked
+against what dsv4-attention's layer kinds implement (:class:`dsv4_attention.LayerKind`) when the config is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4_attention import LayerKind
 from hybrid_model.symbols import (
     MOE,
+    ParsedPattern,
     hash_layer_numbers,
     layer_infos,
     normalize_compress_ratios,
@@ -108,6 +113,12 @@ class DSv4ModelConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"DSv4ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name, kind in (("csa_compress_ratio", LayerKind.CSA), ("hca_compress_ratio", LayerKind.HCA)):
+            if getattr(self, name) != kind.compress_ratio:
+                raise ValueError(
+                    f"DSv4ModelConfig.{name}={getattr(self, name)}: dsv4-attention's {kind.name} layers compress "
+                    f"{kind.compress_ratio} tokens per entry (LayerKind.{kind.name}); set {name}={kind.compress_ratio}"
+                )
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
             raise ValueError(
                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and <= head_dim ({self.head_dim})"
@@ -140,13 +151,7 @@ class DSv4ModelConfig:
             )
         if self.num_nextn_predict_layers and self.compress_ratios[self.num_layers] != 0:
             raise ValueError("the MTP block is window-only in DSv4: its compress_ratios entry must be 0")
-        derived = pattern_from_compress_ratios(
-            self.compress_ratios,
-            self.num_layers,
-            csa_ratio=self.csa_compress_ratio,
-            hca_ratio=self.hca_compress_ratio,
-            pipeline_stages=self.pipeline_stages,
-        )
+        derived = self._derived_pattern()
         if self.hybrid_layer_pattern is not None:
             given = parse_pattern(self.hybrid_layer_pattern)
             if given.all_symbols != parse_pattern(derived).all_symbols:
@@ -154,14 +159,9 @@ class DSv4ModelConfig:
                     f"hybrid_layer_pattern {self.hybrid_layer_pattern!r} disagrees with compress_ratios "
                     f"(which give {derived!r})"
                 )
-        hash_layer_numbers(self.layer_pattern, self.num_hash_layers)  # validates placement
+        hash_layer_numbers(self.parsed_pattern, self.num_hash_layers)  # validates placement
 
-    # ------------------------------------------------------------------ derived
-    @property
-    def layer_pattern(self) -> str:
-        """The hybrid layer pattern (``hybrid_layer_pattern`` or derived from ``compress_ratios``)."""
-        if self.hybrid_layer_pattern is not None:
-            return self.hybrid_layer_pattern
+    def _derived_pattern(self) -> str:
         return pattern_from_compress_ratios(
             self.compress_ratios,
             self.num_layers,
@@ -170,22 +170,35 @@ class DSv4ModelConfig:
             pipeline_stages=self.pipeline_stages,
         )
 
+    # ------------------------------------------------------------------ derived
+    @property
+    def layer_pattern(self) -> str:
+        """The hybrid layer pattern (``hybrid_layer_pattern`` or derived from ``compress_ratios``)."""
+        return self.parsed_pattern.pattern
+
+    @functools.cached_property
+    def parsed_pattern(self) -> ParsedPattern:
+        """The validated, split layer pattern, parsed once per config (a frozen config never changes it)."""
+        if self.hybrid_layer_pattern is not None:
+            return parse_pattern(self.hybrid_layer_pattern)
+        return parse_pattern(self._derived_pattern())
+
     @property
     def full_compress_ratios(self) -> list[int]:
         """One ratio per hybrid layer symbol (main + MTP), 0 at ``E``."""
         return normalize_compress_ratios(
-            self.layer_pattern, csa_ratio=self.csa_compress_ratio, hca_ratio=self.hca_compress_ratio
+            self.parsed_pattern, csa_ratio=self.csa_compress_ratio, hca_ratio=self.hca_compress_ratio
         )
 
     @property
     def hash_layer_numbers(self) -> list[int]:
         """1-based hybrid positions of the hash-routed MoE layers."""
-        return hash_layer_numbers(self.layer_pattern, self.num_hash_layers)
+        return hash_layer_numbers(self.parsed_pattern, self.num_hash_layers)
 
     def layers(self):
         """Per-layer :class:`~hybrid_model.symbols.LayerInfo` list."""
         return layer_infos(
-            self.layer_pattern,
+            self.parsed_pattern,
             num_hash_layers=self.num_hash_layers,
             csa_ratio=self.csa_compress_ratio,
             hca_ratio=self.hca_compress_ratio,
@@ -193,7 +206,7 @@ class DSv4ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        return parse_pattern(self.layer_pattern).main.count(MOE)
+        return self.parsed_pattern.main.count(MOE)
 
     def replace(self, **changes: Any) -> DSv4ModelConfig:
         """A copy with ``changes`` applied (re-validated). Changing ``num_layers`` alone truncates/extends

@@ -32,8 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import CSA, HCA, MOE, WINDOW, parse_pattern
+from hybrid_model.symbols import MOE, attention_kind
 
 
 # ----------------------------------------------------------------------------------------- pair counts
@@ -66,9 +67,11 @@ def _proj_attention(cfg: DSv4ModelConfig) -> int:
     return 2 * (d * dc + dc * nh * c + d * c + nh * c * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d)
 
 
-def _compressor(cfg: DSv4ModelConfig, symbol: str) -> int:
-    d, c = cfg.hidden_size, cfg.head_dim
-    return {CSA: 2 * 2 * (2 * c) * d, HCA: 2 * 2 * c * d}.get(symbol, 0)
+def _compressor(cfg: DSv4ModelConfig, kind: LayerKind) -> int:
+    if not kind.has_compressor:
+        return 0
+    coff = 2 if kind.overlap else 1  # CSA pools two overlapping series
+    return 2 * 2 * (coff * cfg.head_dim) * cfg.hidden_size
 
 
 def _indexer_linear(cfg: DSv4ModelConfig) -> int:
@@ -130,14 +133,15 @@ def _index_per_pair(cfg: DSv4ModelConfig) -> int:
 
 
 def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) -> None:
-    p = parse_pattern(cfg.layer_pattern)
+    p = cfg.parsed_pattern
 
     def layer(symbol: str, prefix: str) -> None:
-        if symbol in (CSA, HCA, WINDOW):
+        kind = attention_kind(symbol)
+        if kind is not None:
             br.add(prefix + "attention.projections", _proj_attention(cfg) * tokens)
-            if symbol != WINDOW:
-                br.add(prefix + "attention.compressor", _compressor(cfg, symbol) * tokens)
-            if symbol == CSA:
+            if kind.has_compressor:
+                br.add(prefix + "attention.compressor", _compressor(cfg, kind) * tokens)
+            if kind.has_indexer:
                 br.add(prefix + "attention.indexer", _indexer_linear(cfg) * tokens)
         elif symbol == MOE:
             br.add(prefix + "moe", _moe(cfg) * tokens)
@@ -156,9 +160,11 @@ def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) ->
         br.add("mtp.head", (2 * d * cfg.vocab_size + _hyper_head(cfg)) * tokens)
 
 
-def _symbols_with_prefix(cfg: DSv4ModelConfig) -> list[tuple[str, str]]:
-    p = parse_pattern(cfg.layer_pattern)
-    return [(s, "") for s in p.main] + [(s, "mtp.") for _ in range(p.mtp_num_depths) for s in p.mtp_pattern]
+def _kinds_with_prefix(cfg: DSv4ModelConfig) -> list[tuple[LayerKind, str]]:
+    """The attention kind of every attention layer (main, then each MTP depth) with its component prefix."""
+    p = cfg.parsed_pattern
+    layers = [(s, "") for s in p.main] + [(s, "mtp.") for _ in range(p.mtp_num_depths) for s in p.mtp_pattern]
+    return [(attention_kind(s), prefix) for s, prefix in layers if attention_kind(s) is not None]
 
 
 def forward_flops(cfg: DSv4ModelConfig, lengths: Sequence[int], *, dense: bool = False) -> FlopBreakdown:
@@ -172,18 +178,21 @@ def forward_flops(cfg: DSv4ModelConfig, lengths: Sequence[int], *, dense: bool =
     tokens = sum(lengths)
     br = FlopBreakdown(tokens=tokens)
     _add_linear_terms(br, cfg, tokens)
-    m, mh, k, W = cfg.csa_compress_ratio, cfg.hca_compress_ratio, cfg.index_topk, cfg.sliding_window
+    m, mh = (
+        LayerKind.CSA.compress_ratio,
+        LayerKind.HCA.compress_ratio,
+    )  # = cfg.csa/hca_compress_ratio (validated)
+    k, W = cfg.index_topk, cfg.sliding_window
     win = sum(window_pairs(L, W) for L in lengths)
     csa = sum((visible_entries_sum(L, m) if dense else selected_entries_sum(L, m, k)) for L in lengths)
     hca = sum(visible_entries_sum(L, mh) for L in lengths)
     idx = sum(visible_entries_sum(L, m) for L in lengths)
-    for s, prefix in _symbols_with_prefix(cfg):
-        if s in (CSA, HCA, WINDOW):
-            br.add(prefix + "attention.window_core", _core_per_pair(cfg) * win)
-        if s == CSA:
+    for kind, prefix in _kinds_with_prefix(cfg):
+        br.add(prefix + "attention.window_core", _core_per_pair(cfg) * win)
+        if kind is LayerKind.CSA:
             br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * csa)
             br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * idx)
-        elif s == HCA:
+        elif kind is LayerKind.HCA:
             br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * hca)
     return br
 
@@ -205,15 +214,18 @@ def forward_flops_from_stats(
         raise ValueError(f"need sum_len >= 0 and sum_len_sq >= sum_len, got {sum_len}, {sum_len_sq}")
     br = FlopBreakdown(tokens=int(sum_len))
     _add_linear_terms(br, cfg, sum_len)
-    m, mh, k, W = cfg.csa_compress_ratio, cfg.hca_compress_ratio, cfg.index_topk, cfg.sliding_window
-    for s, prefix in _symbols_with_prefix(cfg):
-        if s in (CSA, HCA, WINDOW):
-            br.add(prefix + "attention.window_core", _core_per_pair(cfg) * W * sum_len)
-        if s == CSA:
+    m, mh = (
+        LayerKind.CSA.compress_ratio,
+        LayerKind.HCA.compress_ratio,
+    )  # = cfg.csa/hca_compress_ratio (validated)
+    k, W = cfg.index_topk, cfg.sliding_window
+    for kind, prefix in _kinds_with_prefix(cfg):
+        br.add(prefix + "attention.window_core", _core_per_pair(cfg) * W * sum_len)
+        if kind is LayerKind.CSA:
             csa_pairs = sum_len_sq / (2 * m) if dense else k * sum_len
             br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * csa_pairs)
             br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * sum_len_sq / (2 * m))
-        elif s == HCA:
+        elif kind is LayerKind.HCA:
             br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * sum_len_sq / (2 * mh))
     return br
 

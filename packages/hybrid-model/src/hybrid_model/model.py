@@ -15,9 +15,14 @@ Construction goes through ``HybridModel.__init__`` (embedding, pipeline segment 
 spec, output layer); the main pattern (``|`` cuts included, MTP part removed) is what megatron parses, after
 :func:`~hybrid_model.symbols.register_dsv4_symbols`. The MTP depth is ours (megatron's MTP block has no mHC), and
 its embedding copy on the last pipeline stage is kept in sync by megatron's ``mtp_process`` embedding group logic.
+
+Per-step training state (dense / sparse attention phase, MTP loss weight) goes through
+:meth:`DSv4Model.set_step_state`, never by writing the shared megatron config.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -26,7 +31,20 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import PIPE, parse_pattern, register_dsv4_symbols
+from hybrid_model.symbols import PIPE, register_dsv4_symbols
+
+
+@dataclass(frozen=True)
+class StepState:
+    """The host-side values a training step runs with (a CUDA-graph capture bakes them in: recapture on change).
+
+    Attributes:
+        dense_attention: dense phase (CSA layers attend every visible compressed entry) instead of the sparse one.
+        mtp_loss_weight: the MTP loss weight (spec §8: 0.3, then 0.1).
+    """
+
+    dense_attention: bool
+    mtp_loss_weight: float
 
 
 class DSv4Model(HybridModel):
@@ -61,7 +79,7 @@ class DSv4Model(HybridModel):
         register_dsv4_symbols()
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        parsed = parse_pattern(model_config.layer_pattern)
+        parsed = model_config.parsed_pattern
         if stack_spec is None:
             stack_spec = dsv4_stack_spec(model_config, backend)(config)
         elif callable(stack_spec) and not hasattr(stack_spec, "submodules"):
@@ -105,6 +123,34 @@ class DSv4Model(HybridModel):
         self._deferring_embedding_setup = False
         self.setup_embeddings_and_output_layer()
         self.last_mtp_loss: torch.Tensor | None = None
+        self._step_state = StepState(
+            bool(getattr(config, "csa_dense_mode", False)), float(config.mtp_loss_scaling_factor or 0.0)
+        )
+        self.set_step_state()
+
+    # ------------------------------------------------------------------ per-step state
+    @property
+    def step_state(self) -> StepState:
+        """The current :class:`StepState` (hashable: the trainer's CUDA-graph capture key)."""
+        return self._step_state
+
+    def set_step_state(
+        self, *, dense_attention: bool | None = None, mtp_loss_weight: float | None = None
+    ) -> None:
+        """Set the phase of every DSv4 attention layer of this model chunk and the MTP loss weight for the next
+        forwards (``None`` keeps a value). The megatron config is not touched."""
+        from dsv4_attention.megatron import DSv4HybridAttention
+
+        new = StepState(
+            self._step_state.dense_attention if dense_attention is None else bool(dense_attention),
+            self._step_state.mtp_loss_weight if mtp_loss_weight is None else float(mtp_loss_weight),
+        )
+        if not (new.mtp_loss_weight >= 0 and new.mtp_loss_weight != float("inf")):
+            raise ValueError(f"mtp_loss_weight must be a finite number >= 0, got {new.mtp_loss_weight}")
+        for module in self.modules():
+            if isinstance(module, DSv4HybridAttention):
+                module.set_dense_attention(new.dense_attention)
+        self._step_state = new
 
     # megatron's HybridModel.__init__ calls this before our MTP embedding exists: run it once, at the end
     def setup_embeddings_and_output_layer(self) -> None:
@@ -211,7 +257,7 @@ class DSv4Model(HybridModel):
         num = mask.sum().clamp(min=1.0)
         mtp_loss = (per_token * mask).sum() / num
         self.last_mtp_loss = mtp_loss.detach()
-        scale = self.config.mtp_loss_scaling_factor / (self.config.mtp_num_layers or 1)
+        scale = self._step_state.mtp_loss_weight / (self.config.mtp_num_layers or 1)
         return MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
 
     def _fused_head(self) -> bool:

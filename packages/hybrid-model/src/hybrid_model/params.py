@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import CSA, DSV4_ATTENTION, HCA, MOE, WINDOW, parse_pattern
+from hybrid_model.symbols import MOE, attention_kind
 
 
 @dataclass
@@ -56,8 +57,9 @@ class ParamCounts:
         return d
 
 
-def attention_params(cfg: DSv4ModelConfig, ratio: int) -> dict[str, int]:
-    """Per-layer attention parameter counts by part for a layer of compress ratio ``ratio``."""
+def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, int]:
+    """Per-layer attention parameter counts by part for a layer of ``kind`` (a :class:`LayerKind` or its ratio)."""
+    kind = LayerKind.coerce(kind)
     d, c, nh, dc = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank
     g, dg = cfg.o_groups, cfg.o_lora_rank
     out = {
@@ -66,12 +68,13 @@ def attention_params(cfg: DSv4ModelConfig, ratio: int) -> dict[str, int]:
         "attention.compressor": 0,
         "attention.indexer": 0,
     }
-    if ratio == cfg.csa_compress_ratio:
-        nI, cI, m = cfg.index_n_heads, cfg.index_head_dim, ratio
+    m = kind.compress_ratio
+    if kind.has_indexer:  # CSA: overlapping compressors (two series) for the KV and the indexer keys
+        nI, cI = cfg.index_n_heads, cfg.index_head_dim
         out["attention.compressor"] = 2 * (2 * c * d) + m * 2 * c + c
         out["attention.indexer"] = nI * cI * dc + nI * d + 2 * (2 * cI * d) + m * 2 * cI + cI
-    elif ratio:
-        out["attention.compressor"] = 2 * c * d + ratio * c + c
+    elif kind.has_compressor:
+        out["attention.compressor"] = 2 * c * d + m * c + c
     return out
 
 
@@ -102,7 +105,7 @@ def moe_params(cfg: DSv4ModelConfig, hashed: bool, active_only: bool = False) ->
 
 def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
     """Parameter counts from the config alone (spec §9.3)."""
-    p = parse_pattern(cfg.layer_pattern)
+    p = cfg.parsed_pattern
     d, V = cfg.hidden_size, cfg.vocab_size
     hashed = set(cfg.hash_layer_numbers)
     comp: dict[str, int] = {"embedding": V * d, "output_head": V * d, "final_norm+hyper_head": d}
@@ -117,9 +120,9 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
     def layer(symbol: str, number: int, prefix: str) -> tuple[int, int, int]:
         """(params, activated params, attention params) of one hybrid layer."""
         total = act = att = 0
-        if symbol in DSV4_ATTENTION:
-            ratio = {WINDOW: 0, CSA: cfg.csa_compress_ratio, HCA: cfg.hca_compress_ratio}[symbol]
-            parts = attention_params(cfg, ratio)
+        kind = attention_kind(symbol)
+        if kind is not None:
+            parts = attention_params(cfg, kind)
             parts["norms"] = d  # attn_norm
             for k, v in parts.items():
                 add(prefix + k, v)

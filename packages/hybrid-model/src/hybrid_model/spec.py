@@ -5,9 +5,9 @@
 =======  ==========================================================================================
 symbol   hybrid layer (every one wrapped by mHC, :class:`mhc.megatron.HyperConnectionLayer`)
 =======  ==========================================================================================
-``W``    ``DSv4TransformerLayer`` (RMSNorm ``attn_norm`` + ``DSv4HybridAttention``, ratio 0)
-``C``    the same with ratio ``m`` (CSA + lightning indexer)
-``H``    the same with ratio ``m'`` (HCA)
+``W``    ``DSv4TransformerLayer`` (RMSNorm ``attn_norm`` + ``DSv4HybridAttention``, ``LayerKind.WINDOW``)
+``C``    the same of ``LayerKind.CSA`` (ratio ``m`` = 4 + lightning indexer)
+``H``    the same of ``LayerKind.HCA`` (ratio ``m'`` = 128)
 ``E``    ``TransformerLayer`` (RMSNorm ``ffn_norm`` + ``DSv4MoELayer``): hash router for the first
          ``num_hash_layers`` MoE layers, learned sqrt-softplus top-k elsewhere
 =======  ==========================================================================================
@@ -70,10 +70,9 @@ def transformer_config(
     ``num_layers`` is the number of *hybrid* layers of the main pattern (each symbol is one layer, so a DSv4 block
     counts twice), as megatron-core's ``HybridModel`` numbers them.
     """
-    from dsv4_attention import DSv4AttentionConfig
-    from hybrid_model.symbols import parse_pattern
+    from dsv4_attention.megatron import DSv4AttentionConfig
 
-    p = parse_pattern(cfg.layer_pattern)
+    p = cfg.parsed_pattern
     kw: dict[str, Any] = dict(
         num_layers=len(p.main),
         hidden_size=cfg.hidden_size,
@@ -92,7 +91,7 @@ def transformer_config(
         # spec §5.2: the sparse phase's KL runs over the selected top-k (megatron's default False would score and
         # back-propagate the student over every visible entry, [T, HI, C] through the chunked reference)
         dsa_indexer_use_sparse_loss=True,
-        csa_dense_mode=dense_attention,
+        csa_dense_mode=dense_attention,  # the phase the layers start in (DSv4Model.set_step_state switches it)
         rotary_base=cfg.rope_theta,
         csa_compress_rotary_base=cfg.compress_rope_theta,
         csa_compress_rope_type="yarn" if cfg.yarn is not None else "rope",
@@ -172,6 +171,16 @@ class DSv4StackSubmodules:
     hash_moe_layer: Any = None
     mtp_block_spec: Any = None
 
+    def attention_layer(self, kind):
+        """The layer spec of a :class:`dsv4_attention.LayerKind`."""
+        from dsv4_attention import LayerKind
+
+        return {
+            LayerKind.WINDOW: self.window_layer,
+            LayerKind.CSA: self.csa_layer,
+            LayerKind.HCA: self.hca_layer,
+        }[kind]
+
 
 def moe_layer_spec(*, hash_routing: bool, vocab_size: int | None = None, tid2eid: torch.Tensor | None = None):
     """``TransformerLayer`` spec of an ``E`` layer: ``ffn_norm`` (RMSNorm) + DSv4 MoE (hash or learned router)."""
@@ -194,7 +203,8 @@ def moe_layer_spec(*, hash_routing: bool, vocab_size: int | None = None, tid2eid
 
 def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = False) -> DSv4StackSubmodules:
     """Specs of the four DSv4 layer kinds (C/H/W attention, learned and hash ``E``)."""
-    from dsv4_attention import get_dsv4_layer_spec
+    from dsv4_attention import LayerKind
+    from dsv4_attention.megatron import get_dsv4_layer_spec
 
     backend = backend if backend is not None else select_backend()
     hash_spec = None
@@ -209,9 +219,9 @@ def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = 
             ).long()
         hash_spec = moe_layer_spec(hash_routing=True, vocab_size=cfg.vocab_size, tid2eid=table)
     return DSv4StackSubmodules(
-        window_layer=get_dsv4_layer_spec(0, backend, is_mtp_layer=is_mtp),
-        csa_layer=get_dsv4_layer_spec(cfg.csa_compress_ratio, backend, is_mtp_layer=is_mtp),
-        hca_layer=get_dsv4_layer_spec(cfg.hca_compress_ratio, backend, is_mtp_layer=is_mtp),
+        window_layer=get_dsv4_layer_spec(LayerKind.WINDOW, backend, is_mtp_layer=is_mtp),
+        csa_layer=get_dsv4_layer_spec(LayerKind.CSA, backend, is_mtp_layer=is_mtp),
+        hca_layer=get_dsv4_layer_spec(LayerKind.HCA, backend, is_mtp_layer=is_mtp),
         moe_layer=moe_layer_spec(hash_routing=False),
         hash_moe_layer=hash_spec,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
-from hybrid_model.symbols import CSA, HCA, MOE, WINDOW, hash_layer_numbers
+from hybrid_model.symbols import MOE, attention_kind
 from mhc.megatron import HyperConnectionHybridStack, HyperConnectionLayer
 
 
@@ -65,22 +65,14 @@ class DSv4HybridStack(HyperConnectionHybridStack):
             post_layer_norm=post_layer_norm,
         )
         self.layer_type_list = list(layer_type_list)
-        hashed = (
-            set()
-            if is_mtp_layer
-            else set(hash_layer_numbers(model_config.layer_pattern, model_config.num_hash_layers))
-        )
+        hashed = set() if is_mtp_layer else set(model_config.hash_layer_numbers)
         layers = []
         for i, symbol in enumerate(self.layer_type_list):
             layer_number = i + 1 + pp_layer_offset
-            if symbol in (WINDOW, CSA, HCA):
-                spec = {
-                    WINDOW: submodules.window_layer,
-                    CSA: submodules.csa_layer,
-                    HCA: submodules.hca_layer,
-                }[symbol]
+            kind = attention_kind(symbol)
+            if kind is not None:
                 inner = build_module(
-                    spec,
+                    submodules.attention_layer(kind),
                     config=config,
                     layer_number=layer_number,
                     pg_collection=pg_collection,

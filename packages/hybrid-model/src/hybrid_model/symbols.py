@@ -7,9 +7,13 @@ A hybrid layer pattern (megatron-core ``HybridModel``) is one symbol per layer: 
 symbol layer                                     compress ratio
 ====== ========================================= =====================
 ``C``  compressed sparse attention (CSA)         ``m`` (4)
-``H``  heavily compressed attention (HCA)        ``m'`` (128; 8 in ``tiny``)
+``H``  heavily compressed attention (HCA)        ``m'`` (128)
 ``W``  sliding-window-only attention             0
 ====== ========================================= =====================
+
+Each attention symbol is one :class:`dsv4_attention.LayerKind` (:func:`attention_kind`); the kind, not the ratio,
+is what the stack spec, parameter and FLOP counts read. A model parses its pattern once
+(:attr:`hybrid_model.config.DSv4ModelConfig.parsed_pattern`).
 
 ``|`` cuts pipeline stages, ``/`` starts an MTP depth (each depth repeats the same pattern). A DSv4 block is an
 attention symbol followed by ``E`` (``"WEWECEHE…|…/WE"``). ``*`` cannot be mixed with the MLA family
@@ -28,6 +32,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from dsv4_attention import LayerKind
+from hash_moe import hash_moe_layer_numbers
 
 CSA = "C"
 HCA = "H"
@@ -135,6 +142,15 @@ def parse_pattern(pattern: str) -> ParsedPattern:
     return ParsedPattern(pattern, segments, mtp_parts[0] if mtp_parts else "", len(mtp_parts))
 
 
+def attention_kind(symbol: str) -> LayerKind | None:
+    """The :class:`~dsv4_attention.LayerKind` of ``W`` / ``C`` / ``H`` (``None`` for every other symbol)."""
+    return LayerKind.from_symbol(symbol) if symbol in DSV4_ATTENTION else None
+
+
+def _parsed(pattern: str | ParsedPattern) -> ParsedPattern:
+    return pattern if isinstance(pattern, ParsedPattern) else parse_pattern(pattern)
+
+
 def ratio_of_symbol(symbol: str, csa_ratio: int = 4, hca_ratio: int = 128) -> int:
     """The compress ratio a DSv4 attention symbol implies (``0`` for every other symbol)."""
     return {CSA: csa_ratio, HCA: hca_ratio, WINDOW: 0}.get(symbol, 0)
@@ -148,7 +164,11 @@ def _check_ratios(csa_ratio: int, hca_ratio: int) -> None:
 
 
 def normalize_compress_ratios(
-    pattern: str, ratios: Sequence[int] | None = None, *, csa_ratio: int = 4, hca_ratio: int = 128
+    pattern: str | ParsedPattern,
+    ratios: Sequence[int] | None = None,
+    *,
+    csa_ratio: int = 4,
+    hca_ratio: int = 128,
 ) -> list[int]:
     """Per-layer compress ratios in *full* form (one per layer symbol of main + every MTP depth).
 
@@ -157,7 +177,9 @@ def normalize_compress_ratios(
     ``H``→``hca_ratio``.
     """
     _check_ratios(csa_ratio, hca_ratio)
-    symbols = parse_pattern(pattern).all_symbols
+    parsed = _parsed(pattern)
+    symbols = parsed.all_symbols
+    pattern = parsed.pattern
     expected = [ratio_of_symbol(s, csa_ratio, hca_ratio) for s in symbols]
     if ratios is None:
         return expected
@@ -262,6 +284,7 @@ class LayerInfo:
         mtp_depth: 0 for main layers, ``k >= 1`` for the k-th MTP depth.
         router: ``"hash"``/``"learned"`` for ``E`` layers, ``""`` otherwise.
         layer_number: megatron-core's 1-based hybrid position (main layers; within-depth for MTP layers).
+        attention_kind: the :class:`~dsv4_attention.LayerKind` of ``W`` / ``C`` / ``H`` layers (``None`` otherwise).
     """
 
     index: int
@@ -272,39 +295,25 @@ class LayerInfo:
     mtp_depth: int
     router: str
     layer_number: int
+    attention_kind: LayerKind | None = None
 
 
-def hash_layer_numbers(pattern: str, num_hash_layers: int) -> list[int]:
+def hash_layer_numbers(pattern: str | ParsedPattern, num_hash_layers: int) -> list[int]:
     """1-based hybrid positions of the hash-routed MoE layers: the first ``num_hash_layers`` ``E`` symbols.
 
     The count is in **MoE layers**, not hybrid symbols (upstream P4 pitfall). All of them must be on the first
-    pipeline stage (the stage holding the embedding and ``input_ids``).
+    pipeline stage (the stage holding the embedding and ``input_ids``). The schedule and its checks are hash-moe's
+    :func:`hash_moe.hash_moe_layer_numbers` (one rule for the workspace), on the validated pattern.
     """
-    p = parse_pattern(pattern)
-    if num_hash_layers < 0:
-        raise ValueError(f"num_hash_layers must be >= 0, got {num_hash_layers}")
-    moe_positions = [i + 1 for i, s in enumerate(p.main) if s == MOE]
-    if num_hash_layers > len(moe_positions):
-        raise ValueError(
-            f"num_hash_layers={num_hash_layers} but pattern {pattern!r} has only {len(moe_positions)} main MoE layers"
-        )
-    chosen = moe_positions[:num_hash_layers]
-    first_stage = len(p.segments[0])
-    if chosen and chosen[-1] > first_stage:
-        raise ValueError(
-            f"hash-routed MoE layers {chosen} must all live on the first pipeline stage (layers 1..{first_stage} "
-            f"of {pattern!r}), which holds the embedding and input_ids; move the first '|' later or lower "
-            "num_hash_layers"
-        )
-    return chosen
+    return hash_moe_layer_numbers(_parsed(pattern).pattern, num_hash_layers, moe_symbol=MOE)
 
 
 def layer_infos(
-    pattern: str, *, num_hash_layers: int = 0, csa_ratio: int = 4, hca_ratio: int = 128
+    pattern: str | ParsedPattern, *, num_hash_layers: int = 0, csa_ratio: int = 4, hca_ratio: int = 128
 ) -> list[LayerInfo]:
     """Per-layer description of a pattern (used by ``dsv4 inspect`` and the stack spec)."""
-    p = parse_pattern(pattern)
-    hashed = set(hash_layer_numbers(pattern, num_hash_layers))
+    p = _parsed(pattern)
+    hashed = set(hash_layer_numbers(p, num_hash_layers))
     out: list[LayerInfo] = []
     idx = 0
     for stage, seg in enumerate(p.segments):
@@ -312,7 +321,15 @@ def layer_infos(
             router = ("hash" if idx + 1 in hashed else "learned") if s == MOE else ""
             out.append(
                 LayerInfo(
-                    idx, s, KIND_NAMES[s], ratio_of_symbol(s, csa_ratio, hca_ratio), stage, 0, router, idx + 1
+                    idx,
+                    s,
+                    KIND_NAMES[s],
+                    ratio_of_symbol(s, csa_ratio, hca_ratio),
+                    stage,
+                    0,
+                    router,
+                    idx + 1,
+                    attention_kind(s),
                 )
             )
             idx += 1
@@ -321,7 +338,15 @@ def layer_infos(
             router = "learned" if s == MOE else ""
             out.append(
                 LayerInfo(
-                    idx, s, KIND_NAMES[s], ratio_of_symbol(s, csa_ratio, hca_ratio), -1, depth, router, j + 1
+                    idx,
+                    s,
+                    KIND_NAMES[s],
+                    ratio_of_symbol(s, csa_ratio, hca_ratio),
+                    -1,
+                    depth,
+                    router,
+                    j + 1,
+                    attention_kind(s),
                 )
             )
             idx += 1

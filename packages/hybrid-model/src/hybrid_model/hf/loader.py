@@ -79,36 +79,18 @@ def load_hf_checkpoint(path: str | Path, device: str | torch.device = "cpu", *, 
 @contextlib.contextmanager
 def hf_cpu_topk_ties(model) -> Iterator[None]:
     """Inside the block, every CSA lightning indexer of ``model`` picks its top-k with CPU ``torch.topk`` over each
-    query's full masked row (csa-kernels ``indexer_topk_ref(tie_break="torch_topk")``), which is how transformers
-    (and the official code) break exact score ties on CPU. Use it only to reproduce logits computed by transformers
-    on CPU (spec §4.2 rule 1); everywhere else ties go to the lower entry index (rule 2)."""
-    from csa_kernels import indexer_topk_ref
-    from dsv4_attention.indexer import LightningIndexer
+    query's full masked row (the indexer option ``tie_break="torch_topk"``, csa-kernels
+    ``indexer_topk_ref(tie_break="torch_topk")``), which is how transformers (and the official code) break exact
+    score ties on CPU. Use it only to reproduce logits computed by transformers on CPU (spec §4.2 rule 1);
+    everywhere else ties go to the lower entry index (rule 2). Each indexer's previous rule is restored on exit."""
+    from dsv4_attention import LightningIndexer
 
     indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
-
-    def cpu_select(ix):
-        def select(state, cu_seqlens, backend="auto", cu_seqlens_host=None):
-            # same signature as LightningIndexer.select; the CPU reference reads the boundaries itself
-            dev = state.q.device
-            idx, scores = indexer_topk_ref(
-                state.q.cpu(),
-                state.k.cpu(),
-                state.weights.cpu(),
-                ix.compress_ratio,
-                ix.topk,
-                cu_seqlens.cpu(),
-                state.cu_seqlens_c.cpu(),
-                tie_break="torch_topk",
-            )
-            return idx.to(dev), scores.to(dev)
-
-        return select
-
+    previous = [ix.cfg.tie_break for ix in indexers]
     for ix in indexers:
-        ix.select = cpu_select(ix)
+        ix.set_tie_break("torch_topk")
     try:
         yield
     finally:
-        for ix in indexers:
-            del ix.select
+        for ix, rule in zip(indexers, previous):
+            ix.set_tie_break(rule)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_model.hf.names import FUSED_DOWN, FUSED_GATE_UP, canonical_name
-from hybrid_model.symbols import MOE, WINDOW, parse_pattern
+from hybrid_model.symbols import MOE, WINDOW
 
 #: official suffix -> our suffix, attention layer of a block
 _ATTN = {
@@ -84,7 +84,7 @@ _MTP_TOP = {
 
 def _blocks(model_config) -> list[tuple[str, str, str]]:
     """``(official scope, our attention layer, our MoE layer)`` per block, main blocks then MTP depths."""
-    p = parse_pattern(model_config.layer_pattern)
+    p = model_config.parsed_pattern
     main = p.main
     out = []
     for a, sym in enumerate(main):
@@ -107,7 +107,7 @@ def _blocks(model_config) -> list[tuple[str, str, str]]:
 def official_to_ours_names(model_config, our_keys) -> dict[str, str]:
     """``official name -> our state-dict key`` for every non-expert tensor our model holds (``our_keys``)."""
     names = {off: ours for off, ours in _TOP.items()}
-    mtp = parse_pattern(model_config.layer_pattern).mtp_num_depths
+    mtp = model_config.parsed_pattern.mtp_num_depths
     if mtp:
         names.update({f"mtp.0.{off}": ours for off, ours in _MTP_TOP.items()})
     for scope, attn, moe in _blocks(model_config):
