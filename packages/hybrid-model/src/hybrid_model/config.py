@@ -10,8 +10,8 @@ against what dsv4-attention's layer kinds implement (:class:`dsv4_attention.Laye
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,12 +176,15 @@ class DSv4ModelConfig:
         """The hybrid layer pattern (``hybrid_layer_pattern`` or derived from ``compress_ratios``)."""
         return self.parsed_pattern.pattern
 
-    @functools.cached_property
+    @property
     def parsed_pattern(self) -> ParsedPattern:
-        """The validated, split layer pattern, parsed once per config (a frozen config never changes it)."""
-        if self.hybrid_layer_pattern is not None:
-            return parse_pattern(self.hybrid_layer_pattern)
-        return parse_pattern(self._derived_pattern())
+        """The validated, split layer pattern, parsed once per config (a frozen config never changes it). The cache
+        lives beside the config, not in its ``__dict__`` (``DSv4ModelConfig(**vars(cfg))`` keeps working)."""
+        parsed = _PARSED_PATTERNS.get(self)
+        if parsed is None:
+            source = self.hybrid_layer_pattern if self.hybrid_layer_pattern is not None else self._derived_pattern()
+            parsed = _PARSED_PATTERNS[self] = parse_pattern(source)
+        return parsed
 
     @property
     def full_compress_ratios(self) -> list[int]:
@@ -239,3 +242,7 @@ class DSv4ModelConfig:
         if isinstance(d.get("yarn"), dict):
             d["yarn"] = YarnScaling(**d["yarn"])
         return cls(**d)
+
+
+#: config -> its parsed pattern (equal configs share one entry; an entry goes with its last config)
+_PARSED_PATTERNS: weakref.WeakKeyDictionary[DSv4ModelConfig, ParsedPattern] = weakref.WeakKeyDictionary()
