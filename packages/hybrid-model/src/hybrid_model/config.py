@@ -152,14 +152,14 @@ class DSv4ModelConfig:
         if self.num_nextn_predict_layers and self.compress_ratios[self.num_layers] != 0:
             raise ValueError("the MTP block is window-only in DSv4: its compress_ratios entry must be 0")
         derived = self._derived_pattern()
-        if self.hybrid_layer_pattern is not None:
-            given = parse_pattern(self.hybrid_layer_pattern)
-            if given.all_symbols != parse_pattern(derived).all_symbols:
-                raise ValueError(
-                    f"hybrid_layer_pattern {self.hybrid_layer_pattern!r} disagrees with compress_ratios "
-                    f"(which give {derived!r})"
-                )
-        hash_layer_numbers(self.parsed_pattern, self.num_hash_layers)  # validates placement
+        parsed = parse_pattern(derived if self.hybrid_layer_pattern is None else self.hybrid_layer_pattern)
+        if self.hybrid_layer_pattern is not None and parsed.all_symbols != parse_pattern(derived).all_symbols:
+            raise ValueError(
+                f"hybrid_layer_pattern {self.hybrid_layer_pattern!r} disagrees with compress_ratios "
+                f"(which give {derived!r})"
+            )
+        hash_layer_numbers(parsed, self.num_hash_layers)  # validates placement
+        _PARSED_PATTERNS[self] = parsed  # the one parse of this config
 
     def _derived_pattern(self) -> str:
         return pattern_from_compress_ratios(
