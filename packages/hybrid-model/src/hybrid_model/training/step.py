@@ -17,8 +17,8 @@ LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
 
 class StepRunner:
     """Runs training steps of one rank. ``model_config``: the :class:`~hybrid_model.config.DSv4ModelConfig`; ``core``: the unwrapped DSv4 model; ``model``: the DDP-wrapped one;
-    ``config``: their megatron config (its per-step fields ``csa_dense_mode`` and ``mtp_loss_scaling_factor`` are set
-    by the caller before each step)."""
+    ``config``: their megatron config. The caller sets the per-step state (attention phase, MTP weight) with
+    ``core.set_step_state`` before each step."""
 
     def __init__(
         self,
@@ -117,7 +117,7 @@ class StepRunner:
             schedule["data_iterator"] = iter([static_batch(mb) for mb in batch.microbatches])
             # host-side values baked into the captured step: a change recaptures
             fb = functools.partial(
-                self.graphed, key=(self.config.csa_dense_mode, self.config.mtp_loss_scaling_factor)
+                self.graphed, key=self.core.step_state
             )
         with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
             reports = fb(**schedule)
@@ -127,7 +127,7 @@ class StepRunner:
         m: dict = {"step": step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
         m["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.model_config.num_nextn_predict_layers:
-            m["mtp_weight"] = self.config.mtp_loss_scaling_factor
+            m["mtp_weight"] = self.core.step_state.mtp_loss_weight
         m.update(self.reduced_losses(reports, batch.num_microbatches))
         m["skipped"] = not ok
         if self.graphed is not None:

@@ -115,8 +115,10 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _train_step(self, batch) -> dict:
         tc = self.tc
-        self.config.csa_dense_mode = self.step < tc.dense_steps
-        self.config.mtp_loss_scaling_factor = tc.mtp_weight_at(self.step, self.model_config.mtp_loss_weight)
+        self.core.set_step_state(
+            dense_attention=self.step < tc.dense_steps,
+            mtp_loss_weight=tc.mtp_weight_at(self.step, self.model_config.mtp_loss_weight),
+        )
         return self.stepper(batch, self.step)
 
     # ------------------------------------------------------------------ checkpoints
