@@ -35,6 +35,14 @@ def test_thd_bounds_match_device_tensor_and_bound_positions():
     assert lay.max_rope_position >= int(lay.positions.abs().max())
     lens = [b - a for a, b in zip(lay.segment_bounds, lay.segment_bounds[1:])]
     assert lay.max_compressed_entries(4) == max(lens) // 4
+    # the segments as one dsv4_primitives.varlen.SeqBoundaries; compressed counts floor(len / ratio) per segment
+    assert (
+        lay.boundaries.cu_seqlens is lay.cu_seqlens and lay.boundaries.cu_seqlens_host == lay.segment_bounds
+    )
+    want = [0]
+    for n in lens:
+        want.append(want[-1] + n // 4)
+    assert lay.compressed_bounds_host(4) == want == list(lay.boundaries.compressed(4).cu_seqlens_host)
 
 
 def test_thd_layout_is_reused_until_the_boundaries_change():

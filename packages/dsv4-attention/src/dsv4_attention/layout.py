@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_primitives import positions_from_cu_seqlens
+from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens_host
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,15 @@ class TokenLayout:
             return [int(v) for v in self.cu_seqlens.tolist()]
         return list(self.segment_bounds)
 
+    @property
+    def boundaries(self) -> SeqBoundaries:
+        """The segments as a :class:`dsv4_primitives.varlen.SeqBoundaries` (``cu_seqlens`` + its host copy, one
+        object; no device sync when the layout carries ``segment_bounds``)."""
+        return SeqBoundaries(self.cu_seqlens, tuple(self.bounds_host))
+
     def compressed_bounds_host(self, ratio: int) -> list[int]:
         """Host ``cu_seqlens_c`` of the layout's segments at ``ratio``: ``floor(len / ratio)`` entries each."""
-        out = [0]
-        for a, b in itertools.pairwise(self.bounds_host):
-            out.append(out[-1] + (b - a) // ratio)
-        return out
+        return compressed_cu_seqlens_host(self.bounds_host, ratio)
 
     def max_compressed_entries(self, ratio: int) -> int:
         """The largest per-segment compressed entry count ``floor(len / ratio)`` (host int, no device sync)."""

@@ -182,7 +182,11 @@ class DSv4ModelConfig:
         lives beside the config, not in its ``__dict__`` (``DSv4ModelConfig(**vars(cfg))`` keeps working)."""
         parsed = _PARSED_PATTERNS.get(self)
         if parsed is None:
-            source = self.hybrid_layer_pattern if self.hybrid_layer_pattern is not None else self._derived_pattern()
+            source = (
+                self.hybrid_layer_pattern
+                if self.hybrid_layer_pattern is not None
+                else self._derived_pattern()
+            )
             parsed = _PARSED_PATTERNS[self] = parse_pattern(source)
         return parsed
 

@@ -116,9 +116,7 @@ class StepRunner:
                 self.graphed = GraphedForwardBackward(fb, tc.cuda_graph_warmup_steps)
             schedule["data_iterator"] = iter([static_batch(mb) for mb in batch.microbatches])
             # host-side values baked into the captured step: a change recaptures
-            fb = functools.partial(
-                self.graphed, key=self.core.step_state
-            )
+            fb = functools.partial(self.graphed, key=self.core.step_state)
         with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
             reports = fb(**schedule)
             ok, grad_norm, _ = self.optimizer.step()
