@@ -23,7 +23,7 @@ def rope(
     fresh activation no other op saved for its backward (e.g. an RMSNorm output: the norm saves its input).
     """
     # eager torch path off-GPU: the Triton interpreter would only slow CPU runs down
-    backend = "auto" if x.is_cuda else "torch"
+    backend = "auto" if x.is_cuda else "reference"
     return apply_rope(
         x, positions, cfg, inverse=inverse, backend=backend, max_position=max_position, inplace=inplace
     )
