@@ -84,7 +84,16 @@ def test_indexer_loss_set_follows_the_phase(megatron_cpu, monkeypatch):
         loss = model(ids, None, None, labels=torch.roll(ids, -1, 1))
         loss.mean().backward()
         assert len(calls) == want_calls, (dense, len(calls))
+        # the phase is model state (every attention layer, main and MTP), the megatron config is not written
+        from dsv4_attention.megatron import DSv4HybridAttention
+
+        layers = [m for m in model.modules() if isinstance(m, DSv4HybridAttention)]
+        assert len(layers) == 7 and all(m.dense_attention == dense for m in layers)
+        assert model.step_state.dense_attention == dense and model.config.csa_dense_mode is False
     model.set_step_state(dense_attention=False)
+    assert model.step_state.mtp_loss_weight == cfg.mtp_loss_weight  # unchanged by the phase switches
+    with pytest.raises(ValueError, match="mtp_loss_weight"):
+        model.set_step_state(mtp_loss_weight=-1.0)
 
 
 def test_causality_of_logits(megatron_cpu):
