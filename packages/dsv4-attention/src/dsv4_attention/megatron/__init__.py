@@ -13,7 +13,7 @@ try:
     import megatron.core  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by test_public_api
     raise ImportError(
-        "dsv4_attention.megatron needs megatron-core: install the extra `dsv4-attention[megatron]` "
+        "dsv4_attention.megatron needs megatron-core: pip install 'dsv4-attention[megatron]' "
         "(the plain-PyTorch core, `import dsv4_attention`, works without it)"
     ) from e
 
