@@ -458,6 +458,7 @@ def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = F
         bf16=True,
         packed=packed,
         out="/tmp/bench_flash_smoke_run",
+        overwrite=True,  # every timed run replaces the previous one
         progress=False,
         warmup_steps=0,
         save_final=False,  # a flash-smoke checkpoint with Adam state is ~45 GB

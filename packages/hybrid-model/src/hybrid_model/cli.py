@@ -11,124 +11,330 @@ import json
 import sys
 
 
-def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a preset (default: tiny on the embedded corpus)")
-    p.add_argument("--config", help="JSON file of TrainConfig fields (explicit flags win)")
-    p.add_argument("--preset", help="tiny | v4-flash | v4-pro | flash-smoke")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--global-batch-size", type=int)
-    p.add_argument("--micro-batch-size", type=int)
-    p.add_argument("--packed", action="store_true", default=None, help="packed THD batches instead of [B, S]")
-    p.add_argument("--dense-steps", type=int, help="dense-attention warm-up steps before sparse CSA")
-    _add_data_flags(p)
-    p.add_argument("--lr", type=float)
-    p.add_argument(
-        "--lr-decay-style", choices=("cosine", "wsd"), help="cosine (default) or warmup-stable-decay"
-    )
-    p.add_argument("--lr-wsd-decay-steps", type=int, help="wsd: length of the final cosine anneal")
-    p.add_argument(
-        "--mtp-loss-weight-decay",
-        type=float,
-        help="MTP loss weight from the start of the LR decay (default 0.1, spec; the preset's weight before)",
-    )
-    p.add_argument("--seed", type=int)
-    p.add_argument("--tp", type=int)
-    p.add_argument("--pp", type=int)
-    p.add_argument("--ep", type=int)
-    p.add_argument("--out", help="output directory (metrics.jsonl, loss.png, tb/, checkpoints/)")
-    p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
-    p.add_argument(
-        "--init-from", help="initial weights from a dist checkpoint (iter_XXXXXXX or run dir), any layout"
-    )
-    p.add_argument(
-        "--save-interval",
-        type=int,
-        help="save every N steps (default 0: only at the end and on SIGINT/SIGTERM)",
-    )
-    p.add_argument(
-        "--save-final",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="save a checkpoint when the run finishes (default on; --no-save-final for benchmark runs)",
-    )
-    p.add_argument(
-        "--bf16",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="bf16 mixed precision (keep-in-fp32 params stay fp32); default: on with CUDA, off (fp32) on CPU",
-    )
-    p.add_argument(
-        "--cuda-graph",
-        action="store_true",
-        default=None,
-        help="one GPU, [B, S] batches: capture each step's forward+backward in a CUDA graph (megatron's "
-        "FullCudaGraphWrapper) and replay it; removes the kernel-launch overhead of short sequences",
-    )
-    p.add_argument("--cuda-graph-warmup-steps", type=int, help="eager steps before the capture (default 2)")
-    p.add_argument(
-        "--optimizer-impl",
-        choices=["auto", "fused", "foreach", "unfused"],
-        help="kernel of megatron's torch AdamW: fused (one pass), foreach (multi-tensor), unfused (megatron's "
-        "optimizer as built); default auto = fused on CUDA, unfused on CPU; checkpoints are interchangeable",
-    )
-    p.add_argument(
-        "--fused-linear-ce",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="main and MTP head losses without materialising the [s, b, V] logits (vocab-chunked head GEMM + "
-        "cross entropy; default on); --no-fused-linear-ce: output-layer logits, then the fused cross entropy",
-    )
-    p.add_argument("--peak-tflops", type=float, help="peak FLOP/s (in TFLOP/s) for MFU")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+def _default(name: str) -> str:
+    """``TrainConfig``'s default of field ``name`` for ``--help`` (flags default to ``None`` so that a ``--config``
+    file's value is not overridden by a flag the user did not give)."""
+    import dataclasses
+
+    from hybrid_model.training.config import TrainConfig
+
+    f = {f.name: f for f in dataclasses.fields(TrainConfig)}[name]
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return f"default: {json.dumps(value)}"
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of DSv4ModelConfig fields")
+    return value
+
+
+_NULL = "null"  # a flag explicitly set to None (argparse's None means "not given")
+
+
+def _float_or_none(text: str) -> float | str:
+    return _NULL if text.lower() in ("none", "null") else float(text)
+
+
+def _resume_mode(text: str) -> bool | str:
+    if text == "auto":
+        return "auto"
+    raise argparse.ArgumentTypeError("the only value --resume takes is 'auto'")
 
 
 def _add_data_flags(p) -> None:
-    """The data flags of ``dsv4 train`` (reading rules: :mod:`hybrid_model.training.data`)."""
+    """The data flags of ``dsv4 train``: what is read (reading rules: :mod:`hybrid_model.training.data`) and how
+    it is batched."""
+    d = lambda name, text: f"{text} ({_default(name)})"
     p.add_argument(
         "--data",
         nargs="+",
         action="extend",
         metavar="PATH",
-        help="text sources, read in order (repeat the flag or list several): .jsonl/.json/.parquet/.txt/.md files "
-        "or directories (read recursively, every supported format, extensions case-insensitive; other files are "
-        "listed as ignored). Default: the embedded corpus",
+        help=d(
+            "data",
+            "text sources, read in order (repeat the flag or list several): .jsonl/.json/.parquet/.txt/.md files "
+            "or directories (read recursively, every supported format, extensions case-insensitive; other files "
+            "are listed as ignored); [] = the embedded corpus",
+        ),
     )
-    p.add_argument("--tokenizer", help="HF tokenizers JSON file (default: byte-level)")
+    p.add_argument("--tokenizer", help=d("tokenizer", "HF tokenizers JSON file; null = byte-level"))
     p.add_argument(
         "--long-docs",
         choices=("split", "truncate"),
-        help="documents longer than --seq-len tokens: split into several sequences (default) or truncate (the "
-        "start summary counts what is cut)",
+        help=d(
+            "long_docs",
+            "documents longer than --seq-len tokens: split into several sequences or truncate (the start "
+            "summary counts what is cut)",
+        ),
     )
     p.add_argument(
         "--skip-bad-records",
         action="store_true",
         default=None,
-        help="skip bad records (invalid JSON, missing text, undecodable bytes, empty files) and count them in the "
-        "start summary, instead of stopping at the first",
+        help=d(
+            "skip_bad_records",
+            "skip bad records (invalid JSON, missing text, undecodable bytes, empty files) and count them in "
+            "the start summary, instead of stopping at the first",
+        ),
+    )
+    p.add_argument("--seq-len", type=int, help=d("seq_len", "tokens per sequence (THD: per pack)"))
+    p.add_argument(
+        "--global-batch-size", type=int, help=d("global_batch_size", "sequences per optimizer step")
+    )
+    p.add_argument("--micro-batch-size", type=int, help=d("micro_batch_size", "sequences per forward pass"))
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        default=None,
+        help=d("packed", "packed THD batches instead of [B, S]"),
+    )
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a preset (default: tiny on the embedded corpus)",
+        description="Train a DSv4 preset with megatron-core. Every flag maps onto a TrainConfig field; flags given "
+        "on the command line win over a --config file. Exit codes: 0 completed; 130 / 143 interrupted by "
+        "SIGINT / SIGTERM (a checkpoint of the last step is saved: continue with --resume); 1 failed (e.g. the "
+        "run diverged); 2 invalid settings.",
+    )
+    d = lambda name, text: f"{text} ({_default(name)})"
+    p.add_argument("--config", help="JSON file of TrainConfig fields (explicit flags win; default: none)")
+    p.add_argument("--preset", help=d("preset", "tiny | v4-flash | v4-pro | flash-smoke"))
+    p.add_argument(
+        "--model-overrides",
+        type=_json_object,
+        help=d("model_overrides", "JSON object of DSv4ModelConfig fields changed on the preset"),
+    )
+    p.add_argument("--steps", type=int, help=d("steps", "optimizer steps of the run"))
+    _add_data_flags(p)
+    p.add_argument(
+        "--dense-steps", type=int, help=d("dense_steps", "dense-attention warm-up steps before sparse CSA")
+    )
+    p.add_argument("--lr", type=float, help=d("lr", "peak learning rate"))
+    p.add_argument("--min-lr", type=float, help=d("min_lr", "learning rate at the end of the decay"))
+    p.add_argument("--warmup-steps", type=int, help=d("warmup_steps", "linear LR warm-up steps"))
+    p.add_argument(
+        "--lr-decay-style",
+        choices=("cosine", "wsd"),
+        help=d("lr_decay_style", "cosine or warmup-stable-decay"),
+    )
+    p.add_argument(
+        "--lr-wsd-decay-steps", type=int, help=d("lr_wsd_decay_steps", "wsd: length of the final anneal")
+    )
+    p.add_argument(
+        "--mtp-loss-weight-decay",
+        type=_float_or_none,
+        help=d(
+            "mtp_loss_weight_decay",
+            "MTP loss weight from the start of the LR decay (spec; the preset's weight "
+            "before); none keeps the preset's weight",
+        ),
+    )
+    p.add_argument("--weight-decay", type=float, help=d("weight_decay", "AdamW weight decay"))
+    p.add_argument("--clip-grad", type=float, help=d("clip_grad", "gradient-norm clipping; 0 = off"))
+    p.add_argument(
+        "--balance-loss-coeff", type=float, help=d("balance_loss_coeff", "MoE sequence balance loss")
+    )
+    p.add_argument("--indexer-loss-coeff", type=float, help=d("indexer_loss_coeff", "CSA indexer KL loss"))
+    p.add_argument(
+        "--max-nonfinite-steps",
+        type=int,
+        help=d(
+            "max_nonfinite_steps",
+            "steps with a non-finite loss or gradient are skipped; this many in a row stop the run (exit 1)",
+        ),
+    )
+    p.add_argument("--seed", type=int, help=d("seed", "model init and data order"))
+    p.add_argument("--tp", type=int, help=d("tp", "tensor parallel size (must be 1)"))
+    p.add_argument("--pp", type=int, help=d("pp", "pipeline stages"))
+    p.add_argument("--ep", type=int, help=d("ep", "expert parallel size (DP is the rest of the world)"))
+    p.add_argument(
+        "--out", help=d("out", "run directory (metrics.jsonl, loss.png, tb/, checkpoints/); must be writable")
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        type=_resume_mode,
+        default=None,
+        help="continue from --out's checkpoints/latest (an error when there is none); '--resume auto' continues "
+        "when there is a checkpoint and starts a new run otherwise (job requeues) (default: a new run)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="start a new run in an --out that holds one, deleting its metrics.jsonl, loss.png, tb/ and "
+        "checkpoints/ (default: refuse)",
+    )
+    p.add_argument(
+        "--init-from",
+        help=d(
+            "init_from",
+            "new runs: initial weights from a dist checkpoint (iter_XXXXXXX or run dir), any layout",
+        ),
+    )
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        help=d("save_interval", "save every N steps; 0 = only at the end and on SIGINT/SIGTERM"),
+    )
+    p.add_argument(
+        "--save-final",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=d("save_final", "save a checkpoint when the run finishes (--no-save-final for benchmark runs)"),
+    )
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 mixed precision (keep-in-fp32 params stay fp32) (default: on with CUDA, off (fp32) on CPU)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        default=None,
+        help=d(
+            "cuda_graph",
+            "one GPU, [B, S] batches: capture each step's forward+backward in a CUDA graph "
+            "(megatron's FullCudaGraphWrapper) and replay it; removes the kernel-launch overhead of short "
+            "sequences",
+        ),
+    )
+    p.add_argument(
+        "--cuda-graph-warmup-steps",
+        type=int,
+        help=d("cuda_graph_warmup_steps", "--cuda-graph: eager steps before the capture"),
+    )
+    p.add_argument(
+        "--optimizer-impl",
+        choices=["auto", "fused", "foreach", "unfused"],
+        help=d(
+            "optimizer_impl",
+            "kernel of megatron's torch AdamW: fused (one pass), foreach (multi-tensor), unfused (megatron's "
+            "optimizer as built); auto = fused on CUDA, unfused on CPU; checkpoints are interchangeable",
+        ),
+    )
+    p.add_argument(
+        "--fused-linear-ce",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=d(
+            "fused_linear_ce",
+            "main and MTP head losses without materialising the [s, b, V] logits (vocab-chunked head GEMM + "
+            "cross entropy); --no-fused-linear-ce: output-layer logits, then the fused cross entropy",
+        ),
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="peak TFLOP/s for MFU (default: 989 on H100/H200, 312 on other GPUs, 1 on CPU)",
+    )
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        help=d("log_interval", "when stdout is not a terminal: one progress line every N steps"),
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=None,
+        help="no progress bar / progress lines (metrics.jsonl is written regardless) (default: progress on)",
     )
 
 
 def train_config_from_args(args):
     """The :class:`TrainConfig` of parsed ``dsv4 train`` arguments: the ``--config`` file (if any) with the flags
-    given on the command line on top; flags left unset keep the file's or the dataclass's values."""
+    given on the command line on top; flags left unset keep the file's or the dataclass's values. Flags that only
+    apply in another mode are refused (``ValueError``) instead of being ignored."""
     from hybrid_model.training.config import TrainConfig
 
     flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config", "func") and v is not None}
-    return TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
+    flags = {k: None if v is _NULL else v for k, v in flags.items()}
+    tc = TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
+    if "cuda_graph_warmup_steps" in flags and not tc.cuda_graph:
+        raise ValueError("--cuda-graph-warmup-steps only applies with --cuda-graph")
+    return tc
+
+
+# What every default run printed that a user can do nothing about, matched exactly by message (anything else still
+# shows): megatron-core without Transformer Engine / apex (torch kernels by design), its experimental-API and
+# deprecated-default notices, the DDP layout hint and the non-leaf ``.grad`` probe inside its optimizer's
+# zero_grad, the deprecation of the async saver (our saves are synchronous), invalid escape sequences in its docstrings, and torch's CUDA_HOME note on a machine without a GPU.
+QUIET_WARNINGS = (
+    (UserWarning, r"Transformer Engine and Apex are not installed"),
+    (UserWarning, r"Apex is not installed\. Falling back to Torch Norm"),
+    (UserWarning, r"full scope is deprecated\. Use empty cuda_graph_modules"),
+    (UserWarning, r"MimoModelConfig is experimental"),
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
+    (SyntaxWarning, r"invalid escape sequence"),
+)
+QUIET_LOG_RECORDS = (
+    (
+        "megatron.core.distributed.distributed_data_parallel",
+        "DistributedDataParallel: full_param_layout not provided",
+    ),
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+)
+
+
+class _DropMessages:
+    """``logging`` filter dropping the records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def _quiet_known_warnings() -> None:
+    import logging
+    import warnings
+
+    for category, message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name, prefix in QUIET_LOG_RECORDS:
+        logging.getLogger(name).addFilter(_DropMessages((prefix,)))
 
 
 def _cmd_train(args) -> int:
-    from hybrid_model.training.trainer import loss_is_falling, train
+    from hybrid_model.training.trainer import Trainer, TrainingDiverged, loss_is_falling
 
     tc = train_config_from_args(args)
-    metrics = train(tc)
-    if metrics and "lm_loss" in metrics[-1]:
-        first, last = metrics[0]["lm_loss"], metrics[-1]["lm_loss"]
+    trainer = Trainer(tc)
+    try:
+        metrics = trainer.run()
+    except TrainingDiverged as e:
+        print(f"dsv4 train: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.close()
+    if trainer.interrupted_by is not None:
+        if trainer.is_logger:
+            print(
+                f"dsv4 train: interrupted at step {trainer.step} of {tc.steps}; its checkpoint is saved in "
+                f"{tc.out}/checkpoints: continue with --resume"
+            )
+        return 128 + int(trainer.interrupted_by)
+    lm = [m for m in metrics if m.get("lm_loss") is not None]
+    if lm and trainer.is_logger:
+        first, last = lm[0]["lm_loss"], lm[-1]["lm_loss"]
         trend = "falling" if loss_is_falling(metrics) else "NOT falling"
+        skipped = f", {trainer.nonfinite_steps} non-finite steps skipped" if trainer.nonfinite_steps else ""
         print(
-            f"dsv4 train: {len(metrics)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}); outputs in {tc.out}"
+            f"dsv4 train: {len(metrics)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
+            f"outputs in {tc.out}"
         )
     return 0
 
@@ -220,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``dsv4``: exit status 0 on success, 2 for invalid settings or files (one message), 1 when training failed,
+    128 + signal number when ``dsv4 train`` was interrupted (after saving a checkpoint)."""
+    _quiet_known_warnings()
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     cmd = args.cmd or "train"
     if args.cmd is None:

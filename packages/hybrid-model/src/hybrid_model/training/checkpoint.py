@@ -4,15 +4,93 @@ optimizer in ``dp_reshardable`` form, LR scheduler, step, data position, every r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_primitives.megatron import cuda_as_cpu
+from hybrid_model.training.config import TrainConfig
 
 DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+# the run's TrainConfig, written next to megatron's files of every checkpoint (read back for the resume checks)
+TRAIN_CONFIG_FILE = "dsv4_train_config.json"
+
+# Settings a resumed run must share with the checkpoint's run, with the reason (everything else may change and
+# applies from the resume step on: clipping, loss coefficients, the dense phase and MTP weight by step index,
+# micro-batch size, parallel layout, saving and logging).
+FIXED_ON_RESUME = {
+    "preset": "the model",
+    "model_overrides": "the model",
+    "seq_len": "the data stream (the saved position counts global batches of this shape and order)",
+    "global_batch_size": "the data stream (the saved position counts global batches of this shape and order)",
+    "packed": "the data stream (the saved position counts global batches of this shape and order)",
+    "data": "the data stream (the saved position counts global batches of this shape and order)",
+    "tokenizer": "the data stream (the saved position counts global batches of this shape and order)",
+    "long_docs": "the data stream (the saved position counts global batches of this shape and order)",
+    "skip_bad_records": "the data stream (the saved position counts global batches of this shape and order)",
+    "seed": "the data order",
+    "lr": "the LR schedule",
+    "min_lr": "the LR schedule",
+    "warmup_steps": "the LR schedule",
+    "steps": "the LR schedule (its decay spans --steps)",
+    "lr_decay_style": "the LR schedule",
+    "lr_wsd_decay_steps": "the LR schedule",
+    "weight_decay": "the weight-decay schedule",
+}
+
+
+# what a failed checkpoint read raises: megatron's readers raise whatever they meet, and torch's distributed
+# checkpoint wraps failures in ``CheckpointException``, a BaseException
+_READ_ERRORS = (Exception, CheckpointException)
+
+
+def _unreadable(what: Path, error: BaseException, latest: Path) -> ValueError:
+    lines = str(error).strip().splitlines() or [""]
+    cause = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"  # a traceback's last line
+    return ValueError(
+        f"checkpoint {what} cannot be read ({cause}); it is truncated, corrupt or from another model: write the "
+        f"name of an older iter_XXXXXXX into {latest} and resume again, or start a new run with --overwrite"
+    )
+
+
+def resume_conflicts(
+    tc: TrainConfig, saved: dict[str, Any] | None, scheduler_state: dict[str, Any]
+) -> list[str]:
+    """The settings of ``tc`` that differ from the checkpoint's run (``saved``: its TrainConfig as a dict, ``None``
+    for checkpoints without one; ``scheduler_state``: megatron's saved LR-scheduler state), one line each."""
+    lines = []
+    if saved is not None:
+        for name, why in FIXED_ON_RESUME.items():
+            if name in saved and saved[name] != getattr(tc, name):
+                flag = "--" + name.replace("_", "-")
+                lines.append(f"{flag} {getattr(tc, name)!r} (checkpoint: {saved[name]!r}; it defines {why})")
+    expected = {
+        "max_lr": ("--lr", tc.lr),
+        "min_lr": ("--min-lr", tc.min_lr),
+        "lr_warmup_steps": ("--warmup-steps", min(tc.warmup_steps, tc.steps - 1)),
+        "lr_decay_steps": ("--steps", max(tc.steps, 2)),
+        "start_wd": ("--weight-decay", tc.weight_decay),
+    }
+    if saved is None:  # older checkpoints: megatron's scheduler state is what can be compared
+        for key, (flag, value) in expected.items():
+            if key in scheduler_state and scheduler_state[key] != value:
+                lines.append(
+                    f"{flag}: the LR schedule's {key} would be {value!r} (checkpoint: {scheduler_state[key]!r})"
+                )
+    return lines
+
+
+def params_finite(core, group=None) -> bool:
+    """Whether every parameter of ``core`` on every rank of ``group`` (default: the world) is finite."""
+    sums = [p.detach().sum(dtype=torch.float32) for p in core.parameters()]
+    bad = (~torch.isfinite(torch.stack(sums))).any().to(torch.float32).reshape(1) if sums else torch.zeros(1)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return not bool(bad.item())
 
 
 def rng_layout(ps) -> tuple[int, int, int]:
@@ -103,12 +181,74 @@ def sync_saver_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def latest_checkpoint(checkpoints: Path) -> Path:
+    """The checkpoint directory that ``checkpoints/latest`` names (``ValueError`` naming the file and what to do
+    when it cannot be read or names no checkpoint)."""
+    latest = Path(checkpoints) / "latest"
+    try:
+        name = latest.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{latest} cannot be read ({e}): write the name of an iter_XXXXXXX directory into it"
+        ) from e
+    path = latest.parent / name
+    if not name or "/" in name or not (path / "metadata.json").is_file():
+        raise ValueError(
+            f"{latest} names {name!r}, which is not a checkpoint in {latest.parent} (no {name}/metadata.json): "
+            "write the name of an existing iter_XXXXXXX directory into it"
+        )
+    return path
+
+
+def read_common_state(path: Path) -> dict:
+    """The common (non-sharded) state of the dist checkpoint ``path`` (``ValueError`` naming it when unreadable)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))
+    except _READ_ERRORS as e:  # megatron raises whatever its reader meets: name the file
+        raise _unreadable(path, e, path.parent / "latest") from e
+
+
+def check_resumable(tc: TrainConfig, path: Path, common: dict) -> None:
+    """``ValueError`` listing every setting of ``tc`` that a resume from ``path`` cannot change (see
+    :data:`FIXED_ON_RESUME`) and what to do instead."""
+    saved = None
+    cfg_file = path / TRAIN_CONFIG_FILE
+    if cfg_file.exists():
+        try:
+            saved = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{cfg_file} cannot be read ({e}): restore it, or delete it to resume with the LR-schedule checks only"
+            ) from e
+    conflicts = resume_conflicts(tc, saved, common.get("scheduler", {}))
+    if conflicts:
+        raise ValueError(
+            f"--resume from {path}: these settings differ from the checkpoint's run and cannot change in a resumed "
+            "run:\n  "
+            + "\n  ".join(conflicts)
+            + "\nresume with the checkpoint's values, or start a new run from "
+            f"its weights with --init-from {path} --out NEW_DIR"
+        )
+
+
+def preflight_resume(tc: TrainConfig) -> Path:
+    """Before anything is built: the checkpoint a resume of ``tc`` will load, its pointer, common state and settings
+    checked (``ValueError`` naming the file or the conflicting settings)."""
+    path = latest_checkpoint(Path(tc.out) / "checkpoints")
+    check_resumable(tc, path, read_common_state(path))
+    return path
+
+
 class Checkpointer:
     """Saves and restores the whole training state of one rank (``core``: the unwrapped DSv4 model)."""
 
-    def __init__(self, *, core, optimizer, scheduler, batches, ps, out: Path, rank: int) -> None:
+    def __init__(
+        self, *, core, optimizer, scheduler, batches, ps, out: Path, rank: int, tc: TrainConfig
+    ) -> None:
         self.core, self.optimizer, self.scheduler, self.batches = core, optimizer, scheduler, batches
-        self.ps, self.dir, self.rank = ps, Path(out) / "checkpoints", rank
+        self.ps, self.dir, self.rank, self.tc = ps, Path(out) / "checkpoints", rank, tc
 
     def sharded_state(self, step: int, loading: bool, *, with_rng: bool = True) -> dict[str, Any]:
         state = {
@@ -127,9 +267,18 @@ class Checkpointer:
         return state
 
     def save(self, step: int) -> Path:
-        """Write ``checkpoints/iter_{step:07d}`` (all ranks), then point ``checkpoints/latest`` at it (rank 0)."""
+        """Write ``checkpoints/iter_{step:07d}`` (all ranks), then point ``checkpoints/latest`` at it (rank 0).
+        Refuses (:class:`~hybrid_model.training.step.TrainingDiverged`) when a weight is not finite: ``latest`` never
+        names a NaN model."""
         from megatron.core import dist_checkpointing
 
+        from hybrid_model.training.step import TrainingDiverged
+
+        if not params_finite(self.core):
+            raise TrainingDiverged(
+                f"step {step}: the model has non-finite weights; not saving it (checkpoints/latest keeps naming the "
+                "last finite checkpoint)"
+            )
         sync_saver_queue()
         path = self.dir / f"iter_{step:07d}"
         if self.rank == 0:
@@ -139,6 +288,7 @@ class Checkpointer:
             dist_checkpointing.save(self.sharded_state(step, loading=False), str(path))
         dist.barrier()
         if self.rank == 0:
+            (path / TRAIN_CONFIG_FILE).write_text(json.dumps(self.tc.to_dict(), indent=1) + "\n")
             (self.dir / "latest").write_text(path.name)
         return path
 
@@ -146,23 +296,28 @@ class Checkpointer:
         """Restore model, optimizer (Adam moments + per-param step), LR scheduler, data position and RNG state of
         ``checkpoints/latest`` and return its step; ``None`` when there is none. The DP size may differ from the
         saved one, PP/TP/EP may not (:func:`check_resume_layout`); the RNG streams are restored only when the
-        parallel layout (PP, TP, DP) is the saved one."""
+        parallel layout (PP, TP, DP) is the saved one. Unreadable files and settings a resume cannot change
+        (:func:`check_resumable`) raise ``ValueError`` naming them."""
         from megatron.core import dist_checkpointing
 
         latest = self.dir / "latest"
         if not latest.exists():
             return None
-        path = self.dir / latest.read_text().strip()
-        common = dist_checkpointing.load_common_state_dict(str(path))
+        path = latest_checkpoint(self.dir)
+        common = read_common_state(path)
         check_resume_layout(common, path, model_layout(self.ps))
+        check_resumable(self.tc, path, common)
         same_layout = list(common.get("rng_layout", [])) == list(rng_layout(self.ps))
-        with cuda_as_cpu():
-            state = dist_checkpointing.load(
-                self.sharded_state(0, loading=True, with_rng=same_layout), str(path)
-            )
-            self.core.load_state_dict(state["model"])
-            with torch.no_grad():
-                self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            with cuda_as_cpu():
+                state = dist_checkpointing.load(
+                    self.sharded_state(0, loading=True, with_rng=same_layout), str(path)
+                )
+                self.core.load_state_dict(state["model"])
+                with torch.no_grad():
+                    self.optimizer.load_state_dict(state["optimizer"])
+        except _READ_ERRORS as e:  # truncated / corrupt shards, or another model's checkpoint
+            raise _unreadable(path, e, latest) from e
         self.scheduler.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["data"])
         if same_layout:
@@ -177,7 +332,7 @@ class Checkpointer:
 
         p = Path(path)
         if (p / "checkpoints" / "latest").exists():
-            p = p / "checkpoints" / (p / "checkpoints" / "latest").read_text().strip()
+            p = latest_checkpoint(p / "checkpoints")
         if not dist_checkpointing.check_is_distributed_checkpoint(str(p)):
             raise ValueError(
                 f"--init-from {path}: not a megatron dist checkpoint (give an iter_XXXXXXX directory or a run "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,11 @@ class TrainConfig:
     optimizer as built); checkpoints are the same whichever is used. ``fused_linear_ce``: the main and MTP head
     losses through dsv4-primitives' ``linear_cross_entropy`` (no ``[s, b, V]`` logits); ``False``: the output
     layer's logits, then the fused cross entropy.
+    ``resume``: ``False`` (a new run; ``out`` must not hold one unless ``overwrite``), ``True`` (continue from
+    ``out/checkpoints/latest``, which must exist) or ``"auto"`` (continue when there is a checkpoint, else start
+    fresh: job requeues). ``overwrite``: delete the previous run's outputs in ``out`` (metrics, TensorBoard events,
+    checkpoints) before a new run. ``max_nonfinite_steps``: a step with a non-finite loss or gradient is skipped
+    (no update); this many in a row stop the run (:class:`~hybrid_model.training.step.TrainingDiverged`).
     """
 
     preset: str = "tiny"
@@ -64,11 +72,12 @@ class TrainConfig:
     long_docs: str = "split"
     skip_bad_records: bool = False
     out: str = "runs/dsv4"
-    resume: bool = False
+    resume: bool | str = False
+    overwrite: bool = False
     init_from: str | None = None
     save_interval: int = 0
     save_final: bool = True
-    log_interval: int = 1
+    log_interval: int = 10
     peak_tflops: float | None = None
     progress: bool = True
     bf16: bool | None = None
@@ -76,8 +85,12 @@ class TrainConfig:
     cuda_graph_warmup_steps: int = 2
     optimizer_impl: str = "auto"
     fused_linear_ce: bool = True
+    max_nonfinite_steps: int = 5
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, str):  # a config file's "data": "path" means one source
+            self.data = [self.data]
+        check_field_types(self)
         if self.bf16 is None:
             import torch
 
@@ -91,6 +104,7 @@ class TrainConfig:
             "pp",
             "ep",
             "log_interval",
+            "max_nonfinite_steps",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -112,8 +126,6 @@ class TrainConfig:
             )
         if self.long_docs not in ("split", "truncate"):
             raise ValueError(f"--long-docs must be 'split' or 'truncate', got {self.long_docs!r}")
-        if isinstance(self.data, str):  # a config file's "data": "path" means one source
-            self.data = [self.data]
         if self.lr_decay_style not in ("cosine", "wsd"):
             raise ValueError(f"--lr-decay-style must be 'cosine' or 'wsd', got {self.lr_decay_style!r}")
         if self.lr_decay_style == "wsd" and not 0 < self.lr_wsd_decay_steps <= self.steps:
@@ -126,7 +138,23 @@ class TrainConfig:
         if self.mtp_loss_weight_decay is not None and not self.mtp_loss_weight_decay >= 0:
             raise ValueError(f"--mtp-loss-weight-decay must be >= 0, got {self.mtp_loss_weight_decay}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+            raise ValueError(
+                f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr}, min_lr={self.min_lr}"
+            )
+        for name in ("weight_decay", "clip_grad", "balance_loss_coeff", "indexer_loss_coeff", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(f"resume must be true, false or 'auto', got {self.resume!r}")
+        if self.resume is True and self.init_from:
+            raise ValueError(
+                "--init-from starts a new run from other weights, --resume continues from this run's checkpoint: "
+                "drop one (with --resume auto, --init-from applies when the run starts fresh)"
+            )
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: continue the run or replace it")
 
     def lr_decay_start(self) -> int:
         """0-based index of the first optimizer step whose LR is below the peak: the step after the warm-up
@@ -161,8 +189,78 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"config file {p}: unknown keys {unknown}; valid keys: {sorted(known)}")
+        if isinstance(data.get("data"), str):  # "data": "path" means one source
+            data["data"] = [data["data"]]
+        hints = typing.get_type_hints(cls)
+        for key, value in data.items():
+            if key not in overrides and not _has_type(value, hints[key]):
+                raise ValueError(
+                    f"config file {p}: key {key!r} must be {_type_name(hints[key])}, got {value!r} "
+                    f"({type(value).__name__})"
+                )
         data.update(overrides)
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"config file {p} (with the command-line flags on top): {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether the JSON value ``value`` fits the field annotation ``hint`` (ints are floats; bools are not numbers;
+    numbers must be finite)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, h) for h in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_has_type(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a finite number",
+        str: "a string",
+        type(None): "null",
+    }
+    if hint in names:
+        return names[hint]
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return "an object"
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_field_types(tc: TrainConfig) -> None:
+    """``ValueError`` naming the field, the expected type and the value when a field of ``tc`` has the wrong type
+    (or a non-finite number): the one check behind the CLI flags, ``--config`` files and Python callers."""
+    hints = typing.get_type_hints(type(tc))
+    for f in dataclasses.fields(tc):
+        value = getattr(tc, f.name)
+        if not _has_type(value, hints[f.name]):
+            raise ValueError(
+                f"--{f.name.replace('_', '-')} ({f.name}) must be {_type_name(hints[f.name])}, got {value!r}"
+            )

@@ -5,6 +5,7 @@ update and the loss reduction over the ranks."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,26 @@ from dsv4_primitives.megatron import cuda_as_cpu
 from hybrid_model.training.config import TrainConfig
 
 LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
+
+
+class TrainingDiverged(RuntimeError):
+    """The run produced non-finite losses / gradients ``max_nonfinite_steps`` times in a row, or non-finite weights
+    were about to be saved (``dsv4 train`` exits 1 with this message)."""
+
+
+def grads_finite_local(model) -> bool:
+    """Whether this rank's gradient buffers of the DDP ``model`` hold only finite values (one reduction per buffer:
+    a NaN or an infinity anywhere makes its fp32 sum non-finite)."""
+    sums = [b.grad_data.sum(dtype=torch.float32) for b in model.buffers + model.expert_parallel_buffers]
+    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+
+
+def discard_router_loads(core) -> None:
+    """Zero the routers' per-expert token loads of a skipped step (the selection biases are not updated from it)."""
+    for module in core.modules():
+        loads = getattr(module, "local_tokens_per_expert", None)
+        if isinstance(loads, torch.Tensor):
+            loads.zero_()
 
 
 class StepRunner:
@@ -119,24 +140,42 @@ class StepRunner:
             fb = functools.partial(self.graphed, key=self.core.step_state)
         with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
             reports = fb(**schedule)
-            ok, grad_norm, _ = self.optimizer.step()
-        update_selection_biases(self.core, group=self.ps.get_data_parallel_group(with_context_parallel=True))
-        self.scheduler.step(increment=1)
+        # a non-finite loss or gradient on any rank skips the update on every rank (checked before the optimizer
+        # step: a finite gradient has a finite norm, so clipping cannot turn it into NaN updates)
+        losses, nonfinite_ranks = self.reduced_losses(
+            reports, batch.num_microbatches, nonfinite_grads=not grads_finite_local(self.model)
+        )
+        finite = nonfinite_ranks == 0 and all(math.isfinite(v) for v in losses.values())
+        ok, grad_norm = False, None
+        if finite:
+            with cuda_as_cpu():
+                ok, grad_norm, _ = self.optimizer.step()
+            update_selection_biases(
+                self.core, group=self.ps.get_data_parallel_group(with_context_parallel=True)
+            )
+        else:
+            discard_router_loads(self.core)
+        self.scheduler.step(increment=1)  # a skipped step keeps its place in the LR schedule
         m: dict = {"step": step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
         m["lr"] = self.optimizer.param_groups[0]["lr"]
         if self.model_config.num_nextn_predict_layers:
             m["mtp_weight"] = self.core.step_state.mtp_loss_weight
-        m.update(self.reduced_losses(reports, batch.num_microbatches))
+        m.update(losses)
+        m["nonfinite"] = not finite or (grad_norm is not None and not math.isfinite(m["grad_norm"]))
         m["skipped"] = not ok
         if self.graphed is not None:
             m["cuda_graph_replayed"] = self.graphed.captured
         return m
 
-    def reduced_losses(self, reports: list[dict], num_microbatches: int) -> dict:
+    def reduced_losses(
+        self, reports: list[dict], num_microbatches: int, *, nonfinite_grads: bool = False
+    ) -> tuple[dict, int]:
         """The step's losses averaged over every rank that computed them: LM/MTP losses over the DP replicas of the
         last stage, balance/indexer losses over all MoE/CSA layers of all stages and replicas (one all-reduce of
-        (sum, count) pairs over the world; each rank holds its own stage's layers and its own data)."""
-        local = torch.zeros(2 * len(LOSS_KEYS), dtype=torch.float64, device=self.device)
+        (sum, count) pairs over the world; each rank holds its own stage's layers and its own data); and the number
+        of ranks whose gradients are not finite (``nonfinite_grads``, in the same all-reduce)."""
+        local = torch.zeros(2 * len(LOSS_KEYS) + 1, dtype=torch.float64, device=self.device)
+        local[-1] = float(nonfinite_grads)
 
         def add(key: str, values: list[float]) -> None:
             i = LOSS_KEYS.index(key)
@@ -163,8 +202,9 @@ class StepRunner:
             tracker.clean()
         if self.world > 1:
             dist.all_reduce(local)
-        return {
+        losses = {
             key: float(local[2 * i] / local[2 * i + 1])
             for i, key in enumerate(LOSS_KEYS)
             if local[2 * i + 1] > 0
         }
+        return losses, int(local[-1])

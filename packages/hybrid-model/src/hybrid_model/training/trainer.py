@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from hybrid_model.training.checkpoint import DISTOPT_FORMAT, Checkpointer
+from hybrid_model.training.checkpoint import DISTOPT_FORMAT, Checkpointer, preflight_resume
 from hybrid_model.training.config import TrainConfig
+from hybrid_model.training.rundir import check_writable, clear_run, decide_resume
 from hybrid_model.training.setup import (
     attach_schedule_hooks,
     build_data,
@@ -32,7 +34,7 @@ from hybrid_model.training.setup import (
     model_config_for,
     reset_metric_trackers,
 )
-from hybrid_model.training.step import StepRunner
+from hybrid_model.training.step import StepRunner, TrainingDiverged
 
 
 class Trainer:
@@ -40,20 +42,52 @@ class Trainer:
 
     def __init__(self, tc: TrainConfig) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from dsv4_primitives.megatron import apply_cpu_shims, init_rng_tracker
+        from dsv4_primitives.megatron import apply_cpu_shims
 
         self.tc = tc
+        # the run directory rules (rundir.py) before anything is built or initialised: a clear error costs nothing
+        self.out = Path(tc.out)
+        check_writable(self.out)
+        self.resuming = decide_resume(tc)
+        if self.resuming:
+            preflight_resume(tc)
+        self.cleared: list[str] = []
         apply_cpu_shims()
         self.rank, self.world = init_distributed()
         if self.world % (tc.pp * tc.tp):
             raise ValueError(f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp}")
+        if not self.resuming and (tc.overwrite or tc.resume == "auto"):
+            dist.barrier()  # every rank has looked at the directory before rank 0 clears it
+            if self.rank == 0:
+                self.cleared = clear_run(self.out)
+        dist.barrier()
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tc.tp,
             pipeline_model_parallel_size=tc.pp,
             expert_model_parallel_size=tc.ep,
         )
+        self._previous_stream = None
+        try:
+            self._build(tc, ps)
+        except BaseException:  # leave no half-initialised megatron state behind
+            if self._previous_stream is not None:
+                torch.cuda.set_stream(self._previous_stream)
+            ps.destroy_model_parallel()
+            raise
+        self.step = 0
+        self.metrics: list[dict] = []
+        self.interrupted_by: int | None = None  # the signal that stopped the run (its checkpoint is saved)
+        self.nonfinite_steps = 0  # steps skipped for a non-finite loss or gradient (in total)
+        self._nonfinite_run: list[int] = []  # the current run of consecutive non-finite steps
+        self._saved_step: int | None = None
+
+    def _build(self, tc: TrainConfig, ps) -> None:
+        """Model, optimizer, scheduler, data, checkpointer and step runner of this rank (after the parallel state)."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dsv4_primitives.megatron import init_rng_tracker
+
         init_rng_tracker(tc.seed, cuda_graph_safe=tc.cuda_graph)
         reset_metric_trackers()
         self.ps = ps
@@ -67,12 +101,10 @@ class Trainer:
 
         self._restore_determinism = use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs
         self.model_config = model_config_for(tc)
-        self._previous_stream = None
         if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
             from hybrid_model.training.cuda_graph import use_capture_stream
 
             self._previous_stream = use_capture_stream()
-        self.out = Path(tc.out)
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
         self._stop = False
         # the data first: bad data fail before the model is built
@@ -91,6 +123,7 @@ class Trainer:
             ps=ps,
             out=self.out,
             rank=self.rank,
+            tc=tc,
         )
         self.stepper = StepRunner(
             tc,
@@ -104,8 +137,6 @@ class Trainer:
             device=self.device,
             world=self.world,
         )
-        self.step = 0
-        self.metrics: list[dict] = []
 
     @property
     def _graphed(self):
@@ -123,15 +154,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Save the training state of this step as ``checkpoints/iter_XXXXXXX`` and point ``latest`` at it."""
-        return self.checkpointer.save(self.step)
+        """Save the training state of this step as ``checkpoints/iter_XXXXXXX`` and point ``latest`` at it (once
+        per step: a second call at the same step does not write again)."""
+        path = self.checkpointer.dir / f"iter_{self.step:07d}"
+        if self._saved_step != self.step:
+            path = self.checkpointer.save(self.step)
+            self._saved_step = self.step
+        return path
 
     def load_checkpoint(self) -> bool:
         """Restore the state of ``checkpoints/latest`` (see :meth:`Checkpointer.load_latest`); ``False`` if none."""
         step = self.checkpointer.load_latest()
         if step is None:
             return False
-        self.step = step
+        self.step = self._saved_step = step
         return True
 
     def load_model_weights(self, path: str | Path) -> Path:
@@ -141,17 +177,78 @@ class Trainer:
     # ------------------------------------------------------------------ run
     def _handle_signal(self, signum, frame) -> None:
         self._stop = True
+        self.interrupted_by = signum
+
+    def _announce_start(self, resumed: bool) -> None:
+        """One line saying whether this run resumed (from where) or started fresh (and what it replaced)."""
+        tc = self.tc
+        if not self.is_logger:
+            return
+        if resumed:
+            ignored = (
+                f"; --init-from {tc.init_from} is not used (the checkpoint has the weights)"
+                if tc.init_from
+                else ""
+            )
+            print(
+                f"dsv4 train: resuming {self.out / 'checkpoints' / f'iter_{self.step:07d}'} at step {self.step}{ignored}",
+                flush=True,
+            )
+        elif tc.resume == "auto":
+            replaced = f" (replacing {', '.join(self.cleared)})" if self.cleared else ""
+            print(
+                f"dsv4 train: --resume auto: no checkpoint in {self.out}, starting a new run{replaced}",
+                flush=True,
+            )
+        elif self.cleared:
+            print(
+                f"dsv4 train: --overwrite: removed {', '.join(self.cleared)} of the previous run in {self.out}"
+            )
+
+    def _count_nonfinite(self, m: dict, outputs) -> None:
+        """Count a skipped non-finite step; :class:`TrainingDiverged` after ``max_nonfinite_steps`` in a row."""
+        if not m["nonfinite"]:
+            self._nonfinite_run = []
+            return
+        self.nonfinite_steps += 1
+        self._nonfinite_run.append(m["step"])
+        limit = self.tc.max_nonfinite_steps
+        losses = ", ".join(f"{k} {m[k]}" for k in ("lm_loss", "mtp_loss") if k in m)
+        outputs.note(
+            f"step {m['step']}: non-finite loss or gradient ({losses}, grad_norm {m['grad_norm']}); update "
+            f"{'skipped' if m['skipped'] else 'applied (gradient norm overflow)'} ({len(self._nonfinite_run)} in a row, "
+            f"--max-nonfinite-steps {limit})"
+        )
+        if len(self._nonfinite_run) >= limit:
+            latest = self.checkpointer.dir / "latest"
+            kept = (
+                f"{latest} names {latest.read_text().strip()}"
+                if latest.exists()
+                else "no checkpoint was written"
+            )
+            raise TrainingDiverged(
+                f"the run diverged: steps {self._nonfinite_run[0]}-{self._nonfinite_run[-1]} ({limit} in a row, "
+                f"--max-nonfinite-steps) had a non-finite loss or gradient at lr {m['lr']:.3g}; nothing was saved "
+                f"({kept}). Start again with a lower --lr or a longer --warmup-steps (--init-from a checkpoint keeps "
+                "its weights)"
+            )
 
     def run(self) -> list[dict]:
         from hybrid_model.flops import forward_flops_from_stats
         from hybrid_model.training.outputs import RunOutputs
 
         tc = self.tc
-        resumed = tc.resume and self.load_checkpoint()
+        resumed = self.resuming and self.load_checkpoint()
         if not resumed and tc.init_from:
             self.load_model_weights(tc.init_from)
+        self._announce_start(resumed)
         outputs = RunOutputs(
-            self.out, enabled=self.is_logger, append=resumed, total=tc.steps, progress=tc.progress
+            self.out,
+            enabled=self.is_logger,
+            append=resumed,
+            total=tc.steps,
+            progress=tc.progress,
+            log_interval=tc.log_interval,
         )
         old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         peak = (tc.peak_tflops or default_peak_tflops()) * 1e12
@@ -172,10 +269,12 @@ class Trainer:
                 m["step_time_s"] = dt
                 self.metrics.append(m)
                 outputs.log(m)
+                self._count_nonfinite(m, outputs)
                 if tc.save_interval and self.step % tc.save_interval == 0:
                     self.save_checkpoint()
                 if self._stop:
-                    outputs.note(f"signal received: saving a checkpoint at step {self.step} and stopping")
+                    name = signal.Signals(self.interrupted_by).name if self.interrupted_by else "signal"
+                    outputs.note(f"{name} received: saving a checkpoint at step {self.step} and stopping")
                     self.save_checkpoint()
                     break
             else:  # a finished run leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
@@ -216,4 +315,4 @@ def loss_is_falling(metrics: list[dict], key: str = "lm_loss") -> bool:
     return sum(vals[-k:]) / k < sum(vals[:k]) / k
 
 
-__all__ = ["DISTOPT_FORMAT", "Trainer", "loss_is_falling", "model_config_for", "train"]
+__all__ = ["DISTOPT_FORMAT", "Trainer", "TrainingDiverged", "loss_is_falling", "model_config_for", "train"]

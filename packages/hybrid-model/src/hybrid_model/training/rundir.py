@@ -1,0 +1,80 @@
+"""The run directory (``--out``) rules of ``dsv4 train``: it must be writable; an existing run in it is continued
+only with ``--resume`` (which then needs a checkpoint) and replaced only with ``--overwrite``; ``--resume auto``
+continues when there is a checkpoint and starts fresh otherwise (job requeues)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from hybrid_model.training.config import TrainConfig
+
+# what a run writes into --out (``--overwrite`` deletes exactly these)
+RUN_OUTPUTS = ("metrics.jsonl", "loss.png", "tb", "checkpoints")
+
+
+def check_writable(out: Path) -> None:
+    """Create ``out`` (and parents) and write a probe file into it; ``ValueError`` saying so when that fails."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory: choose another --out")
+    probe = out / f".dsv4-write-probe-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(
+            f"--out {out} is not writable ({e.strerror or e}): choose a writable --out or fix its permissions"
+        ) from e
+
+
+def existing_outputs(out: Path) -> list[str]:
+    """The run outputs that ``out`` already holds (names from :data:`RUN_OUTPUTS`)."""
+    return [name for name in RUN_OUTPUTS if (out / name).exists()]
+
+
+def has_checkpoint(out: Path) -> bool:
+    return (out / "checkpoints" / "latest").is_file()
+
+
+def decide_resume(tc: TrainConfig) -> bool:
+    """Whether this run continues from ``out/checkpoints/latest`` (``ValueError`` when the request cannot be met;
+    nothing is changed on disk). Call :func:`clear_run` afterwards for ``--overwrite`` / a fresh ``--resume auto``."""
+    out = Path(tc.out)
+    if tc.resume is True:
+        if not out.is_dir():
+            raise ValueError(
+                f"--resume: the run directory {out} does not exist; check --out, or use --resume auto to start a new "
+                "run when there is nothing to resume"
+            )
+        if not has_checkpoint(out):
+            raise ValueError(
+                f"--resume: {out} holds no checkpoint ({out / 'checkpoints' / 'latest'} is missing); check --out, or "
+                "use --resume auto to start a new run when there is nothing to resume"
+            )
+        return True
+    if tc.resume == "auto":
+        return has_checkpoint(out)
+    found = existing_outputs(out)
+    if found and not tc.overwrite:
+        raise ValueError(
+            f"--out {out} already holds a run ({', '.join(found)}): continue it with --resume, replace it with "
+            "--overwrite (deletes those outputs), or choose another --out"
+        )
+    return False
+
+
+def clear_run(out: Path) -> list[str]:
+    """Delete the previous run's outputs in ``out`` (only the names of :data:`RUN_OUTPUTS`); returns what it removed."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
