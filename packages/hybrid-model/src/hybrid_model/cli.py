@@ -164,6 +164,7 @@ def _train_parser(sub) -> None:
         const=True,
         type=_resume_mode,
         default=None,
+        metavar="auto",
         help="continue from --out's checkpoints/latest (an error when there is none); '--resume auto' continues "
         "when there is a checkpoint and starts a new run otherwise (job requeues) (default: a new run)",
     )
