@@ -109,7 +109,8 @@ def test_dsv4_train_stops_on_bad_data_before_building_the_model(tmp_path):
 def test_dsv4_train_prints_the_data_summary(tmp_path):
     a, d = _sources(tmp_path)
     argv = ["train", "--data", str(a), "--data", str(d), "--skip-bad-records", "--packed", "--steps", "1"]
-    argv += ["--seq-len", "64", "--global-batch-size", "4", "--micro-batch-size", "2", "--no-progress"]
+    # no --micro-batch-size: a --packed micro-batch is one pack
+    argv += ["--seq-len", "64", "--global-batch-size", "4", "--no-progress"]
     argv += ["--out", str(tmp_path / "run"), "--no-save-final"]
     code = "import sys; from hybrid_model.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run(

@@ -29,6 +29,7 @@ from hybrid_model.training.rundir import check_writable, clear_run, decide_resum
         (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
         (["--log-interval", "0"], "--log-interval must be >= 1"),
         (["--cuda-graph-warmup-steps", "3"], "only applies with --cuda-graph"),
+        (["--packed", "--micro-batch-size", "2"], "--micro-batch-size only applies to"),
         (["--resume", "--overwrite"], "contradict"),
         (["--resume", "--init-from", "runs/x"], "--init-from"),
     ],

@@ -264,6 +264,11 @@ def train_config_from_args(args):
     tc = TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
     if "cuda_graph_warmup_steps" in flags and not tc.cuda_graph:
         raise ValueError("--cuda-graph-warmup-steps only applies with --cuda-graph")
+    if "micro_batch_size" in flags and tc.packed:
+        raise ValueError(
+            "--micro-batch-size only applies to [B, S] batches: a --packed (THD) micro-batch is one pack of --seq-len "
+            "tokens; drop --micro-batch-size"
+        )
     return tc
 
 
