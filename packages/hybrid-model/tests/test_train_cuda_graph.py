@@ -108,7 +108,12 @@ def test_graphed_training_matches_eager(tmp_path):
     assert graph["replayed"] == [False, False] + [True] * 6 and graph["captures"] == 1
     assert graph["saved"]  # a dist checkpoint with the graph-safe RNG tracker's generator states
     assert all(v is not None for key in ("lm", "mtp", "balance") for v in graph[key])
-    for key in ("lm", "mtp", "balance", "indexer"):  # deterministic kernels: the replays are the eager arithmetic
+    for key in (
+        "lm",
+        "mtp",
+        "balance",
+        "indexer",
+    ):  # deterministic kernels: the replays are the eager arithmetic
         assert eager[key] == graph[key], (key, eager[key], graph[key])
     assert graph["lm"][-1] < graph["lm"][0]
     # dense steps 0-2 (eager warm-up 0-1, capture at 2), then the sparse phase: a new warm-up and capture

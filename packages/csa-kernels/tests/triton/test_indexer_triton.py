@@ -36,7 +36,9 @@ def _check(lengths, HI, DI, ratio, topk, device, dtype, chunk_size=None, entry_t
     # same number of -1 slots (I1) and, per row, the same selected set (no exact ties in random data)
     assert torch.equal((idx < 0).sum(1).cpu(), (ridx < 0).sum(1))
     assert torch.equal(idx.sort(1).values.cpu(), ridx.sort(1).values.cpu())
-    if dtype == torch.float32 and device == "cpu":  # and the same order (descending score); on the GPU the fp32
+    if (
+        dtype == torch.float32 and device == "cpu"
+    ):  # and the same order (descending score); on the GPU the fp32
         # scores of 64 heads x 128 dims round differently from the fp64 oracle, so near-equal scores may swap places:
         # there the order is checked through the value sequence below (descending, equal to the oracle's within tol)
         assert torch.equal(idx.cpu(), ridx)
