@@ -235,6 +235,17 @@ def _train_parser(sub) -> None:
         ),
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help=d(
+            "deterministic",
+            "bitwise-reproducible steps: deterministic kernels everywhere (no atomics in the sparse-attention "
+            "dkv / indexer dk), torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8; costs "
+            "speed (hybrid-model README)",
+        ),
+    )
+    p.add_argument(
         "--peak-tflops",
         type=float,
         help="peak TFLOP/s for MFU (default: 989 on H100/H200, 312 on other GPUs, 1 on CPU)",

@@ -43,6 +43,8 @@ class TrainConfig:
     fresh: job requeues). ``overwrite``: delete the previous run's outputs in ``out`` (metrics, TensorBoard events,
     checkpoints) before a new run. ``max_nonfinite_steps``: a step with a non-finite loss or gradient is skipped
     (no update); this many in a row stop the run (:class:`~hybrid_model.training.step.TrainingDiverged`).
+    ``deterministic``: every kernel of a step deterministic, so two runs with the same seed give bitwise-identical
+    losses and gradients (eager and ``--cuda-graph``; see :mod:`hybrid_model.training.determinism`).
     """
 
     preset: str = "tiny"
@@ -86,6 +88,7 @@ class TrainConfig:
     optimizer_impl: str = "auto"
     fused_linear_ce: bool = True
     max_nonfinite_steps: int = 5
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):  # a config file's "data": "path" means one source

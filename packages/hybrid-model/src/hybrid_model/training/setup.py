@@ -107,6 +107,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
             bf16=tc.bf16,
             params_dtype=params_dtype_of(tc),
             fused_linear_cross_entropy=tc.fused_linear_ce,
+            deterministic_mode=tc.deterministic,  # megatron's embedding: weight[ids] (sort-based backward)
         ).to(device)
     config = core.config
     model = core

@@ -53,6 +53,10 @@ class Trainer:
         if self.resuming:
             preflight_resume(tc)
         self.cleared: list[str] = []
+        if tc.deterministic:  # cuBLAS / NCCL read their variables at their first use: before any CUDA work
+            from hybrid_model.training.determinism import prepare_deterministic_environment
+
+            prepare_deterministic_environment()
         apply_cpu_shims()
         self.rank, self.world = init_distributed()
         if self.world % (tc.pp * tc.tp):
@@ -97,9 +101,13 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        from hybrid_model.training.determinism import use_deterministic_cpu_kernels
+        from hybrid_model.training import determinism
 
-        self._restore_determinism = use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs
+        self._restore_determinism = (
+            determinism.use_deterministic_training(self.device, tc.seed)
+            if tc.deterministic
+            else determinism.use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs anyway
+        )
         self.model_config = model_config_for(tc)
         if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
             from hybrid_model.training.cuda_graph import use_capture_stream
