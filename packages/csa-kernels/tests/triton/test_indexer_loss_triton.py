@@ -131,3 +131,11 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_indexer_loss_gpu_bf16(case):
     _run(*case, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_indexer_loss_gpu_bf16_bitwise_reproducible():
+    """Loss, per-row KL and ``d index_scores`` bitwise equal over two runs on the GPU (issue 20)."""
+    first, again = _run(*GPU_CASES[2], dtype=torch.bfloat16, device="cuda")
+    for name, a, b in zip(("loss", "per_row_kl", "d_index_scores"), first, again):
+        assert torch.equal(a, b), f"{name} differs between two runs"

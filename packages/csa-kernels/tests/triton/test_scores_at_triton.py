@@ -290,3 +290,16 @@ def test_public_scores_at_auto_is_fused_on_cuda(monkeypatch):
     q, k, w, idx = (x.cuda() for x in scores_at_case(33, 4, 32, 10, 6))
     out = indexer_scores_at(q.bfloat16(), k.bfloat16(), w.bfloat16(), idx)
     assert calls == [1] and out.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [(4096, 64, 128, 1024, 512, (5, 100)), (513, 64, 128, 300, 96, (3,))],  # flash-smoke indexer; odd shapes
+)
+def test_scores_at_gpu_bf16_deterministic(case):
+    """The key-major ``dk`` on the GPU, where the atomic one races: gradients vs the reference, and two runs
+    bitwise equal (issue 20, ``dsv4 train --deterministic``)."""
+    T, HI, DI, Tc, K, empty = case
+    q, k, w, idx = scores_at_case(T, HI, DI, Tc, K, seed=T, empty_rows=empty)
+    check_scores_at(q, k, w, idx, torch.bfloat16, "cuda", deterministic=True)
