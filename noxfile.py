@@ -12,7 +12,10 @@ Sessions:
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -33,28 +36,88 @@ def _cuda_available(session: nox.Session) -> bool:
     return out.strip().endswith("1")
 
 
-def _pytest(session: nox.Session, package: str, *extra: str) -> None:
+# Concurrent pytest processes per package for `nox -s test` (CI's 2-core box): many tests wait on subprocesses,
+# spawned gloo worlds or single-threaded interpreter loops, so one process leaves a core idle much of the time.
+# Files are split greedily by ci/test_weights.json (seconds per test file; a missing file counts as
+# DEFAULT_WEIGHT); DSV4_TEST_SHARDS=1 runs one process as before. Module-scoped fixtures stay within one file.
+TEST_SHARDS = int(os.environ.get("DSV4_TEST_SHARDS", "2"))
+DEFAULT_WEIGHT = 10.0
+
+
+# Bytecode: the CI image sets PYTHONDONTWRITEBYTECODE=1, so every Python process of a test run (each pytest, each
+# `dsv4 train` subprocess, each spawned gloo worker) compiled the torch / megatron modules it imports from source:
+# ~6 s of CPU per process on top of ~3 s of imports. The test sessions cache bytecode under .nox/pycache instead
+# (outside the source tree and the venv; the first process of a run writes it, atomically, the others read it).
+BYTECODE_ENV = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(ROOT / ".nox" / "pycache")}
+
+
+def _test_files(package: str) -> list[str]:
+    tests = ROOT / "packages" / package / "tests"
+    files = {*tests.rglob("test_*.py"), *tests.rglob("*_test.py")}
+    return sorted(str(f.relative_to(ROOT)) for f in files if ".venv" not in f.parts)
+
+
+def shard_files(files: list[str], weights: dict[str, float], shards: int) -> list[list[str]]:
+    """``files`` in ``shards`` groups of about equal total weight (heaviest first onto the lightest group; each
+    group keeps the sorted file order); empty groups are dropped."""
+    groups: list[tuple[float, list[str]]] = [(0.0, []) for _ in range(max(1, shards))]
+    for f in sorted(files, key=lambda f: (-weights.get(f, DEFAULT_WEIGHT), f)):
+        i = min(range(len(groups)), key=lambda k: groups[k][0])
+        groups[i] = (groups[i][0] + weights.get(f, DEFAULT_WEIGHT), [*groups[i][1], f])
+    return [sorted(g) for _, g in groups if g]
+
+
+def _pytest_command(package: str, junit: Path, targets: list[str], extra, posargs) -> list[str]:
+    return ["python", "-m", "pytest", *targets, "-q", f"--junitxml={junit}", *extra, *posargs]
+
+
+def _pytest(session: nox.Session, package: str, *extra: str, shards: int = 1) -> None:
     reports = ROOT / ".reports"
     reports.mkdir(exist_ok=True)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        f"packages/{package}/tests",
-        "-q",
-        f"--junitxml={reports / (package + '.xml')}",
-        *extra,
-        *session.posargs,
-        success_codes=[0, 5],  # 5 = no tests collected (e.g. a package with only gpu tests under -m)
-        external=True,
-    )
+    files = _test_files(package)
+    weights_file = ROOT / "ci" / "test_weights.json"
+    weights = json.loads(weights_file.read_text()) if weights_file.is_file() else {}
+    groups = shard_files(files, weights, shards) if shards > 1 and not session.posargs else []
+    if len(groups) < 2:
+        session.run(
+            *_pytest_command(
+                package, reports / f"{package}.xml", [f"packages/{package}/tests"], extra, session.posargs
+            ),
+            success_codes=[0, 5],  # 5 = no tests collected (e.g. a package with only gpu tests under -m)
+            external=True,
+            env=BYTECODE_ENV,
+        )
+        return
+    # shard 0 streams to the terminal; the others write to a log that is printed when they finish
+    procs = []
+    with tempfile.TemporaryDirectory(prefix=f"nox-{package}-") as tmp:
+        for i, group in enumerate(groups):
+            cmd = _pytest_command(
+                package, reports / f"{package}.{i}.xml", group, extra, ["--basetemp", f"{tmp}/t{i}"]
+            )
+            session.log(f"shard {i + 1}/{len(groups)}: {len(group)} files: {' '.join(cmd[:3])} ...")
+            log = None if i == 0 else open(f"{tmp}/shard{i}.log", "w")  # noqa: SIM115 (closed below)
+            env = {**os.environ, **BYTECODE_ENV}
+            procs.append(
+                (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+            )
+        codes = []
+        for i, (proc, log) in enumerate(procs):
+            codes.append(proc.wait())
+            if log is not None:
+                log.close()
+                print(f"---- {package}: shard {i + 1}/{len(procs)} (exit {codes[-1]}) ----", flush=True)
+                print(Path(log.name).read_text(), flush=True)
+    if any(c not in (0, 5) for c in codes):
+        session.error(f"{package}: pytest shards exited with {codes}")
 
 
 @nox.session(venv_backend="none")
 @nox.parametrize("package", PACKAGES)
 def test(session: nox.Session, package: str) -> None:
-    """CPU tests of one package, reusing the .venv that `uv run --locked` synced."""
-    _pytest(session, package, "-m", CPU_MARKERS)
+    """CPU tests of one package, reusing the .venv that `uv run --locked` synced (TEST_SHARDS concurrent pytest
+    processes over its test files; one process when posargs select tests)."""
+    _pytest(session, package, "-m", CPU_MARKERS, shards=TEST_SHARDS)
 
 
 @nox.session(python="3.12")
@@ -74,7 +137,15 @@ def test_isolated(session: nox.Session, package: str) -> None:
     extra_args = [f"--extra={e}" for e in extras.get("optional-dependencies", {})]
     session.run_install(*sync, *extra_args, "--group", "test", "--inexact", env=env, external=True)
     session.run(
-        "python", "-m", "pytest", f"packages/{package}/tests", "-q", "-m", CPU_MARKERS, *session.posargs
+        "python",
+        "-m",
+        "pytest",
+        f"packages/{package}/tests",
+        "-q",
+        "-m",
+        CPU_MARKERS,
+        *session.posargs,
+        env=BYTECODE_ENV,
     )
 
 

@@ -13,36 +13,47 @@ pytestmark = pytest.mark.slow
 _RUNNER = textwrap.dedent(
     """
     import json, sys
+    from pathlib import Path
     from hybrid_model.training.config import TrainConfig
     from hybrid_model.training.trainer import train
 
     if __name__ == "__main__":
-        kw = json.loads(sys.argv[1])
-        ms = train(TrainConfig(progress=False, **kw))
         keys = ("lm_loss", "mtp_loss", "grad_norm", "lr")
-        print("METRICS " + json.dumps([{k: m.get(k) for k in keys} for m in ms]))
+        for run in json.loads(sys.argv[1]):
+            latest = run.pop("latest", None)
+            if latest is not None:  # resume from this step's checkpoint (not the newest one)
+                (Path(run["out"]) / "checkpoints" / "latest").write_text(latest)
+            ms = train(TrainConfig(progress=False, **run))
+            print("METRICS " + json.dumps([{k: m.get(k) for k in keys} for m in ms]), flush=True)
     """
 )
 
 
-def _train_metrics(tmp_path, **kw) -> list[dict]:
-    """One training run in a fresh process (megatron's global state starts clean): per-step lm/MTP loss, grad
-    norm and lr."""
+def _train_runs(tmp_path, *runs: dict) -> list[list[dict]]:
+    """Training runs one after the other in one fresh process (megatron's global state starts clean; each Trainer
+    builds and destroys its own parallel state, so the process start and imports are paid once): per run, per step
+    lm/MTP loss, grad norm and lr. A run's ``latest`` key first points ``out/checkpoints/latest`` at that
+    checkpoint."""
     script = tmp_path / "run_train.py"
     script.write_text(_RUNNER)
     base = dict(seq_len=64, global_batch_size=4, micro_batch_size=2, warmup_steps=2, lr=3e-3)
-    base.update(kw)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(base)], capture_output=True, text=True, timeout=900, env=env
+        [sys.executable, str(script), json.dumps([base | run for run in runs])],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("METRICS ")][-1]
-    return json.loads(line[len("METRICS ") :])
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("METRICS ")]
+    assert len(lines) == len(runs), proc.stdout[-2000:]
+    return [json.loads(x[len("METRICS ") :]) for x in lines]
 
 
 def _train(tmp_path, **kw) -> list[float]:
-    return [m["lm_loss"] for m in _train_metrics(tmp_path, **kw)]
+    (metrics,) = _train_runs(tmp_path, kw)
+    return [m["lm_loss"] for m in metrics]
 
 
 def test_loss_falls_and_outputs_written(tmp_path):
@@ -79,13 +90,17 @@ def test_exact_resume(tmp_path):
     position and the dense -> sparse CSA switch after the resume point.
     """
     kw = dict(steps=8, warmup_steps=5, dense_steps=4)
-    full = _train_metrics(tmp_path, out=str(tmp_path / "full"), save_final=False, **kw)
-    assert not (tmp_path / "full" / "checkpoints").exists()  # --no-save-final: no checkpoint written
     run = tmp_path / "run"
-    saved = _train_metrics(tmp_path, out=str(run), save_interval=3, **kw)
+    full, saved, tail = _train_runs(
+        tmp_path,
+        dict(out=str(tmp_path / "full"), save_final=False, **kw),
+        dict(out=str(run), save_interval=3, **kw),
+        dict(
+            out=str(run), resume=True, latest="iter_0000003", **kw
+        ),  # resume from step 3 (not the latest, 8)
+    )
+    assert not (tmp_path / "full" / "checkpoints").exists()  # --no-save-final: no checkpoint written
     assert saved == full  # same seed -> identical runs; saving does not perturb training
-    (run / "checkpoints" / "latest").write_text("iter_0000003")  # resume from step 3 (not the latest, 8)
-    tail = _train_metrics(tmp_path, out=str(run), resume=True, **kw)
     assert len(tail) == 5
     assert tail == full[3:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -98,12 +113,13 @@ def test_fused_optimizer_exact_resume_and_cross_impl_resume(tmp_path):
     the losses stay within the fused/unfused rounding difference (hybrid_model.training.optimizer)."""
     kw = dict(steps=6, warmup_steps=2)
     run = tmp_path / "run"
-    full = _train_metrics(tmp_path, out=str(run), save_interval=3, optimizer_impl="fused", **kw)
-    (run / "checkpoints" / "latest").write_text("iter_0000003")
-    tail = _train_metrics(tmp_path, out=str(run), resume=True, optimizer_impl="fused", **kw)
+    full, tail, other = _train_runs(
+        tmp_path,
+        dict(out=str(run), save_interval=3, optimizer_impl="fused", **kw),
+        dict(out=str(run), resume=True, optimizer_impl="fused", latest="iter_0000003", **kw),
+        dict(out=str(run), resume=True, optimizer_impl="unfused", latest="iter_0000003", **kw),
+    )
     assert tail == full[3:]
-    (run / "checkpoints" / "latest").write_text("iter_0000003")
-    other = _train_metrics(tmp_path, out=str(run), resume=True, optimizer_impl="unfused", **kw)
     assert len(other) == 3
     for a, b in zip(other, full[3:], strict=True):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-3 * abs(b["lm_loss"]), (a, b)

@@ -156,8 +156,8 @@ def _cli(args, **kw):
     )
 
 
-def test_cli_run_directory_exit_codes_and_output(tmp_path):
-    from hybrid_model.cli import QUIET_LOG_RECORDS, QUIET_WARNINGS
+def test_cli_run_directory_exit_codes_and_output(tmp_path, capsys):
+    from hybrid_model.cli import QUIET_LOG_RECORDS, QUIET_WARNINGS, main
 
     run = tmp_path / "run"
     first = _cli(["--steps", "2", "--out", str(run)])
@@ -169,8 +169,12 @@ def test_cli_run_directory_exit_codes_and_output(tmp_path):
         assert message.replace("\\", "")[:30] not in first.stderr, (message, first.stderr)
     metrics = (run / "metrics.jsonl").read_bytes()
 
-    again = _cli(["--steps", "2", "--out", str(run)])  # no --resume, no --overwrite: refused, nothing changed
-    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr[-2000:]
+    # no --resume, no --overwrite: refused before anything is built, nothing changed (in this process: the same
+    # main() as the command, without paying another interpreter start and imports)
+    capsys.readouterr()
+    again = main(["train", *_BASE, "--steps", "2", "--out", str(run)])
+    err = capsys.readouterr().err
+    assert again == 2 and "already holds a run" in err, err[-2000:]
     assert (run / "metrics.jsonl").read_bytes() == metrics
 
     # --resume auto on a fresh directory starts a new run and says so; SIGTERM saves and exits 143
