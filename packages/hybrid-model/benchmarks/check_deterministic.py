@@ -4,7 +4,7 @@ bit (every loss, every step's gradients, the final weights), eager and ``--cuda-
 
     PYTHONPATH=<all packages/*/src> python3 packages/hybrid-model/benchmarks/check_deterministic.py --out DIR
 
-Six in-process runs of the Trainer (``--steps`` 20 at ``--seq-len`` 4096, one sequence per step, sparse attention
+Six runs of the Trainer, each in its own process (``--steps`` 20 at ``--seq-len`` 4096, one sequence per step, sparse attention
 from step 0, the MTP-weight recapture at the end of the 10-step warm-up): default eager, deterministic eager twice,
 default graphed, deterministic graphed twice. Gradients are compared through an exact fingerprint of every
 gradient buffer taken just before each optimizer step (two int64 sums over the fp32 bit patterns: the plain sum
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,6 +123,32 @@ def _run(name: str, out: Path, args, *, deterministic: bool, graph: bool) -> dic
     return row
 
 
+def _run_child(name: str, args, *, deterministic: bool, graph: bool) -> dict:
+    """:func:`_run` in a fresh process: each run starts from an empty GPU (a Trainer's memory is not all returned
+    to the allocator in-process, and the second flash-smoke run of one process ran out of memory on the H200) and
+    from a fresh cuBLAS / Triton state, as two separate ``dsv4 train`` invocations would."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--out",
+        args.out,
+        "--steps",
+        str(args.steps),
+        "--seq-len",
+        str(args.seq_len),
+    ]
+    cmd += [
+        "--seed",
+        str(args.seed),
+        "--preset",
+        args.preset,
+        "--child",
+        f"{name}:{int(deterministic)}:{int(graph)}",
+    ]
+    subprocess.run(cmd, check=True)
+    return json.loads((Path(args.out) / name / "row.json").read_text())
+
+
 def _first_difference(a: dict, b: dict) -> str | None:
     for key in ("losses", "grads"):
         for i, (x, y) in enumerate(zip(a[key], b[key], strict=True)):
@@ -140,7 +167,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--preset", default="flash-smoke")
     ap.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=["eager", "graph"])
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # NAME:DETERMINISTIC:GRAPH, one run in this process
     args = ap.parse_args()
+    if args.child:
+        name, det, graph = args.child.split(":")
+        row = _run(name, Path(args.out), args, deterministic=det == "1", graph=graph == "1")
+        (Path(args.out) / name / "row.json").write_text(json.dumps(row) + "\n")
+        return 0
     if not torch.cuda.is_available() and "graph" in args.modes:
         print(
             "check_deterministic: --cuda-graph needs a CUDA device (CPU dry run: --modes eager)",
@@ -152,9 +185,9 @@ def main() -> int:
     runs = {}
     for mode in args.modes:
         graph = mode == "graph"
-        runs[f"{mode}_default"] = _run(f"{mode}_default", out, args, deterministic=False, graph=graph)
+        runs[f"{mode}_default"] = _run_child(f"{mode}_default", args, deterministic=False, graph=graph)
         for k in ("a", "b"):
-            runs[f"{mode}_det_{k}"] = _run(f"{mode}_det_{k}", out, args, deterministic=True, graph=graph)
+            runs[f"{mode}_det_{k}"] = _run_child(f"{mode}_det_{k}", args, deterministic=True, graph=graph)
     verdict = {}
     for mode in args.modes:
         diff = _first_difference(runs[f"{mode}_det_a"], runs[f"{mode}_det_b"])
