@@ -117,12 +117,68 @@ def run_case(name: str, dtype_name: str | None = None, group=None) -> dict:
     )
 
 
-def world_worker(rank: int, world: int, names: tuple[str, ...] = tuple(CASES)) -> dict:
-    """Cases ``names`` at CP=2 (groups {0,1}, {2,3}) and CP=4 on one 4-rank gloo world; rank-local results."""
+def world_worker(rank: int, world: int, names: tuple[str, ...] = tuple(CASES), adapter: bool = True) -> dict:
+    """Cases ``names`` at CP=2 (groups {0,1}, {2,3}) and CP=4 on one 4-rank gloo world, then (``adapter``) the
+    megatron adapter at CP=2 x DP=2; rank-local results."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     full = dist.new_group(list(range(world)))
     out = {}
     for name in names:
         out[(name, 2)] = run_case(name, group=pairs[rank // 2])
         out[(name, 4)] = run_case(name, group=full)
+    if adapter:
+        from dsv4_testkit import megatron_cpu_context
+
+        with megatron_cpu_context(cp=2):
+            out["adapter"] = adapter_step(2, rank)
     return out
+
+
+ADAPTER_PACK = "mixed"
+
+
+def adapter_step(cp_group_size: int, rank: int = 0) -> dict:
+    """One CSA sparse-phase step of the megatron adapter inside an initialised megatron state (CP from
+    ``pg_collection.cp``); ``hidden_states`` = this CP rank's rows, ``packed_seq_params`` = the global pack."""
+    from _attention_testconfig import tiny_config
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dsv4_attention.megatron import get_dsv4_attention_spec
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    torch.manual_seed(0)
+    cfg = tiny_config(context_parallel_size=cp_group_size, dsa_indexer_loss_coeff=1.0)
+    m = build_module(get_dsv4_attention_spec(4), config=cfg, layer_number=1, pg_collection=pg)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    m.train().set_dense_attention(False)
+    lengths, padded, total = PACKS[ADAPTER_PACK]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cup = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    psp = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cup,
+        cu_seqlens_kv_padded=cup,
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(total, 1, cfg.hidden_size, generator=g)
+    w = torch.randn(total, 1, cfg.hidden_size, generator=g)
+    cp_rank = pg.cp.rank() if cp_group_size > 1 else 0
+    big_l = total // cp_group_size
+    x, w = (t[cp_rank * big_l : (cp_rank + 1) * big_l] for t in (x, w))
+    x = x.clone().requires_grad_(True)
+    IndexerLossAutoScaler.reset()
+    y, _ = m(x, packed_seq_params=psp)
+    (y * w).sum().backward()
+    grads = {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+    return dict(y=y.detach(), xg=x.grad, grads=grads)

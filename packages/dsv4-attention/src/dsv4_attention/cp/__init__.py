@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from dsv4_attention.cp.comm import PendingGather, all_gather_rows, start_all_gather_rows
 from dsv4_attention.cp.halo import exchange_halo
-from dsv4_attention.cp.layout import ContextParallelLayout, context_parallel_layout
+from dsv4_attention.cp.layout import (
+    ContextParallelLayout,
+    context_parallel_layout,
+    packed_context_parallel_layout,
+)
 from dsv4_attention.cp.plan import KindPlan, build_kind_plan, halo_rows, owned_before
 
 __all__ = [
@@ -28,5 +32,6 @@ __all__ = [
     "exchange_halo",
     "halo_rows",
     "owned_before",
+    "packed_context_parallel_layout",
     "start_all_gather_rows",
 ]

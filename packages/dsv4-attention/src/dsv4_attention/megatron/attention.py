@@ -188,7 +188,8 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         cp = getattr(self.pg_collection, "cp", None)
         if cp is not None and cp.size() > 1:  # static contiguous CP: local rows, global PackedSeqParams
             cp_layout = packed_context_parallel_layout(hidden_states, packed_seq_params, cp)
-            y, loss = self.forward(
+            y, loss = DSv4Attention.forward(
+                self,
                 hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2]),
                 cp_layout,
                 dense=self.dense_attention,
