@@ -27,6 +27,7 @@ PACKS = {
     "short_shards": ([17, 7], None, 24),
     # HCA: ratio-128 groups straddle ranks (CP=2: group [128, 256) crosses row 192), CP=4: L = 96 < halo 127
     "long": ([300, 3, 0, 60], [300, 3, 0, 64], 384),
+    "no_valid_rows": ([3, 3, 3, 3, 20], None, 48),
 }
 
 CASES = {
@@ -37,6 +38,9 @@ CASES = {
     "csa_sparse_denseloss_mixed": dict(kind="CSA", pack="mixed", sparse_loss=False),
     "csa_sparse_short": dict(kind="CSA", pack="short_shards", sparse_loss=True),
     "hca_long": dict(kind="HCA", pack="long"),
+    # CP=4: rank 0 holds only documents shorter than a ratio-4 group, rank 3 only the static tail: no valid
+    # indexer-loss rows there, yet their indexer parameters must get (zero) gradients (upstream #5643)
+    "csa_sparse_no_valid_rows": dict(kind="CSA", pack="no_valid_rows", sparse_loss=True),
     # bf16: topk >= every document's entry count, so the selected SET cannot depend on bf16 rounding of the scores
     # (projections of h + L rows vs T rows may round differently); selection ties are tested in fp32 above
     "window_mixed_bf16": dict(kind="WINDOW", pack="mixed", dtype="bf16"),
@@ -126,12 +130,30 @@ def world_worker(rank: int, world: int, names: tuple[str, ...] = tuple(CASES), a
     for name in names:
         out[(name, 2)] = run_case(name, group=pairs[rank // 2])
         out[(name, 4)] = run_case(name, group=full)
+    out["halo"] = {d: halo_step(d, full) for d in HALO_SIZES}
     if adapter:
         from dsv4_testkit import megatron_cpu_context
 
         with megatron_cpu_context(cp=2):
             out["adapter"] = adapter_step(2, rank)
     return out
+
+
+HALO_SIZES = (3, 7, 20)  # global rows T = 24 at CP=4: L = 6 > 3, L < 7 (two hops), L < 20 (four hops)
+
+
+def halo_step(halo_request: int, group) -> dict:
+    """``exchange_halo`` of global rows ``x[g] = g`` (T = 24) with cotangent ``c[g] = g + 1`` per extended row."""
+    from dsv4_attention.cp import exchange_halo
+
+    glob = layout_of("short_shards")
+    cpl = context_parallel_layout(glob, group)
+    halo = min(halo_request, cpl.local_start)
+    rows = torch.arange(glob.num_tokens, dtype=torch.float32)[:, None].repeat(1, 2)
+    x = rows[cpl.local_start : cpl.local_stop].clone().requires_grad_(True)
+    ext = exchange_halo(x, halo_request, halo, cpl)
+    (ext * (ext.detach() + 1)).sum().backward()
+    return dict(ext=ext.detach(), start=cpl.local_start - halo, stop=cpl.local_stop, xg=x.grad)
 
 
 ADAPTER_PACK = "mixed"

@@ -73,6 +73,23 @@ def test_cp_equals_cp1(world, name, cp):
     _check(f"{name} CP={cp}", got, ref, ref_bf16)
 
 
+def test_halo_exchange_forward_backward(world):
+    """Rows ``[max(ls - d, 0), le)`` on every rank (also multi-hop, ``L < d``); each row's gradient = the sum of
+    its cotangents over every rank that holds it (its owner and the ranks whose halo contains it)."""
+    from _cp_cases import HALO_SIZES
+
+    for d in HALO_SIZES:
+        grad = torch.zeros(24)
+        for r in range(4):
+            res = world[r]["halo"][d]
+            rows = torch.arange(res["start"], res["stop"], dtype=torch.float32)
+            torch.testing.assert_close(res["ext"], rows[:, None].repeat(1, 2), rtol=0, atol=0)
+            assert res["stop"] - res["start"] == 6 + min(d, 6 * r)
+            grad[res["start"] : res["stop"]] += rows + 1
+        got = torch.cat([world[r]["halo"][d]["xg"] for r in range(4)])
+        torch.testing.assert_close(got, grad[:, None].repeat(1, 2), rtol=0, atol=0)
+
+
 def test_megatron_adapter_cp2_equals_cp1(world):
     with megatron_cpu_context():
         ref = adapter_step(1)

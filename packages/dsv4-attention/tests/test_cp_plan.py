@@ -130,3 +130,45 @@ def test_owned_entries_equal_cp1_compressor(kind):
                 parts.append(own)
             gathered = torch.cat(parts)[plan.gather_rows]
             torch.testing.assert_close(gathered, ref, rtol=0, atol=0)
+
+
+def test_cp_refusals():
+    from dsv4_attention.cp import packed_context_parallel_layout
+
+    glob = _layout([10, 3], None, 14)
+    with pytest.raises(ValueError, match="not a multiple of the context-parallel size 4"):
+        ContextParallelLayout(glob, None, 0, 4)
+    with pytest.raises(ValueError, match="SBHD"):  # CP needs the global THD pack, never [s, b, h]
+        packed_context_parallel_layout(torch.zeros(4, 2, 8), None, object())
+    with pytest.raises(ValueError, match=r"\[L, 1, h\]"):
+        psp = SimpleNamespace(qkv_format="thd")
+        packed_context_parallel_layout(torch.zeros(4, 2, 8), psp, object())
+
+
+def test_single_rank_layout_is_the_plain_path():
+    """group None: size 1, the layer runs its ordinary path on the global layout (bitwise the same output)."""
+    from dsv4_attention import AttentionConfig, DSv4Attention
+    from dsv4_attention.cp import context_parallel_layout
+
+    glob = _layout([10, 3], None, 14)
+    cpl = context_parallel_layout(glob, None)
+    assert (cpl.size, cpl.rank, cpl.local_start, cpl.local_stop, cpl.is_parallel) == (1, 0, 0, 14, False)
+    torch.testing.assert_close(cpl.local_positions, glob.positions, rtol=0, atol=0)
+    kind = LayerKind.WINDOW
+    torch.manual_seed(0)
+    cfg = AttentionConfig(kind, 16, 2, 8, 8, 2, 4, 4, rope_config_for_kind(kind, 4))
+    m = DSv4Attention(cfg)
+    x = torch.randn(14, 16)
+    torch.testing.assert_close(m(x, cpl)[0], m(x, glob)[0], rtol=0, atol=0)
+
+
+def test_cp_topk_refuses_torch_topk_ties():
+    from dsv4_attention import IndexerConfig, LightningIndexer
+    from dsv4_attention.cp.indexer import select_topk
+
+    cfg = IndexerConfig(hidden_size=16, q_lora_rank=8, n_heads=2, head_dim=8, topk=2, tie_break="torch_topk")
+    indexer = LightningIndexer(cfg, rope_config_for_kind(LayerKind.CSA, 4))
+    with pytest.raises(ValueError, match="'lower_index' only"):
+        select_topk(
+            indexer, None, torch.zeros(0, 8), torch.zeros(1, 0, dtype=torch.int32), "reference", False
+        )
