@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dsv4_attention import AttentionConfig, DSv4Attention, IndexerConfig, LayerKind, rope_config_for_kind
 from dsv4_attention.cp import context_parallel_layout
-from dsv4_attention.indexer_loss import IndexerLossAutoScaler
+from dsv4_attention.indexer_loss import IndexerLossAutoScaler, get_indexer_loss_tracker
 from dsv4_attention.layout import thd_layout
 
 D = 32
@@ -200,7 +200,12 @@ def adapter_step(cp_group_size: int, rank: int = 0) -> dict:
     x, w = (t[cp_rank * big_l : (cp_rank + 1) * big_l] for t in (x, w))
     x = x.clone().requires_grad_(True)
     IndexerLossAutoScaler.reset()
+    tracker = get_indexer_loss_tracker()
+    tracker.reset()
     y, _ = m(x, packed_seq_params=psp)
     (y * w).sum().backward()
     grads = {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
-    return dict(y=y.detach(), xg=x.grad, grads=grads)
+    logged = tracker.values[m.tracker_slot].clone()
+    sums_over_cp = tracker.reduce_group is (pg.cp if cp_group_size > 1 else None)
+    tracker.reset()
+    return dict(y=y.detach(), xg=x.grad, grads=grads, logged=logged, sums_over_cp=sums_over_cp)

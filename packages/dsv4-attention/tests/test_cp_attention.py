@@ -96,6 +96,8 @@ def test_megatron_adapter_cp2_equals_cp1(world):
     ranks = [world[r]["adapter"] for r in range(2)]  # CP group {0, 1} of the CP=2 x DP=2 state
     got = {"y": _gathered(ranks, "y"), "x.grad": _gathered(ranks, "xg")}
     got.update({n: sum(r["grads"][n] for r in ranks) for n in ref["grads"]})
-    exp = {"y": ref["y"], "x.grad": ref["xg"], **ref["grads"]}
+    got["logged indexer loss"] = sum(r["logged"] for r in ranks)  # the tracker sums the CP partials
+    assert ref["sums_over_cp"] and all(r["sums_over_cp"] for r in ranks)
+    exp = {"y": ref["y"], "x.grad": ref["xg"], **ref["grads"], "logged indexer loss": ref["logged"]}
     assert set(ranks[0]["grads"]) == set(ref["grads"])
     _check("adapter CP=2", got, exp, None)

@@ -172,3 +172,28 @@ def test_cp_topk_refuses_torch_topk_ties():
         select_topk(
             indexer, None, torch.zeros(0, 8), torch.zeros(1, 0, dtype=torch.int32), "reference", False
         )
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 7])
+def test_cp_topk_equals_cp1_rows(monkeypatch, chunk):
+    """Local-query top-k against the global keys (row tiles forced small too) = CP=1's ``indexer_topk`` rows,
+    ties (exact zeros of the ReLU scores) included."""
+    from csa_kernels import indexer_topk
+    from dsv4_attention import IndexerConfig, LightningIndexer
+    from dsv4_attention.cp import indexer as cp_indexer
+
+    monkeypatch.setattr(cp_indexer, "_CHUNK_ELEMENTS", chunk)
+    glob = _layout([13, 0, 3, 20, 9], [13, 0, 5, 22, 9], 52)
+    cfg = IndexerConfig(hidden_size=16, q_lora_rank=8, n_heads=2, head_dim=8, topk=3)
+    indexer = LightningIndexer(cfg, rope_config_for_kind(LayerKind.CSA, 4))
+    torch.manual_seed(0)
+    tc = glob.compressed_bounds_host(4)[-1]
+    q, k, w = torch.randn(52, 2, 8), torch.randn(tc, 8), torch.randn(52, 2).abs()
+    ref_idx, ref_val = indexer_topk(q, k, w, 4, 3, glob.cu_seqlens, _cu_c(glob, 4), backend="reference")
+    for r in range(4):
+        cpl = ContextParallelLayout(glob, None, r, 4)
+        sl = slice(cpl.local_start, cpl.local_stop)
+        iq = cp_indexer.LocalIndexerQueries(q[sl], w[sl])
+        idx, val = cp_indexer.select_topk(indexer, iq, k, cpl.plan(8, 4, True).visible, "reference", True)
+        torch.testing.assert_close(idx, ref_idx[sl], rtol=0, atol=0)
+        torch.testing.assert_close(val, ref_val[sl], rtol=1e-6, atol=1e-6)

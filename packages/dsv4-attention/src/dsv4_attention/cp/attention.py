@@ -3,7 +3,7 @@
 Per layer on CP rank ``r`` (``x [L, d]`` local rows, plan = the kind's :class:`~dsv4_attention.cp.plan.KindPlan`):
 
     x_ext  = exchange_halo(x)                          # [h + L, d]   rows [e0, le), autograd all-gather
-    E      = owned entries of the compressor(s) on x_ext, gathers launched async     (CSA / HCA; indexer keys)
+    E      = owned entries of the compressor(s) on x_ext, ONE gather launched async  (CSA / HCA; + indexer keys)
     q, cQ  = query path on the local rows               # [L, n_h, c], RoPE at the local positions
     kv     = RoPE(kv_layernorm(linear_kv_proj(x_ext)))  # [h + L, c]
     kv_all = cat(kv, E.wait())                          # [h + L + Tc, c]  compressed id g = CP=1's id g
@@ -52,11 +52,12 @@ def forward_cp(
     max_pos = glob.max_rope_position
     backend = core.backend
     x_ext = exchange_halo(x, plan.halo_request, plan.halo, cpl)  # [h + L, d]
-    entries = keys = None
-    if core.compressor is not None:  # launch the gathers first: they overlap the query / key projections
-        entries = start_owned_entries(core.compressor, x_ext, plan, cpl, max_pos, backend)
-    if core.indexer is not None:
-        keys = start_owned_entries(core.indexer.compressor, x_ext.detach(), plan, cpl, max_pos, backend)
+    pending = None
+    if core.compressor is not None:  # launch the gather first: it overlaps the query / key projections
+        parts = [(core.compressor, x_ext)]
+        if core.indexer is not None:  # the indexer's keys (detached input, as at CP=1) in the same collective
+            parts.append((core.indexer.compressor, x_ext.detach()))
+        pending = start_owned_entries(parts, plan, cpl, max_pos, backend)
     pos = cpl.local_positions  # [L]
     q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [L, d_c]
     q = linear_out(attn.linear_q_up_proj, q_lat)  # [L, n_h*c]
@@ -67,7 +68,7 @@ def forward_cp(
     iq = None
     if core.indexer is not None:
         iq = local_queries(core.indexer, x, q_lat, pos, max_pos)
-    o, loss = _core(core, q, kv, plan, cpl, entries, keys, iq, dense, indexer_loss_coeff)  # [L, n_h, c]
+    o, loss = _core(core, q, kv, plan, cpl, pending, iq, dense, indexer_loss_coeff)  # [L, n_h, c]
     if loss is not None:
         o = attach_indexer_loss(o, loss)
     o = rope(o, pos, attn.rope_cfg, inverse=True, max_position=max_pos)
@@ -75,19 +76,20 @@ def forward_cp(
     return linear_out(attn.linear_proj, u), loss  # [L, d]
 
 
-def _core(core, q, kv, plan, cpl, entries, keys, iq, dense, coeff):
+def _core(core, q, kv, plan, cpl, pending, iq, dense, coeff):
     """Window / HCA / CSA attention of the local queries (the CP form of ``CompressedSparseAttention.forward``)."""
     backend = core.backend
-    if entries is None:
+    if pending is None:
         o, _ = sparse_attn(
             q, kv, core.attn_sink, plan.window, core.softmax_scale, backend=backend, check_indices=False
         )
         return o, None
     n_ext = kv.shape[0]
-    kv_all = torch.cat((kv, entries.wait().to(kv.dtype)), 0)  # [h + L + Tc, c]
+    gathered = pending.wait()  # ([Tc, c], [Tc, c_I] for CSA)
+    kv_all = torch.cat((kv, gathered[0].to(kv.dtype)), 0)  # [h + L + Tc, c]
+    k_idx = gathered[1] if core.indexer is not None else None  # [Tc, c_I]
     dense = core.indexer is None or dense
     want_loss = core.indexer is not None and core.training and torch.is_grad_enabled()
-    k_idx = keys.wait() if keys is not None else None  # [Tc, c_I]
     topk_scores = None
     if dense:
         comp = plan.visible  # [L, max_c]

@@ -3,7 +3,8 @@
 ``start_owned_entries(compressor, x_ext, plan, cpl)`` runs the compressor's projections on ``cat(zeros(a),
 x_ext)``, pools with csa-kernels' ``compressor_pool`` on the realigned extended segments (see
 :mod:`dsv4_attention.cp.plan`), keeps the owned rows, applies the norm and RoPE at the entries' global positions
-``w * m``, pads them to the static capacity ``c_cap`` and launches the async all-gather. ``.wait()`` gives the
+``w * m``, pads them to the static capacity ``c_cap`` and launches the async all-gather (the main entries and the indexer
+keys of a CSA layer in one collective). ``.wait()`` gives the
 global, sequence-major entries ``[Tc, c]`` (entry id ``g`` = CP=1's id ``g``): ``gathered[gather_rows]``. The
 gradient of the gathered rows is summed over ranks back to the owner (reduce-scatter), then flows through the
 owner's compressor. The norm is row-wise, so applying it to the owned rows only is CP=1's math.
@@ -24,13 +25,16 @@ from dsv4_attention.cp.comm import PendingGather, start_all_gather_rows
 
 @dataclass
 class PendingEntries:
-    """Owned entries in flight; :meth:`wait` -> global entries ``[Tc, c]`` in CP=1's order."""
+    """Owned entries of one or more compressors in flight (ONE all-gather of their feature-concatenation);
+    :meth:`wait` -> the global entries ``[Tc, c_i]`` of each, in CP=1's order."""
 
     pending: PendingGather
     gather_rows: torch.Tensor
+    widths: tuple[int, ...]
 
-    def wait(self) -> torch.Tensor:
-        return self.pending.wait().index_select(0, self.gather_rows)  # [Tc, c]
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        rows = self.pending.wait().index_select(0, self.gather_rows)  # [Tc, sum c_i]
+        return torch.split(rows, list(self.widths), dim=1)
 
 
 def owned_entries(
@@ -59,8 +63,15 @@ def owned_entries(
 
 
 def start_owned_entries(
-    compressor: Compressor, x_ext: torch.Tensor, plan, cpl, max_position: int, backend: str
+    parts: list[tuple[Compressor, torch.Tensor]], plan, cpl, max_position: int, backend: str
 ) -> PendingEntries:
-    """Pool this rank's owned entries and launch their all-gather (see the module docstring)."""
-    own = owned_entries(compressor, x_ext, plan, max_position, backend)
-    return PendingEntries(start_all_gather_rows(own, cpl.group), plan.gather_rows)
+    """Pool this rank's owned entries of every ``(compressor, x_ext)`` and launch ONE all-gather of them.
+
+    One collective per layer (the main KV entries and the indexer keys side by side) also makes the backward's
+    reduce-scatters a chain ordered by data dependencies (this gather, then the halo's), identical on every rank
+    whatever order the autograd engine would pick between independent collectives.
+    """
+    owned = [owned_entries(comp, x, plan, max_position, backend) for comp, x in parts]  # [c_cap, c_i] each
+    fused = owned[0] if len(owned) == 1 else torch.cat(owned, 1)  # [c_cap, sum c_i]
+    widths = tuple(o.shape[1] for o in owned)
+    return PendingEntries(start_all_gather_rows(fused, cpl.group), plan.gather_rows, widths)

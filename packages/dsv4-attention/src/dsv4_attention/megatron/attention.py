@@ -195,8 +195,12 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
                 dense=self.dense_attention,
                 indexer_loss_coeff=coeff or 0.0,
             )  # [L, d]
-            if loss is not None and coeff:
-                get_indexer_loss_tracker().save(loss, self.tracker_slot, self.config.tracker_num_layers)
+            if (
+                loss is not None and coeff
+            ):  # a CP partial: the tracker sums the partials over CP when it reduces
+                get_indexer_loss_tracker().save(
+                    loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp
+                )
             return y.unsqueeze(1), None
         layout = token_layout(hidden_states, packed_seq_params)
         y, loss = self.forward_tokens(
