@@ -71,7 +71,8 @@ def test_rope_config_per_layer_kind():
         (dict(csa_compress_ratios=[0, 4]), "one ratio per layer"),
         (dict(output_projection_groups=3), "divisible by output_projection_groups"),
         (dict(tensor_model_parallel_size=2), "TP=1 only"),
-        (dict(context_parallel_size=2), "context parallelism"),
+        (dict(context_parallel_size=2, cp_comm_type="p2p"), "own static contiguous context parallelism"),
+        (dict(context_parallel_size=2, dsa_indexer_tie_break="torch_topk"), "'lower_index' only"),
         (dict(csa_window_size=0), "csa_window_size"),
         (dict(dsa_indexer_topk=0), "dsa_indexer_topk"),
         (dict(dsa_indexer_head_dim=4), "dsa_indexer_head_dim"),
@@ -87,6 +88,11 @@ def test_rope_config_per_layer_kind():
 def test_invalid_configs_are_rejected(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**overrides)
+
+
+def test_context_parallel_config_is_accepted():
+    """CP > 1 runs dsv4_attention.cp (it used to be refused)."""
+    assert tiny_config(context_parallel_size=2).context_parallel_size == 2
 
 
 @pytest.mark.parametrize("ratio", [1, 2, 8, 64, -4, None])

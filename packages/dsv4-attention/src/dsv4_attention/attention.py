@@ -29,6 +29,7 @@ from dsv4_attention._linears import default_norm, linear_out, plain_linear
 from dsv4_attention._rope import rope
 from dsv4_attention.compressor import Compressor, CompressorConfig
 from dsv4_attention.core import CompressedSparseAttention, CoreAttentionConfig
+from dsv4_attention.cp.layout import ContextParallelLayout
 from dsv4_attention.grouped_projection import GroupedOutputProjection
 from dsv4_attention.indexer import IndexerConfig, LightningIndexer
 from dsv4_attention.indexer_loss import attach_indexer_loss
@@ -192,9 +193,24 @@ class DSv4Attention(torch.nn.Module):
         return self.kind.paper_name
 
     def forward(
-        self, x: torch.Tensor, layout: TokenLayout, *, dense: bool = False, indexer_loss_coeff: float = 1.0
+        self,
+        x: torch.Tensor,
+        layout: TokenLayout | ContextParallelLayout,
+        *,
+        dense: bool = False,
+        indexer_loss_coeff: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``x [T, d]`` -> ``(y [T, d], indexer loss or None)`` (see the class docstring)."""
+        """``x [T, d]`` -> ``(y [T, d], indexer loss or None)`` (see the class docstring).
+
+        With a :class:`~dsv4_attention.cp.ContextParallelLayout` of CP size ``P > 1``, ``x`` is this rank's
+        ``[L, d]`` slice and the loss is this rank's partial (:mod:`dsv4_attention.cp.attention`).
+        """
+        if isinstance(layout, ContextParallelLayout):
+            if layout.is_parallel:
+                from dsv4_attention.cp.attention import forward_cp
+
+                return forward_cp(self, x, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff)
+            layout = layout.global_layout
         return self.forward_tokens(x, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff)
 
     def forward_tokens(

@@ -20,6 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from dsv4_attention.attention import DSv4Attention
+from dsv4_attention.cp.layout import packed_context_parallel_layout
 from dsv4_attention.indexer_loss import get_indexer_loss_tracker, indexer_loss_tracker_slot
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import token_layout
@@ -76,6 +77,12 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
                 f"DSv4HybridAttention needs a DSv4AttentionConfig (or subclass), got {type(config).__name__}"
             )
         self._check_groups(pg_collection)
+        cp = getattr(pg_collection, "cp", None)
+        if cp is not None and cp.size() > 1 and cp_comm_type is not None:
+            raise ValueError(
+                f"cp_comm_type={cp_comm_type!r}: DSv4 attention runs its own static contiguous context parallelism "
+                "(dsv4_attention.cp); leave TransformerConfig.cp_comm_type=None"
+            )
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"DSv4 attention is causal; attn_mask_type={attn_mask_type} is not supported")
         self.layer_number = layer_number
@@ -140,11 +147,6 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             raise ValueError(
                 f"DSv4 attention supports tensor-parallel size 1 only, pg_collection.tp has {tp.size()}"
             )
-        cp = getattr(pg_collection, "cp", None)
-        if cp is not None and cp.size() > 1:
-            raise ValueError(
-                "DSv4 attention does not support context parallelism yet (pg_collection.cp size > 1)"
-            )
 
     # ------------------------------------------------------------------ identity and phase
     @property
@@ -182,8 +184,25 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             attention_bias,
             sequence_len_offset,
         )
-        layout = token_layout(hidden_states, packed_seq_params)
         coeff = self.config.dsa_indexer_loss_coeff
+        cp = getattr(self.pg_collection, "cp", None)
+        if cp is not None and cp.size() > 1:  # static contiguous CP: local rows, global PackedSeqParams
+            cp_layout = packed_context_parallel_layout(hidden_states, packed_seq_params, cp)
+            y, loss = DSv4Attention.forward(
+                self,
+                hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2]),
+                cp_layout,
+                dense=self.dense_attention,
+                indexer_loss_coeff=coeff or 0.0,
+            )  # [L, d]
+            if (
+                loss is not None and coeff
+            ):  # a CP partial: the tracker sums the partials over CP when it reduces
+                get_indexer_loss_tracker().save(
+                    loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp
+                )
+            return y.unsqueeze(1), None
+        layout = token_layout(hidden_states, packed_seq_params)
         y, loss = self.forward_tokens(
             layout.to_tokens(hidden_states),
             layout,

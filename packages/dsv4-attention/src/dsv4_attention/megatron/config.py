@@ -189,10 +189,7 @@ class DSv4AttentionConfig(MLATransformerConfig):
                 "for now (as upstream); parallelise with DP/PP/EP instead"
             )
         if self.context_parallel_size > 1:
-            raise ValueError(
-                f"context_parallel_size={self.context_parallel_size}: context parallelism (D7/D8) is not "
-                "supported by dsv4-attention yet; use context_parallel_size=1"
-            )
+            self._check_context_parallel()
         if self.mla_down_proj_fusion:
             raise ValueError(
                 "mla_down_proj_fusion must be False for DSv4 attention (no fused q/kv down-projection)"
@@ -218,6 +215,25 @@ class DSv4AttentionConfig(MLATransformerConfig):
                 )
 
     # ------------------------------------------------------------------ per-layer helpers
+    def _check_context_parallel(self) -> None:
+        """CP > 1 runs dsv4-attention's own static contiguous CP (:mod:`dsv4_attention.cp`); refuse the rest."""
+        if self.cp_comm_type is not None:
+            raise ValueError(
+                f"cp_comm_type={self.cp_comm_type!r}: DSv4 attention runs its own static contiguous context "
+                "parallelism (halo + compressed-entry all-gathers, dsv4_attention.cp); transformer-engine's ring / "
+                "a2a CP attention kinds do not apply. Leave cp_comm_type=None"
+            )
+        if getattr(self, "hierarchical_context_parallel_sizes", None):
+            raise ValueError(
+                "hierarchical_context_parallel_sizes is not supported by DSv4 attention (one flat contiguous CP "
+                "group); leave it None"
+            )
+        if self.dsa_indexer_tie_break != "lower_index":
+            raise ValueError(
+                f"dsa_indexer_tie_break={self.dsa_indexer_tie_break!r} is a CPU-parity rule for single-rank runs; "
+                "context parallelism supports 'lower_index' only"
+            )
+
     def compress_ratio_for_layer(self, layer_number: int, is_mtp_layer: bool = False) -> int:
         """Ratio of a 1-based ``layer_number`` from ``csa_compress_ratios`` (MTP layers index after the main ones)."""
         if self.csa_compress_ratios is None:
