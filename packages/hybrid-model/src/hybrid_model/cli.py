@@ -156,6 +156,23 @@ def _train_parser(sub) -> None:
     p.add_argument("--pp", type=int, help=d("pp", "pipeline stages"))
     p.add_argument("--ep", type=int, help=d("ep", "expert parallel size (DP is the rest of the world)"))
     p.add_argument(
+        "--cp",
+        type=int,
+        help=d(
+            "cp",
+            "context parallel size: each CP rank holds seq_len/cp contiguous rows of every pack (seq_len must be a "
+            "multiple of cp; [B, S] batches run as a THD pack of B documents); DP = world / (tp*pp*cp)",
+        ),
+    )
+    p.add_argument(
+        "--cp-layout",
+        help=d(
+            "cp_layout",
+            "context-parallel row layout: only 'contiguous' (zigzag would split DSv4's compression groups and "
+            "sliding windows)",
+        ),
+    )
+    p.add_argument(
         "--out", help=d("out", "run directory (metrics.jsonl, loss.png, tb/, checkpoints/); must be writable")
     )
     p.add_argument(

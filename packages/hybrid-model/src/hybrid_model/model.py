@@ -179,11 +179,18 @@ class DSv4Model(HybridModel):
             raise ValueError("DSv4Model is causal by construction: pass attention_mask=None")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, d]
+        cp = self.context_parallel_group
+        if cp is not None and packed_seq_params is None:
+            raise ValueError(
+                f"context parallelism (CP size {cp.size()}) needs a THD pack: pass this CP rank's rows [1, L] and "
+                "the global packed_seq_params ([B, S] batches run under CP as a THD pack of B documents of S tokens: "
+                "hybrid_model.training.context_parallel.sbhd_as_thd_pack)"
+            )
         router_cu = None
         if input_ids is not None:
             from hybrid_model.mtp import router_cu_seqlens
 
-            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1])
+            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
             self.decoder.bind_input_ids(input_ids, router_cu)
         try:
             out = self.decoder(
@@ -231,10 +238,11 @@ class DSv4Model(HybridModel):
         """The MTP depth's final hidden states ``[s, b, d]`` (the shared head's input; see :meth:`mtp_logits`)."""
         from hybrid_model.mtp import mtp_roll_left, router_cu_seqlens
 
-        next_ids = mtp_roll_left(input_ids, packed_seq_params)  # token t+1 at t (0 at each document's end)
+        cp = self.context_parallel_group
+        next_ids = mtp_roll_left(input_ids, packed_seq_params, cp)  # token t+1 at t (0 at each document's end)
         e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
         if router_cu is None:
-            router_cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1])
+            router_cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1], cp)
         self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, router_cu)
         return self.mtp(
             streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask
@@ -245,20 +253,37 @@ class DSv4Model(HybridModel):
     ):
         from hybrid_model.mtp import mtp_roll_left
 
+        from hybrid_model.context_parallel import cp_token_count
+
+        cp = self.context_parallel_group
         h = self.mtp_hidden(streams, input_ids, position_ids, psp, padding_mask, router_cu)  # [s, b, d]
-        mtp_labels = mtp_roll_left(labels, psp)  # labels[t] = ids[t+1] -> mtp_labels[t] = ids[t+2]
+        mtp_labels = mtp_roll_left(labels, psp, cp)  # labels[t] = ids[t+1] -> mtp_labels[t] = ids[t+2]
         mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
-        mask = mtp_roll_left(mask, psp)  # a document's last position has no t+2
+        mask = mtp_roll_left(mask, psp, cp)  # a document's last position has no t+2
         if self._fused_head():
             per_token = self.head_loss(h, mtp_labels)  # [b, s]
         else:
             logits, _ = self.output_layer(h)  # [s, b, V]
             per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
-        num = mask.sum().clamp(min=1.0)
+        # under CP: this rank's partial (its rows' sum over the CP group's token count; the partials add up to the
+        # CP=1 loss). megatron scales the main and MoE losses by the CP size (its DDP averages gradients over
+        # DP x CP), not the MTP loss: scale it here so that CP=P gradients equal CP=1 gradients
+        num = cp_token_count(mask, cp).clamp(min=1.0)
         mtp_loss = (per_token * mask).sum() / num
         self.last_mtp_loss = mtp_loss.detach()
         scale = self._step_state.mtp_loss_weight / (self.config.mtp_num_layers or 1)
+        if cp is not None:
+            scale = scale * cp.size()
         return MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
+
+    @property
+    def context_parallel_group(self):
+        """The context-parallel group (``pg_collection.cp``) when its size is > 1, else ``None``. Under CP every
+        forward takes this rank's contiguous rows ``[1, L]`` of a THD pack and the *global* ``packed_seq_params``;
+        ``last_mtp_loss`` is then this rank's partial (the partials of the CP ranks add up to the CP=1 loss)."""
+        from hybrid_model.context_parallel import context_parallel_group
+
+        return context_parallel_group(self.pg_collection)
 
     def _fused_head(self) -> bool:
         """Whether losses go through :meth:`head_loss` (the fused head needs the whole sequence on every rank: no

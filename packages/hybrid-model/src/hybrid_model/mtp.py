@@ -20,10 +20,10 @@ from torch import nn
 from dsv4_primitives import RMSNorm
 from mhc import HyperHead
 from mhc.megatron import HyperConnectionLayer
-from thd_packing import roll_left
+from thd_packing import roll_left, roll_left_contiguous_cp
 
 
-def mtp_roll_left(x: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+def mtp_roll_left(x: torch.Tensor, packed_seq_params=None, cp_group=None) -> torch.Tensor:
     """``x [b, s]`` moved one token left along ``s``: ``out[..., t] = x[..., t + 1]``, 0 where ``t + 1`` is past the
     sequence or, for a packed THD ``[1, T]`` batch, outside ``t``'s document.
 
@@ -31,7 +31,19 @@ def mtp_roll_left(x: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
     the row layout the attention uses: a real token is never fed the next document's first token (megatron's
     ``roll_tensor`` rolls inside the *unpadded* ``cu_seqlens_q`` intervals, which are not row offsets once a pack has
     per-document padding). Used for the MTP input ids, labels and loss mask (applied twice: targets ``t + 2``).
+
+    ``cp_group`` (static contiguous context parallelism, size > 1): ``x [1, L]`` is this CP rank's slice of the
+    global pack that ``packed_seq_params`` describes; thd-packing's contiguous-CP roll (P9) takes the next rank's first
+    row with one point-to-point exchange (gradients go back the same way), so the result is this rank's slice of the
+    roll of the whole pack.
     """
+    if cp_group is not None:
+        if packed_seq_params is None:
+            raise ValueError(
+                "the MTP roll under context parallelism needs the global THD pack (packed_seq_params); [B, S] "
+                "batches run under CP as a THD pack of B documents"
+            )
+        return roll_left_contiguous_cp(x, _document_rows(packed_seq_params), cp_group, fill_value=0, dim=-1)
     if packed_seq_params is None:
         out = torch.roll(x, shifts=-1, dims=-1)
         out[..., -1] = 0
@@ -45,13 +57,22 @@ def _document_rows(packed_seq_params) -> torch.Tensor:
     return packed_seq_params.cu_seqlens_q if cu is None else cu
 
 
-def router_cu_seqlens(packed_seq_params, num_tokens: int) -> torch.Tensor | None:
+def router_cu_seqlens(packed_seq_params, num_tokens: int, cp_group=None) -> torch.Tensor | None:
     """Row intervals ``[D + 1]`` of a THD pack for the MoE routers' per-document balance loss: the *padded* document
     intervals (:func:`_document_rows`) with the pack's tail rows after the last document (static-shape padding) as
     one more interval, so that the intervals cover all ``num_tokens`` rows (hash-moe's balance loss needs
-    ``cu_seqlens[-1] == T``). Padding rows lie inside these intervals; the model's ``padding_mask`` drops them."""
+    ``cu_seqlens[-1] == T``). Padding rows lie inside these intervals; the model's ``padding_mask`` drops them.
+
+    ``cp_group`` (size ``P`` > 1, contiguous CP): ``num_tokens`` is this rank's ``L`` rows of the global pack of
+    ``P·L`` rows; the global intervals are clipped to the rank's rows ``[r·L, (r+1)·L)`` and shifted to local offsets.
+    Every CP rank keeps all ``D + 1`` entries (documents it holds no row of are empty), so document ``d`` is the same
+    document on every rank and the routers can sum their per-document statistics over the CP group."""
     if packed_seq_params is None:
         return None
+    if cp_group is not None:
+        size, rank = cp_group.size(), cp_group.rank()
+        cu = router_cu_seqlens(packed_seq_params, num_tokens * size)
+        return (cu.long() - rank * num_tokens).clamp(0, num_tokens).to(cu.dtype)
     cu = _document_rows(packed_seq_params)
     end = int(cu[-1])
     if end > num_tokens:

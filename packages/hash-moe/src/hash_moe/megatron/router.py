@@ -107,7 +107,13 @@ class _DSv4Router(Router):
     def set_routing_inputs(
         self, input_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
     ) -> None:
-        """Token ids ``[B, S]`` (megatron layout) and THD ``cu_seqlens`` for the next forward calls (None clears)."""
+        """Token ids ``[B, S]`` (megatron layout) and THD ``cu_seqlens`` for the next forward calls (None clears).
+
+        Under static contiguous context parallelism (``pg_collection.cp`` of size > 1) the ids are this CP rank's rows
+        ``[1, L]`` and ``cu_seqlens`` the *global* documents clipped to the rank's rows (every rank keeps all ``D + 1``
+        entries, documents without a row here being empty; :func:`hybrid_model.mtp.router_cu_seqlens`): the balance
+        loss's per-document counts and lengths are then summed over the CP group and each rank returns its partial
+        (the partials add up to the CP=1 loss)."""
         self._input_ids = input_ids
         self._cu_seqlens = cu_seqlens
 
@@ -133,8 +139,10 @@ class _DSv4Router(Router):
                     f"cu_seqlens (THD packing) needs batch size 1 in the [S, B, H] input, got B={b}"
                 )
             cu = self._cu_seqlens.to(device)
-            # per local document; the counts are not reduced across ranks in this mode
-            return sequence_ids_from_cu_seqlens(cu, n), cu.numel() - 1, None
+            # per document of the pack; under CP the documents are global (clipped to this rank's rows), so their
+            # counts and lengths are summed over the CP group
+            cp = self.cp_group if self.cp_group is not None and self.cp_group.size() > 1 else None
+            return sequence_ids_from_cu_seqlens(cu, n), cu.numel() - 1, cp
         # token i of the flattened [S, B] input belongs to sequence (column) i % B
         return torch.arange(n, device=device) % b, b, self.tp_cp_group
 

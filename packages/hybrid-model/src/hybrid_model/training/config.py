@@ -69,6 +69,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_layout: str = "contiguous"
     data: list[str] = field(default_factory=list)
     tokenizer: str | None = None
     long_docs: str = "split"
@@ -106,6 +108,7 @@ class TrainConfig:
             "tp",
             "pp",
             "ep",
+            "cp",
             "log_interval",
             "max_nonfinite_steps",
         ):
@@ -127,6 +130,9 @@ class TrainConfig:
             raise ValueError(
                 "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
             )
+        from hybrid_model.training.context_parallel import check_context_parallel_config
+
+        check_context_parallel_config(self)
         if self.long_docs not in ("split", "truncate"):
             raise ValueError(f"--long-docs must be 'split' or 'truncate', got {self.long_docs!r}")
         if self.lr_decay_style not in ("cosine", "wsd"):

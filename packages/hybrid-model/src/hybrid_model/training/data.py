@@ -68,10 +68,21 @@ def data_summary(ds: RawTextDataset, tc: TrainConfig) -> str:
 
 
 def build_batches(
-    ds: RawTextDataset, tc: TrainConfig, *, vocab_size: int, dp_size: int, dp_rank: int
+    ds: RawTextDataset,
+    tc: TrainConfig,
+    *,
+    vocab_size: int,
+    dp_size: int,
+    dp_rank: int,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> PackedBatchIterator:
     """This DP rank's batch iterator over ``ds``: packed THD microbatches (``--packed``; pack capacity
-    ``--seq-len``, longer samples split into pieces) or ``[micro_batch_size, seq_len]`` rows."""
+    ``--seq-len``, longer samples split into pieces) or ``[micro_batch_size, seq_len]`` rows.
+
+    Context parallelism (``cp_size`` > 1): the data are sharded over DP only. A THD pack keeps its capacity
+    ``--seq-len`` (the scheduler packs for DP x CP with ``seq_len / cp_size`` rows per CP rank) and this CP rank gets
+    its contiguous rows; ``[B, S]`` rows are loaded whole (the step runs them as one THD pack and slices it)."""
     from thd_packing import BatchConfig, PackedBatchIterator
 
     vocab = ds.tokenizer.vocab_size
@@ -86,11 +97,13 @@ def build_batches(
         ds,
         BatchConfig(
             global_batch_size=tc.global_batch_size,
-            max_seqlen_per_dp_cp_rank=tc.seq_len,
+            max_seqlen_per_dp_cp_rank=tc.seq_len // cp_size if tc.packed else tc.seq_len,
             layout="thd" if tc.packed else "sbhd",
             micro_batch_size=tc.micro_batch_size,
             dp_size=dp_size,
             dp_rank=dp_rank,
+            cp_size=cp_size if tc.packed else 1,
+            cp_rank=cp_rank if tc.packed else 0,
             too_long="split",
             static_shape=True,
             seed=tc.seed,

@@ -185,7 +185,8 @@ def build_data(
     tc: TrainConfig, model_config: DSv4ModelConfig, ps, *, announce: bool = False
 ) -> tuple[Any, Any]:
     """``(batches, dataset)``: thd-packing's global-batch iterator over ``--data`` (or the embedded corpus), this
-    rank's share of every global batch (``[B, S]`` or packed THD, static shapes); reading rules and the per-source
+    rank's share of every global batch (``[B, S]`` or packed THD, static shapes; every CP rank of a DP replica reads
+    the same global batch, packs sliced to its contiguous rows); reading rules and the per-source
     summary (printed when ``announce``) in :mod:`hybrid_model.training.data`."""
     from hybrid_model.training.data import build_batches, build_text_dataset, data_summary
 
@@ -198,5 +199,7 @@ def build_data(
         vocab_size=model_config.vocab_size,
         dp_size=ps.get_data_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
     )
     return batches, ds

@@ -65,6 +65,9 @@ class StepRunner:
             world,
         )
         self.graphed = None  # GraphedForwardBackward once the first --cuda-graph step runs
+        cp = core.context_parallel_group
+        self.cp_group = cp
+        self.cp_size, self.cp_rank = (1, 0) if cp is None else (cp.size(), cp.rank())
 
     def forward_step(self, data_iterator, model):
         """megatron's ``forward_step_func``: one micro-batch through ``model``; returns its output and loss function."""
@@ -75,26 +78,28 @@ class StepRunner:
 
             psp = None
             tokens, labels, loss_mask, pos, pad = (mb[k] for k in BATCH_FIELDS)
-        elif self.tc.packed:
-            psp = mb.packed_seq_params()
-            tokens, labels = mb.tokens[None].to(self.device), mb.labels[None].to(self.device)
-            loss_mask = mb.loss_mask[None].to(self.device)
-            pos = mb.position_ids[None].to(self.device)
-            pad = mb.padding_mask[None].to(self.device)  # [1, T] True on padding rows
         else:
-            psp = None
-            tokens, labels = mb.tokens.to(self.device), mb.labels.to(self.device)
-            loss_mask, pos = mb.loss_mask.to(self.device), mb.position_ids.to(self.device)
-            pad = mb.padding_mask.to(self.device)  # [b, s]
+            from hybrid_model.training.context_parallel import local_batch
+
+            lb = local_batch(
+                mb, packed=self.tc.packed, cp_rank=self.cp_rank, cp_size=self.cp_size, device=self.device
+            )
+            psp = lb.packed_seq_params
+            tokens, labels, loss_mask = lb.tokens, lb.labels, lb.loss_mask
+            pos, pad = lb.position_ids, lb.padding_mask  # pad: True on padding rows
         # padding rows never count in the MoE balance loss or the selection-bias loads (spec §7.5: valid tokens)
         out = model(
             tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp, padding_mask=pad
         )
 
+        cp_group = unwrapped.context_parallel_group
+
         def loss_func(output):
-            mask = loss_mask.float()
-            num = mask.sum().clamp(min=1.0)
-            loss = (output.float() * mask).sum() / num
+            from hybrid_model.context_parallel import cp_partial_mean
+
+            # under CP this rank's partial over the CP group's token count (megatron multiplies it by the CP size,
+            # its DDP averages over DP x CP: the gradients equal CP=1's); reduced_losses sums the partials
+            loss = cp_partial_mean(output, loss_mask.float(), cp_group)
             report = {"lm loss": loss.detach().clone()}  # megatron divides the returned loss in place
             if unwrapped.mtp_process and unwrapped.last_mtp_loss is not None:
                 report["mtp loss"] = unwrapped.last_mtp_loss
@@ -114,8 +119,10 @@ class StepRunner:
         self.optimizer.zero_grad()
         fb = get_forward_backward_func()
         kwargs = {}
-        seq = tc.seq_len  # THD packs are padded to the static capacity seq_len
+        seq = tc.seq_len  # THD packs are padded to the static capacity seq_len (megatron divides it by CP)
         mbs = 1 if tc.packed else tc.micro_batch_size
+        if not tc.packed and self.cp_size > 1:  # [B, S] under CP: one THD pack of B*S rows
+            seq, mbs = tc.micro_batch_size * tc.seq_len, 1
         if tc.pp > 1:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
@@ -173,17 +180,22 @@ class StepRunner:
         """The step's losses averaged over every rank that computed them: LM/MTP losses over the DP replicas of the
         last stage, balance/indexer losses over all MoE/CSA layers of all stages and replicas (one all-reduce of
         (sum, count) pairs over the world; each rank holds its own stage's layers and its own data); and the number
-        of ranks whose gradients are not finite (``nonfinite_grads``, in the same all-reduce)."""
+        of ranks whose gradients are not finite (``nonfinite_grads``, in the same all-reduce).
+
+        Under CP every loss of a rank is its partial (the CP ranks' partials add up to the replica's value): the
+        LM/MTP partials enter the world sums as they are with a count of ``1 / CP`` each, the per-layer balance and
+        indexer partials are summed over the CP group first (one small all-reduce), so every value is the global
+        one, equal to CP=1's."""
         local = torch.zeros(2 * len(LOSS_KEYS) + 1, dtype=torch.float64, device=self.device)
         local[-1] = float(nonfinite_grads)
 
-        def add(key: str, values: list[float]) -> None:
+        def add(key: str, values: list[float], weight: float = 1.0) -> None:
             i = LOSS_KEYS.index(key)
             local[2 * i] += sum(values)
-            local[2 * i + 1] += len(values)
+            local[2 * i + 1] += len(values) * weight
 
-        for key in ("lm loss", "mtp loss"):
-            add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r])
+        for key in ("lm loss", "mtp loss"):  # CP partials: CP values sum to one replica's loss
+            add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r], 1.0 / self.cp_size)
         # per-layer trackers accumulate one value per micro-batch; layers of other stages stay 0
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -192,12 +204,14 @@ class StepRunner:
         moe_tracker = get_moe_metrics_tracker()
         entry = moe_tracker.metrics.get("seq_load_balancing_loss")
         if entry is not None:  # recorded as loss / coeff: report the applied (coefficient-scaled) loss
-            vals = entry.values[entry.values != 0].double() * self.tc.balance_loss_coeff / num_microbatches
+            values = self._cp_summed(entry.values)
+            vals = values[values != 0].double() * self.tc.balance_loss_coeff / num_microbatches
             add("balance_loss", vals.tolist())
         moe_tracker.clear()
         tracker = get_indexer_loss_tracker()
         vals = getattr(tracker, "values", None)
         if isinstance(vals, torch.Tensor) and vals.numel():
+            vals = self._cp_summed(vals)
             add("indexer_loss", (vals[vals != 0].double() / num_microbatches).tolist())
             tracker.clean()
         if self.world > 1:
@@ -208,3 +222,11 @@ class StepRunner:
             if local[2 * i + 1] > 0
         }
         return losses, int(local[-1])
+
+    def _cp_summed(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-layer partial losses summed over the CP group (a copy; ``values`` unchanged at CP = 1)."""
+        if self.cp_group is None:
+            return values
+        total = values.detach().clone()
+        dist.all_reduce(total, group=self.cp_group)
+        return total

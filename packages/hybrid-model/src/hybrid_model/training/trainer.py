@@ -1,7 +1,8 @@
 """The training loop of ``dsv4 train`` on megatron-core: parallel state, DDP + distributed optimizer, the
 forward-backward schedule, dist-checkpointing with exact resume, and the run's outputs.
 
-One process (CPU or one GPU) or ``torchrun`` (gloo on CPU, NCCL on GPU) with ``--pp/--ep`` (DP is the rest).
+One process (CPU or one GPU) or ``torchrun`` (gloo on CPU, NCCL on GPU) with ``--pp/--ep/--cp`` (DP is the rest;
+context parallelism: :mod:`~hybrid_model.training.context_parallel`).
 Outputs in ``out``: ``metrics.jsonl`` (one JSON object per step), ``loss.png``, ``tb/`` (TensorBoard),
 ``checkpoints/iter_XXXXXXX`` (megatron dist checkpoints; ``latest`` names the newest).
 
@@ -59,8 +60,11 @@ class Trainer:
             prepare_deterministic_environment()
         apply_cpu_shims()
         self.rank, self.world = init_distributed()
-        if self.world % (tc.pp * tc.tp):
-            raise ValueError(f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp}")
+        if self.world % (tc.pp * tc.tp * tc.cp):
+            raise ValueError(
+                f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp} x cp={tc.cp} "
+                "(DP = world / (tp*pp*cp)); start torchrun with a multiple of it"
+            )
         if not self.resuming and (tc.overwrite or tc.resume == "auto"):
             dist.barrier()  # every rank has looked at the directory before rank 0 clears it
             if self.rank == 0:
@@ -70,6 +74,7 @@ class Trainer:
             tensor_model_parallel_size=tc.tp,
             pipeline_model_parallel_size=tc.pp,
             expert_model_parallel_size=tc.ep,
+            context_parallel_size=tc.cp,
         )
         self._previous_stream = None
         try:

@@ -1,0 +1,115 @@
+"""``dsv4 train --cp N``: static contiguous context parallelism around the model (the attention side lives in
+dsv4-attention, ``dsv4_attention.cp``).
+
+- Process groups: megatron's ``initialize_model_parallel(context_parallel_size=N)``; the model reads its CP group
+  from ``ProcessGroupCollection.cp``; DP = world / (TP·PP·CP).
+- Data: all CP ranks of a DP replica read the same global batch (sharded over DP only). A packed THD micro-batch
+  is one pack of ``--seq-len`` rows (a multiple of ``N``); CP rank ``r`` takes its contiguous rows
+  ``[r·L, (r+1)·L)``, ``L = seq_len / N`` (thd-packing's ``shard_contiguous_cp``; the dp-balanced scheduler packs for
+  DP x CP with capacity ``N·L``), and every CP rank gets the *global* ``PackedSeqParams``.
+- ``[B, S]`` batches run under CP > 1 as a THD pack of ``B`` documents of ``S`` tokens each (row ``b`` is document
+  ``b``; its padding tail stays inside the document, as in the ``[B, S]`` layout): :func:`sbhd_as_thd_pack`,
+  then the same contiguous slicing. At CP = 1 they stay ``[B, S]``.
+- Only the contiguous layout: zigzag (or any layout that gives a rank non-adjacent rows) would cut DSv4's
+  compression groups (4 / 128 consecutive tokens) and its sliding window across non-neighbouring ranks.
+- Losses: per-rank partials over the CP group's token count (:mod:`hybrid_model.context_parallel`); the reported
+  metrics are the global values (:class:`~hybrid_model.training.step.StepRunner`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: the row layouts ``--cp-layout`` accepts
+CP_LAYOUTS = ("contiguous",)
+
+
+def check_context_parallel_config(tc: Any) -> None:
+    """``ValueError`` (what, why, how to fix) for a ``TrainConfig`` that cannot run its ``--cp``."""
+    if tc.cp_layout != "contiguous":
+        raise ValueError(
+            f"--cp-layout {tc.cp_layout!r} is not supported: DSv4 needs the contiguous layout (CP rank r holds rows "
+            "[r*L, (r+1)*L) of the pack). Zigzag and other layouts give a rank non-adjacent rows, which cuts the "
+            "compression groups (4 and 128 consecutive tokens) and the sliding window across non-neighbouring "
+            "ranks; use --cp-layout contiguous"
+        )
+    if tc.cp == 1:
+        return
+    if tc.seq_len % tc.cp:
+        what = "pack capacity" if tc.packed else "sequence length"
+        raise ValueError(
+            f"--seq-len {tc.seq_len} (the {what}) must be a multiple of --cp {tc.cp}: every CP rank holds the same "
+            f"number of rows (static shapes); use --seq-len {(tc.seq_len // tc.cp + 1) * tc.cp} or another multiple"
+        )
+    if tc.cuda_graph:
+        raise ValueError(
+            f"--cuda-graph with --cp {tc.cp} is not supported: graph capture is validated on one GPU only and the "
+            "CP attention exchanges document boundaries that change every step; drop --cuda-graph or use --cp 1"
+        )
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """One micro-batch as this rank feeds it to the model: ``tokens``/``labels``/``loss_mask``/``position_ids``/
+    ``padding_mask`` ``[b, s]`` (``[1, L]`` under CP) and the pack's ``packed_seq_params`` (``None`` for ``[B, S]``)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    padding_mask: torch.Tensor
+    packed_seq_params: Any
+
+
+def sbhd_as_thd_pack(mb) -> tuple[dict[str, torch.Tensor], Any]:
+    """``[B, S]`` micro-batch ``mb`` (an ``SbhdMicrobatch`` of whole rows) as one THD pack of ``B·S`` rows: row ``b``
+    is document ``b`` of ``S`` tokens (``cu_seqlens = cu_seqlens_padded = [0, S, 2S, ..., B·S]``; a row's padding
+    tail stays inside its document, masked by the loss mask and the padding mask exactly as in ``[B, S]``).
+    Returns ``({field: [B·S] tensor}, PackedSeqs)``."""
+    from thd_packing import PackedSeqs
+
+    b, s = mb.tokens.shape
+    if getattr(mb, "cp_size", 1) != 1:
+        raise ValueError(
+            f"sbhd_as_thd_pack needs whole [B, S] rows (cp_size 1), got a CP slice (cp_size {mb.cp_size})"
+        )
+    packed = PackedSeqs.from_lengths([s] * b, total_tokens=b * s)
+    fields = {
+        "tokens": mb.tokens.reshape(-1),
+        "labels": mb.labels.reshape(-1),
+        "loss_mask": mb.loss_mask.reshape(-1),
+        "position_ids": packed.position_ids,
+        "padding_mask": mb.padding_mask.reshape(-1),
+    }
+    return fields, packed
+
+
+def local_batch(mb, *, packed: bool, cp_rank: int, cp_size: int, device: torch.device) -> LocalBatch:
+    """This rank's :class:`LocalBatch` of micro-batch ``mb``.
+
+    Packed (``ThdMicrobatch``): its rows are already this CP rank's slice (the iterator shards by CP rank); the
+    global ``PackedSeqParams``. ``[B, S]`` at CP = 1: unchanged. ``[B, S]`` at CP > 1: :func:`sbhd_as_thd_pack`, then
+    this rank's contiguous rows (``shard_contiguous_cp``) and the pack's global ``PackedSeqParams``.
+    """
+    from thd_packing import shard_contiguous_cp
+
+    if packed:
+        if mb.cp_size != cp_size or mb.cp_rank != cp_rank:
+            raise ValueError(
+                f"packed micro-batch of CP rank {mb.cp_rank}/{mb.cp_size} on CP rank {cp_rank}/{cp_size}: build the "
+                "batch iterator with this rank's cp_rank and cp_size"
+            )
+        f = {k: getattr(mb, k)[None].to(device) for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"}
+        return LocalBatch(**f, packed_seq_params=mb.packed_seq_params())
+    if cp_size == 1:
+        f = {k: getattr(mb, k).to(device) for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"}
+        return LocalBatch(**f, packed_seq_params=None)
+    fields, pack = sbhd_as_thd_pack(mb)
+    f = {k: shard_contiguous_cp(v, cp_rank, cp_size)[None].to(device) for k, v in fields.items()}
+    return LocalBatch(**f, packed_seq_params=pack.to(device).to_packed_seq_params())
+
+
+__all__ = ["CP_LAYOUTS", "LocalBatch", "check_context_parallel_config", "local_batch", "sbhd_as_thd_pack"]
