@@ -116,6 +116,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
+        from hybrid_model.training.context_parallel import check_context_parallel_config
+
+        check_context_parallel_config(self)
         if self.cuda_graph:
             check_cuda_graph_config(self)
         from hybrid_model.training.optimizer import OPTIMIZER_IMPLS
@@ -130,9 +133,6 @@ class TrainConfig:
             raise ValueError(
                 "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
             )
-        from hybrid_model.training.context_parallel import check_context_parallel_config
-
-        check_context_parallel_config(self)
         if self.long_docs not in ("split", "truncate"):
             raise ValueError(f"--long-docs must be 'split' or 'truncate', got {self.long_docs!r}")
         if self.lr_decay_style not in ("cosine", "wsd"):

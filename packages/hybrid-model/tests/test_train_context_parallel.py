@@ -1,0 +1,145 @@
+"""``dsv4 train --cp 2`` on CPU (gloo) trains the tiny preset like ``--cp 1`` on the same global batch.
+
+Runs (every run starts from the single-process reference's initial weights through ``init_from``):
+
+* 1 process: the references ``--cp 1`` for packed THD and ``[B, S]`` batches, fp32 and bf16 (4 documents of up to
+  256 tokens per global batch, 3 steps; ``[B, S]``: micro-batches of 2 rows).
+* 2 processes: ``--cp 2`` (DP 1) for the same four runs. Each CP rank holds 128 contiguous rows of every pack
+  (documents cross the rank boundary; ``[B, S]`` micro-batches run as a THD pack of 2 documents of 256 tokens).
+  The fp32 packed run also saves its step-2 checkpoint.
+* 4 processes: ``--cp 2 --pp 2`` and ``--cp 2 --ep 2`` (fp32, packed), and the resume of the ``--cp 2`` step-2
+  checkpoint at ``--cp 1`` (DP 4).
+
+What is compared: every metric of every step (LM, MTP, balance and indexer losses, grad norm, LR; each the global
+value, identical on every rank) and the first step's reduced gradient of every parameter.
+
+fp32: to ``2e-5`` relative (the parallel matrix's bound: fp32 sums in another order — the CP attention's gathers and
+halo rows, the loss partials summed over CP, DDP's reduction over DP x CP).
+
+bf16 (the bound of ``test_parallel_matrix``, re-derived for CP):
+
+* losses: a CP run makes the same bf16 roundings as the single-process run, of the same magnitudes, in another
+  order (each rank's rows, the gathered compressed entries), so its deviation from the fp32 run is of the size of the
+  single-process bf16 run's own deviation ``δ = max_step |L_bf16 - L_fp32|``; by the triangle inequality
+  ``|L_cp - L_ref| <= 2·δ`` (``test_parallel_matrix._bf16_loss_bound``).
+* gradients: per micro-batch a weight gradient is one bf16 GEMM output over all rows at CP=1, and two bf16 GEMM
+  outputs over half the rows each (summed in fp32 by the DP x CP reduction) at CP=2: at most two bf16 roundings of at
+  most ``max|g_ref|`` per micro-batch, accumulated over at most ``M = 4`` micro-batches in fp32:
+  ``max|g - g_ref| <= 2·M·u·max|g_ref|`` with ``u = 2**-8``.
+
+Resume: the step-3 losses of the ``--cp 1`` resume equal the uninterrupted ``--cp 2`` run's to the fp32 bound above
+(the checkpoint is CP-agnostic: weights, ``dp_reshardable`` optimizer state and data position; only the layout of
+the step differs).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
+from test_parallel_matrix import _BF16_U, _bf16_loss_bound
+
+from dsv4_testkit import run_distributed
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+_BASE = dict(seq_len=256, global_batch_size=4, warmup_steps=1, lr=3e-3, steps=3)
+FORMATS = {"packed": dict(packed=True), "bs": dict(micro_batch_size=2)}
+DTYPES = ("fp32", "bf16")
+_MICRO_BATCHES = 4  # at most 4 micro-batches per step (4 documents)
+_FP32_REL = 2e-5
+# 4-process cells (fp32, packed): (name, layout)
+CELLS4 = {"cp2xpp2": dict(cp=2, pp=2), "cp2xep2": dict(cp=2, ep=2)}
+
+
+def _kw(fmt: str, dt: str, out: Path, **extra) -> dict:
+    return dict(_BASE, bf16=dt == "bf16", out=str(out)) | FORMATS[fmt] | extra
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run, computed once for the module: ``{"ref": {...}, "cp2": {...}, "world4": [...]}``."""
+    tmp = tmp_path_factory.mktemp("cp")
+    names = [(f, d) for f in FORMATS for d in DTYPES]
+    ref_runs = [(f"{f}-{d}", _kw(f, d, tmp / f"ref-{f}-{d}")) for f, d in names]
+    (ref,) = run_distributed(train_layouts, 1, ref_runs, True, timeout=900)
+    init = {key: str(tmp / f"ref-{key}" / "checkpoints" / "iter_0000000") for key in ref}
+    for key in ref:
+        ref[key]["grads"] = merge_rank_grads([ref[key]["grads"]])
+    cp2_runs = [
+        (
+            f"{f}-{d}",
+            _kw(f, d, tmp / f"cp2-{f}-{d}", cp=2, init_from=init[f"{f}-{d}"])
+            | (dict(save_interval=2) if (f, d) == ("packed", "fp32") else {}),
+        )
+        for f, d in names
+    ]
+    cp2 = run_distributed(train_layouts, 2, cp2_runs, timeout=1800)
+    # the CP=2 step-2 checkpoint as the newest one of a fresh run directory, resumed at CP=1 (DP=4)
+    dst = tmp / "resume-cp1" / "checkpoints"
+    shutil.copytree(tmp / "cp2-packed-fp32" / "checkpoints" / "iter_0000002", dst / "iter_0000002")
+    (dst / "latest").write_text("iter_0000002")
+    world4_runs = [
+        (name, _kw("packed", "fp32", tmp / name, init_from=init["packed-fp32"]) | layout)
+        for name, layout in CELLS4.items()
+    ]
+    world4_runs.append(("resume-cp1", _kw("packed", "fp32", tmp / "resume-cp1", resume=True)))
+    world4 = run_distributed(train_layouts, 4, world4_runs, timeout=1800)
+    return {"ref": ref, "cp2": cp2, "world4": world4}
+
+
+def _check_fp32(got_ranks: list[dict], ref: dict, cell: str) -> None:
+    metrics = [r["metrics"] for r in got_ranks]
+    assert all(m == metrics[0] for m in metrics), "every metric is the global value on every rank"
+    got = metrics[0]
+    assert len(got) == len(ref["metrics"]) == _BASE["steps"]
+    for step, (g, r) in enumerate(zip(got, ref["metrics"], strict=True), start=1):
+        for key in METRIC_KEYS:
+            assert r[key] is not None, key
+            assert g[key] == pytest.approx(r[key], rel=_FP32_REL, abs=1e-7), (cell, step, key, g[key], r[key])
+    grads = merge_rank_grads([r["grads"] for r in got_ranks])
+    assert set(grads) == set(ref["grads"])
+    for name, g_ref in ref["grads"].items():
+        err = float((grads[name] - g_ref).abs().max())
+        assert err <= _FP32_REL * float(g_ref.abs().max()) + 1e-9, (cell, name, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_cp2_matches_cp1(runs, fmt, dtype):
+    ref = runs["ref"][f"{fmt}-{dtype}"]
+    per_rank = [r[f"{fmt}-{dtype}"] for r in runs["cp2"]]
+    if dtype == "fp32":
+        _check_fp32(per_rank, ref, f"cp2-{fmt}")
+        return
+    metrics = [r["metrics"] for r in per_rank]
+    assert all(m == metrics[0] for m in metrics)
+    bound = _bf16_loss_bound({"fp32": runs["ref"][f"{fmt}-fp32"], "bf16": ref})
+    for step, (g, r) in enumerate(zip(metrics[0], ref["metrics"], strict=True), start=1):
+        for key in ("lm_loss", "mtp_loss"):
+            assert abs(g[key] - r[key]) <= bound, (fmt, step, key, g[key], r[key], bound)
+        assert g["lr"] == r["lr"]
+    grads = merge_rank_grads([r["grads"] for r in per_rank])
+    assert set(grads) == set(ref["grads"])
+    for name, g_ref in ref["grads"].items():
+        err = float((grads[name] - g_ref).abs().max())
+        assert err <= 2 * _MICRO_BATCHES * _BF16_U * float(g_ref.abs().max()), (fmt, name, err)
+
+
+@pytest.mark.parametrize("cell", list(CELLS4))
+def test_cp2_with_pp2_or_ep2_matches_cp1(runs, cell):
+    _check_fp32([r[cell] for r in runs["world4"]], runs["ref"]["packed-fp32"], cell)
+
+
+def test_resume_cp2_checkpoint_at_cp1_gives_the_same_next_step_loss(runs):
+    full = runs["cp2"][-1]["packed-fp32"]["metrics"]
+    got = runs["world4"][-1]["resume-cp1"]["metrics"]
+    assert [m["step"] for m in full] == [1, 2, 3] and [m["step"] for m in got] == [3]
+    for key in ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss"):
+        assert got[0][key] == pytest.approx(full[2][key], rel=_FP32_REL), (key, got[0][key], full[2][key])
+    assert got[0]["lr"] == full[2]["lr"]
