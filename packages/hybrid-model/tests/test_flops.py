@@ -62,3 +62,33 @@ def test_mfu_and_validation():
         forward_flops_sbhd(cfg, 0)
     with pytest.raises(ValueError):
         forward_flops_from_stats(cfg, 10, 5)
+
+
+def test_cp_rank_flops_add_up_to_the_pack():
+    """Under contiguous CP the ranks' exact shares add up to the whole pack's FLOPs (documents crossing rank edges,
+    per-document padding, an empty document, a static tail), later ranks pay more attention (causal), and CP=1 is
+    the pack itself."""
+    from hybrid_model.flops import forward_flops_cp_rank
+
+    cfg = get_preset("tiny")
+    lengths, padded = [300, 0, 41, 700], [304, 0, 48, 700]
+    total = 1104  # 1052 padded rows + a tail of 52
+    for dense in (False, True):
+        whole = forward_flops(cfg, lengths, dense=dense)
+        for cp in (1, 2, 4):
+            parts = [
+                forward_flops_cp_rank(
+                    cfg, lengths, padded, total_tokens=total, cp_rank=r, cp_size=cp, dense=dense
+                )
+                for r in range(cp)
+            ]
+            assert sum(p.tokens for p in parts) == whole.tokens == sum(lengths)
+            for key, value in whole.components.items():
+                assert sum(p.components.get(key, 0.0) for p in parts) == pytest.approx(value, rel=1e-12), key
+        two = [forward_flops_cp_rank(cfg, [552], [552], total_tokens=552, cp_rank=r, cp_size=2) for r in (0, 1)]
+        assert two[0].tokens == two[1].tokens
+        assert two[0].components["attention.hca_core"] < two[1].components["attention.hca_core"]
+    with pytest.raises(ValueError, match="multiple of cp_size"):
+        forward_flops_cp_rank(cfg, [5], [5], total_tokens=5, cp_rank=0, cp_size=2)
+    with pytest.raises(ValueError, match="exceed total_tokens"):
+        forward_flops_cp_rank(cfg, [5], [8], total_tokens=6, cp_rank=0, cp_size=2)

@@ -21,6 +21,7 @@ per (query, visible compressed entry) pair. For a document of length ``L`` (quer
     indexer pairs  Σ_t ⌊(t+1)/m⌋
 
 :func:`forward_flops` sums these exactly over documents (SBHD = ``B`` documents of length ``S``).
+:func:`forward_flops_cp_rank` is the exact share of one context-parallel rank (its rows of a pack).
 :func:`forward_flops_from_stats` is the closed form from ``Σ len`` and ``Σ len²`` that a packed-THD scheduler
 knows (as in upstream D9): window ``n_win`` keys per token, CSA ``k`` entries per token, HCA ``Σ len²/(2m')`` and
 indexer ``Σ len²/(2m)`` pairs — an upper bound that is within a few percent for ``len ≫ m·k``.
@@ -227,6 +228,68 @@ def forward_flops_from_stats(
             br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * sum_len_sq / (2 * m))
         elif kind is LayerKind.HCA:
             br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * sum_len_sq / (2 * mh))
+    return br
+
+
+def forward_flops_cp_rank(
+    cfg: DSv4ModelConfig,
+    lengths: Sequence[int],
+    padded_lengths: Sequence[int],
+    *,
+    total_tokens: int,
+    cp_rank: int,
+    cp_size: int,
+    dense: bool = False,
+) -> FlopBreakdown:
+    """Exact forward FLOPs of CP rank ``cp_rank``'s rows of one packed THD micro-batch under static contiguous
+    context parallelism (rank ``r`` holds the pack's rows ``[r·L, (r+1)·L)``, ``L = total_tokens / cp_size``).
+
+    Document ``i`` occupies the padded rows ``[o_i, o_i + padded_lengths[i])``, its ``lengths[i]`` real tokens first.
+    A rank is charged the linear terms of its real rows and the attention pairs of its real queries: every pair count
+    above is a sum over queries ``t`` of a per-query count, so the queries ``[a, b)`` of a document cost
+    ``F(b) - F(a)`` with ``F(n)`` the closed form for length ``n``. The ranks' values add up to
+    :func:`forward_flops` of the whole pack; later ranks pay more attention (causal). Boundary work the CP attention
+    repeats (halo rows' projections, compressed entries of groups straddling a rank edge) is not model work and is
+    not counted (as MFU conventions do)."""
+    if len(lengths) != len(padded_lengths) or any(
+        not 0 <= n <= p for n, p in zip(lengths, padded_lengths, strict=True)
+    ):
+        raise ValueError(f"need 0 <= lengths[i] <= padded_lengths[i], got {list(lengths)}, {list(padded_lengths)}")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size or total_tokens % cp_size:
+        raise ValueError(
+            f"need 0 <= cp_rank < cp_size and total_tokens a multiple of cp_size, got cp_rank={cp_rank}, "
+            f"cp_size={cp_size}, total_tokens={total_tokens}"
+        )
+    if sum(int(p) for p in padded_lengths) > total_tokens:
+        raise ValueError(f"the padded documents ({sum(padded_lengths)} rows) exceed total_tokens={total_tokens}")
+    local = total_tokens // cp_size
+    start, stop = cp_rank * local, (cp_rank + 1) * local
+    m, mh = LayerKind.CSA.compress_ratio, LayerKind.HCA.compress_ratio
+    k, W = cfg.index_topk, cfg.sliding_window
+    counts = {
+        "win": lambda n: window_pairs(n, W),
+        "csa": (lambda n: visible_entries_sum(n, m)) if dense else (lambda n: selected_entries_sum(n, m, k)),
+        "hca": lambda n: visible_entries_sum(n, mh),
+        "idx": lambda n: visible_entries_sum(n, m),
+    }
+    pairs = dict.fromkeys(counts, 0)
+    tokens, offset = 0, 0
+    for n, padded in zip(lengths, padded_lengths, strict=True):
+        a = min(max(start - offset, 0), n)  # this rank's real queries of the document: [a, b)
+        b = min(max(stop - offset, 0), n)
+        tokens += b - a
+        for key, f in counts.items():
+            pairs[key] += f(b) - f(a)
+        offset += int(padded)
+    br = FlopBreakdown(tokens=tokens)
+    _add_linear_terms(br, cfg, tokens)
+    for kind, prefix in _kinds_with_prefix(cfg):
+        br.add(prefix + "attention.window_core", _core_per_pair(cfg) * pairs["win"])
+        if kind is LayerKind.CSA:
+            br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * pairs["csa"])
+            br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * pairs["idx"])
+        elif kind is LayerKind.HCA:
+            br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * pairs["hca"])
     return br
 
 
