@@ -102,6 +102,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
             pg_collection=pg,
             pipeline_model_parallel_size=tc.pp,
             expert_model_parallel_size=tc.ep,
+            context_parallel_size=tc.cp,
             balance_loss_coeff=tc.balance_loss_coeff,
             indexer_loss_coeff=tc.indexer_loss_coeff,
             bf16=tc.bf16,
