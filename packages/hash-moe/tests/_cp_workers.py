@@ -47,4 +47,3 @@ def _cp_worker(rank, world_size):
         for hash_routing in (False, True):
             out["cp", hash_routing] = _run(hash_routing, rows, cu_local)
     return out
-

@@ -85,7 +85,9 @@ def test_cp_rank_flops_add_up_to_the_pack():
             assert sum(p.tokens for p in parts) == whole.tokens == sum(lengths)
             for key, value in whole.components.items():
                 assert sum(p.components.get(key, 0.0) for p in parts) == pytest.approx(value, rel=1e-12), key
-        two = [forward_flops_cp_rank(cfg, [552], [552], total_tokens=552, cp_rank=r, cp_size=2) for r in (0, 1)]
+        two = [
+            forward_flops_cp_rank(cfg, [552], [552], total_tokens=552, cp_rank=r, cp_size=2) for r in (0, 1)
+        ]
         assert two[0].tokens == two[1].tokens
         assert two[0].components["attention.hca_core"] < two[1].components["attention.hca_core"]
     with pytest.raises(ValueError, match="multiple of cp_size"):

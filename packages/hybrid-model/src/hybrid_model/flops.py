@@ -254,14 +254,18 @@ def forward_flops_cp_rank(
     if len(lengths) != len(padded_lengths) or any(
         not 0 <= n <= p for n, p in zip(lengths, padded_lengths, strict=True)
     ):
-        raise ValueError(f"need 0 <= lengths[i] <= padded_lengths[i], got {list(lengths)}, {list(padded_lengths)}")
+        raise ValueError(
+            f"need 0 <= lengths[i] <= padded_lengths[i], got {list(lengths)}, {list(padded_lengths)}"
+        )
     if cp_size < 1 or not 0 <= cp_rank < cp_size or total_tokens % cp_size:
         raise ValueError(
             f"need 0 <= cp_rank < cp_size and total_tokens a multiple of cp_size, got cp_rank={cp_rank}, "
             f"cp_size={cp_size}, total_tokens={total_tokens}"
         )
     if sum(int(p) for p in padded_lengths) > total_tokens:
-        raise ValueError(f"the padded documents ({sum(padded_lengths)} rows) exceed total_tokens={total_tokens}")
+        raise ValueError(
+            f"the padded documents ({sum(padded_lengths)} rows) exceed total_tokens={total_tokens}"
+        )
     local = total_tokens // cp_size
     start, stop = cp_rank * local, (cp_rank + 1) * local
     m, mh = LayerKind.CSA.compress_ratio, LayerKind.HCA.compress_ratio

@@ -239,7 +239,9 @@ class DSv4Model(HybridModel):
         from hybrid_model.mtp import mtp_roll_left, router_cu_seqlens
 
         cp = self.context_parallel_group
-        next_ids = mtp_roll_left(input_ids, packed_seq_params, cp)  # token t+1 at t (0 at each document's end)
+        next_ids = mtp_roll_left(
+            input_ids, packed_seq_params, cp
+        )  # token t+1 at t (0 at each document's end)
         e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
         if router_cu is None:
             router_cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1], cp)
@@ -251,9 +253,8 @@ class DSv4Model(HybridModel):
     def _attach_mtp_loss(
         self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask, router_cu
     ):
-        from hybrid_model.mtp import mtp_roll_left
-
         from hybrid_model.context_parallel import cp_token_count
+        from hybrid_model.mtp import mtp_roll_left
 
         cp = self.context_parallel_group
         h = self.mtp_hidden(streams, input_ids, position_ids, psp, padding_mask, router_cu)  # [s, b, d]

@@ -102,10 +102,16 @@ def local_batch(mb, *, packed: bool, cp_rank: int, cp_size: int, device: torch.d
                 f"packed micro-batch of CP rank {mb.cp_rank}/{mb.cp_size} on CP rank {cp_rank}/{cp_size}: build the "
                 "batch iterator with this rank's cp_rank and cp_size"
             )
-        f = {k: getattr(mb, k)[None].to(device) for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"}
+        f = {
+            k: getattr(mb, k)[None].to(device)
+            for k in LocalBatch.__dataclass_fields__
+            if k != "packed_seq_params"
+        }
         return LocalBatch(**f, packed_seq_params=mb.packed_seq_params())
     if cp_size == 1:
-        f = {k: getattr(mb, k).to(device) for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"}
+        f = {
+            k: getattr(mb, k).to(device) for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"
+        }
         return LocalBatch(**f, packed_seq_params=None)
     fields, pack = sbhd_as_thd_pack(mb)
     f = {k: shard_contiguous_cp(v, cp_rank, cp_size)[None].to(device) for k, v in fields.items()}
