@@ -22,10 +22,16 @@ bf16 (the bound of ``test_parallel_matrix``, re-derived for CP):
   order (each rank's rows, the gathered compressed entries), so its deviation from the fp32 run is of the size of the
   single-process bf16 run's own deviation ``δ = max_step |L_bf16 - L_fp32|``; by the triangle inequality
   ``|L_cp - L_ref| <= 2·δ`` (``test_parallel_matrix._bf16_loss_bound``).
-* gradients: per micro-batch a weight gradient is one bf16 GEMM output over all rows at CP=1, and two bf16 GEMM
-  outputs over half the rows each (summed in fp32 by the DP x CP reduction) at CP=2: at most two bf16 roundings of at
-  most ``max|g_ref|`` per micro-batch, accumulated over at most ``M = 4`` micro-batches in fp32:
-  ``max|g - g_ref| <= 2·M·u·max|g_ref|`` with ``u = 2**-8``.
+* gradients, two effects added: (1) per micro-batch a weight gradient is one bf16 GEMM output over all rows at
+  CP=1, and two bf16 GEMM outputs over half the rows each (summed in fp32 by the DP x CP reduction) at CP=2: at most
+  two bf16 roundings of at most ``max|g_ref|`` per micro-batch, accumulated over at most ``M = 4`` micro-batches in
+  fp32: ``2·M·u·max|g_ref|`` with ``u = 2**-8``; (2) unlike DP/PP, CP changes the forward arithmetic (each rank's
+  rows, the gathered compressed entries), so the bf16 activations the gradients are made of round differently. Some
+  gradients are sums over all tokens of terms that nearly cancel (mHC's ``base`` / ``scale``: ``max|g|`` ~ 5e-7), so
+  this is not bounded relative to ``max|g_ref|``. As for the losses, we bound it by bf16 rounding itself: the
+  single-process bf16 gradient deviates from the fp32 one by ``δ_g = max|g_bf16 - g_fp32|`` (per tensor, measured);
+  a CP bf16 run makes the same roundings in another order, so by the triangle inequality it stays within ``2·δ_g``.
+  Bound per tensor: ``max|g - g_ref| <= 2·δ_g + 2·M·u·max|g_ref|``.
 
 Resume: the step-2 losses of the ``--cp 1`` resume equal the uninterrupted ``--cp 2`` run's to the fp32 bound above
 (the checkpoint is CP-agnostic: weights, ``dp_reshardable`` optimizer state and data position; only the layout of
@@ -125,10 +131,15 @@ def test_cp2_matches_cp1(runs, fmt, dtype):
             assert abs(g[key] - r[key]) <= bound, (fmt, step, key, g[key], r[key], bound)
         assert g["lr"] == r["lr"]
     grads = merge_rank_grads([r["grads"] for r in per_rank])
+    fp32_grads = runs["ref"][f"{fmt}-fp32"]["grads"]
     assert set(grads) == set(ref["grads"])
     for name, g_ref in ref["grads"].items():
         err = float((grads[name] - g_ref).abs().max())
-        assert err <= 2 * _MICRO_BATCHES * _BF16_U * float(g_ref.abs().max()), (fmt, name, err)
+        delta = float(
+            (g_ref - fp32_grads[name]).abs().max()
+        )  # single-process bf16 vs fp32 (module docstring)
+        bound = 2 * delta + 2 * _MICRO_BATCHES * _BF16_U * float(g_ref.abs().max())
+        assert err <= bound, (fmt, name, err, bound)
 
 
 @pytest.mark.parametrize("cell", list(CELLS4))
