@@ -35,6 +35,7 @@ from hybrid_model.training.setup import (
     reset_metric_trackers,
 )
 from hybrid_model.training.step import StepRunner, TrainingDiverged
+from hybrid_model.training.virtual_pipeline import ddp_chunks
 
 
 class Trainer:
@@ -69,6 +70,7 @@ class Trainer:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tc.tp,
             pipeline_model_parallel_size=tc.pp,
+            virtual_pipeline_model_parallel_size=tc.vpp if tc.vpp > 1 else None,
             expert_model_parallel_size=tc.ep,
         )
         self._previous_stream = None
@@ -262,7 +264,8 @@ class Trainer:
         peak = (tc.peak_tflops or default_peak_tflops()) * 1e12
         try:
             outputs.start(initial=self.step)
-            self.model.train()
+            for chunk in ddp_chunks(self.model):
+                chunk.train()
             while self.step < tc.steps:
                 batch = next(self.batches)
                 t0 = time.perf_counter()
