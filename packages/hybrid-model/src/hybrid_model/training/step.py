@@ -114,7 +114,6 @@ class StepRunner:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hash_moe.megatron import update_selection_biases
-
         from hybrid_model.training.virtual_pipeline import ddp_chunks
 
         tc = self.tc
@@ -130,9 +129,8 @@ class StepRunner:
         if tc.vpp > 1:
             # interleaved schedule: no shape hook; the mHC streams travel folded as [s*n, b, d] (mhc P3), and
             # every chunk reads every micro-batch (token ids and positions on every stage; labels on the last)
-            from mhc.megatron import mhc_folded_seq_length
-
             from hybrid_model.training.virtual_pipeline import check_vpp_microbatches
+            from mhc.megatron import mhc_folded_seq_length
 
             check_vpp_microbatches(batch.num_microbatches, tc.pp)
             seq = mhc_folded_seq_length(seq, self.model_config.hc_mult)
