@@ -93,6 +93,9 @@ def build_batches(
             dp_rank=dp_rank,
             too_long="split",
             static_shape=True,
+            # --vpp: megatron's interleaved schedule runs micro-batches in groups of --pp (packed: the scheduler
+            # makes every step's pack count a multiple of it)
+            microbatch_group_size_per_vp_stage=tc.pp if tc.vpp > 1 else 1,
             seed=tc.seed,
         ),
     )

@@ -119,6 +119,13 @@ class Trainer:
         self._stop = False
         # the data first: bad data fail before the model is built
         self.batches, self.dataset = build_data(tc, self.model_config, ps, announce=self.is_logger)
+        if (
+            tc.vpp > 1 and not tc.packed
+        ):  # [B, S] batches: the micro-batch count is known now (packed: per step)
+            from hybrid_model.training.virtual_pipeline import check_vpp_microbatches
+
+            dp = ps.get_data_parallel_world_size()
+            check_vpp_microbatches(tc.global_batch_size // (dp * tc.micro_batch_size), tc.pp)
         parts = build_model(tc, self.model_config, ps, self.pg, self.device)
         self.core = parts.core  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.model, self.config = parts.model, parts.config

@@ -42,7 +42,9 @@ def check_vpp_config(tc) -> None:
 
 def check_vpp_microbatches(num_microbatches: int, pp: int) -> None:
     """megatron's interleaved schedule runs micro-batches in groups of ``pp`` per virtual stage: the count per
-    step (global batch / (micro-batch x DP)) must be a multiple of ``pp``."""
+    step (global batch / (micro-batch x DP); with ``--packed`` the step's pack count) must be a multiple of ``pp``.
+    The trainer checks ``[B, S]`` runs before the first step; packed runs ask thd-packing's scheduler for a pack
+    count that is a multiple of ``pp`` (``microbatch_group_size_per_vp_stage``), and every step is checked again."""
     if num_microbatches < pp or num_microbatches % pp:
         raise ValueError(
             f"--vpp needs a multiple of --pp {pp} micro-batches per step, got {num_microbatches} (global batch / "
