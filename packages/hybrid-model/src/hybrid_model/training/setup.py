@@ -127,8 +127,12 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
         )
-        with cuda_as_cpu():  # chunks after the first: one bucket each (as megatron's training loop does it)
-            model = DistributedDataParallel(core.config, ddp_config, model, disable_bucketing=len(models) > 0)
+        # megatron's training loop passes disable_bucketing=True for VPP chunks after the first; on 0.19.2 with the
+        # distributed optimizer and several grad buffers per chunk (bf16 params + keep-in-fp32 params) that one
+        # forced bucket group corrupts the chunk's params at the first bf16 step (measured: PP2xVPP2 chunk-1
+        # weights replaced by other params' values). Without overlap_grad_reduce each buffer is one bucket anyway.
+        with cuda_as_cpu():
+            model = DistributedDataParallel(core.config, ddp_config, model, disable_bucketing=False)
         cores.append(core)
         models.append(model)
     if tc.vpp == 1:
