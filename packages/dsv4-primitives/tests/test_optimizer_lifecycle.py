@@ -43,7 +43,7 @@ def _toy_cls():
     return MixedPrecisionToy
 
 
-def _build(seed, dist_opt, overrides):
+def _build(seed, dist_opt, overrides, shared_embedding=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
@@ -54,6 +54,10 @@ def _build(seed, dist_opt, overrides):
         num_layers=1, hidden_size=16, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
     )
     model = Float16ModuleKeepFP32(cfg, _toy_cls()(cfg, seed))
+    if (
+        shared_embedding
+    ):  # as a pipeline stage's word embedding: the distributed optimizer gives it its own bucket
+        model.module.w_in.shared_embedding = True
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(cfg, ddp_cfg, model)
     ocfg = OptimizerConfig(
@@ -128,11 +132,14 @@ def _check_mapping(ddp, opt, dist_opt):
 # (bf16 / fp32 interleaved inside it); None gives megatron's default groups (1-D params without weight decay, so one
 # group holds only native FP32 params). 0.19.2's default dist-opt format 'fully_sharded_model_space' cannot be
 # saved at all (flattened ShardedTensors were removed), so the two formats megatron's training loop uses are tested.
+# The last variant marks a bf16 param ``shared_embedding``: two buckets in the bf16 buffer with end padding between
+# them, where 0.19.2's fully_reshardable save shifted the state of every param after the padding.
 VARIANTS = [
     (False, {}, None),
     (False, None, None),
     (True, {}, "dp_reshardable"),
     (True, None, "fully_reshardable"),
+    (True, None, "fully_reshardable", "shared_embedding"),
 ]
 
 
@@ -143,10 +150,19 @@ def _lifecycle(rank, world_size, ckpt_root):
 
     results = {}
     with megatron_cpu_context(), cuda_as_cpu():
-        for dist_opt, overrides, sharding in VARIANTS:
+        for dist_opt, overrides, sharding, *extra in VARIANTS:
             tag = f"distopt{int(dist_opt)}_{'one_group' if overrides == {} else 'default_groups'}"
+            shared = "shared_embedding" in extra
+            tag += "_shared_embedding" if shared else ""
             meta = {"distrib_optim_sharding_type": sharding} if sharding else None
-            ddp, opt = _build(seed=1, dist_opt=dist_opt, overrides=overrides)
+            ddp, opt = _build(seed=1, dist_opt=dist_opt, overrides=overrides, shared_embedding=shared)
+            if shared:  # the layout of the 0.19.2 failure: padding between the buckets of one buffer
+                buffers = [b for b in ddp.buffers if len(b.buckets) > 1]
+                assert any(
+                    bk.offset > prev.offset + prev.numel_unpadded
+                    for b in buffers
+                    for prev, bk in zip(b.buckets, b.buckets[1:], strict=False)
+                ), "no padded bucket end: the variant does not exercise the fix"
             frozen0 = ddp.module.module.frozen.detach().clone()
             losses = [_train_step(ddp, opt, s, rank) for s in range(3)]
             assert torch.isfinite(torch.stack(losses)).all()
@@ -161,7 +177,7 @@ def _lifecycle(rank, world_size, ckpt_root):
             dist_checkpointing.save(state, ckpt)
             torch.distributed.barrier()
 
-            ddp2, opt2 = _build(seed=2, dist_opt=dist_opt, overrides=overrides)  # different init
+            ddp2, opt2 = _build(seed=2, dist_opt=dist_opt, overrides=overrides, shared_embedding=shared)
             model_sd2 = ddp2.module.module.sharded_state_dict()
             template = {
                 "model": model_sd2,
@@ -201,6 +217,7 @@ def test_optimizer_checkpoint_lifecycle_two_ranks(tmp_path):
         "distopt0_default_groups",
         "distopt1_one_group",
         "distopt1_default_groups",
+        "distopt1_default_groups_shared_embedding",
     }
     # the same data-parallel training on both ranks: identical losses per variant after the all-reduce
     for tag in res[0]:

@@ -23,7 +23,10 @@ def _gather_distributed_optimizer_shards(ddp) -> None:
     distributed optimizer reads only the local shard, so the step is unchanged)."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    for group in (*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups):
+    from hybrid_model.training.virtual_pipeline import ddp_chunks
+
+    groups = [g for c in ddp_chunks(ddp) for g in (*c.bucket_groups, *c.expert_parallel_bucket_groups)]
+    for group in groups:
         size = group.intra_distributed_optimizer_instance_size
         if size == 1:
             continue
@@ -42,18 +45,20 @@ def _gather_distributed_optimizer_shards(ddp) -> None:
 def global_grad_names(core) -> dict[int, tuple[str, int | None]]:
     """``id(param)`` -> (its name in the single-stage model, its EP rank for expert params else ``None``).
 
-    Decoder layers are numbered per stage (``decoder.layers.0`` on every stage); their ``layer_number`` is global.
+    Decoder layers are numbered per stage (``decoder.layers.0`` on every stage and VPP chunk); their
+    ``layer_number`` is global.
     """
     from megatron.core import parallel_state as ps
 
-    layer_index = {i: layer.layer_number - 1 for i, layer in enumerate(core.decoder.layers)}
     ep_rank = ps.get_expert_model_parallel_rank()
     out = {}
-    for name, p in core.named_parameters():
-        m = _LAYER.match(name)
-        if m:
-            name = f"decoder.layers.{layer_index[int(m.group(1))]}.{name[m.end() :]}"
-        out[id(p)] = (name, None if getattr(p, "allreduce", True) else ep_rank)
+    for chunk in getattr(core, "chunks", [core]):  # VirtualPipelineChunks: each chunk is a DSv4Model
+        layer_index = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+        for name, p in chunk.named_parameters():
+            m = _LAYER.match(name)
+            if m:
+                name = f"decoder.layers.{layer_index[int(m.group(1))]}.{name[m.end() :]}"
+            out[id(p)] = (name, None if getattr(p, "allreduce", True) else ep_rank)
     return out
 
 

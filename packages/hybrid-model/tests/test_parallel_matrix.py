@@ -1,7 +1,10 @@
 """The parallel matrix on CPU (gloo): every layout trains the tiny preset like the single process, fp32 and bf16.
 
-Cells: DP2, PP2, EP2 (2 processes) and DP2xEP2, PP2xEP2, DP2xPP2 (4 processes), each in fp32 and in bf16, against
-the single-process run of the same global batch (4 sequences of 160 tokens, micro-batches of 1, 3 steps). Every run
+Cells: DP2, PP2, PP2xVPP2 (interleaved schedule, 2 virtual stages per rank: 4 segments, the mHC streams folded for
+the schedule's p2p shape, including the wrap-around from rank 1's first chunk to rank 0's second), PP2 on packed
+THD batches, EP2 (2 processes) and DP2xEP2, PP2xEP2, DP2xPP2 (4 processes), each in fp32 and in bf16, against the
+single-process run of the same global batch (4 sequences of 160 tokens, micro-batches of 1, 3 steps; the packed
+cell against the single-process packed run: 4 packs of 160 rows). Every run
 starts from the same weights: the single-process reference saves its initial model (step 0) and the parallel runs
 read it with ``init_from`` (megatron resharding to their PP/EP layout). The comparison isolates the parallel path:
 data sharding over DP, the mHC stream transport between pipeline stages (``n·d`` channels in the stream dtype), MTP
@@ -53,10 +56,14 @@ _BASE = dict(seq_len=160, global_batch_size=4, micro_batch_size=1, warmup_steps=
 _MICRO_BATCHES = 4  # global batch 4 / micro-batch 1: what one rank accumulates in the single-process run
 _BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 
-# cell: (world size, TrainConfig layout); DP is the rest of the world (EP splits the experts inside DP)
+# cell: (world size, TrainConfig layout); DP is the rest of the world (EP splits the experts inside DP). A layout
+# with packed=True trains on packed THD batches (4 packs of 160 token rows per step, one pack per micro-batch) and
+# is compared with the single-process packed run.
 CELLS = {
     "dp2": (2, dict()),
     "pp2": (2, dict(pp=2)),
+    "pp2xvpp2": (2, dict(pp=2, vpp=2)),
+    "pp2-packed": (2, dict(pp=2, packed=True)),
     "ep2": (2, dict(ep=2)),
     "dp2xep2": (4, dict(ep=2)),
     "pp2xep2": (4, dict(pp=2, ep=2)),
@@ -65,15 +72,31 @@ CELLS = {
 DTYPES = ("fp32", "bf16")
 
 
+def _ref_key(dtype: str, layout: dict) -> str:
+    return f"{dtype}-packed" if layout.get("packed") else dtype
+
+
+def _config(dtype: str, layout: dict, **kw) -> dict:
+    base = dict(_BASE, bf16=dtype == "bf16")
+    if layout.get("packed"):
+        del base["micro_batch_size"]  # a THD micro-batch is one pack
+    return base | layout | kw
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Single-process fp32 and bf16 runs (each saves its initial weights for the parallel runs)."""
+    """Single-process fp32 and bf16 runs, unpacked and packed (each saves its initial weights for the parallel
+    runs)."""
     out = tmp_path_factory.mktemp("single")
-    runs = [(dt, dict(_BASE, bf16=dt == "bf16", out=str(out / dt))) for dt in DTYPES]
+    runs = [
+        (_ref_key(dt, lay), _config(dt, lay, out=str(out / _ref_key(dt, lay))))
+        for lay in (dict(), dict(packed=True))
+        for dt in DTYPES
+    ]
     (results,) = run_distributed(train_layouts, 1, runs, True, timeout=900)
-    for dt in DTYPES:
-        results[dt]["init"] = str(out / dt / "checkpoints" / "iter_0000000")
-        results[dt]["grads"] = merge_rank_grads([results[dt]["grads"]])
+    for key in results:
+        results[key]["init"] = str(out / key / "checkpoints" / "iter_0000000")
+        results[key]["grads"] = merge_rank_grads([results[key]["grads"]])
     return results
 
 
@@ -89,13 +112,12 @@ def parallel(reference, tmp_path_factory):
             runs = [
                 (
                     f"{name}-{dt}",
-                    dict(
-                        _BASE,
-                        bf16=dt == "bf16",
+                    _config(
+                        dt,
+                        layout,
                         out=str(out / f"{name}-{dt}"),
-                        init_from=reference[dt]["init"],
-                    )
-                    | layout,
+                        init_from=reference[_ref_key(dt, layout)]["init"],
+                    ),
                 )
                 for name, (w, layout) in CELLS.items()
                 if w == world
@@ -107,9 +129,10 @@ def parallel(reference, tmp_path_factory):
     return get
 
 
-def _bf16_loss_bound(reference) -> float:
+def _bf16_loss_bound(reference, packed: bool = False) -> float:
     """``2·δ``: twice the largest deviation of the single-process bf16 losses from fp32 (module docstring)."""
-    fp32, bf16 = reference["fp32"]["metrics"], reference["bf16"]["metrics"]
+    suffix = "-packed" if packed else ""
+    fp32, bf16 = reference["fp32" + suffix]["metrics"], reference["bf16" + suffix]["metrics"]
     return 2 * max(
         abs(b[key] - f[key]) for b, f in zip(bf16, fp32, strict=True) for key in ("lm_loss", "mtp_loss")
     )
@@ -118,7 +141,8 @@ def _bf16_loss_bound(reference) -> float:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_cell_matches_single_process(reference, parallel, cell, dtype):
-    ref = reference[dtype]
+    layout = CELLS[cell][1]
+    ref = reference[_ref_key(dtype, layout)]
     per_rank = parallel(cell, dtype)
     metrics = [r["metrics"] for r in per_rank]
     assert all(m == metrics[0] for m in metrics), "every metric is reduced over the ranks that computed it"
@@ -140,7 +164,7 @@ def test_cell_matches_single_process(reference, parallel, cell, dtype):
             ref["metrics"][0]["lm_loss"],
             ref["metrics"][0]["mtp_loss"],
         )
-    bound = _bf16_loss_bound(reference)
+    bound = _bf16_loss_bound(reference, packed=bool(layout.get("packed")))
     for step, (g, r) in enumerate(zip(got, ref["metrics"], strict=True), start=1):
         for key in ("lm_loss", "mtp_loss"):
             assert abs(g[key] - r[key]) <= bound, (cell, step, key, g[key], r[key], bound)

@@ -19,3 +19,16 @@ def test_checkpoints_without_model_layout_use_the_rng_layout():
     check_resume_layout(old, "ckpt", (2, 1, 2))  # EP unknown there: megatron's own load checks it
     with pytest.raises(ValueError, match=r"\(PP, TP, EP\) = \(2, 1, 1\)"):
         check_resume_layout(old, "ckpt", (1, 1, 1))
+
+
+def test_fully_reshardable_checkpoints_resume_at_another_pp_size():
+    common = {"model_layout": [2, 1, 2], "rng_layout": [2, 1, 1], "distopt_format": "fully_reshardable"}
+    for layout in ((1, 1, 2), (2, 1, 2), (4, 1, 2)):
+        check_resume_layout(common, "ckpt", layout)
+    with pytest.raises(
+        ValueError, match=r"fully_reshardable\) resumes at another PP or DP size, not at another TP or EP"
+    ):
+        check_resume_layout(common, "ckpt", (2, 1, 1))
+    dp_only = dict(common, distopt_format="dp_reshardable")
+    with pytest.raises(ValueError, match="--ckpt-format fully_reshardable"):
+        check_resume_layout(dp_only, "ckpt", (1, 1, 2))

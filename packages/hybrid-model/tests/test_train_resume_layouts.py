@@ -1,13 +1,16 @@
 """bf16 on CPU (gloo): the distributed optimizer with keep-in-fp32 params under DP2, and checkpoint resume at another
-DP size (DP2 -> DP1).
+layout: DP2 -> DP1 (``dp_reshardable``, the default format) and PP2 -> PP1 (``--ckpt-format fully_reshardable``).
 
-A DP2 run trains 4 steps in bf16 and saves at step 2 (bf16 weights, fp32 keep-in-fp32 params, fp32 main params and
-Adam moments, megatron's ``dp_reshardable`` distributed-optimizer format). One process then resumes the step-2
-checkpoint and trains steps 3 and 4. (A resume at another PP/TP/EP is refused before loading, see
-``hybrid_model.training.checkpoint.check_resume_layout`` and ``test_resume_layout_check.py``.)
+Each 2-process run trains 4 steps in bf16 and saves at step 2 (bf16 weights, fp32 keep-in-fp32 params, fp32 main
+params and Adam moments). One process then resumes the step-2 checkpoint and trains steps 3 and 4. (Other layout
+changes are refused before loading, see ``hybrid_model.training.checkpoint.check_resume_layout`` and
+``test_resume_layout_check.py``.) PP2's first and last stages hold the word embedding (MTP's copy on the last) in a
+bucket of its own: the layout where megatron 0.19.2's ``fully_reshardable`` save shifted the optimizer state
+(fixed in dsv4-primitives' ``DistributedOptimizerWithNativeFP32Params``).
 
 * Step 3 (the next step after the resume) runs its forward on the restored weights and the same micro-batches: its
-  LM and MTP losses are bitwise those of the uninterrupted run (DP changes no forward arithmetic).
+  LM and MTP losses are bitwise those of the uninterrupted run (DP and PP change no forward arithmetic: the mHC
+  streams cross stages in fp32).
 * Step 4 follows an update from the restored Adam moments. The step-3 gradients of the two layouts differ only in
   the fp32 order of the DP reduction vs the micro-batch accumulation (and so the grad norm), so the updated fp32
   main params differ by fp32 rounding and at most a few bf16 weights by one ulp. Bound: ``|ΔL| <= u·|L|`` with
@@ -41,7 +44,7 @@ _BASE = dict(
     save_interval=2,
 )
 _BF16_U = 2.0**-8
-LAYOUTS = {"dp2": dict()}
+LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2, ckpt_format="fully_reshardable")}
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,36 @@ def test_p2p_shapes(megatron_cpu):
         make_mhc_adjust_tensor_shapes_fn(0)
 
 
+def test_folded_streams_round_trip_and_gradient(megatron_cpu):
+    """The interleaved schedule's folded transport: [s, b, n·d] -> [s·n, b, d] -> back is the identity on values and
+    on the gradient (views of one buffer), the folded shape is the schedule's [seq_length, b, d] with seq_length =
+    s·n, and only VPP configs fold."""
+    import dataclasses
+
+    from mhc.megatron import fold_streams, mhc_folded_seq_length, unfold_streams, uses_folded_streams
+
+    s, b, n = 7, 3, 4
+    x = torch.randn(s, b, n * D, requires_grad=True)
+    folded = fold_streams(x, n)
+    assert folded.shape == (mhc_folded_seq_length(s, n), b, D)
+    # the bytes on the wire are the streams' bytes in their own order
+    assert torch.equal(folded.detach().flatten(), x.detach().flatten())
+    wire = folded.detach().clone().requires_grad_()  # what the receiving stage gets
+    back = unfold_streams(wire, n)
+    assert torch.equal(back, x.detach())
+    g = torch.randn(s, b, n * D)
+    back.backward(g)
+    folded.backward(wire.grad)  # the sending stage's backward with the received gradient
+    assert torch.equal(x.grad, g)
+    with pytest.raises(ValueError, match="mhc_folded_seq_length"):
+        unfold_streams(torch.zeros(6, b, D), 4)
+    with pytest.raises(ValueError):
+        fold_streams(torch.zeros(s, b, 10), 4)
+    cfg = tiny.transformer_config(2)
+    assert not uses_folded_streams(cfg)
+    assert uses_folded_streams(dataclasses.replace(cfg, virtual_pipeline_model_parallel_size=2))
+
+
 def test_pipeline_dtype_must_be_the_stream_dtype(megatron_cpu):
     from megatron.core.transformer.spec_utils import build_module
 

@@ -154,6 +154,14 @@ def _train_parser(sub) -> None:
     p.add_argument("--seed", type=int, help=d("seed", "model init and data order"))
     p.add_argument("--tp", type=int, help=d("tp", "tensor parallel size (must be 1)"))
     p.add_argument("--pp", type=int, help=d("pp", "pipeline stages"))
+    p.add_argument(
+        "--vpp",
+        type=int,
+        help=d(
+            "vpp",
+            "virtual pipeline stages per pipeline rank (interleaved 1F1B; needs --pp >= 2 and pp*vpp <= blocks)",
+        ),
+    )
     p.add_argument("--ep", type=int, help=d("ep", "expert parallel size (DP is the rest of the world)"))
     p.add_argument(
         "--cp",
@@ -209,6 +217,15 @@ def _train_parser(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=d("save_final", "save a checkpoint when the run finishes (--no-save-final for benchmark runs)"),
+    )
+    p.add_argument(
+        "--ckpt-format",
+        choices=("dp_reshardable", "fully_reshardable"),
+        help=d(
+            "ckpt_format",
+            "distributed-optimizer checkpoint format: dp_reshardable resumes at another DP size, "
+            "fully_reshardable also at another PP size (gathers the optimizer state over DP to save)",
+        ),
     )
     p.add_argument(
         "--bf16",

@@ -355,10 +355,12 @@ def build_model(
     pg_collection: ProcessGroupCollection | None = None,
     backend=None,
     fused_linear_cross_entropy: bool = True,
+    vp_stage: int | None = None,
     **config_kwargs,
 ) -> DSv4Model:
     """Build a :class:`DSv4Model` (megatron parallel state must be initialised); ``config_kwargs`` go to
-    :func:`hybrid_model.spec.transformer_config`."""
+    :func:`hybrid_model.spec.transformer_config`; ``vp_stage``: the virtual pipeline chunk (with
+    ``virtual_pipeline_model_parallel_size`` in ``config_kwargs``)."""
     from hybrid_model.spec import transformer_config
 
     tc = transformer_config(model_config, **config_kwargs)
@@ -370,4 +372,5 @@ def build_model(
         pg_collection=pg_collection,
         backend=backend,
         fused_linear_cross_entropy=fused_linear_cross_entropy,
+        vp_stage=vp_stage,
     )

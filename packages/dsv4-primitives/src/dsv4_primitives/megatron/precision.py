@@ -48,6 +48,16 @@ Importing this module imports megatron-core (about 7 s on CPU), so it is not imp
    param's state one *shared* ``step`` tensor, which torch Adam then increments once per param per step; either
    breaks Adam's bias correction after a resume. The subclass skips ``step`` in the per-param copy (megatron's
    own comment says step is restored from the param groups) and gives each param its own step tensor.
+   Sixth: 0.19.2's ``fully_reshardable`` save (``sharded_param_state_fully_reshardable``) slices the gathered
+   world tensors of ``get_parameter_state_dp_zero`` with ``buffer.param_index_map`` offsets. Those are positions in
+   the *padded* grad buffer, but the gathered tensors concatenate the buckets *without* their end padding (its own
+   comment: "gets rid of the padding between buckets"). With one bucket per buffer the two agree; with several they
+   do not, and every param after the first padded bucket end is saved with another param's values (zeros at the
+   end). The distributed optimizer starts a new bucket at a ``shared_embedding`` param, so pipeline stages holding
+   the word embedding together with other params (PP > 1 with MTP or tied embeddings: the first and the last
+   stage) hit it. The subclass re-inserts the bucket padding (each bucket's unpadded data at its ``offset``) before
+   megatron's slicing, for saving and for the loading template alike; the loader
+   (``load_parameter_state_from_fully_reshardable``) uses the per-rank ranges and is correct as it is.
 """
 
 from __future__ import annotations
@@ -205,6 +215,49 @@ class DistributedOptimizerWithNativeFP32Params(DistributedOptimizer):
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         tensors = {**tensors, "step": None}  # megatron skips non-tensor entries
         return super()._set_main_param_and_optimizer_states(model_param, tensors)
+
+    def sharded_param_state_fully_reshardable(
+        self, model_sharded_state_dict, is_loading: bool = False, metadata=None
+    ):
+        """megatron's ``fully_reshardable`` param state, with the world tensors in padded-buffer coordinates
+        (sixth fix above)."""
+
+        def padded_dp_zero_state(**kwargs):
+            state = DistributedOptimizer.get_parameter_state_dp_zero(self, **kwargs)
+            return None if state is None else self._in_buffer_coordinates(state)
+
+        self.get_parameter_state_dp_zero = padded_dp_zero_state  # shadows the method for this one call
+        try:
+            return super().sharded_param_state_fully_reshardable(
+                model_sharded_state_dict, is_loading=is_loading, metadata=metadata
+            )
+        finally:
+            del self.get_parameter_state_dp_zero
+
+    def _in_buffer_coordinates(self, state: dict) -> dict:
+        """``get_parameter_state_dp_zero``'s world tensors (buckets concatenated without their end padding) laid
+        out like the grad buffer: bucket ``k``'s unpadded elements at ``bucket.offset``, zeros in the padding."""
+        out = dict(state)
+        for gbuf_idx, buffer in enumerate(self.buffers):
+            if gbuf_idx not in state:
+                continue
+            per_dtype = {}
+            for dtype, world in state[gbuf_idx].items():
+                padded = {}
+                for key, t in world.items():
+                    if not torch.is_tensor(t):
+                        padded[key] = t  # numel_unpadded
+                        continue
+                    full = torch.zeros(buffer.grad_data.numel(), dtype=t.dtype, device=t.device)
+                    src = 0
+                    for bucket in buffer.buckets:
+                        n = bucket.numel_unpadded
+                        full[bucket.offset : bucket.offset + n] = t[src : src + n]
+                        src += n
+                    padded[key] = full
+                per_dtype[dtype] = padded
+            out[gbuf_idx] = per_dtype
+        return out
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)

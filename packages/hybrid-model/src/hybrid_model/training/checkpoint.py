@@ -1,5 +1,5 @@
 """Checkpoints of ``dsv4 train``: megatron dist checkpoints ``checkpoints/iter_XXXXXXX`` (model, distributed
-optimizer in ``dp_reshardable`` form, LR scheduler, step, data position, every rank's RNG state) and the
+optimizer in ``dp_reshardable`` or ``fully_reshardable`` form (``--ckpt-format``), LR scheduler, step, data position, every rank's RNG state) and the
 ``checkpoints/latest`` pointer; weights-only loading for ``--init-from``."""
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dsv4_primitives.megatron import cuda_as_cpu
 from hybrid_model.training.config import TrainConfig
 
-DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}  # the default (``--ckpt-format``)
+# the distributed optimizer's checkpoint formats ``dsv4 train --ckpt-format`` offers: ``dp_reshardable`` (flat
+# buffer shards: each rank writes its own, resumable at another DP size) and ``fully_reshardable`` (every
+# param's fp32 main copy and Adam moments under its model key, gathered over DP to write: resumable at another
+# PP and DP size; see :func:`check_resume_layout`)
+DISTOPT_FORMATS = ("dp_reshardable", "fully_reshardable")
 # the run's TrainConfig, written next to megatron's files of every checkpoint (read back for the resume checks)
 TRAIN_CONFIG_FILE = "dsv4_train_config.json"
 
@@ -111,22 +116,37 @@ def model_layout(ps) -> tuple[int, int, int]:
     )
 
 
-def check_resume_layout(common: dict, path: Path | str, layout: tuple[int, int, int]) -> None:
-    """``ValueError`` unless ``layout`` = (PP, TP, EP) is the one the checkpoint was saved at.
+def saved_distopt_format(common: dict) -> str:
+    """The distributed-optimizer format a checkpoint was written in (``dp_reshardable`` before it was recorded)."""
+    return common.get("distopt_format", "dp_reshardable")
 
-    The distributed optimizer's ``dp_reshardable`` state is flat buffer shards whose layout depends on which
-    parameters a PP/TP/EP rank holds: megatron re-splits it over DP only. Its other format, ``fully_reshardable``,
-    is not offered: with PP > 1 its save writes the later stages' fp32 main params and Adam moments wrong on our
-    stack (zeros / another stage's values; a PP2 -> PP1 resume ran one exact step, then diverged).
+
+def check_resume_layout(common: dict, path: Path | str, layout: tuple[int, int, int]) -> None:
+    """``ValueError`` unless ``layout`` = (PP, TP, EP) can resume the checkpoint saved at ``common["model_layout"]``.
+
+    ``dp_reshardable`` optimizer state (the default format) is flat buffer shards whose layout depends on which
+    parameters a PP/TP/EP rank holds: megatron re-splits it over DP only, so PP, TP and EP must be the saved ones.
+    ``fully_reshardable`` state (``--ckpt-format fully_reshardable``) is keyed per parameter like the model: PP may
+    change too (PP2 -> PP1 is tested). TP and EP stay fixed (TP is 1 in DSv4; an EP change is not tested).
     ``common``: the checkpoint's common state with ``model_layout``; checkpoints written before it existed give PP
     and TP through ``rng_layout`` = (PP, TP, DP).
     """
     saved = common.get("model_layout") or [*common.get("rng_layout", [0, 0])[:2], layout[2]]
-    if tuple(saved) != tuple(layout):
+    fmt = saved_distopt_format(common)
+    fixed = (1, 2) if fmt == "fully_reshardable" else (0, 1, 2)
+    if any(tuple(saved)[i] != tuple(layout)[i] for i in fixed):
+        if fmt == "fully_reshardable":
+            raise ValueError(
+                f"{path} was saved at (PP, TP, EP) = {tuple(saved)}; this run is {tuple(layout)}. Its optimizer "
+                "state (fully_reshardable) resumes at another PP or DP size, not at another TP or EP size: resume "
+                "at the saved TP/EP, or start from its weights with --init-from (optimizer, schedule and data "
+                "start fresh)"
+            )
         raise ValueError(
             f"{path} was saved at (PP, TP, EP) = {tuple(saved)}; this run is {tuple(layout)}. Its optimizer state "
             "(megatron's dp_reshardable format) can be resumed at another DP size only: resume at the saved "
-            "PP/TP/EP, or start from its weights with --init-from (optimizer, schedule and data start fresh)"
+            "PP/TP/EP, save with --ckpt-format fully_reshardable to resume at another PP, or start from its "
+            "weights with --init-from (optimizer, schedule and data start fresh)"
         )
 
 
@@ -250,12 +270,20 @@ class Checkpointer:
         self.core, self.optimizer, self.scheduler, self.batches = core, optimizer, scheduler, batches
         self.ps, self.dir, self.rank, self.tc = ps, Path(out) / "checkpoints", rank, tc
 
-    def sharded_state(self, step: int, loading: bool, *, with_rng: bool = True) -> dict[str, Any]:
+    def sharded_state(
+        self, step: int, loading: bool, *, with_rng: bool = True, distopt_format: str | None = None
+    ) -> dict[str, Any]:
+        """The sharded state to save, or (``loading``) the template to load into; ``distopt_format``: the
+        optimizer format (default ``--ckpt-format``; loading: the checkpoint's, :func:`saved_distopt_format`)."""
+        fmt = distopt_format or self.tc.ckpt_format
         state = {
             "model": self.core.sharded_state_dict(),
             "optimizer": self.optimizer.sharded_state_dict(
-                self.core.sharded_state_dict(), is_loading=loading, metadata=DISTOPT_FORMAT
+                self.core.sharded_state_dict(),
+                is_loading=loading,
+                metadata={"distrib_optim_sharding_type": fmt},
             ),
+            "distopt_format": fmt,
             "scheduler": self.scheduler.state_dict(),
             "step": step,
             "data": self.batches.state_dict(),  # the global iteration (identical on every rank)
@@ -310,9 +338,10 @@ class Checkpointer:
         same_layout = list(common.get("rng_layout", [])) == list(rng_layout(self.ps))
         try:
             with cuda_as_cpu():
-                state = dist_checkpointing.load(
-                    self.sharded_state(0, loading=True, with_rng=same_layout), str(path)
+                template = self.sharded_state(
+                    0, loading=True, with_rng=same_layout, distopt_format=saved_distopt_format(common)
                 )
+                state = dist_checkpointing.load(template, str(path))
                 self.core.load_state_dict(state["model"])
                 with torch.no_grad():
                     self.optimizer.load_state_dict(state["optimizer"])

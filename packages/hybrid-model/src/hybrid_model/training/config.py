@@ -45,6 +45,10 @@ class TrainConfig:
     (no update); this many in a row stop the run (:class:`~hybrid_model.training.step.TrainingDiverged`).
     ``deterministic``: every kernel of a step deterministic, so two runs with the same seed give bitwise-identical
     losses and gradients (eager and ``--cuda-graph``; see :mod:`hybrid_model.training.determinism`).
+    ``vpp``: virtual pipeline stages per pipeline rank (megatron's interleaved schedule; each rank holds ``vpp``
+    model chunks, see :mod:`hybrid_model.training.virtual_pipeline`). ``ckpt_format``: the distributed optimizer's
+    checkpoint format, ``"dp_reshardable"`` (resumable at another DP size) or ``"fully_reshardable"`` (also at
+    another PP size; gathers each stage's optimizer state over DP to write it).
     """
 
     preset: str = "tiny"
@@ -68,6 +72,7 @@ class TrainConfig:
     seed: int = 1234
     tp: int = 1
     pp: int = 1
+    vpp: int = 1
     ep: int = 1
     cp: int = 1
     cp_layout: str = "contiguous"
@@ -81,6 +86,7 @@ class TrainConfig:
     init_from: str | None = None
     save_interval: int = 0
     save_final: bool = True
+    ckpt_format: str = "dp_reshardable"
     log_interval: int = 10
     peak_tflops: float | None = None
     progress: bool = True
@@ -107,6 +113,7 @@ class TrainConfig:
             "micro_batch_size",
             "tp",
             "pp",
+            "vpp",
             "ep",
             "cp",
             "log_interval",
@@ -114,6 +121,10 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.vpp > 1:
+            from hybrid_model.training.virtual_pipeline import check_vpp_config
+
+            check_vpp_config(self)
         if self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
         from hybrid_model.training.context_parallel import check_context_parallel_config
@@ -133,6 +144,10 @@ class TrainConfig:
             raise ValueError(
                 "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
             )
+        from hybrid_model.training.checkpoint import DISTOPT_FORMATS
+
+        if self.ckpt_format not in DISTOPT_FORMATS:
+            raise ValueError(f"--ckpt-format must be one of {DISTOPT_FORMATS}, got {self.ckpt_format!r}")
         if self.long_docs not in ("split", "truncate"):
             raise ValueError(f"--long-docs must be 'split' or 'truncate', got {self.long_docs!r}")
         if self.lr_decay_style not in ("cosine", "wsd"):

@@ -106,6 +106,9 @@ def build_batches(
             cp_rank=cp_rank if tc.packed else 0,
             too_long="split",
             static_shape=True,
+            # --vpp: megatron's interleaved schedule runs micro-batches in groups of --pp (packed: the scheduler
+            # makes every step's pack count a multiple of it)
+            microbatch_group_size_per_vp_stage=tc.pp if tc.vpp > 1 else 1,
             seed=tc.seed,
         ),
     )

@@ -40,11 +40,12 @@ def init_distributed() -> tuple[int, int]:
 
 
 def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
-    """The preset of ``tc`` with its ``model_overrides`` (and ``pipeline_stages`` = ``--pp`` unless overridden)."""
+    """The preset of ``tc`` with its ``model_overrides`` (and ``pipeline_stages`` = ``--pp`` x ``--vpp`` unless
+    overridden)."""
     cfg = get_preset(tc.preset)
     changes = dict(tc.model_overrides)
     if tc.pp > 1:
-        changes.setdefault("pipeline_stages", tc.pp)
+        changes.setdefault("pipeline_stages", tc.pp * tc.vpp)  # VPP: P·V segments (virtual_pipeline.py)
     return cfg.replace(**changes) if changes else cfg
 
 
@@ -74,8 +75,10 @@ def params_dtype_of(tc: TrainConfig) -> torch.dtype:
 
 @dataclass
 class ModelParts:
-    """``core``: the :class:`~hybrid_model.model.DSv4Model` itself; ``model``: it under the bf16 ``Float16Module``
-    (with ``--bf16``) and megatron's ``DistributedDataParallel``; ``config``: its megatron ``TransformerConfig``."""
+    """``core``: the :class:`~hybrid_model.model.DSv4Model` itself (with ``--vpp``: the rank's chunks as one
+    :class:`~hybrid_model.training.virtual_pipeline.VirtualPipelineChunks`); ``model``: it under the bf16
+    ``Float16Module`` (with ``--bf16``) and megatron's ``DistributedDataParallel`` (with ``--vpp``: a list, one
+    per chunk); ``config``: the megatron ``TransformerConfig`` (of the first chunk)."""
 
     core: Any
     model: Any
@@ -83,45 +86,59 @@ class ModelParts:
 
 
 def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: torch.device) -> ModelParts:
-    """The DSv4 model of this rank's pipeline stage, seeded with ``tc.seed``, wrapped for bf16 and in DDP."""
+    """The DSv4 model of this rank's pipeline stage (``--vpp``: its chunks), seeded with ``tc.seed``, wrapped for
+    bf16 and in DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from hybrid_model.model import build_model as build_dsv4_model
+    from hybrid_model.training.virtual_pipeline import VirtualPipelineChunks, chunk_stages
 
-    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     torch.manual_seed(tc.seed)
-    # bf16 as megatron's training loop does it: params (and the pipeline p2p buffers) in bf16, the model wrapped
-    # in a Float16Module (bf16 first-stage inputs, fp32 last-stage outputs); the keep-in-fp32 tensors (mHC,
-    # sinks, compressor ape, router selection bias) stay fp32. ``config.bf16`` alone makes the mHC layers cast
-    # activations to bf16, which then meet fp32 weights ("expected mat1 and mat2 to have the same dtype").
-    with cuda_as_cpu():  # PP + MTP: megatron moves the last stage's embedding copy with .cuda()
-        core = build_dsv4_model(
-            model_config,
-            pre_process=pre,
-            post_process=post,
-            pg_collection=pg,
-            pipeline_model_parallel_size=tc.pp,
-            expert_model_parallel_size=tc.ep,
-            context_parallel_size=tc.cp,
-            balance_loss_coeff=tc.balance_loss_coeff,
-            indexer_loss_coeff=tc.indexer_loss_coeff,
-            bf16=tc.bf16,
-            params_dtype=params_dtype_of(tc),
-            fused_linear_cross_entropy=tc.fused_linear_ce,
-            deterministic_mode=tc.deterministic,  # megatron's embedding: weight[ids] (sort-based backward)
-        ).to(device)
-    config = core.config
-    model = core
-    if tc.bf16:
-        from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
+    vpp_kw = {"virtual_pipeline_model_parallel_size": tc.vpp} if tc.vpp > 1 else {}
+    cores, models = [], []
+    for vp_stage, pre, post in chunk_stages(ps, tc.vpp):
+        # bf16 as megatron's training loop does it: params (and the pipeline p2p buffers) in bf16, the model
+        # wrapped in a Float16Module (bf16 first-stage inputs, fp32 last-stage outputs); the keep-in-fp32 tensors
+        # (mHC, sinks, compressor ape, router selection bias) stay fp32. ``config.bf16`` alone makes the mHC
+        # layers cast activations to bf16, which then meet fp32 weights ("expected mat1 and mat2 to have the same
+        # dtype").
+        with cuda_as_cpu():  # PP + MTP: megatron moves the last stage's embedding copy with .cuda()
+            core = build_dsv4_model(
+                model_config,
+                pre_process=pre,
+                post_process=post,
+                pg_collection=pg,
+                vp_stage=vp_stage,
+                pipeline_model_parallel_size=tc.pp,
+                expert_model_parallel_size=tc.ep,
+                context_parallel_size=tc.cp,
+                balance_loss_coeff=tc.balance_loss_coeff,
+                indexer_loss_coeff=tc.indexer_loss_coeff,
+                bf16=tc.bf16,
+                params_dtype=params_dtype_of(tc),
+                fused_linear_cross_entropy=tc.fused_linear_ce,
+                deterministic_mode=tc.deterministic,  # megatron's embedding: weight[ids] (sort-based backward)
+                **vpp_kw,
+            ).to(device)
+        model = core
+        if tc.bf16:
+            from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
 
-        model = Float16ModuleKeepFP32(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
-    )
-    with cuda_as_cpu():
-        model = DistributedDataParallel(config, ddp_config, model)
-    return ModelParts(core=core, model=model, config=config)
+            model = Float16ModuleKeepFP32(core.config, model)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+        )
+        # megatron's training loop passes disable_bucketing=True for VPP chunks after the first; on 0.19.2 with the
+        # distributed optimizer and several grad buffers per chunk (bf16 params + keep-in-fp32 params) that one
+        # forced bucket group corrupts the chunk's params at the first bf16 step (measured: PP2xVPP2 chunk-1
+        # weights replaced by other params' values). Without overlap_grad_reduce each buffer is one bucket anyway.
+        with cuda_as_cpu():
+            model = DistributedDataParallel(core.config, ddp_config, model, disable_bucketing=False)
+        cores.append(core)
+        models.append(model)
+    if tc.vpp == 1:
+        return ModelParts(core=cores[0], model=models[0], config=cores[0].config)
+    return ModelParts(core=VirtualPipelineChunks(cores), model=models, config=cores[0].config)
 
 
 def build_optimizer(tc: TrainConfig, model) -> Any:
@@ -144,10 +161,12 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
         bf16=tc.bf16,
         params_dtype=params_dtype_of(tc),
     )
+    from hybrid_model.training.virtual_pipeline import ddp_chunks
+
     with cuda_as_cpu():
         # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
         # by the loading template, then shared by all params) — the primitives subclass fixes both
-        return build_megatron_optimizer(opt_config, [model], impl=tc.optimizer_impl)
+        return build_megatron_optimizer(opt_config, ddp_chunks(model), impl=tc.optimizer_impl)
 
 
 def build_scheduler(tc: TrainConfig, optimizer) -> Any:
@@ -177,9 +196,13 @@ def attach_schedule_hooks(config, model) -> None:
     """The megatron schedule's hooks on the model config: gradient finalisation, no loss scaling, DDP's no-sync."""
     from megatron.core.distributed import finalize_model_grads
 
+    from hybrid_model.training.virtual_pipeline import ddp_chunks
+
+    chunks = ddp_chunks(model)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = None
-    config.no_sync_func = model.no_sync
+    # the interleaved schedule (VPP) takes one no-sync per chunk
+    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
 
 
 def build_data(

@@ -22,9 +22,15 @@ class TrainingDiverged(RuntimeError):
 
 
 def grads_finite_local(model) -> bool:
-    """Whether this rank's gradient buffers of the DDP ``model`` hold only finite values (one reduction per buffer:
+    """Whether this rank's gradient buffers of the DDP ``model`` (or its VPP chunks) hold only finite values (one reduction per buffer:
     a NaN or an infinity anywhere makes its fp32 sum non-finite)."""
-    sums = [b.grad_data.sum(dtype=torch.float32) for b in model.buffers + model.expert_parallel_buffers]
+    from hybrid_model.training.virtual_pipeline import ddp_chunks
+
+    sums = [
+        b.grad_data.sum(dtype=torch.float32)
+        for chunk in ddp_chunks(model)
+        for b in chunk.buffers + chunk.expert_parallel_buffers
+    ]
     return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
 
 
@@ -113,9 +119,12 @@ class StepRunner:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hash_moe.megatron import update_selection_biases
+        from hybrid_model.training.virtual_pipeline import ddp_chunks
 
         tc = self.tc
-        self.model.zero_grad_buffer()
+        chunks = ddp_chunks(self.model)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         fb = get_forward_backward_func()
         kwargs = {}
@@ -123,14 +132,24 @@ class StepRunner:
         mbs = 1 if tc.packed else tc.micro_batch_size
         if not tc.packed and self.cp_size > 1:  # [B, S] under CP: one THD pack of B*S rows
             seq, mbs = tc.micro_batch_size * tc.seq_len, 1
-        if tc.pp > 1:
+        data_iterator = iter(batch.microbatches)
+        if tc.vpp > 1:
+            # interleaved schedule: no shape hook; the mHC streams travel folded as [s*n, b, d] (mhc P3), and
+            # every chunk reads every micro-batch (token ids and positions on every stage; labels on the last)
+            from hybrid_model.training.virtual_pipeline import check_vpp_microbatches
+            from mhc.megatron import mhc_folded_seq_length
+
+            check_vpp_microbatches(batch.num_microbatches, tc.pp)
+            seq = mhc_folded_seq_length(seq, self.model_config.hc_mult)
+            data_iterator = [iter(batch.microbatches) for _ in chunks]
+        elif tc.pp > 1:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
             kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
         schedule = dict(
             forward_step_func=self.forward_step,
-            data_iterator=iter(batch.microbatches),
-            model=[self.model],
+            data_iterator=data_iterator,
+            model=chunks,
             num_microbatches=batch.num_microbatches,
             seq_length=seq,
             micro_batch_size=mbs,

@@ -36,6 +36,7 @@ from hybrid_model.training.setup import (
     reset_metric_trackers,
 )
 from hybrid_model.training.step import StepRunner, TrainingDiverged
+from hybrid_model.training.virtual_pipeline import ddp_chunks
 
 
 class Trainer:
@@ -73,6 +74,7 @@ class Trainer:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tc.tp,
             pipeline_model_parallel_size=tc.pp,
+            virtual_pipeline_model_parallel_size=tc.vpp if tc.vpp > 1 else None,
             expert_model_parallel_size=tc.ep,
             context_parallel_size=tc.cp,
         )
@@ -122,6 +124,13 @@ class Trainer:
         self._stop = False
         # the data first: bad data fail before the model is built
         self.batches, self.dataset = build_data(tc, self.model_config, ps, announce=self.is_logger)
+        if (
+            tc.vpp > 1 and not tc.packed
+        ):  # [B, S] batches: the micro-batch count is known now (packed: per step)
+            from hybrid_model.training.virtual_pipeline import check_vpp_microbatches
+
+            dp = ps.get_data_parallel_world_size()
+            check_vpp_microbatches(tc.global_batch_size // (dp * tc.micro_batch_size), tc.pp)
         parts = build_model(tc, self.model_config, ps, self.pg, self.device)
         self.core = parts.core  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.model, self.config = parts.model, parts.config
@@ -267,7 +276,8 @@ class Trainer:
         peak = (tc.peak_tflops or default_peak_tflops()) * 1e12
         try:
             outputs.start(initial=self.step)
-            self.model.train()
+            for chunk in ddp_chunks(self.model):
+                chunk.train()
             while self.step < tc.steps:
                 batch = next(self.batches)
                 t0 = time.perf_counter()

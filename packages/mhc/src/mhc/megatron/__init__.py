@@ -20,10 +20,14 @@ require_megatron("mhc[megatron]", "mhc.megatron")
 from mhc.megatron.layer import HyperConnectionLayer, hyper_connection_layer_spec, mhc_config_for  # noqa: E402
 from mhc.megatron.pipeline import (  # noqa: E402
     check_mhc_pipeline_dtype,
+    fold_streams,
     make_mhc_adjust_tensor_shapes_fn,
+    mhc_folded_seq_length,
     mhc_p2p_tensor_shapes,
     mhc_pipeline_dtype,
     mhc_pipeline_hidden_size,
+    unfold_streams,
+    uses_folded_streams,
 )
 from mhc.megatron.stack import HyperConnectionHybridStack, hyper_connection_stack_spec  # noqa: E402
 
@@ -31,11 +35,15 @@ __all__ = [
     "HyperConnectionHybridStack",
     "HyperConnectionLayer",
     "check_mhc_pipeline_dtype",
+    "fold_streams",
     "hyper_connection_layer_spec",
     "hyper_connection_stack_spec",
     "make_mhc_adjust_tensor_shapes_fn",
     "mhc_config_for",
+    "mhc_folded_seq_length",
     "mhc_p2p_tensor_shapes",
     "mhc_pipeline_dtype",
     "mhc_pipeline_hidden_size",
+    "unfold_streams",
+    "uses_folded_streams",
 ]

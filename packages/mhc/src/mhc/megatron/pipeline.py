@@ -3,12 +3,23 @@
 Between pipeline stages the activations are the ``n`` streams, ``[s, b, n·d]``, not ``[s, b, d]``. The inactive
 edges (the first stage's receive, the last stage's send) carry nothing; megatron's non-interleaved 1F1B schedule
 skips them, so one uniform shape per direction is correct there. 0.19.2's interleaved (VPP) schedule has no
-shape hook (it asserts ``adjust_tensor_shapes_fn is None`` and uses ``config.hidden_size``), so VPP with mHC is
-not supported by that release.
+shape hook (it asserts ``adjust_tensor_shapes_fn is None`` and sizes every p2p buffer
+``[seq_length, micro_batch_size, hidden_size]``). For it the streams travel *folded*: the stage output
+``X [s, b, n·d]`` is presented as ``[s·n, b, d]`` (:func:`fold_streams`, a view of the same contiguous memory, no
+copy) and the schedule is called with ``seq_length = s·n`` (:func:`mhc_folded_seq_length`); the receiving stage
+unfolds it (:func:`unfold_streams`). Only the element count and the dtype of a p2p buffer matter to the transfer,
+and autograd carries the gradient through the same views, so the folded transport moves exactly the bytes of the
+unfolded one. Every edge of the interleaved schedule (stage to stage, and the wrap-around from the last stage's
+chunk ``v`` to the first stage's chunk ``v + 1``) carries streams, so one shape serves all of them.
+:class:`~mhc.megatron.HyperConnectionHybridStack` folds / unfolds when the megatron config has
+``virtual_pipeline_model_parallel_size`` set (:func:`uses_folded_streams`).
 
 Use::
 
+    # 1F1B (no VPP): a shape hook
     forward_backward_pipelining_without_interleaving(..., adjust_tensor_shapes_fn=make_mhc_adjust_tensor_shapes_fn(4))
+    # interleaved (VPP): folded streams
+    forward_backward_pipelining_with_interleaving(..., seq_length=mhc_folded_seq_length(s, 4))
 
 What crosses a stage boundary, in which dtype (megatron allocates both p2p buffers in ``config.pipeline_dtype``):
 
@@ -116,3 +127,40 @@ def mhc_p2p_tensor_shapes(
         cp_group=cp_group,
     )
     return _expand(shapes, num_streams)
+
+
+def uses_folded_streams(config) -> bool:
+    """Whether the stages of ``config`` (megatron ``TransformerConfig``) exchange folded streams: with virtual
+    pipeline stages (the interleaved schedule, which has no shape hook)."""
+    return (getattr(config, "virtual_pipeline_model_parallel_size", None) or 0) > 1
+
+
+def mhc_folded_seq_length(seq_length: int, num_streams: int) -> int:
+    """The ``seq_length`` to give megatron's interleaved schedule so that its p2p buffers
+    ``[seq_length, b, d]`` hold the folded streams ``[s·n, b, d]`` of :func:`fold_streams`."""
+    if seq_length < 1 or num_streams < 1:
+        raise ValueError(f"seq_length and num_streams must be positive, got {seq_length}, {num_streams}")
+    return seq_length * num_streams
+
+
+def fold_streams(x: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """``X [s, b, n·d]`` -> ``[s·n, b, d]``: the same contiguous memory under the interleaved schedule's p2p shape.
+
+    Not a sequence reordering: row ``i`` of the result is bytes ``i·b·d ... (i+1)·b·d`` of ``X``. Its only consumer
+    is the p2p transfer (and autograd back through the view); :func:`unfold_streams` is the inverse.
+    """
+    s, b, nd = x.shape
+    if nd % num_streams:
+        raise ValueError(f"the streams have {nd} channels, not a multiple of num_streams={num_streams}")
+    return x.contiguous().view(s * num_streams, b, nd // num_streams)
+
+
+def unfold_streams(x: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """``[s·n, b, d]`` (a received folded buffer) -> ``X [s, b, n·d]``; inverse of :func:`fold_streams`."""
+    sn, b, d = x.shape
+    if sn % num_streams:
+        raise ValueError(
+            f"a folded stream buffer has {sn} rows, not a multiple of num_streams={num_streams}: was the "
+            "interleaved schedule called with seq_length = mhc_folded_seq_length(s, n)?"
+        )
+    return x.contiguous().view(sn // num_streams, b, num_streams * d)

@@ -21,7 +21,12 @@ from torch import nn
 from dsv4_primitives import RMSNorm
 from mhc.config import MHCConfig
 from mhc.megatron.layer import HyperConnectionLayer, mhc_config_for
-from mhc.megatron.pipeline import check_mhc_pipeline_dtype
+from mhc.megatron.pipeline import (
+    check_mhc_pipeline_dtype,
+    fold_streams,
+    unfold_streams,
+    uses_folded_streams,
+)
 from mhc.modules import HyperHead, StreamExpansion
 
 
@@ -84,10 +89,13 @@ class HyperConnectionHybridStack(HybridStack):
         if inference_context is None:
             inference_context = inference_params
         if not self.pre_process:
-            hidden_states = self.input_tensor  # [s, b, n*d] from the previous stage
+            hidden_states = self.input_tensor  # [s, b, n*d] from the previous stage ([s*n, b, d] folded: VPP)
         if isinstance(hidden_states, WrappedTensor):
             hidden_states = hidden_states.unwrap()
         n, d = self.mhc_config.num_streams, self.mhc_config.hidden_size
+        folded = uses_folded_streams(self.config)  # the interleaved schedule's p2p shape (pipeline.py)
+        if folded and not self.pre_process:
+            hidden_states = unfold_streams(hidden_states, n)  # [s, b, n*d]
         if self.pre_process:
             hidden_states = self.expansion(hidden_states).flatten(-2)  # [s, b, n*d]
         for layer in self.layers:
@@ -107,6 +115,8 @@ class HyperConnectionHybridStack(HybridStack):
             hidden_states = self.hyper_head(streams, out_dtype=out_dtype)  # [s, b, d]
             if self.post_layer_norm:
                 hidden_states = self.final_norm(hidden_states)
+        elif folded:
+            hidden_states = fold_streams(hidden_states, n)  # [s*n, b, d] for the next (virtual) stage
         hidden_states = make_viewless_tensor(
             inp=hidden_states, requires_grad=hidden_states.requires_grad, keep_graph=True
         )
