@@ -87,6 +87,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from hybrid_model.model import build_model as build_dsv4_model
+    from hybrid_model.training.recompute import recompute_config
 
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     torch.manual_seed(tc.seed)
@@ -109,6 +110,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
             params_dtype=params_dtype_of(tc),
             fused_linear_cross_entropy=tc.fused_linear_ce,
             deterministic_mode=tc.deterministic,  # megatron's embedding: weight[ids] (sort-based backward)
+            recompute=recompute_config(tc),
         ).to(device)
     config = core.config
     model = core
