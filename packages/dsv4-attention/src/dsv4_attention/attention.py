@@ -244,7 +244,7 @@ class DSv4Attention(torch.nn.Module):
         q_lat = self.q_layernorm(q_pre)  # [T, d_c] shared latent
         if rc.selects("layernorm") and torch.is_grad_enabled():
             discard(q_lat, lambda: self.q_layernorm(q_pre))  # the norm keeps its input; its output is rebuilt
-        up = lambda xx, ql: self._up_projections(xx, ql, layout)  # noqa: E731
+        up = lambda xx, ql: self._up_projections(xx, ql, layout)
         if rc.selects("mla_up_proj"):
             q, kv = checkpoint_region(up, x, q_lat, discard_outputs=True)
         else:

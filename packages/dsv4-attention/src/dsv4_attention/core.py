@@ -148,9 +148,7 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
             ``None`` when no loss is computed (not CSA, eval mode or grad disabled).
         """
         rc = self.recompute
-        region = lambda name, fn, *args: (  # noqa: E731
-            checkpoint_region(fn, *args) if rc.selects(name) else fn(*args)
-        )
+        region = lambda name, fn, *args: checkpoint_region(fn, *args) if rc.selects(name) else fn(*args)
         if self.compressor is None:
             return region(
                 "core_attn", lambda qq, kk: self._attend(qq, kk, None, layout, dense, False, 1.0), q, kv

@@ -165,9 +165,9 @@ class HyperConnectionLayer(MegatronModule):
         """``hc.post``; with ``discard_out`` the new streams are registered for recompute (chained through
         ``streams`` when those are themselves rebuilt)."""
         out = hc.post(f, streams, post, comb)  # [s, b, n, d]
-        if discard_out and torch.is_grad_enabled():
-            if not discard_derived(out, streams, lambda x: hc.post(f, x, post, comb)):
-                discard(out, lambda: hc.post(f, streams, post, comb))
+        chained = discard_out and torch.is_grad_enabled()
+        if chained and not discard_derived(out, streams, lambda x: hc.post(f, x, post, comb)):
+            discard(out, lambda: hc.post(f, streams, post, comb))
         return out
 
     def _forward(self, hidden_states, attention_mask, discard_output: bool, kwargs):
