@@ -6,6 +6,12 @@ optimizer step; side by side with the Hugging Face transformers eager numbers me
 Correctness first: at initialisation the LM loss must be finite and close to ln(V); the bf16 logits of a short
 sequence must match an fp32 run of the same weights. Then each S in --seq-lens (default 2048 4096 8192, then
 doubling until out of memory). Writes ``flash_smoke.json`` to --out and to benchmarks/results/.
+
+``--long-context``: the full training step (forward + backward with MTP + optimizer) at 4K / 16K / 32K / 64K / the
+longest that fits, for no / selective / full activation recompute, in a bounded time (:mod:`long_context`)::
+
+    python3 packages/hybrid-model/benchmarks/bench_flash_smoke.py --long-context --iters 2 --max-seq-len 196608 \
+        --budget-s 420 --out DIR
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
+import long_context
 import torch
 
 # Hugging Face transformers eager DeepseekV4ForCausalLM, same shapes, fwd+bwd, no optimizer (issue 10)
@@ -589,7 +596,10 @@ def main() -> None:
         default=["sbhd", "thd", "sbhd_cuda_graph"],
         help="full optimizer-step runs at S=4096 (sbhd, thd, sbhd_cuda_graph)",
     )
+    long_context.add_flags(ap)
     args = ap.parse_args()
+    if long_context.dispatch(args, Path(args.out)):  # --long-context (its own report; CPU: a tiny smoke run)
+        return
     if not torch.cuda.is_available():
         print("bench_flash_smoke: no CUDA device; nothing measured")
         return

@@ -119,3 +119,75 @@ def test_graphed_training_matches_eager(tmp_path):
     # dense steps 0-2 (eager warm-up 0-1, capture at 2), then the sparse phase: a new warm-up and capture
     assert dense["captures"] == 2
     assert dense["replayed"] == [False, False, True, False, False, True, True, True]
+
+
+_RECOMPUTE_RUNNER = textwrap.dedent(
+    """
+    import json, sys
+    from hybrid_model.training.config import TrainConfig
+    from hybrid_model.training.trainer import Trainer
+
+    if __name__ == "__main__":
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        out, results = sys.argv[1], {}
+        settings = {
+            "eager": ({}, False),
+            "graph_selective": (dict(
+                recompute_granularity="selective", mhc_recompute_layer_num=2,
+                recompute_modules=["mhc", "layernorm", "mla_up_proj", "compressor", "indexer", "core_attn", "moe_act"],
+            ), True),
+            "graph_full": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), True),
+        }
+        for name, (kw, graph) in settings.items():
+            tc = TrainConfig(
+                preset="tiny", steps=5, seq_len=256, global_batch_size=2, micro_batch_size=1, warmup_steps=0,
+                cuda_graph=graph, out=f"{out}/{name}", progress=False, save_final=False, mtp_loss_weight_decay=None,
+                **kw,
+            )
+            trainer = Trainer(tc)
+            metrics = trainer.run()
+            results[name] = {
+                "lm": [m["lm_loss"] for m in metrics],
+                "mtp": [m.get("mtp_loss") for m in metrics],
+                "indexer": [m.get("indexer_loss") for m in metrics],
+                "grad_norm": [m.get("grad_norm") for m in metrics],
+                "replayed": [m.get("cuda_graph_replayed", False) for m in metrics],
+            }
+            trainer.close()
+        print("RESULTS " + json.dumps(results))
+    """
+)
+
+
+@pytest.mark.gpu
+def test_graphed_recompute_matches_eager(tmp_path):
+    """--cuda-graph with selective and with full recompute: the replayed steps (recompute inside the captured
+    backward) train exactly like the eager run without recompute (deterministic kernels: same arithmetic)."""
+    script = tmp_path / "run.py"
+    script.write_text(_RECOMPUTE_RUNNER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert line, (proc.stdout + proc.stderr)[-4000:]
+    r = json.loads(line[0][len("RESULTS ") :])
+    for name in ("graph_selective", "graph_full"):
+        assert r[name]["replayed"] == [False, False, True, True, True], name
+        for key in ("lm", "mtp", "indexer", "grad_norm"):
+            assert r[name][key] == r["eager"][key], (name, key, r[name][key], r["eager"][key])
+
+
+def test_recompute_is_allowed_with_graphs(fake_cuda):
+    """megatron allows selective and full recompute with a full-iteration graph (the DSv4 layers draw no random
+    numbers): the flags combine."""
+    tc = TrainConfig(
+        cuda_graph=True,
+        bf16=True,
+        recompute_granularity="full",
+        recompute_method="block",
+        recompute_num_layers=1,
+    )
+    assert tc.cuda_graph and tc.recompute_granularity == "full"

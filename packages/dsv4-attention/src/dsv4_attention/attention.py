@@ -36,6 +36,13 @@ from dsv4_attention.indexer_loss import attach_indexer_loss
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
 from dsv4_primitives import RopeConfig, YarnConfig, rms_norm
+from dsv4_primitives.recompute import (
+    NO_RECOMPUTE,
+    RecomputeConfig,
+    checkpoint_region,
+    discard,
+    recompute_scope,
+)
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,14 @@ class DSv4Attention(torch.nn.Module):
         self.core_attention = core
         self.linear_o_group_proj = o_group_proj
         self.linear_proj = proj
+        self.recompute = NO_RECOMPUTE
+
+    def set_recompute(self, recompute: RecomputeConfig) -> None:
+        """Selective activation recompute of this layer and its core (``layernorm``: the ``q_layernorm`` output;
+        ``mla_up_proj``: the up-projections with their outputs ``q``/``kv``; ``compressor`` / ``indexer`` /
+        ``core_attn``: see :meth:`CompressedSparseAttention.set_recompute`)."""
+        self.recompute = recompute
+        self.core_attention.set_recompute(recompute)
 
     @property
     def layer_kind(self) -> str:
@@ -217,12 +232,41 @@ class DSv4Attention(torch.nn.Module):
         self, x: torch.Tensor, layout: TokenLayout, *, dense: bool = False, indexer_loss_coeff: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer on packed token rows: ``x [T, d]`` -> ``(y [T, d], indexer loss or None)``."""
+        if self.recompute.granularity != "selective":
+            return self._forward_tokens(x, layout, dense, indexer_loss_coeff)
+        with recompute_scope():  # saved copies of discarded activations become recompute handles
+            return self._forward_tokens(x, layout, dense, indexer_loss_coeff)
+
+    def _forward_tokens(self, x, layout, dense, indexer_loss_coeff):
+        t = x.shape[0]
+        rc = self.recompute
+        q_pre = linear_out(self.linear_q_down_proj, x)  # [T, d_c]
+        q_lat = self.q_layernorm(q_pre)  # [T, d_c] shared latent
+        if rc.selects("layernorm") and torch.is_grad_enabled():
+            discard(q_lat, lambda: self.q_layernorm(q_pre))  # the norm keeps its input; its output is rebuilt
+        up = lambda xx, ql: self._up_projections(xx, ql, layout)
+        if rc.selects("mla_up_proj"):
+            q, kv = checkpoint_region(up, x, q_lat, discard_outputs=True)
+        else:
+            q, kv = up(x, q_lat)
+
+        o, loss = self.core_attention(
+            q, kv, x, q_lat, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff
+        )  # [T, n_h, c]
+        if loss is not None:
+            o = attach_indexer_loss(o, loss)
+        pos, max_pos = layout.rope_positions, layout.max_rope_position
+        o = rope(o, pos, self.rope_cfg, inverse=True, max_position=max_pos)  # de-rotate at the query position
+        u = linear_out(self.linear_o_group_proj, o.reshape(t, self.num_heads * self.head_dim))  # [T, g*d_g]
+        y = linear_out(self.linear_proj, u)  # [T, d] (no bias)
+        return y, loss
+
+    def _up_projections(self, x, q_lat, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, n_h, c]`` (up-projection, weightless per-head RMSNorm, RoPE) and ``kv [T, c]`` (projection,
+        ``kv_layernorm``, RoPE): the ``mla_up_proj`` recompute region."""
         t = x.shape[0]
         pos = layout.rope_positions  # [T]
         max_pos = layout.max_rope_position
-
-        q_lat = linear_out(self.linear_q_down_proj, x)  # [T, d_c]
-        q_lat = self.q_layernorm(q_lat)  # [T, d_c] shared latent
         q = linear_out(self.linear_q_up_proj, q_lat)  # [T, n_h*c]
         q = rms_norm(q.view(t, self.num_heads, self.head_dim), None, self.eps)  # [T, n_h, c] no weight
         # in place: the norm saved its input, not this output
@@ -231,16 +275,7 @@ class DSv4Attention(torch.nn.Module):
         kv = rope(
             self.kv_layernorm(kv), pos, self.rope_cfg, max_position=max_pos, inplace=True
         )  # [T, c]  K = V
-
-        o, loss = self.core_attention(
-            q, kv, x, q_lat, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff
-        )  # [T, n_h, c]
-        if loss is not None:
-            o = attach_indexer_loss(o, loss)
-        o = rope(o, pos, self.rope_cfg, inverse=True, max_position=max_pos)  # de-rotate at the query position
-        u = linear_out(self.linear_o_group_proj, o.reshape(t, self.num_heads * self.head_dim))  # [T, g*d_g]
-        y = linear_out(self.linear_proj, u)  # [T, d] (no bias)
-        return y, loss
+        return q, kv
 
 
 def build_core_attention(cfg: AttentionConfig, *, device=None) -> CompressedSparseAttention:

@@ -37,6 +37,7 @@ from dsv4_attention.indexer import IndexerState, LightningIndexer
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
 from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
+from dsv4_primitives.recompute import NO_RECOMPUTE, RecomputeConfig, checkpoint_region
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -109,6 +110,13 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         self.indexer = indexer
         self.attn_sink = torch.nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=device))
         mark_keep_in_fp32(self.attn_sink)
+        self.recompute = NO_RECOMPUTE
+
+    def set_recompute(self, recompute: RecomputeConfig) -> None:
+        """Selective recompute regions of this core: ``compressor`` (the KV compressor), ``indexer`` (the lightning
+        indexer's projections and compressor) and ``core_attn`` (indices, top-k, sparse attention, indexer KL); each
+        keeps only its inputs and runs again in backward (:func:`dsv4_primitives.recompute.checkpoint_region`)."""
+        self.recompute = recompute
 
     @property
     def backend(self) -> str:
@@ -139,6 +147,67 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
             ``o [T, n_h, c]`` (before the inverse RoPE) and the indexer loss (scalar, times the coefficient) or
             ``None`` when no loss is computed (not CSA, eval mode or grad disabled).
         """
+        rc = self.recompute
+        region = lambda name, fn, *args: checkpoint_region(fn, *args) if rc.selects(name) else fn(*args)
+        if self.compressor is None:
+            return region(
+                "core_attn", lambda qq, kk: self._attend(qq, kk, None, layout, dense, False, 1.0), q, kv
+            )
+        entries, cu_c = region("compressor", self._compress, x, layout)  # [Tc, c]
+        kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
+        want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
+        state = None
+        if self.indexer is not None:
+            q_i, k_i, w_i, cu_i = region("indexer", self._index, x, q_latent, layout)
+            state = IndexerState(q_i, k_i, w_i, cu_i)
+        args = (q, kv_all, cu_c) + ((state.q, state.k, state.weights, state.cu_seqlens_c) if state else ())
+
+        def attend(qq, kk, cc, *st):
+            s = IndexerState(*st) if st else None
+            return self._attend(qq, kk, cc, layout, dense, want_loss, indexer_loss_coeff, s)
+
+        return region("core_attn", attend, *args)
+
+    def _compress(self, x: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV compressor's entries ``[Tc, c]`` and their boundaries (the ``compressor`` recompute region)."""
+        return self.compressor(
+            x,
+            layout.cu_seqlens,
+            backend=self.backend,
+            position_offset=layout.position_offset,
+            max_position=layout.max_rope_position,
+            cu_seqlens_host=layout.bounds_host,
+        )
+
+    def _index(self, x: torch.Tensor, q_latent: torch.Tensor, layout: TokenLayout) -> tuple:
+        """The indexer's ``(q, k, weights, cu_seqlens_c)`` (the ``indexer`` recompute region)."""
+        st = self.indexer(
+            x,
+            q_latent,
+            layout.rope_positions,
+            layout.cu_seqlens,
+            backend=self.backend,
+            position_offset=layout.position_offset,
+            max_position=layout.max_rope_position,
+            cu_seqlens_host=layout.bounds_host,
+        )
+        return st.q, st.k, st.weights, st.cu_seqlens_c
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        kv_all: torch.Tensor,
+        cu_c: torch.Tensor | None,
+        layout: TokenLayout,
+        dense: bool,
+        want_loss: bool,
+        indexer_loss_coeff: float,
+        state: IndexerState | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Indices, top-k, the sparse attention and the indexer KL (the ``core_attn`` recompute region).
+
+        ``want_loss`` is decided by the caller (a recompute region runs without autograd in forward and must still
+        compute the same loss value)."""
         t = q.shape[0]
         cu = layout.cu_seqlens
         # host copies of the boundaries, and indices built here from them: the kernels skip their device-to-host
@@ -148,37 +217,16 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         win = window_indices(cu, self.window, cu_seqlens_host=host)  # [T, W]
         if self.compressor is None:
             o, _ = sparse_attn(
-                q, kv, self.attn_sink, win, self.softmax_scale, backend=backend, check_indices=False
+                q, kv_all, self.attn_sink, win, self.softmax_scale, backend=backend, check_indices=False
             )
             return o, None
-        entries, cu_c = self.compressor(
-            x,
-            cu,
-            backend=backend,
-            position_offset=layout.position_offset,
-            max_position=layout.max_rope_position,
-            cu_seqlens_host=host,
-        )  # [Tc, c]
-        kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
         max_c = layout.max_compressed_entries(self.compress_ratio)  # host int: no device sync
         dense = self.indexer is None or dense
-        want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
-        state = topk_scores = None
-        if self.indexer is not None:
-            state = self.indexer(
-                x,
-                q_latent,
-                layout.rope_positions,
-                cu,
-                backend=backend,
-                position_offset=layout.position_offset,
-                max_position=layout.max_rope_position,
-                cu_seqlens_host=host,
-            )
+        topk_scores = None
         if dense:
             comp = self._visible(layout, cu_c, max_c)  # [T, max_c]
         else:
-            with torch.set_grad_enabled(want_loss):
+            with torch.set_grad_enabled(want_loss and torch.is_grad_enabled()):
                 comp, topk_scores = self.indexer.select(
                     state, cu, backend=backend, cu_seqlens_host=host
                 )  # [T, k]

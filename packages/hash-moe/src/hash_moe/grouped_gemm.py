@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 
 from dsv4_primitives.dispatch import normalize_backend
+from dsv4_primitives.recompute import discard_derived
 from hash_moe.row_gather import row_gather
 
 GroupedBackend = Literal["auto", "grouped_mm", "loop", "reference", "torch"]  # "torch": deprecated name
@@ -199,6 +200,8 @@ def _padded_grouped_mm(x: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor) -> t
         0, torch.where(rows >= 0, rows, m_max), r
     )[:m_max]  # [M_max] row of x in each padded row, -1 = padding or past the last group (slot M_max: filler)
     xp = row_gather(x, source, rows.unsqueeze(1))  # [M_max, K]
+    # an x discarded by selective recompute (moe_act) is saved as its padded copy: discard that copy too
+    discard_derived(xp, x, lambda xr: row_gather(xr, source, rows.unsqueeze(1)))
     offs = pad.cumsum(0).to(torch.int32)  # [G] group ends
     out = torch._grouped_mm(xp, w.transpose(-2, -1), offs=offs)  # [M_max, N] (rows past offs[-1] unset)
     return row_gather(out, rows, source.unsqueeze(1))  # [M, N]

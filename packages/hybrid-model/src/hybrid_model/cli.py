@@ -268,6 +268,9 @@ def _train_parser(sub) -> None:
             "cross entropy); --no-fused-linear-ce: output-layer logits, then the fused cross entropy",
         ),
     )
+    from hybrid_model.training.recompute import add_recompute_flags
+
+    add_recompute_flags(p, d)
     p.add_argument(
         "--deterministic",
         action="store_true",

@@ -63,12 +63,14 @@ def transformer_config(
     indexer_loss_coeff: float = 1.0,
     dense_attention: bool = False,
     perform_initialization: bool = True,
+    recompute=None,
     **overrides: Any,
 ):
     """The megatron ``DSv4AttentionConfig`` (an ``MLATransformerConfig``) carrying attention + MoE + MTP fields.
 
     ``num_layers`` is the number of *hybrid* layers of the main pattern (each symbol is one layer, so a DSv4 block
-    counts twice), as megatron-core's ``HybridModel`` numbers them.
+    counts twice), as megatron-core's ``HybridModel`` numbers them. ``recompute``: a
+    :class:`dsv4_primitives.recompute.RecomputeConfig` (``dsv4_recompute`` plus megatron's ``recompute_*`` fields).
     """
     from dsv4_attention.megatron import DSv4AttentionConfig
 
@@ -135,6 +137,8 @@ def transformer_config(
         # read of the logits, no fp32 [s, b, V] copies); False = megatron's unfused fp32 path
         cross_entropy_loss_fusion=True,
     )
+    if recompute is not None and recompute.granularity is not None:
+        kw.update(recompute.megatron_fields(), dsv4_recompute=recompute)
     if cfg.yarn is not None:
         kw.update(
             rotary_scaling_factor=cfg.yarn.factor,

@@ -106,6 +106,17 @@ class DSv4HybridStack(HyperConnectionHybridStack):
             layer.inner_layer.mlp for layer in self.layers if isinstance(layer.inner_layer.mlp, DSv4MoELayer)
         ]
 
+    def capture_layer_state(self):
+        """The token ids bound to the MoE routers now, re-bound by the returned function (a full-recompute chunk
+        runs its layers again in backward, after the model has unbound them)."""
+        bound = [(moe, moe._bound_input_ids, moe._bound_cu_seqlens) for moe in self.moe_layers()]
+
+        def restore() -> None:
+            for moe, ids, cu in bound:
+                moe.set_input_ids(ids, cu)
+
+        return restore
+
     def bind_input_ids(self, input_ids, cu_seqlens=None) -> None:
         """Bind ``input_ids [B, S]`` (THD: ``[1, T]`` + ``cu_seqlens``) for this forward's MoE routers."""
         for moe in self.moe_layers():

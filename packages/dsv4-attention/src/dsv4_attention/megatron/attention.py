@@ -26,6 +26,7 @@ from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import token_layout
 from dsv4_attention.megatron._linears import column_parallel_kwargs
 from dsv4_attention.megatron.config import DSv4AttentionConfig
+from dsv4_primitives.recompute import recompute_config_of
 
 
 @dataclass
@@ -132,6 +133,7 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             tp_group=pg_collection.tp,
         )
         self._init_attention(cfg, q_down, q_norm, q_up, kv_proj, kv_norm, core, o_group_proj, proj)
+        self.set_recompute(recompute_config_of(config))  # selective recompute (config.dsv4_recompute)
 
     @staticmethod
     def _check_groups(pg_collection) -> None:

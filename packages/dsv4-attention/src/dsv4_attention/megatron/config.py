@@ -36,6 +36,7 @@ from dsv4_attention.core import CoreAttentionConfig
 from dsv4_attention.indexer import IndexerConfig
 from dsv4_attention.kind import LAYER_KINDS, VALID_COMPRESS_RATIOS, LayerKind, check_compress_ratio
 from dsv4_primitives import RopeConfig, YarnConfig
+from dsv4_primitives.recompute import RecomputeConfig
 
 __all__ = ["LAYER_KINDS", "VALID_COMPRESS_RATIOS", "DSv4AttentionConfig", "check_compress_ratio"]
 
@@ -106,6 +107,12 @@ class DSv4AttentionConfig(MLATransformerConfig):
 
     output_projection_lora_rank: int = 1024
     """``d_g``: per-group output rank."""
+
+    # --- activation recompute (ours; megatron's recompute_* fields carry what megatron implements itself) ---
+    dsv4_recompute: RecomputeConfig | None = None
+    """Selective / full recompute of the DSv4 modules (:class:`dsv4_primitives.recompute.RecomputeConfig`);
+    ``None`` = none. hybrid-model sets it together with megatron's ``recompute_granularity`` / ``recompute_method``
+    / ``recompute_num_layers`` / ``recompute_modules`` (:meth:`RecomputeConfig.megatron_fields`)."""
 
     def __post_init__(self) -> None:
         if self.v_head_dim is not None and self.qk_pos_emb_head_dim is not None:

@@ -23,8 +23,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from dsv4_primitives.recompute import discard, recompute_config_of, recompute_scope
 from hash_moe.experts import grouped_swiglu_experts
-from hash_moe.grouped_gemm import GroupedBackend
+from hash_moe.grouped_gemm import GroupedBackend, grouped_mm
 from hash_moe.swiglu import check_swiglu_limit, clamped_swiglu
 
 
@@ -70,6 +71,7 @@ class ClampedSwiGLUExperts(MegatronModule):
             raise ValueError("DSv4 experts have no biases; set TransformerConfig.add_bias_linear=False")
         check_swiglu_limit(config.activation_func_clamp_value)
         self.num_local_experts = num_local_experts
+        self.recompute_activation = recompute_config_of(config).selects("moe_act")
         self.limit = config.activation_func_clamp_value
         self.backend = backend
         self.ep_group = pg_collection.ep
@@ -90,15 +92,25 @@ class ClampedSwiGLUExperts(MegatronModule):
         self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, /
     ) -> tuple[torch.Tensor, None]:
         """``[M, H]`` expert-sorted rows, ``[G]`` rows per expert, ``[M]`` weights -> ``([M, H], None)``."""
-        out = grouped_swiglu_experts(
-            dispatched_input,
-            tokens_per_expert,
-            self.gate_up_proj,
-            self.down_proj,
-            limit=self.limit,
-            probs=permuted_probs,
-            backend=self.backend,
-        )
+        if not (self.recompute_activation and torch.is_grad_enabled()):
+            out = grouped_swiglu_experts(
+                dispatched_input,
+                tokens_per_expert,
+                self.gate_up_proj,
+                self.down_proj,
+                limit=self.limit,
+                probs=permuted_probs,
+                backend=self.backend,
+            )
+            return out, None
+        # moe_act: the activation [M, F] kept by the down projection is rebuilt from the up projection's output
+        with recompute_scope():
+            gate_up_out = grouped_mm(
+                dispatched_input, self.gate_up_proj, tokens_per_expert, backend=self.backend
+            )
+            h = clamped_swiglu(gate_up_out, self.limit, permuted_probs)  # [M, F]
+            discard(h, lambda: clamped_swiglu(gate_up_out, self.limit, permuted_probs))
+            out = grouped_mm(h, self.down_proj, tokens_per_expert, backend=self.backend)  # [M, H]
         return out, None
 
     def backward_dw(self) -> None:
@@ -153,6 +165,7 @@ class ClampedSwiGLUSharedExpert(MegatronModule):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         self.limit = config.activation_func_clamp_value
+        self.recompute_activation = recompute_config_of(config).selects("moe_act")
         h, f = config.hidden_size, config.moe_shared_expert_intermediate_size
         common = {"config": config, "bias": False, "tp_group": pg_collection.tp, "is_expert": False}
         self.linear_gate = ColumnParallelLinear(
@@ -174,8 +187,14 @@ class ClampedSwiGLUSharedExpert(MegatronModule):
         """``[S, B, H] -> [S, B, H]``."""
         a, _ = self.linear_gate(hidden_states)  # [S, B, F/tp]
         b, _ = self.linear_up(hidden_states)
-        h = clamped_swiglu(torch.cat([a, b], dim=-1), self.limit)
-        out, _ = self.linear_down(h)
+        gate_up = torch.cat([a, b], dim=-1)
+        if not (self.recompute_activation and torch.is_grad_enabled()):
+            out, _ = self.linear_down(clamped_swiglu(gate_up, self.limit))
+            return out
+        with recompute_scope():  # moe_act: the activation kept by linear_down is rebuilt from gate_up
+            h = clamped_swiglu(gate_up, self.limit)
+            discard(h, lambda: clamped_swiglu(gate_up, self.limit))
+            out, _ = self.linear_down(h)
         return out
 
     def backward_dw(self) -> None:

@@ -49,6 +49,7 @@ class TrainConfig:
     model chunks, see :mod:`hybrid_model.training.virtual_pipeline`). ``ckpt_format``: the distributed optimizer's
     checkpoint format, ``"dp_reshardable"`` (resumable at another DP size) or ``"fully_reshardable"`` (also at
     another PP size; gathers each stage's optimizer state over DP to write it).
+    ``recompute_*`` / ``mhc_recompute_layer_num``: activation recompute (:mod:`hybrid_model.training.recompute`).
     """
 
     preset: str = "tiny"
@@ -97,6 +98,11 @@ class TrainConfig:
     fused_linear_ce: bool = True
     max_nonfinite_steps: int = 5
     deterministic: bool = False
+    recompute_granularity: str | None = None
+    recompute_modules: list[str] = field(default_factory=list)
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    mhc_recompute_layer_num: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):  # a config file's "data": "path" means one source
@@ -138,6 +144,9 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer-impl must be one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}"
             )
+        from hybrid_model.training.recompute import recompute_config
+
+        recompute_config(self)  # the --recompute-* flags
         if self.dense_steps < 0 or self.save_interval < 0 or self.warmup_steps < 0:
             raise ValueError("--dense-steps, --save-interval and --warmup-steps must be >= 0")
         if self.tp != 1:

@@ -92,6 +92,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
 
     from hybrid_model.model import build_model as build_dsv4_model
     from hybrid_model.training.virtual_pipeline import VirtualPipelineChunks, chunk_stages
+    from hybrid_model.training.recompute import recompute_config
 
     torch.manual_seed(tc.seed)
     vpp_kw = {"virtual_pipeline_model_parallel_size": tc.vpp} if tc.vpp > 1 else {}
@@ -118,6 +119,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
                 params_dtype=params_dtype_of(tc),
                 fused_linear_cross_entropy=tc.fused_linear_ce,
                 deterministic_mode=tc.deterministic,  # megatron's embedding: weight[ids] (sort-based backward)
+                recompute=recompute_config(tc),
                 **vpp_kw,
             ).to(device)
         model = core

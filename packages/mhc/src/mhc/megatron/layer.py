@@ -24,6 +24,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
+from dsv4_primitives.recompute import (
+    discard,
+    discard_derived,
+    recompute_config_of,
+    recompute_scope,
+    registered,
+    scope_active,
+)
 from mhc.config import MHCConfig
 from mhc.modules import ManifoldHyperConnection
 
@@ -119,6 +127,12 @@ class HyperConnectionLayer(MegatronModule):
             inner_layer.self_attn_bda = _NoResidualBDA()
         if has_mlp:
             inner_layer.mlp_bda = _NoResidualBDA()
+        self.recompute = recompute_config_of(config)
+        if self.recompute.selects("layernorm"):
+            # attn_norm / ffn_norm: their outputs are rebuilt in backward from their inputs (which they keep)
+            for norm in (inner_layer.input_layernorm, inner_layer.pre_mlp_layernorm):
+                if not isinstance(norm, IdentityOp):
+                    norm.register_forward_hook(_discard_norm_output)
 
     @property
     def layer_number(self) -> int:
@@ -131,7 +145,32 @@ class HyperConnectionLayer(MegatronModule):
             return torch.float16
         return streams.dtype
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        discard_output: bool = False,
+        **kwargs,
+    ):
+        """See the class docstring. ``discard_output`` (selective ``mhc`` recompute, set by the stack for layers
+        inside an mHC recompute group): the returned streams are not kept for backward by the next layer's mHC
+        ops; they are rebuilt there from this layer's input streams, sub-layer output and coefficients."""
+        if self.recompute.granularity != "selective":
+            return self._forward(hidden_states, attention_mask, False, kwargs)
+        with recompute_scope():
+            return self._forward(hidden_states, attention_mask, discard_output, kwargs)
+
+    def _post(self, hc, f, streams, post, comb, discard_out: bool) -> torch.Tensor:
+        """``hc.post``; with ``discard_out`` the new streams are registered for recompute (chained through
+        ``streams`` when those are themselves rebuilt)."""
+        out = hc.post(f, streams, post, comb)  # [s, b, n, d]
+        chained = discard_out and torch.is_grad_enabled()
+        if chained and not discard_derived(out, streams, lambda x: hc.post(f, x, post, comb)):
+            discard(out, lambda: hc.post(f, streams, post, comb))
+        return out
+
+    def _forward(self, hidden_states, attention_mask, discard_output: bool, kwargs):
         n, d = self.mhc_config.num_streams, self.mhc_config.hidden_size
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != n * d:
             raise ValueError(
@@ -142,10 +181,13 @@ class HyperConnectionLayer(MegatronModule):
         streams = hidden_states.view(s, b, n, d)  # [s, b, n, d]
         inner_dtype = self._inner_dtype(streams)
         context = None
+        mhc = self.recompute.selects("mhc")
         if self.attn_hc is not None:
             x, post, comb = self.attn_hc(streams, out_dtype=inner_dtype)  # x [s, b, d]
             f, context = self.inner_layer._forward_attention(x, attention_mask=attention_mask, **kwargs)
-            streams = self.attn_hc.post(f, streams, post, comb)
+            # streams between the two sub-layers of one layer are always inside its recompute group
+            last = self.mlp_hc is None
+            streams = self._post(self.attn_hc, f, streams, post, comb, mhc and (discard_output or not last))
         if self.mlp_hc is not None:
             x, post, comb = self.mlp_hc(streams, out_dtype=inner_dtype)
             f = self.inner_layer._forward_mlp(
@@ -154,8 +196,20 @@ class HyperConnectionLayer(MegatronModule):
                 padding_mask=kwargs.get("padding_mask"),
                 packed_seq_params=kwargs.get("packed_seq_params"),
             )
-            streams = self.mlp_hc.post(f, streams, post, comb)
-        return streams.reshape(s, b, n * d), context
+            streams = self._post(self.mlp_hc, f, streams, post, comb, mhc and discard_output)
+        out = streams.reshape(s, b, n * d)
+        rec = registered(streams) if mhc and discard_output else None
+        if rec is not None:
+            discard(out, rec)  # the registration follows the returned view (``streams`` dies here)
+        return out, context
+
+
+def _discard_norm_output(module, args, output):
+    """Forward hook of ``attn_norm`` / ``ffn_norm`` under ``layernorm`` recompute: the output (kept by the
+    projections reading it) is rebuilt in backward from the input the norm keeps anyway."""
+    if scope_active() and torch.is_grad_enabled() and isinstance(output, torch.Tensor):
+        x = args[0]
+        discard(output, lambda: module(x))
 
 
 def hyper_connection_layer_spec(inner_spec: ModuleSpec | type, mhc: MHCConfig | None = None) -> ModuleSpec:

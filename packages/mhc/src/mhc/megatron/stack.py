@@ -19,6 +19,7 @@ from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import nn
 
 from dsv4_primitives import RMSNorm
+from dsv4_primitives.recompute import checkpoint_layers, recompute_config_of, recompute_scope
 from mhc.config import MHCConfig
 from mhc.megatron.layer import HyperConnectionLayer, mhc_config_for
 from mhc.megatron.pipeline import (
@@ -51,8 +52,6 @@ class HyperConnectionHybridStack(HybridStack):
         post_layer_norm: bool = True,
         **kwargs,
     ) -> None:
-        if config.recompute_granularity == "full":
-            raise ValueError("HyperConnectionHybridStack does not support recompute_granularity='full'")
         mhc = mhc or mhc_config_for(config)
         check_mhc_pipeline_dtype(config, mhc)  # the p2p buffers carry the streams: refuse before building
         super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
@@ -98,15 +97,14 @@ class HyperConnectionHybridStack(HybridStack):
             hidden_states = unfold_streams(hidden_states, n)  # [s, b, n*d]
         if self.pre_process:
             hidden_states = self.expansion(hidden_states).flatten(-2)  # [s, b, n*d]
-        for layer in self.layers:
-            hidden_states, _ = layer(
-                hidden_states=hidden_states,
-                attention_mask=attention_mask,
-                inference_context=inference_context,
-                rotary_pos_emb=rotary_pos_emb,
-                packed_seq_params=packed_seq_params,
-                padding_mask=padding_mask,
-            )
+        layer_kwargs = dict(
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+        )
+        hidden_states = self._forward_layers(hidden_states, layer_kwargs)
         streams = None
         if self.post_process:
             s, b, _ = hidden_states.shape
@@ -122,6 +120,48 @@ class HyperConnectionHybridStack(HybridStack):
         )
         if self.return_streams and streams is not None:
             return hidden_states, streams
+        return hidden_states
+
+    def capture_layer_state(self):
+        """A function restoring the per-forward state the layers read besides their inputs (called at the start of
+        a full-recompute chunk's recomputation in backward). Subclasses that bind state to layers before a forward
+        (hybrid-model's token ids of the hash routers) override it; the default has none."""
+        return lambda: None
+
+    def _forward_layers(self, hidden_states: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        """The layers, with the model's activation recompute (:class:`dsv4_primitives.recompute.RecomputeConfig`):
+        full recompute checkpoints chunks of layers (:meth:`RecomputeConfig.full_chunks`); selective ``mhc``
+        recompute discards the streams between the layers of each mHC recompute group."""
+        rc = recompute_config_of(self.config)
+        n = len(self.layers)
+        if rc.full and self.training and torch.is_grad_enabled():
+            for start, end, checkpointed in rc.full_chunks(n):
+                if not checkpointed:
+                    hidden_states = self._run_layers(hidden_states, start, end, layer_kwargs)
+                    continue
+                restore = self.capture_layer_state()
+
+                def run(h, start=start, end=end, restore=restore):
+                    restore()
+                    return self._run_layers(h, start, end, layer_kwargs)
+
+                hidden_states = checkpoint_layers(run, hidden_states)
+            return hidden_states
+        if not rc.selects("mhc"):
+            return self._run_layers(hidden_states, 0, n, layer_kwargs)
+        keep = rc.mhc_group_ends(n)
+        with recompute_scope():  # the registrations of discarded streams live across the layers of a group
+            for i, layer in enumerate(self.layers):
+                hidden_states, _ = layer(
+                    hidden_states=hidden_states, discard_output=not keep[i], **layer_kwargs
+                )
+        return hidden_states
+
+    def _run_layers(
+        self, hidden_states: torch.Tensor, start: int, end: int, layer_kwargs: dict
+    ) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            hidden_states, _ = layer(hidden_states=hidden_states, **layer_kwargs)
         return hidden_states
 
 

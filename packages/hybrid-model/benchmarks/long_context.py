@@ -1,0 +1,396 @@
+"""Long context on one GPU: the FULL training step (forward + backward with MTP + the distributed optimizer step) of
+flash-smoke at growing sequence lengths, for each activation-recompute setting (``bench_flash_smoke.py
+--long-context``).
+
+Per setting (none / selective / full) one fresh process builds the model and megatron's distributed optimizer
+through ``dsv4 train``'s own setup (bf16, fused AdamW, gradient clipping), then runs :class:`StepRunner` steps on
+one random ``[1, S]`` sequence per point: S = 4K, 16K, 32K, 64K, then longer (96K, 128K, ...) until the first
+out-of-memory, then one bisection probe between the last fitting length and the first OOM. Every point: one
+warm-up step, ``iters`` timed steps; tokens/s, ms per step, peak GiB (``max_memory_allocated`` over the timed
+steps), the static GiB (weights, gradient buffers, Adam states: allocated between steps) and GiB per 1K tokens (peak
+minus static, per 1K tokens; and the marginal slope of the peak from the previous point). The total time is bounded:
+a point is not started past the deadline (``--budget-s``), a child is killed at it, and a setting's child stops at
+its first OOM. Results: ``long_context.json`` in ``--out`` and ``benchmarks/results/``; the Hugging Face peer
+(``hf_full_step.py`` of the anchors directory, when found) runs in the same call.
+
+On a machine without CUDA the child runs the ``tiny`` preset in fp32 (a smoke test of this code: no memory numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+# the recompute settings compared (TrainConfig fields); "selective" is the long-context recipe of the README
+SETTINGS: dict[str, dict] = {
+    "none": {},
+    "selective": dict(
+        recompute_granularity="selective",
+        recompute_modules=[
+            "mhc",
+            "layernorm",
+            "mla_up_proj",
+            "compressor",
+            "indexer",
+            "core_attn",
+            "moe_act",
+        ],
+        mhc_recompute_layer_num=2,
+    ),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+SEQ_LENS = (4096, 16384, 32768, 65536)
+PROBE_STEP = 8192  # lengths past the list grow by 50% (rounded to this); the bisection probe rounds to it too
+
+
+def _batch(vocab: int, s: int, device: torch.device):
+    """One global batch of one random ``[1, S]`` sequence, shaped like thd-packing's SBHD micro-batches."""
+    ids = torch.randint(0, vocab, (1, s), device=device)
+    mb = SimpleNamespace(
+        tokens=ids,
+        labels=torch.roll(ids, -1, 1),
+        loss_mask=torch.ones(1, s, device=device),
+        position_ids=torch.arange(s, device=device)[None],
+        padding_mask=torch.zeros(1, s, dtype=torch.bool, device=device),
+    )
+    return SimpleNamespace(microbatches=(mb,), num_microbatches=1, seqlen_sum=s)
+
+
+class _Run:
+    """The model, optimizer and scheduler of one setting, built by ``dsv4 train``'s setup functions."""
+
+    def __init__(self, setting: str, preset: str) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dsv4_primitives.megatron import apply_cpu_shims, init_rng_tracker
+        from hybrid_model.training.config import TrainConfig
+        from hybrid_model.training.setup import (
+            attach_schedule_hooks,
+            build_model,
+            build_optimizer,
+            build_scheduler,
+            init_distributed,
+            model_config_for,
+            reset_metric_trackers,
+        )
+
+        cuda = torch.cuda.is_available()
+        self.tc = TrainConfig(
+            preset=preset,
+            steps=1000,
+            seq_len=SEQ_LENS[0],
+            global_batch_size=1,
+            micro_batch_size=1,
+            bf16=cuda,
+            warmup_steps=0,
+            out="/tmp/bench_long_context_run",
+            progress=False,
+            save_final=False,
+            **SETTINGS[setting],
+        )
+        apply_cpu_shims()
+        init_distributed()
+        ps.initialize_model_parallel(1, 1)
+        init_rng_tracker(self.tc.seed)
+        reset_metric_trackers()
+        self.ps = ps
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.model_config = model_config_for(self.tc)
+        parts = build_model(
+            self.tc, self.model_config, ps, ProcessGroupCollection.use_mpu_process_groups(), self.device
+        )
+        self.parts = parts
+        self.optimizer = build_optimizer(self.tc, parts.model)
+        self.scheduler = build_scheduler(self.tc, self.optimizer)
+        attach_schedule_hooks(parts.config, parts.model)
+        parts.model.train()
+
+    def step(self, s: int, batch) -> float:
+        """One full training step at length ``s``; returns its wall time (synchronised)."""
+        from hybrid_model.training.step import StepRunner
+
+        runner = StepRunner(
+            dataclasses.replace(self.tc, seq_len=s),
+            self.model_config,
+            core=self.parts.core,
+            model=self.parts.model,
+            config=self.parts.config,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            ps=self.ps,
+            device=self.device,
+            world=1,
+        )
+        _sync()
+        t0 = time.perf_counter()
+        m = runner(batch, 0)
+        _sync()
+        if m["nonfinite"]:
+            raise RuntimeError(f"non-finite step at S={s}: {m}")
+        return time.perf_counter() - t0
+
+    def clear(self) -> None:
+        """After an OOM: drop gradients and cached blocks."""
+        self.parts.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _measure(run: _Run, s: int, iters: int) -> dict:
+    batch = _batch(run.model_config.vocab_size, s, run.device)
+    cuda = torch.cuda.is_available()
+    run.step(s, batch)  # warm-up (the first point also compiles the kernels and allocates the Adam states)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        static = torch.cuda.memory_allocated() / 2**30  # weights, gradient buffers, optimizer states
+    times = [run.step(s, batch) for _ in range(iters)]
+    dt = sorted(times)[len(times) // 2]
+    row = {"seq_len": s, "ms": 1e3 * dt, "tokens_per_s": s / dt}
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        row.update(
+            peak_gib=peak,
+            static_gib=static,
+            # the step's own memory (activations, logits chunks, workspaces) per 1K tokens
+            gib_per_1k_tokens=(peak - static) / (s / 1024),
+        )
+    return row
+
+
+def _next_lengths(seq_lens, max_seq_len: int):
+    yield from (s for s in seq_lens if s <= max_seq_len)
+    s = max(seq_lens)
+    while True:
+        s = max(s + PROBE_STEP, int(s * 1.5) // PROBE_STEP * PROBE_STEP)
+        if s > max_seq_len:
+            return
+        yield s
+
+
+def child_main(setting: str, iters: int, deadline: float, max_seq_len: int, preset: str | None) -> None:
+    """One setting (in its own process): print ``LONG_CONTEXT {json}`` lines, one per point."""
+    preset = preset or ("flash-smoke" if torch.cuda.is_available() else "tiny")
+    seq_lens = SEQ_LENS if preset == "flash-smoke" else (64, 256)
+    if preset != "flash-smoke":  # the CPU smoke run: the listed lengths only
+        max_seq_len = max(seq_lens)
+    t0 = time.time()
+    run = _Run(setting, preset)
+    print(f"LONG_CONTEXT {json.dumps({'setting': setting, 'build_s': time.time() - t0})}", flush=True)
+    fit, oom = 0, None
+    for s in _next_lengths(seq_lens, max_seq_len):
+        if time.time() > deadline:
+            print(f"LONG_CONTEXT {json.dumps({'seq_len': s, 'skipped': 'time budget'})}", flush=True)
+            return
+        row = _point(run, s, iters)
+        print(f"LONG_CONTEXT {json.dumps(row)}", flush=True)
+        if row.get("oom"):
+            oom = s
+            break
+        fit = s
+    if oom and fit and oom - fit > PROBE_STEP and time.time() < deadline:  # one bisection probe
+        mid = (fit + oom) // 2 // PROBE_STEP * PROBE_STEP
+        if fit < mid < oom:
+            print(f"LONG_CONTEXT {json.dumps(_point(run, mid, iters))}", flush=True)
+
+
+def _point(run: _Run, s: int, iters: int) -> dict:
+    try:
+        return _measure(run, s, iters)
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # cuBLAS / Triton report OOM as RuntimeErrors
+        text = str(e)
+        if (
+            not isinstance(e, torch.OutOfMemoryError)
+            and "out of memory" not in text
+            and "ALLOC_FAILED" not in text
+        ):
+            raise
+        run.clear()
+        return {"seq_len": s, "oom": True, "error": text[:200]}
+
+
+def _summary(setting: str, rows: list[dict]) -> dict:
+    points = sorted((r for r in rows if "ms" in r), key=lambda r: r["seq_len"])
+    for a, b in itertools.pairwise(points):
+        if "peak_gib" in a and "peak_gib" in b:
+            b["marginal_gib_per_1k_tokens"] = (b["peak_gib"] - a["peak_gib"]) / (
+                (b["seq_len"] - a["seq_len"]) / 1024
+            )
+    ooms = sorted(r["seq_len"] for r in rows if r.get("oom"))
+    return {
+        "recompute": SETTINGS[setting],
+        "points": points,
+        "longest_fitting_seq_len": max((r["seq_len"] for r in points), default=None),
+        "first_oom_seq_len": ooms[0] if ooms else None,
+        "log": rows,
+    }
+
+
+def _hf_peer(anchors: Path | None, timeout: float) -> dict:
+    """transformers' full step at 4K (``hf_full_step.py``), same machine, same call."""
+    if anchors is None or not (anchors / "hf_full_step.py").exists():
+        return {"skipped": "no anchors directory with hf_full_step.py (pass --hf-anchors)"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(anchors / "hf_full_step.py"), "4096"],
+            capture_output=True,
+            text=True,
+            timeout=max(timeout, 1.0),
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out (time budget)"}
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {"rows": rows} if rows else {"error": (proc.stdout + proc.stderr)[-2000:]}
+
+
+def find_anchors(explicit: str | None) -> Path | None:
+    """``--hf-anchors``, else ``.bench/anchors`` / ``shared/anchors`` / ``../shared/anchors`` of the repository."""
+    if explicit:
+        return Path(explicit)
+    root = Path(__file__).resolve().parents[3]
+    for cand in (
+        root / ".bench" / "anchors",
+        root / "shared" / "anchors",
+        root.parent / "shared" / "anchors",
+    ):
+        if (cand / "hf_full_step.py").exists():
+            return cand
+    return None
+
+
+def run_long_context(args, out: Path) -> dict:
+    """The parent: one child per setting within ``args.budget_s`` seconds, then the HF peer; writes JSON."""
+    deadline = time.time() + args.budget_s
+    hf_reserve = 0.0 if args.no_hf_peer else 75.0  # seconds kept for the HF peer at the end
+    result: dict = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "settings": {},
+    }
+
+    def save() -> None:
+        text = json.dumps(result, indent=2, default=str)
+        dirs = [out] + ([Path(__file__).parent / "results"] if torch.cuda.is_available() else [])
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "long_context.json").write_text(text)
+
+    for setting in args.settings:
+        left = deadline - hf_reserve - time.time()
+        if left < 30:
+            result["settings"][setting] = {"skipped": "time budget"}
+            continue
+        cmd = [sys.executable, str(Path(__file__).parent / "bench_flash_smoke.py"), "--long-context-child", setting,
+               "--iters", str(args.iters), "--max-seq-len", str(args.max_seq_len),
+               "--deadline", str(deadline - hf_reserve)]  # fmt: skip
+        if args.preset:
+            cmd += ["--preset", args.preset]
+        rows: list[dict] = []
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 15)
+            text, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            text, rc = (
+                (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""),
+                "timeout",
+            )
+        rows = [
+            json.loads(line[len("LONG_CONTEXT ") :])
+            for line in text.splitlines()
+            if line.startswith("LONG_CONTEXT ")
+        ]
+        summary = _summary(setting, rows)
+        if rc not in (0,):
+            summary["child_exit"] = rc
+            summary["child_tail"] = text[-3000:]
+        result["settings"][setting] = summary
+        print(f"long context, recompute {setting}: {json.dumps(summary['points'])}", flush=True)
+        save()
+    if not args.no_hf_peer:
+        result["hf_full_step"] = _hf_peer(find_anchors(args.hf_anchors), deadline - time.time())
+        save()
+    print_table(result)
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(
+        f"{'recompute':>10} | {'S':>7} | {'ms/step':>9} | {'tok/s':>9} | {'peak GiB':>8} | {'GiB/1K':>7} | marginal"
+    )
+    for setting, summary in result["settings"].items():
+        for r in summary.get("points", []):
+            marg = r.get("marginal_gib_per_1k_tokens")
+            print(
+                f"{setting:>10} | {r['seq_len']:>7} | {r['ms']:>9.1f} | {r['tokens_per_s']:>9,.0f} | "
+                f"{r.get('peak_gib', float('nan')):>8.1f} | {r.get('gib_per_1k_tokens', float('nan')):>7.2f} | "
+                + (f"{marg:.2f}" if marg is not None else "-")
+            )
+        if summary.get("first_oom_seq_len"):
+            print(f"{setting:>10} | {summary['first_oom_seq_len']:>7} | OOM")
+    hf = result.get("hf_full_step", {})
+    for r in hf.get("rows", []):
+        if "ms_step" in r:
+            print(
+                f"{'HF':>10} | {r['seq']:>7} | {r['ms_step']:>9.1f} | {r['tokens_per_s']:>9,.0f} | {r['peak_gib']:>8.1f}"
+            )
+
+
+def add_flags(ap) -> None:
+    ap.add_argument("--long-context", action="store_true",
+                    help="full training step (fwd+bwd+optimizer, MTP) at 4K/16K/32K/64K/longest per recompute setting")  # fmt: skip
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--budget-s", type=float, default=420.0, help="--long-context: total wall-time budget")
+    ap.add_argument(
+        "--hf-anchors", help="directory holding hf_full_step.py (default: found next to the repo)"
+    )
+    ap.add_argument("--no-hf-peer", action="store_true")
+    ap.add_argument("--preset", help=argparse_suppress())
+    ap.add_argument("--long-context-child", choices=list(SETTINGS), help=argparse_suppress())
+    ap.add_argument("--deadline", type=float, help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def dispatch(args, out: Path) -> bool:
+    """Run the long-context mode when asked (``True``), else leave the rest of the benchmark to run."""
+    if args.long_context_child:
+        try:
+            child_main(
+                args.long_context_child,
+                args.iters,
+                args.deadline or time.time() + 600,
+                args.max_seq_len,
+                args.preset,
+            )
+        except Exception:
+            print(traceback.format_exc(), flush=True)
+            raise
+        return True
+    if args.long_context:
+        os.environ.setdefault(
+            "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
+        )  # long S: less fragmentation
+        run_long_context(args, out)
+        return True
+    return False

@@ -1,0 +1,162 @@
+"""Activation recompute (``--recompute-*``): every module choice and full uniform/block give the gradients of a run
+without recompute bit for bit on CPU (deterministic kernels), run their side effects once, and keep fewer bytes
+for backward (counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
+
+import pytest
+import torch
+
+from dsv4_primitives.recompute import SELECTIVE_MODULES, RecomputeConfig
+from hybrid_model.presets import get_preset
+
+SETTINGS = {
+    **{m: RecomputeConfig("selective", (m,)) for m in SELECTIVE_MODULES},
+    "mhc-groups-of-2": RecomputeConfig("selective", ("mhc",), mhc_layer_num=2),
+    "all-selective": RecomputeConfig(
+        "selective",
+        ("mhc", "layernorm", "mla_up_proj", "compressor", "indexer", "core_attn", "moe_act"),
+        mhc_layer_num=3,
+    ),
+    "full-uniform-3": RecomputeConfig("full", method="uniform", num_layers=3),
+    "full-block-5": RecomputeConfig("full", method="block", num_layers=5),
+}
+
+
+def _step(recompute, ids, *, count_saved=False):
+    """One forward + backward of the tiny model (same init every call): loss, gradients, side effects, and the
+    bytes of the distinct storages saved for backward."""
+    from dsv4_attention import get_indexer_loss_tracker
+    from hybrid_model.model import build_model
+
+    get_indexer_loss_tracker().reset()
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny"), recompute=recompute).train()
+    labels = torch.roll(ids, -1, 1)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, None, None, labels=labels).mean()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    loads = [
+        m.router.local_tokens_per_expert.clone() for m in model.decoder.moe_layers() if not m.is_hash_layer
+    ]
+    return loss.detach(), grads, loads, get_indexer_loss_tracker().values.clone(), sum(saved.values())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deterministic_cpu_kernels():
+    """As ``dsv4 train`` on CPU: the threaded ``index_put_`` accumulation of the reference kernels' backward would
+    change the summation order from run to run (:mod:`hybrid_model.training.determinism`)."""
+    from hybrid_model.training.determinism import use_deterministic_cpu_kernels
+
+    restore = use_deterministic_cpu_kernels(torch.device("cpu"))
+    yield
+    restore()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, get_preset("tiny").vocab_size, (1, 160), generator=g)  # > 128: HCA/CSA entries
+
+
+@pytest.fixture(scope="module")
+def reference(ids):
+    from dsv4_testkit.megatron_cpu import megatron_cpu_context
+
+    with megatron_cpu_context():
+        return _step(None, ids)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_gradients_equal_no_recompute_bitwise(megatron_cpu, ids, reference, name):
+    loss, grads, loads, indexer_losses, saved = _step(SETTINGS[name], ids)
+    ref_loss, ref_grads, ref_loads, ref_indexer, ref_saved = reference
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    differ = [n for n in grads if grads[n] is None or not torch.equal(grads[n], ref_grads[n])]
+    assert differ == []
+    # side effects ran once: expert-load counters (bias update) and the indexer-loss tracker
+    assert all(torch.equal(a, b) for a, b in zip(loads, ref_loads, strict=True))
+    assert torch.equal(indexer_losses, ref_indexer)
+    # every setting keeps fewer bytes for backward than no recompute
+    assert saved < ref_saved, (name, saved, ref_saved)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pp2_recompute_gradients_bitwise(tmp_path):
+    """PP2 (gloo, fp32): selective (every module, mHC groups of 2) and full block recompute give the first step's
+    gradients and the losses of the run without recompute, bit for bit; each stage recomputes its own layers (the
+    stage-boundary streams are group ends)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parallel_runs import merge_rank_grads, train_layouts
+
+    from dsv4_testkit import run_distributed
+
+    base = dict(
+        seq_len=160, global_batch_size=2, micro_batch_size=1, steps=1, pp=2, bf16=False, save_final=False
+    )
+    settings = {
+        "none": {},
+        "selective": dict(
+            recompute_granularity="selective",
+            recompute_modules=[
+                "mhc",
+                "layernorm",
+                "mla_up_proj",
+                "compressor",
+                "indexer",
+                "core_attn",
+                "moe_act",
+            ],
+            mhc_recompute_layer_num=2,
+        ),
+        "full": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+    }
+    runs = [(name, dict(base, out=str(tmp_path / name), **kw)) for name, kw in settings.items()]
+    per_rank = run_distributed(train_layouts, 2, runs, timeout=1200)
+    ref_grads = merge_rank_grads([r["none"]["grads"] for r in per_rank])
+    ref_metrics = per_rank[-1]["none"]["metrics"]
+    for name in ("selective", "full"):
+        grads = merge_rank_grads([r[name]["grads"] for r in per_rank])
+        assert grads.keys() == ref_grads.keys()
+        assert [n for n in grads if not torch.equal(grads[n], ref_grads[n])] == [], name
+        assert per_rank[-1][name]["metrics"] == ref_metrics, name
+
+
+def test_cli_flags_and_errors():
+    from hybrid_model.cli import build_parser, train_config_from_args
+    from hybrid_model.training.config import TrainConfig
+    from hybrid_model.training.recompute import recompute_config
+
+    args = ["train", "--recompute-granularity", "selective", "--recompute-modules", "mhc", "moe_act"]
+    tc = train_config_from_args(build_parser().parse_args([*args, "--mhc-recompute-layer-num", "2"]))
+    assert recompute_config(tc) == RecomputeConfig("selective", ("mhc", "moe_act"), mhc_layer_num=2)
+    full = [
+        "train",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "3",
+    ]
+    assert recompute_config(train_config_from_args(build_parser().parse_args(full))).full_chunks(4)[-1] == (
+        3,
+        4,
+        False,
+    )
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "--recompute-modules" in help_text and "--mhc-recompute-layer-num" in help_text
+    with pytest.raises(ValueError, match="--recompute-"):
+        TrainConfig(recompute_granularity="full")  # no method / num_layers
+    with pytest.raises(ValueError, match="need granularity 'selective'"):
+        TrainConfig(recompute_modules=["mhc"])
