@@ -116,7 +116,8 @@ class Trainer:
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
         self._stop = False
         # the data first: bad data fail before the model is built
-        self.batches, self.dataset = build_data(tc, self.model_config, ps, announce=self.is_logger)
+        self.batches, self.run_data = build_data(tc, self.model_config, ps, announce=self.is_logger)
+        self.dataset = self.run_data.train
         parts = build_model(tc, self.model_config, ps, self.pg, self.device)
         self.core = parts.core  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.model, self.config = parts.model, parts.config
@@ -145,6 +146,20 @@ class Trainer:
             device=self.device,
             world=self.world,
         )
+        self.evaluator = None  # --eval-interval: hybrid_model.training.evaluation
+        if self.run_data.eval is not None:
+            from hybrid_model.training.evaluation import Evaluator
+
+            self.evaluator = Evaluator(
+                tc,
+                self.model_config,
+                self.run_data.eval,
+                stepper=self.stepper,
+                ps=ps,
+                device=self.device,
+                world=self.world,
+            )
+        self.eval_metrics: list[dict] = []
 
     @property
     def _graphed(self):
@@ -278,6 +293,9 @@ class Trainer:
                 self.metrics.append(m)
                 outputs.log(m)
                 self._count_nonfinite(m, outputs)
+                if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
+                    self.eval_metrics.append(self.evaluator(self.step))
+                    outputs.log_eval(self.eval_metrics[-1])
                 if tc.save_interval and self.step % tc.save_interval == 0:
                     self.save_checkpoint()
                 if self._stop:
