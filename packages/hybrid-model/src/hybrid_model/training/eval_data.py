@@ -63,10 +63,10 @@ def heldout_conflict(tc: TrainConfig, saved: dict[str, Any]) -> str | None:
     now, then = heldout_samples(tc), heldout_samples(saved)
     if now == then:
         return None
-    what = lambda n: f"{n} held-out samples" if n else "no held-out split"
+    what = lambda n: f"{n} samples" if n else "nothing"
     return (
-        f"--eval-interval/--eval-iters/--eval-data: the run would hold out {what(now)} of the training data "
-        f"(checkpoint: {what(then)}; the split decides which documents are trained on). Keep the checkpoint's "
+        f"--eval-interval/--eval-iters/--eval-data: the run would hold out {what(now)} of the training data for "
+        f"evaluation (checkpoint: {what(then)}; the split decides which documents are trained on). Keep the checkpoint's "
         "evaluation settings, or evaluate on --eval-data PATH, which leaves the training data as they are"
     )
 

@@ -120,6 +120,8 @@ def parse_mock_spec(text: str, seq_len: int) -> MockDataSpec:
     if not is_mock(text):
         raise ValueError(f"--data {text!r} is not a mock source ({_SYNTAX})")
     body = text[len(MOCK) + 1 :]
+    if text != MOCK and not body:
+        raise ValueError(f"--data {text}: '' is not KEY=VALUE ({_SYNTAX}; plain 'mock' takes the defaults)")
     values: dict[str, str] = {}
     rest = body
     while rest:
