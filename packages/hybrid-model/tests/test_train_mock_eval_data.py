@@ -74,7 +74,10 @@ def test_mock_spec_defaults_keys_and_lengths_path(tmp_path):
     ],
 )
 def test_bad_mock_specs_exit_2_with_one_message(source, match, capsys, tmp_path):
-    assert main(["train", "--steps", "1", "--seq-len", "64", "--data", source, "--out", str(tmp_path / "run")]) == 2
+    assert (
+        main(["train", "--steps", "1", "--seq-len", "64", "--data", source, "--out", str(tmp_path / "run")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith(f"dsv4 train: error: --data {source}: ") and len(err.strip().splitlines()) == 1, err
     assert re.search(match, err), err
@@ -116,7 +119,9 @@ def _text_config(tmp_path, **kw) -> TrainConfig:
     path.write_text(
         "".join(json.dumps({"text": f"{i}:" + "a" * int(rng.integers(10, 300))}) + "\n" for i in range(40))
     )
-    base = dict(data=[str(path)], seq_len=64, global_batch_size=4, micro_batch_size=2, out=str(tmp_path / "r"))
+    base = dict(
+        data=[str(path)], seq_len=64, global_batch_size=4, micro_batch_size=2, out=str(tmp_path / "r")
+    )
     return TrainConfig(**(base | kw))
 
 
@@ -145,7 +150,7 @@ def test_heldout_split_is_whole_documents_by_seed_and_never_trained_on(tmp_path)
 
 
 def test_heldout_split_leaves_a_global_batch_and_eval_data_is_large_enough(tmp_path):
-    with pytest.raises(ValueError, match="leaves .* samples to train on, less than one global batch"):
+    with pytest.raises(ValueError, match=r"leaves .* samples to train on, less than one global batch"):
         build_run_data(_text_config(tmp_path, eval_interval=1, eval_iters=1000), vocab_size=512)
     small = tmp_path / "small.txt"
     small.write_text("tiny")
@@ -164,11 +169,15 @@ def test_split_counts_samples_of_whole_documents():
         keep, held, ndocs = split_heldout(Docs(), need, seed=0)
         assert held.size >= need and keep.size + held.size == 8
         order = np.random.default_rng([0, 0x6576616C]).permutation(5)
-        assert set(Docs.sample_documents[held]) == set(order[:ndocs].tolist())  # the first documents of the order
+        assert set(Docs.sample_documents[held]) == set(
+            order[:ndocs].tolist()
+        )  # the first documents of the order
 
 
 def test_mock_eval_is_a_separate_stream_and_training_is_unchanged():
-    tc = TrainConfig(data=["mock:docs=50,seed=2"], seq_len=64, global_batch_size=4, eval_interval=3, eval_iters=2)
+    tc = TrainConfig(
+        data=["mock:docs=50,seed=2"], seq_len=64, global_batch_size=4, eval_interval=3, eval_iters=2
+    )
     data = build_run_data(tc, vocab_size=512)
     assert len(data.train) == 50 and len(data.eval) == 8  # eval_iters x global batch
     assert data.eval.config.stream == EVAL_MOCK_STREAM and data.train.config.stream == 0
@@ -182,7 +191,9 @@ def test_mock_eval_is_a_separate_stream_and_training_is_unchanged():
 def test_resume_refuses_a_changed_heldout_split():
     saved = TrainConfig(eval_interval=10, eval_iters=4).to_dict()
     assert heldout_samples(saved) == 4 * 8
-    assert heldout_conflict(TrainConfig(eval_interval=20, eval_iters=4), saved) is None  # interval: same split
+    assert (
+        heldout_conflict(TrainConfig(eval_interval=20, eval_iters=4), saved) is None
+    )  # interval: same split
     assert heldout_conflict(TrainConfig(eval_interval=10, eval_iters=4, eval_data=["e.txt"]), saved)
     line = heldout_conflict(TrainConfig(), saved)
     assert "hold out nothing of the training data for evaluation (checkpoint: 32 samples" in line

@@ -106,7 +106,9 @@ def _add_data_flags(p) -> None:
         ),
     )
     p.add_argument(
-        "--eval-iters", type=int, help=d("eval_iters", "global batches per evaluation (the same ones each time)")
+        "--eval-iters",
+        type=int,
+        help=d("eval_iters", "global batches per evaluation (the same ones each time)"),
     )
     p.add_argument(
         "--eval-data",

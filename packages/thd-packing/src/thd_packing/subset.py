@@ -16,8 +16,10 @@ class VarlenSubset:
         if indices.ndim != 1:
             raise ValueError(f"VarlenSubset indices must be 1-D, got shape {indices.shape}")
         n = len(dataset)
-        if indices.size and not (0 <= indices.min() and indices.max() < n):
-            raise ValueError(f"VarlenSubset indices must lie in [0, {n}), got [{indices.min()}, {indices.max()}]")
+        if indices.size and not (indices.min() >= 0 and indices.max() < n):
+            raise ValueError(
+                f"VarlenSubset indices must lie in [0, {n}), got [{indices.min()}, {indices.max()}]"
+            )
         self.dataset = dataset
         self.indices = indices
         self._lengths = np.asarray(dataset.lengths, dtype=np.int64)[indices]

@@ -108,10 +108,9 @@ def _heldout_summary(tc: TrainConfig, ds, heldout: np.ndarray, docs: int) -> str
 def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
     """The training and evaluation datasets of ``tc`` for a model of ``vocab_size`` ids (``ValueError`` with one
     message for unreadable data, too little held-out data or too small ``--eval-data``)."""
-    from thd_packing import VarlenSubset
-
     from hybrid_model.training.data import build_text_dataset, data_summary
     from hybrid_model.training.mock_data import build_mock_dataset, check_mock_data, mock_summary
+    from thd_packing import VarlenSubset
 
     spec = check_mock_data(tc)
     if spec is not None:
@@ -134,9 +133,7 @@ def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
             )
         what = f"--eval-data ({len(eval_ds):,} samples, {int(eval_ds.lengths.sum()):,} tokens)"
     elif spec is not None:
-        eval_ds = build_mock_dataset(
-            spec.with_docs(need), tc.seq_len, vocab_size, stream=EVAL_MOCK_STREAM
-        )
+        eval_ds = build_mock_dataset(spec.with_docs(need), tc.seq_len, vocab_size, stream=EVAL_MOCK_STREAM)
         if len(eval_ds) < need:
             raise ValueError(
                 f"--data {spec.text}: the lengths file has {len(eval_ds):,} documents; one evaluation reads "

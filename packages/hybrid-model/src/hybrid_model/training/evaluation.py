@@ -37,7 +37,9 @@ class Evaluator:
     """Evaluates the trainer's model on ``eval_dataset`` (see the module docstring); ``stepper``: the run's
     :class:`~hybrid_model.training.step.StepRunner` (its ``forward_step`` feeds each micro-batch to the model)."""
 
-    def __init__(self, tc: TrainConfig, model_config, eval_dataset, *, stepper, ps, device, world: int) -> None:
+    def __init__(
+        self, tc: TrainConfig, model_config, eval_dataset, *, stepper, ps, device, world: int
+    ) -> None:
         self.tc, self.model_config, self.dataset = tc, model_config, eval_dataset
         self.stepper, self.ps, self.device, self.world = stepper, ps, device, world
 
@@ -95,7 +97,9 @@ class Evaluator:
             kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
         fb = get_forward_backward_func()
         model = self.stepper.model
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # lm sum, lm tokens, mtp sum, mtp tokens
+        sums = torch.zeros(
+            4, dtype=torch.float64, device=self.device
+        )  # lm sum, lm tokens, mtp sum, mtp tokens
         batches = self.batches()
         model.eval()
         try:
@@ -122,7 +126,12 @@ class Evaluator:
         if self.world > 1:
             dist.all_reduce(sums)
         lm = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
-        m = {"step": step, "eval": True, "eval_lm_loss": lm, "eval_ppl": math.exp(lm) if lm < 700 else math.inf}
+        m = {
+            "step": step,
+            "eval": True,
+            "eval_lm_loss": lm,
+            "eval_ppl": math.exp(lm) if lm < 700 else math.inf,
+        }
         if self.model_config.num_nextn_predict_layers:
             m["eval_mtp_loss"] = float(sums[2] / sums[3]) if sums[3] > 0 else float("nan")
         m.update(eval_tokens=int(sums[1]), eval_iters=tc.eval_iters, eval_time_s=time.perf_counter() - t0)

@@ -161,7 +161,9 @@ def parse_mock_spec(text: str, seq_len: int) -> MockDataSpec:
     lo = max(1, seq_len // 2) if spec.min is None else spec.min
     hi = seq_len if spec.max is None else spec.max
     if hi > seq_len:
-        raise ValueError(f"--data {text}: max={hi} exceeds --seq-len {seq_len} (a document is at most one sequence)")
+        raise ValueError(
+            f"--data {text}: max={hi} exceeds --seq-len {seq_len} (a document is at most one sequence)"
+        )
     if lo > hi:
         raise ValueError(f"--data {text}: min={lo} exceeds max={hi}")
     if spec.mean is not None and not lo <= spec.mean <= hi:

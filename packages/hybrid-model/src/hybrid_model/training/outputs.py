@@ -160,7 +160,10 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), label=label)
             plotted = True
-    for key, label, color in (("eval_lm_loss", "eval LM loss", "C0"), ("eval_mtp_loss", "eval MTP loss", "C1")):
+    for key, label, color in (
+        ("eval_lm_loss", "eval LM loss", "C0"),
+        ("eval_mtp_loss", "eval MTP loss", "C1"),
+    ):
         pts = [(r["step"], r[key]) for r in rows if r.get("eval") and r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), "o--", color=color, markersize=5, linewidth=0.8, label=label)
