@@ -7,7 +7,7 @@ Eval mode changes, compared with a training forward of the same weights and batc
 MoE balance loss are computed or recorded (they only shape gradients), the routers count no expert loads (the
 selection-bias update of the next training step sees training tokens only), nothing is recorded in the per-layer
 metric trackers; the attention phase (dense warm-up / sparse) is the current training step's. The LM and MTP losses
-are those of a training forward (bitwise on CPU), with the MTP head evaluated in eval mode too.
+are those of a training forward (the same per-token values), with the MTP head evaluated in eval mode too.
 
 Reduction: per token. Each rank sums ``loss x mask`` and the mask over its micro-batches (LM loss, and the MTP loss
 over its rolled mask, the positions that have a ``t + 2`` target); one all-reduce of the sums over the world adds
