@@ -18,6 +18,8 @@ def evaluate_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_i
         try:
             if save_initial:
                 trainer.save_checkpoint()  # iter_0000000: the initial weights every layout starts from
+            if kw.get("init_from"):  # run() loads them too; the evaluation of step 0 needs them now
+                trainer.load_model_weights(kw["init_from"])
             first = trainer.evaluator(0)
             trainer.run()
         finally:
