@@ -42,3 +42,11 @@ def test_ckpt_format_choices():
     TrainConfig(ckpt_format="fully_reshardable")
     with pytest.raises(ValueError, match="--ckpt-format must be one of"):
         TrainConfig(ckpt_format="fully_sharded_model_space")
+
+
+def test_vpp_and_eval_refusals_with_cp():
+    """Combinations no parity test covers yet are refused at config time with the reason (README matrix)."""
+    with pytest.raises(ValueError, match="--vpp 2 with --cp 2 is not supported"):
+        TrainConfig(pp=2, vpp=2, cp=2, seq_len=64)
+    with pytest.raises(ValueError, match="--eval-interval with --cp > 1 is not supported"):
+        TrainConfig(cp=2, seq_len=64, eval_interval=1)

@@ -59,7 +59,10 @@ def _add_data_flags(p) -> None:
             "data",
             "text sources, read in order (repeat the flag or list several): .jsonl/.json/.parquet/.txt/.md files "
             "or directories (read recursively, every supported format, extensions case-insensitive; other files "
-            "are listed as ignored); [] = the embedded corpus",
+            "are listed as ignored); [] = the embedded corpus. Or mock variable-length data (alone): "
+            "'mock[:KEY=VALUE,...]', keys mean, sigma, min, max (lognormal lengths; defaults 3/4, 1.1, 1/2 and 1 x "
+            "--seq-len), docs (1000000), seed (0), vocab (the preset's), lengths=CSV (lengths from a file, last "
+            "key), e.g. mock:mean=96,sigma=0.5,docs=5000",
         ),
     )
     p.add_argument("--tokenizer", help=d("tokenizer", "HF tokenizers JSON file; null = byte-level"))
@@ -92,6 +95,31 @@ def _add_data_flags(p) -> None:
         action="store_true",
         default=None,
         help=d("packed", "packed THD batches instead of [B, S]"),
+    )
+    p.add_argument(
+        "--eval-interval",
+        type=int,
+        help=d(
+            "eval_interval",
+            "evaluate every N steps and after the last (LM loss, perplexity, MTP loss: metrics.jsonl rows with "
+            '"eval": true, TensorBoard eval/*, loss.png); 0 = never',
+        ),
+    )
+    p.add_argument(
+        "--eval-iters",
+        type=int,
+        help=d("eval_iters", "global batches per evaluation (the same ones each time)"),
+    )
+    p.add_argument(
+        "--eval-data",
+        nargs="+",
+        action="extend",
+        metavar="PATH",
+        help=d(
+            "eval_data",
+            "text sources to evaluate on (read like --data); [] = a held-out split of the training data, whole "
+            "documents chosen by --seed, never trained on (mock data: a separate mock stream)",
+        ),
     )
 
 
@@ -312,6 +340,8 @@ def train_config_from_args(args):
     tc = TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
     if "cuda_graph_warmup_steps" in flags and not tc.cuda_graph:
         raise ValueError("--cuda-graph-warmup-steps only applies with --cuda-graph")
+    if "eval_iters" in flags and not tc.eval_interval:
+        raise ValueError("--eval-iters only applies with --eval-interval N (N > 0)")
     if "micro_batch_size" in flags and tc.packed:
         raise ValueError(
             "--micro-batch-size only applies to [B, S] batches: a --packed (THD) micro-batch is one pack of --seq-len "

@@ -204,7 +204,7 @@ class DSv4Model(HybridModel):
         if not self.post_process:
             return out
         hidden, streams = out if isinstance(out, tuple) else (out, None)
-        if self.mtp_process and self.training and labels is not None:
+        if self.mtp_process and labels is not None:  # eval mode too (evaluation's MTP loss; no gradient then)
             hidden = self._attach_mtp_loss(
                 hidden,
                 streams,

@@ -35,6 +35,7 @@ from thd_packing.static_shape import (
     pad_to_static_shape,
     unpad_static_shape,
 )
+from thd_packing.subset import VarlenSubset
 from thd_packing.text_dataset import RawTextDataset, SourceStats, TextDatasetConfig, format_source_stats
 from thd_packing.text_sources import (
     SUPPORTED_SUFFIXES,
@@ -84,6 +85,7 @@ __all__ = [
     "ThdMicrobatch",
     "Tokenizer",
     "VarlenDataset",
+    "VarlenSubset",
     "__version__",
     "build_dataset",
     "build_pack",

@@ -8,6 +8,11 @@ CSV mode reads one positive integer length per line (optional header line; with 
 name a ``length`` column); lengths above ``seq_length`` are truncated to it.
 
 Token ids are uniform in ``[0, vocab_size - 2)``; ``eod = vocab_size - 2``, ``pad_id = vocab_size - 1``.
+
+``stream`` selects independent document streams of the same configuration: stream 0 (default) draws the lengths
+from ``default_rng(seed)`` and document ``i``'s ids from ``default_rng([seed, i])``; stream ``k > 0`` uses numpy's
+spawn keys, ``SeedSequence(seed, spawn_key=(k,))`` and ``SeedSequence([seed, i], spawn_key=(k,))``, which numpy
+guarantees independent of stream 0 (held-out evaluation data that never coincide with the training documents).
 """
 
 from __future__ import annotations
@@ -37,8 +42,11 @@ class MockVarlenConfig:
     lengths_csv: str | Path | None = None
     vocab_size: int = 258
     eod_mask_loss: bool = False
+    stream: int = 0
 
     def __post_init__(self) -> None:
+        if self.stream < 0:
+            raise ValueError(f"MockVarlenConfig.stream must be >= 0, got {self.stream}")
         if self.seq_length < 1:
             raise ValueError(f"MockVarlenConfig.seq_length must be >= 1, got {self.seq_length}")
         if self.vocab_size < 3:
@@ -68,11 +76,16 @@ class MockVarlenConfig:
         return lo, hi, mean
 
 
+def _seed_sequence(entropy: int | list[int], stream: int) -> np.random.SeedSequence | int | list[int]:
+    """The seed of stream ``stream`` (0: ``entropy`` itself, the original stream; else a spawn key)."""
+    return entropy if stream == 0 else np.random.SeedSequence(entropy, spawn_key=(stream,))
+
+
 def lognormal_lengths(
-    num: int, *, min_len: int, max_len: int, mean_len: float, sigma: float, seed: int
+    num: int, *, min_len: int, max_len: int, mean_len: float, sigma: float, seed: int, stream: int = 0
 ) -> np.ndarray:
     """``[num]`` int64 lengths, ``clip(round(exp(N(ln(mean) - sigma^2/2, sigma))), min, max)``."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(_seed_sequence(seed, stream))
     mu = np.log(mean_len) - sigma**2 / 2
     return np.clip(np.rint(rng.lognormal(mu, sigma, size=num)), min_len, max_len).astype(np.int64)
 
@@ -129,6 +142,7 @@ class MockVarlenDataset:
                 mean_len=mean,
                 sigma=config.sigma,
                 seed=config.seed,
+                stream=config.stream,
             )
         self._lengths = lengths
 
@@ -156,7 +170,7 @@ class MockVarlenDataset:
             raise IndexError(f"document index {index} out of range for {len(self)} documents")
         index %= len(self)
         n = int(self._lengths[index])
-        rng = np.random.default_rng([self.config.seed, index])
+        rng = np.random.default_rng(_seed_sequence([self.config.seed, index], self.config.stream))
         ids = np.empty(n + 1, dtype=np.int64)
         ids[:n] = rng.integers(0, self.eod, size=n)
         ids[n] = self.eod

@@ -238,6 +238,12 @@ class RawTextDataset:
         return out
 
     @property
+    def sample_documents(self) -> np.ndarray:
+        """``[num_samples]`` int64: the document (record, in reading order) each sample was made of (the pieces of
+        a split document are consecutive samples)."""
+        return np.repeat(np.arange(self._doc_samples.size, dtype=np.int64), self._doc_samples)
+
+    @property
     def lengths(self) -> np.ndarray:
         """``[num_samples]`` int64 rows per sample."""
         return self._lengths

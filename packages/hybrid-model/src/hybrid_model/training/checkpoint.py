@@ -73,6 +73,11 @@ def resume_conflicts(
             if name in saved and saved[name] != getattr(tc, name):
                 flag = "--" + name.replace("_", "-")
                 lines.append(f"{flag} {getattr(tc, name)!r} (checkpoint: {saved[name]!r}; it defines {why})")
+        from hybrid_model.training.eval_data import heldout_conflict
+
+        heldout = heldout_conflict(tc, saved)
+        if heldout:
+            lines.append(heldout)
     expected = {
         "max_lr": ("--lr", tc.lr),
         "min_lr": ("--min-lr", tc.min_lr),

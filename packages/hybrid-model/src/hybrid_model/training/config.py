@@ -50,6 +50,10 @@ class TrainConfig:
     checkpoint format, ``"dp_reshardable"`` (resumable at another DP size) or ``"fully_reshardable"`` (also at
     another PP size; gathers each stage's optimizer state over DP to write it).
     ``recompute_*`` / ``mhc_recompute_layer_num``: activation recompute (:mod:`hybrid_model.training.recompute`).
+    ``data`` may instead be ``["mock[:KEY=VALUE,...]"]``, thd-packing's mock variable-length dataset
+    (:mod:`hybrid_model.training.mock_data`). ``eval_interval``: evaluate every N steps and at the end (0: never) on
+    ``eval_iters`` global batches of ``eval_data`` (text sources), else of a held-out split of the training data or a
+    separate mock stream (:mod:`hybrid_model.training.eval_data`, :mod:`hybrid_model.training.evaluation`).
     """
 
     preset: str = "tiny"
@@ -103,10 +107,15 @@ class TrainConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     mhc_recompute_layer_num: int | None = None
+    eval_interval: int = 0
+    eval_iters: int = 10
+    eval_data: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):  # a config file's "data": "path" means one source
             self.data = [self.data]
+        if isinstance(self.eval_data, str):
+            self.eval_data = [self.eval_data]
         check_field_types(self)
         if self.bf16 is None:
             import torch
@@ -124,6 +133,7 @@ class TrainConfig:
             "cp",
             "log_interval",
             "max_nonfinite_steps",
+            "eval_iters",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -188,6 +198,24 @@ class TrainConfig:
             )
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the run or replace it")
+        if self.eval_interval < 0:
+            raise ValueError(f"--eval-interval must be >= 0 (0: no evaluation), got {self.eval_interval}")
+        if self.eval_data and not self.eval_interval:
+            raise ValueError("--eval-data only applies with --eval-interval N (N > 0)")
+        if self.eval_interval and (self.cp > 1 or self.vpp > 1):
+            raise ValueError(
+                f"--eval-interval with {'--cp' if self.cp > 1 else '--vpp'} > 1 is not supported yet: the evaluation "
+                "runs one model chunk on unsliced batches (no CP slicing / MTP roll across CP ranks, no interleaved "
+                "schedule); drop --eval-interval or evaluate the saved checkpoint with --cp 1 --vpp 1"
+            )
+        from hybrid_model.training.mock_data import check_mock_data, is_mock
+
+        if any(is_mock(s) for s in self.eval_data):
+            raise ValueError(
+                "--eval-data takes text sources; with --data mock[:...] the evaluation reads a separate mock stream "
+                "by itself"
+            )
+        check_mock_data(self)
 
     def lr_decay_start(self) -> int:
         """0-based index of the first optimizer step whose LR is below the peak: the step after the warm-up
@@ -222,8 +250,9 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"config file {p}: unknown keys {unknown}; valid keys: {sorted(known)}")
-        if isinstance(data.get("data"), str):  # "data": "path" means one source
-            data["data"] = [data["data"]]
+        for key in ("data", "eval_data"):
+            if isinstance(data.get(key), str):  # "data": "path" means one source
+                data[key] = [data[key]]
         hints = typing.get_type_hints(cls)
         for key, value in data.items():
             if key not in overrides and not _has_type(value, hints[key]):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from hybrid_model.training.config import TrainConfig
 
 if TYPE_CHECKING:
-    from thd_packing import PackedBatchIterator, RawTextDataset
+    from thd_packing import PackedBatchIterator, RawTextDataset, VarlenDataset
 
 #: how the ``dsv4 train`` messages name the switch that skips bad records
 SKIP_HINT = "pass --skip-bad-records"
@@ -28,15 +28,17 @@ SKIP_HINT = "pass --skip-bad-records"
 SUMMARY_LIST_LIMIT = 10
 
 
-def build_text_dataset(tc: TrainConfig) -> RawTextDataset:
-    """The dataset of ``tc.data`` (every source, in order) or the default corpus, ``tc.seq_len`` rows per sample.
+def build_text_dataset(tc: TrainConfig, sources: list[str] | None = None) -> RawTextDataset:
+    """The dataset of ``tc.data`` (every source, in order) or the default corpus, ``tc.seq_len`` rows per sample;
+    ``sources`` (e.g. ``tc.eval_data``) are read instead of ``tc.data`` with the same settings.
 
     Raises ``ValueError`` (a :class:`~thd_packing.TextRecordError` for a bad record, advising
     ``--skip-bad-records``) for unreadable input.
     """
     from thd_packing import RawTextDataset, TextDatasetConfig, TextRecordError, default_corpus_dataset
 
-    if not tc.data:
+    sources = tc.data if sources is None else sources
+    if not sources:
         return default_corpus_dataset(tc.seq_len, tokenizer=tc.tokenizer)
     config = TextDatasetConfig(
         tc.seq_len, errors="skip" if tc.skip_bad_records else "raise", long_documents=tc.long_docs
@@ -46,7 +48,7 @@ def build_text_dataset(tc: TrainConfig) -> RawTextDataset:
             warnings.filterwarnings(
                 "ignore", message="RawTextDataset (skipped|truncated)", category=UserWarning
             )
-            return RawTextDataset.from_paths(tc.data, config, tc.tokenizer)
+            return RawTextDataset.from_paths(sources, config, tc.tokenizer)
     except TextRecordError as err:
         raise TextRecordError(err.record, skip_hint=SKIP_HINT) from None
 
@@ -68,7 +70,7 @@ def data_summary(ds: RawTextDataset, tc: TrainConfig) -> str:
 
 
 def build_batches(
-    ds: RawTextDataset,
+    ds: VarlenDataset,
     tc: TrainConfig,
     *,
     vocab_size: int,
@@ -85,7 +87,7 @@ def build_batches(
     its contiguous rows; ``[B, S]`` rows are loaded whole (the step runs them as one THD pack and slices it)."""
     from thd_packing import BatchConfig, PackedBatchIterator
 
-    vocab = ds.tokenizer.vocab_size
+    vocab = ds.vocab_size
     if vocab > vocab_size:
         raise ValueError(
             f"the tokenizer has {vocab} ids but preset {tc.preset!r} has vocab_size={vocab_size}; "

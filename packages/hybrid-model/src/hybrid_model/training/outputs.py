@@ -110,6 +110,21 @@ class RunOutputs:
         elif self._progress and (m["step"] % self._log_interval == 0 or m["step"] == self.total):
             print(progress_line(m, self.total), flush=True)
 
+    def log_eval(self, m: dict) -> None:
+        """Write an evaluation record (:mod:`hybrid_model.training.evaluation`): its ``metrics.jsonl`` row,
+        TensorBoard ``eval/*`` scalars and a progress note."""
+        if not self.enabled:
+            return
+        from hybrid_model.training.evaluation import eval_line
+
+        self._file.write(strict_json_row(m) + "\n")
+        self._file.flush()
+        for k, v in m.items():
+            if k.startswith("eval_") and isinstance(v, int | float) and not isinstance(v, bool):
+                self.writer.add_scalar(f"eval/{k.removeprefix('eval_')}", v, m["step"])
+        if self._progress:
+            self.note(eval_line(m))
+
     def note(self, text: str) -> None:
         if not self.enabled:
             return
@@ -131,7 +146,7 @@ class RunOutputs:
 
 
 def plot_loss(metrics_path: Path, png_path: Path) -> None:
-    """``loss.png``: LM (and MTP) loss over steps (non-finite steps are gaps)."""
+    """``loss.png``: LM (and MTP) loss over steps (non-finite steps are gaps), evaluation losses as points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,6 +159,14 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), label=label)
+            plotted = True
+    for key, label, color in (
+        ("eval_lm_loss", "eval LM loss", "C0"),
+        ("eval_mtp_loss", "eval MTP loss", "C1"),
+    ):
+        pts = [(r["step"], r[key]) for r in rows if r.get("eval") and r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), "o--", color=color, markersize=5, linewidth=0.8, label=label)
             plotted = True
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")

@@ -210,17 +210,19 @@ def attach_schedule_hooks(config, model) -> None:
 def build_data(
     tc: TrainConfig, model_config: DSv4ModelConfig, ps, *, announce: bool = False
 ) -> tuple[Any, Any]:
-    """``(batches, dataset)``: thd-packing's global-batch iterator over ``--data`` (or the embedded corpus), this
-    rank's share of every global batch (``[B, S]`` or packed THD, static shapes; every CP rank of a DP replica reads
-    the same global batch, packs sliced to its contiguous rows); reading rules and the per-source
-    summary (printed when ``announce``) in :mod:`hybrid_model.training.data`."""
-    from hybrid_model.training.data import build_batches, build_text_dataset, data_summary
+    """``(batches, data)``: thd-packing's global-batch iterator over ``--data`` (or the embedded corpus, or mock
+    data), this rank's share of every global batch (``[B, S]`` or packed THD, static shapes; every CP rank of a DP
+    replica reads the same global batch, packs sliced to its contiguous rows), and the run's
+    :class:`~hybrid_model.training.eval_data.RunData` (training and evaluation datasets); reading rules and the
+    summary (printed when ``announce``) in :mod:`hybrid_model.training.data` / ``eval_data``."""
+    from hybrid_model.training.data import build_batches
+    from hybrid_model.training.eval_data import build_run_data
 
-    ds = build_text_dataset(tc)
+    data = build_run_data(tc, model_config.vocab_size)
     if announce:
-        print(data_summary(ds, tc), flush=True)
+        print(data.summary, flush=True)
     batches = build_batches(
-        ds,
+        data.train,
         tc,
         vocab_size=model_config.vocab_size,
         dp_size=ps.get_data_parallel_world_size(),
@@ -228,4 +230,4 @@ def build_data(
         cp_size=ps.get_context_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
     )
-    return batches, ds
+    return batches, data

@@ -123,7 +123,8 @@ class Trainer:
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
         self._stop = False
         # the data first: bad data fail before the model is built
-        self.batches, self.dataset = build_data(tc, self.model_config, ps, announce=self.is_logger)
+        self.batches, self.run_data = build_data(tc, self.model_config, ps, announce=self.is_logger)
+        self.dataset = self.run_data.train
         if (
             tc.vpp > 1 and not tc.packed
         ):  # [B, S] batches: the micro-batch count is known now (packed: per step)
@@ -159,6 +160,20 @@ class Trainer:
             device=self.device,
             world=self.world,
         )
+        self.evaluator = None  # --eval-interval: hybrid_model.training.evaluation
+        if self.run_data.eval is not None:
+            from hybrid_model.training.evaluation import Evaluator
+
+            self.evaluator = Evaluator(
+                tc,
+                self.model_config,
+                self.run_data.eval,
+                stepper=self.stepper,
+                ps=ps,
+                device=self.device,
+                world=self.world,
+            )
+        self.eval_metrics: list[dict] = []
 
     @property
     def _graphed(self):
@@ -293,6 +308,9 @@ class Trainer:
                 self.metrics.append(m)
                 outputs.log(m)
                 self._count_nonfinite(m, outputs)
+                if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
+                    self.eval_metrics.append(self.evaluator(self.step))
+                    outputs.log_eval(self.eval_metrics[-1])
                 if tc.save_interval and self.step % tc.save_interval == 0:
                     self.save_checkpoint()
                 if self._stop:

@@ -1,0 +1,89 @@
+"""Evaluation under DP2 and PP2 (gloo, 2 processes, one world for every case) against the single-process evaluation of
+the same data and weights: mock data (``--data mock:...``, the evaluation's separate mock stream), ``[B, S]``
+micro-batches of 1, the initial weights evaluated, 2 training steps, then the evaluation after the last step. With PP
+the evaluation runs megatron's pipelined forward-only schedule (mHC streams between the stages); the per-token loss
+sums are all-reduced over the last stage's DP replicas.
+
+fp32: the evaluation losses agree to 2e-5 (fp32 sums in another order after two optimizer steps, as in the parallel
+matrix; the evaluation itself adds the fp64 sums of the per-micro-batch losses in another order).
+bf16: the evaluation of the initial weights changes no forward arithmetic under DP or PP (the streams cross the
+stages in fp32), so it agrees to fp64 summation order (1e-12). After two steps the weights differ by the layouts'
+fp32 gradient summation order, which flips the bf16 rounding of a few weights; the bound is the parallel matrix's
+``2·δ`` with ``δ`` the largest deviation of the single-process bf16 evaluation from fp32 (measured here): a parallel
+bf16 run rounds the same quantities, so its deviation from fp32 is of the same size.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from eval_runs import evaluate_layouts
+
+from dsv4_testkit import run_distributed
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+_BASE = dict(
+    data=["mock:docs=64,min=16,max=64,mean=40"],
+    seq_len=64,
+    global_batch_size=4,
+    micro_batch_size=1,
+    warmup_steps=1,
+    steps=2,
+    eval_interval=2,
+    eval_iters=2,
+)
+LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2)}
+DTYPES = ("fp32", "bf16")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_single")
+    runs = [(dt, dict(_BASE, bf16=dt == "bf16", out=str(out / dt))) for dt in DTYPES]
+    (single,) = run_distributed(evaluate_layouts, 1, runs, True, timeout=900)
+    out2 = tmp_path_factory.mktemp("eval_world2")
+    runs = [
+        (
+            f"{name}-{dt}",
+            dict(
+                _BASE,
+                bf16=dt == "bf16",
+                out=str(out2 / f"{name}-{dt}"),
+                init_from=str(out / dt / "checkpoints" / "iter_0000000"),
+            )
+            | layout,
+        )
+        for name, layout in LAYOUTS.items()
+        for dt in DTYPES
+    ]
+    per_rank = run_distributed(evaluate_layouts, 2, runs, timeout=1500)
+    return single, per_rank
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_evaluation_matches_single_process(results, layout, dtype):
+    single, per_rank = results
+    ref = single[dtype]
+    got = [r[f"{layout}-{dtype}"] for r in per_rank]
+    assert got[0] == got[1], "every rank reports the reduced evaluation"
+    got = got[0]
+    assert [g["step"] for g in got] == [r["step"] for r in ref] == [0, 2]
+    assert [g["eval_tokens"] for g in got] == [r["eval_tokens"] for r in ref]
+    keys = ("eval_lm_loss", "eval_mtp_loss")
+    if dtype == "fp32":
+        for g, r in zip(got, ref, strict=True):
+            for k in keys:
+                assert g[k] == pytest.approx(r[k], rel=2e-5), (layout, g["step"], k, g[k], r[k])
+        return
+    for k in keys:  # the initial weights: the same forward arithmetic, fp64 sums in another order
+        assert got[0][k] == pytest.approx(ref[0][k], rel=1e-12), (layout, k)
+    fp32 = single["fp32"]
+    delta = max(abs(b[k] - f[k]) for b, f in zip(ref, fp32, strict=True) for k in keys)
+    for k in keys:
+        assert abs(got[1][k] - ref[1][k]) <= 2 * delta, (layout, k, got[1][k], ref[1][k], delta)
