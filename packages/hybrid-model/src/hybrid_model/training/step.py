@@ -16,6 +16,14 @@ from hybrid_model.training.config import TrainConfig
 LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
 
 
+def loss_keys(mtp_num_depths: int) -> tuple[str, ...]:
+    """The step's loss metrics: :data:`LOSS_KEYS`, plus ``mtp_loss_1 … mtp_loss_D`` with ``D > 1`` MTP depths
+    (``mtp_loss`` is their mean)."""
+    return LOSS_KEYS + (
+        tuple(f"mtp_loss_{k}" for k in range(1, mtp_num_depths + 1)) if mtp_num_depths > 1 else ()
+    )
+
+
 class TrainingDiverged(RuntimeError):
     """The run produced non-finite losses / gradients ``max_nonfinite_steps`` times in a row, or non-finite weights
     were about to be saved (``dsv4 train`` exits 1 with this message)."""
@@ -98,6 +106,9 @@ class StepRunner:
             report = {"lm loss": loss.detach().clone()}  # megatron divides the returned loss in place
             if unwrapped.mtp_process and unwrapped.last_mtp_loss is not None:
                 report["mtp loss"] = unwrapped.last_mtp_loss
+                if len(unwrapped.last_mtp_losses) > 1:
+                    for k, value in enumerate(unwrapped.last_mtp_losses, start=1):
+                        report[f"mtp loss {k}"] = value
             return loss, report
 
         return out, loss_func
@@ -174,15 +185,16 @@ class StepRunner:
         last stage, balance/indexer losses over all MoE/CSA layers of all stages and replicas (one all-reduce of
         (sum, count) pairs over the world; each rank holds its own stage's layers and its own data); and the number
         of ranks whose gradients are not finite (``nonfinite_grads``, in the same all-reduce)."""
-        local = torch.zeros(2 * len(LOSS_KEYS) + 1, dtype=torch.float64, device=self.device)
+        keys = loss_keys(self.model_config.parsed_pattern.mtp_num_depths)
+        local = torch.zeros(2 * len(keys) + 1, dtype=torch.float64, device=self.device)
         local[-1] = float(nonfinite_grads)
 
         def add(key: str, values: list[float]) -> None:
-            i = LOSS_KEYS.index(key)
+            i = keys.index(key)
             local[2 * i] += sum(values)
             local[2 * i + 1] += len(values)
 
-        for key in ("lm loss", "mtp loss"):
+        for key in ("lm loss", "mtp loss") + tuple(k.replace("_", " ") for k in keys[len(LOSS_KEYS) :]):
             add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r])
         # per-layer trackers accumulate one value per micro-batch; layers of other stages stay 0
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -203,8 +215,6 @@ class StepRunner:
         if self.world > 1:
             dist.all_reduce(local)
         losses = {
-            key: float(local[2 * i] / local[2 * i + 1])
-            for i, key in enumerate(LOSS_KEYS)
-            if local[2 * i + 1] > 0
+            key: float(local[2 * i] / local[2 * i + 1]) for i, key in enumerate(keys) if local[2 * i + 1] > 0
         }
         return losses, int(local[-1])
