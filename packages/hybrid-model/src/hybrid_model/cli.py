@@ -280,6 +280,10 @@ def train_config_from_args(args):
         flags["model_overrides"] = {**flags.get("model_overrides", {}), **model_flags}
     flags = {k: None if v is _NULL else v for k, v in flags.items()}
     tc = TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
+    if "hybrid_layer_pattern" in tc.model_overrides:  # the pattern against --pp, before any process starts
+        from hybrid_model.training.setup import model_config_for
+
+        model_config_for(tc)
     if "cuda_graph_warmup_steps" in flags and not tc.cuda_graph:
         raise ValueError("--cuda-graph-warmup-steps only applies with --cuda-graph")
     if "micro_batch_size" in flags and tc.packed:

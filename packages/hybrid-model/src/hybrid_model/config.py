@@ -45,7 +45,9 @@ class DSv4ModelConfig:
 
     ``compress_ratios`` has ``num_layers + num_nextn_predict_layers`` entries (0 window, ``csa_compress_ratio``
     CSA, ``hca_compress_ratio`` HCA); ``pipeline_stages`` (int or blocks per stage) places the ``|`` cuts of the
-    derived pattern.
+    derived pattern. ``enable_mhc_connections`` (upstream's name; default on) wraps every layer in mHC with
+    ``hc_mult`` residual streams; off, every layer is a plain pre-norm residual sub-layer ``x + f(norm(x))`` on one
+    stream (no stream expansion, no HyperHead; ablations and non-mHC checkpoints).
     """
 
     vocab_size: int = 129280
@@ -69,6 +71,7 @@ class DSv4ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 512
     hc_mult: int = 4
+    enable_mhc_connections: bool = True
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
     rms_norm_eps: float = 1e-6
@@ -88,6 +91,10 @@ class DSv4ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        if not isinstance(self.enable_mhc_connections, bool):
+            raise ValueError(
+                f"enable_mhc_connections must be true or false, got {self.enable_mhc_connections!r}"
+            )
         if isinstance(self.pipeline_stages, list):
             object.__setattr__(self, "pipeline_stages", tuple(self.pipeline_stages))
         if isinstance(self.yarn, dict):
@@ -250,6 +257,11 @@ class DSv4ModelConfig:
             csa_ratio=self.csa_compress_ratio,
             hca_ratio=self.hca_compress_ratio,
         )
+
+    @property
+    def num_streams(self) -> int:
+        """Residual streams between layers: ``hc_mult`` with mHC, 1 (a plain residual) without."""
+        return self.hc_mult if self.enable_mhc_connections else 1
 
     @property
     def num_moe_layers(self) -> int:

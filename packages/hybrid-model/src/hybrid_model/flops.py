@@ -13,6 +13,7 @@ and the compressor's per-channel pooling are below 1% and left out). Per token (
     attention *  2·(3·d·d + d·d) (QKV, output; n_h heads of d/n_h dims) + 4·d per causal (query, key) pair
     head         2·d·V  (+ HyperHead 2·n·d·n + 2·n·d)
     MTP          2·d·d (e_proj) + n·2·d·d (h_proj per stream) + its block + HyperHead + head
+    mHC off      no mHC / HyperHead terms, n = 1
 
 Attention cores cost ``4·n_h·c`` per (query, key) pair (``q·k`` and ``p·v``) and the indexer ``2·n_I·c_I + 2·n_I``
 per (query, visible compressed entry) pair. For a document of length ``L`` (query ``t = 0..L-1``):
@@ -82,11 +83,15 @@ def _indexer_linear(cfg: DSv4ModelConfig) -> int:
 
 
 def _mhc(cfg: DSv4ModelConfig) -> int:
+    if not cfg.enable_mhc_connections:  # plain residual: an add (not a matrix product)
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return 2 * n * d * (2 + n) * n + 2 * n * d + 2 * n * d + 2 * n * n * d
 
 
 def _hyper_head(cfg: DSv4ModelConfig) -> int:
+    if not cfg.enable_mhc_connections:
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return 2 * n * d * n + 2 * n * d
 
@@ -172,12 +177,13 @@ def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) ->
                 f"FLOP accounting covers the symbols C H W E - * ; {symbol!r} (megatron-core's "
                 f"{KIND_NAMES[symbol]} layer) is not counted: use a pattern without it"
             )
-        br.add(prefix + "mhc", _mhc(cfg) * tokens)
+        if cfg.enable_mhc_connections:
+            br.add(prefix + "mhc", _mhc(cfg) * tokens)
 
     for s in p.main:
         layer(s, "")
     br.add("head", (2 * cfg.hidden_size * cfg.vocab_size + _hyper_head(cfg)) * tokens)
-    d, n = cfg.hidden_size, cfg.hc_mult
+    d, n = cfg.hidden_size, cfg.num_streams
     for _ in range(p.mtp_num_depths):
         br.add("mtp.projections", (2 * d * d + n * 2 * d * d) * tokens)
         for s in p.mtp_pattern:

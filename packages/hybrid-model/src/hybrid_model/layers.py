@@ -21,7 +21,7 @@ symbol   inner layer                                                     needs
 attention cannot build MLA, whose key and value head sizes differ); :func:`require_symbol_dependencies` raises an
 ``ImportError`` naming what is missing before anything is built. Every layer is a pre-norm sub-layer ``f``; the mHC
 wrapper supplies the residual path (``HyperConnectionLayer`` for ``TransformerLayer`` subclasses,
-:class:`HyperConnectionMixer` for the Mamba layer).
+:class:`HyperConnectionMixer` for the Mamba layer; :class:`~hybrid_model.residual.PlainResidualLayer` with mHC off).
 """
 
 from __future__ import annotations
@@ -176,8 +176,12 @@ def build_hybrid_layer(
     pp_layer_offset: int,
     hashed: bool,
     mhc,
+    plain_residual: bool = False,
 ):
-    """The mHC-wrapped hybrid layer of one pattern symbol (``submodules``: :class:`~hybrid_model.spec.DSv4StackSubmodules`)."""
+    """The mHC-wrapped hybrid layer of one pattern symbol (``submodules``: :class:`~hybrid_model.spec.DSv4StackSubmodules`);
+    ``plain_residual``: a :class:`~hybrid_model.residual.PlainResidualLayer` instead (mHC switched off)."""
+    from hybrid_model.residual import PlainResidualLayer
+
     kind = attention_kind(symbol)
     common = dict(config=config, layer_number=layer_number, pg_collection=pg_collection)
     if kind is not None:
@@ -202,7 +206,11 @@ def build_hybrid_layer(
         inner = build_module(submodules.symbol_layer(symbol), add_layer_offset=False, **common)
     elif symbol == MAMBA:
         inner = build_module(submodules.symbol_layer(symbol), pp_layer_offset=pp_layer_offset, **common)
+        if plain_residual:
+            return PlainResidualLayer(config, inner, mixer=True)
         return HyperConnectionMixer(config, inner, mhc=mhc)
     else:
         raise ValueError(f"no layer for pattern symbol {symbol!r} (layer {layer_number})")
+    if plain_residual:
+        return PlainResidualLayer(config, inner)
     return HyperConnectionLayer(config, inner, mhc=mhc)

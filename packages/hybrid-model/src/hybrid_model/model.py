@@ -129,6 +129,7 @@ class DSv4Model(HybridModel):
                 self.pg_collection,
                 pattern=parsed.mtp_pattern,
                 num_depths=parsed.mtp_num_depths,
+                enable_mhc=model_config.enable_mhc_connections,
             )
         self._deferring_embedding_setup = False
         self.setup_embeddings_and_output_layer()

@@ -68,7 +68,15 @@ class DSv4MultiTokenPrediction(MegatronModule):
     """One DSv4 MTP depth (``mtp.*`` parameters). ``forward(streams, next_embedding, **layer_kwargs) -> h [s, b, d]``."""
 
     def __init__(
-        self, config, submodules, mhc, pg_collection, depth: int = 1, pattern: str = "WE", num_depths: int = 1
+        self,
+        config,
+        submodules,
+        mhc,
+        pg_collection,
+        depth: int = 1,
+        pattern: str = "WE",
+        num_depths: int = 1,
+        enable_mhc: bool = True,
     ) -> None:
         super().__init__(config=config)
         d = config.hidden_size
@@ -94,16 +102,24 @@ class DSv4MultiTokenPrediction(MegatronModule):
                 pp_layer_offset=0,
                 hashed=False,  # hash routing is never used in MTP layers
                 mhc=mhc,
+                plain_residual=not enable_mhc,
             )
             for symbol in pattern
         )
-        self.hyper_head = HyperHead(mhc)
+        if enable_mhc:
+            self.hyper_head = HyperHead(mhc)
+        else:
+            from hybrid_model.residual import SingleStreamHead
+
+            self.hyper_head = SingleStreamHead()
         self.norm = RMSNorm(d, eps=eps, config=config)
         self.tp_group = pg_collection.tp
         # depth k + 1 reads this depth's streams (spec §8 / DeepSeek-V3 MTP chaining); its parameters are
         # ``mtp.next_depth.*`` so that depth 1 keeps the ``mtp.*`` names of a one-depth model
         self.next_depth = (
-            DSv4MultiTokenPrediction(config, submodules, mhc, pg_collection, depth + 1, pattern, num_depths)
+            DSv4MultiTokenPrediction(
+                config, submodules, mhc, pg_collection, depth + 1, pattern, num_depths, enable_mhc
+            )
             if depth < num_depths
             else None
         )

@@ -11,6 +11,7 @@ groups/rank, ``n_I``/``c_I`` indexer heads/dim, ``n`` mHC streams, ``E``/``K`` e
     dense MLP (-)  = 3·d·f + d (norm)          attention (*) = 4·d² + d (QKV, output; norm)
     model          = 2·V·d (embedding, head; untied) + d (norm) + n·n·d + n + 1 (HyperHead)
     MTP            = 2·d² (e_proj, h_proj) + 3·d (enorm, hnorm, norm) + HyperHead + window block
+    mHC off        : no mHC and no HyperHead terms (plain residual, one stream)
 
 ``activated`` replaces ``E`` by ``K`` routed experts per MoE layer (embedding and head included, as in §9.3).
 """
@@ -80,12 +81,17 @@ def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, i
 
 
 def mhc_params(cfg: DSv4ModelConfig) -> int:
-    """One mHC instance (``fn``, ``base``, ``scale``) around one sub-layer."""
+    """One mHC instance (``fn``, ``base``, ``scale``) around one sub-layer (0 with mHC off)."""
+    if not cfg.enable_mhc_connections:
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return (2 + n) * n * n * d + (2 + n) * n + 3
 
 
 def hyper_head_params(cfg: DSv4ModelConfig) -> int:
+    """The HyperHead collapsing the streams (0 with mHC off: one stream, no head)."""
+    if not cfg.enable_mhc_connections:
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return n * n * d + n + 1
 
@@ -151,7 +157,8 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
                 f"{KIND_NAMES[symbol]} layer) is not counted analytically: count a built model "
                 "(count_model_params / build_meta_model)"
             )
-        add(prefix + "mhc", mhc_params(cfg))
+        if cfg.enable_mhc_connections:
+            add(prefix + "mhc", mhc_params(cfg))
         return total + mhc_params(cfg), act + mhc_params(cfg), att
 
     for i, s in enumerate(p.main):

@@ -150,12 +150,13 @@ def transformer_config(
 
 
 def mhc_config(cfg: DSv4ModelConfig, stream_dtype: torch.dtype = torch.float32):
-    """The :class:`mhc.MHCConfig` of every mHC instance of the model."""
+    """The :class:`mhc.MHCConfig` of every mHC instance of the model (with mHC off: the one plain residual stream,
+    whose ``stream_dtype`` the stack and the pipeline buffers keep)."""
     from mhc import MHCConfig
 
     return MHCConfig(
         hidden_size=cfg.hidden_size,
-        num_streams=cfg.hc_mult,
+        num_streams=cfg.num_streams,  # 1 with mHC off: the plain residual stream
         sinkhorn_iters=cfg.hc_sinkhorn_iters,
         norm_eps=cfg.rms_norm_eps,
         hc_eps=cfg.hc_eps,

@@ -78,10 +78,15 @@ class DSv4HybridStack(HyperConnectionHybridStack):
                 pp_layer_offset=pp_layer_offset,
                 hashed=symbol == MOE and i + 1 + pp_layer_offset in hashed,
                 mhc=self.mhc_config,
+                plain_residual=not model_config.enable_mhc_connections,
             )
             for i, symbol in enumerate(self.layer_type_list)
         ]
         self.layers = nn.ModuleList(layers)
+        if not model_config.enable_mhc_connections and self.post_process:
+            from hybrid_model.residual import SingleStreamHead
+
+            self.hyper_head = SingleStreamHead()  # one stream (mhc.num_streams = 1): no HyperHead parameters
         self.num_layers_per_pipeline_rank = len(self.layers)
 
     def moe_layers(self):

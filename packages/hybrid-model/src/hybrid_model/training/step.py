@@ -130,7 +130,9 @@ class StepRunner:
         if tc.pp > 1:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
-            kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
+            kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(
+                self.model_config.num_streams
+            )
         schedule = dict(
             forward_step_func=self.forward_step,
             data_iterator=iter(batch.microbatches),
