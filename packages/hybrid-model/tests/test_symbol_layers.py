@@ -46,7 +46,6 @@ def test_symbols_build_and_train(megatron_cpu, pattern, layer_types):
 
     cfg = _tiny(pattern)
     model = build_model(cfg)
-    assert [type(layer.inner_layer).__name__ for layer in model.decoder.layers] != []
     assert all(isinstance(layer, HyperConnectionLayer) for layer in model.decoder.layers)
     assert {type(layer.inner_layer).__name__ for layer in model.decoder.layers} == layer_types
     loss = _train_step(model)
@@ -87,8 +86,8 @@ def test_mtp_depths_chain_and_roll(megatron_cpu):
     changed[0, 7] = (changed[0, 7] + 1) % 512
     g1, g2 = depth_hidden(changed)
     t = 5  # depth 1 at t reads ids[t + 1] = ids[6]; depth 2 reads ids[t + 2] = ids[7]
-    torch.testing.assert_close(g1[t], h1[t], rtol=0, atol=0)
-    assert not torch.allclose(g2[t], h2[t])
+    torch.testing.assert_close(g1[t], h1[t], rtol=1e-6, atol=1e-6)
+    assert (g2[t] - h2[t]).abs().max() > 1e-3
 
 
 def test_hash_routing_never_in_mtp_layers(megatron_cpu):
@@ -116,7 +115,7 @@ def _builds_param_counts(cfg):
         ("*-*E/*E", False),
     ],
 )
-def test_param_counts_match_the_built_model(pattern, mhc):
+def test_param_counts_match_the_built_model(megatron_cpu, pattern, mhc):
     cfg = _tiny(pattern, enable_mhc_connections=mhc)
     analytic, built = _builds_param_counts(cfg)
     assert (analytic.main, analytic.mtp, analytic.activated) == (built.main, built.mtp, built.activated)
@@ -195,9 +194,7 @@ def test_symbols_with_missing_dependencies_raise_import_error(monkeypatch, symbo
     monkeypatch.setattr(
         layers.importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a)
     )
-    with pytest.raises(
-        ImportError, match=f"pattern symbol '{symbol}'.*{names.replace('[', '.').replace(']', '.')}"
-    ):
+    with pytest.raises(ImportError, match=re.escape(f"pattern symbol '{symbol}'") + ".*" + re.escape(names)):
         layers.require_symbol_dependencies("WE" + symbol)
 
 
