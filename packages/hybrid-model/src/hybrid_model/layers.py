@@ -52,10 +52,17 @@ SYMBOL_DEPENDENCIES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that fails to import, or a module blocked as sys.modules[m] = None
+        return False
+
+
 def require_symbol_dependencies(symbols: str) -> None:
     """Raise ``ImportError`` naming every missing package that the layers of ``symbols`` need."""
     for symbol in sorted(set(symbols) & set(SYMBOL_DEPENDENCIES)):
-        missing = [pip for mod, pip in SYMBOL_DEPENDENCIES[symbol] if importlib.util.find_spec(mod) is None]
+        missing = [pip for mod, pip in SYMBOL_DEPENDENCIES[symbol] if not _installed(mod)]
         if missing:
             raise ImportError(
                 f"pattern symbol '{symbol}' builds megatron-core's {_NAMES[symbol]} layer, which needs "
