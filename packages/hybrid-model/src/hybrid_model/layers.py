@@ -55,7 +55,10 @@ SYMBOL_DEPENDENCIES: dict[str, tuple[tuple[str, str], ...]] = {
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent that fails to import, or a module blocked as sys.modules[m] = None
+    except (
+        ImportError,
+        ValueError,
+    ):  # a parent that fails to import, or a module blocked as sys.modules[m] = None
         return False
 
 

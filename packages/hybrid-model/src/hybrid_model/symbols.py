@@ -16,8 +16,9 @@ is what the stack spec, parameter and FLOP counts read. A model parses its patte
 (:attr:`hybrid_model.config.DSv4ModelConfig.parsed_pattern`).
 
 ``|`` cuts pipeline stages, ``/`` starts an MTP depth (each depth repeats the same pattern). A DSv4 block is an
-attention symbol followed by ``E`` (``"WEWECEHE…|…/WE"``). ``*`` cannot be mixed with the MLA family
-(``+ D C H W``).
+attention symbol followed by ``E`` (``"WEWECEHE…|…/WE"``); any mix of the symbols above builds
+(:mod:`hybrid_model.layers`), e.g. upstream's functional pattern ``"WEC-|H-C-/W-"``. ``*`` cannot be mixed with the
+MLA family (``+ D C H W``). :func:`parse_pattern` raises :class:`PatternError` pointing at the offending character.
 
 Per-layer compress ratios are accepted in two forms (:func:`normalize_compress_ratios`):
 
