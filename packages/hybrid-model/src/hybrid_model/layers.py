@@ -148,13 +148,13 @@ class HyperConnectionMixer(MegatronModule):
     so the layer computes ``f(x) = mixer(norm(x))`` and mHC mixes it into the streams (``[s, b, n·d]``)."""
 
     def __init__(self, config, inner_layer, *, mhc) -> None:
-        from mhc.megatron.layer import _NoResidualBDA
+        from hybrid_model.residual import NoResidualBDA
 
         super().__init__(config=config)
         self.mhc_config = mhc
         self.inner_layer = inner_layer
         self.mixer_hc = ManifoldHyperConnection(mhc)
-        inner_layer.mamba_bda = _NoResidualBDA()
+        inner_layer.mamba_bda = NoResidualBDA()
 
     @property
     def layer_number(self) -> int:

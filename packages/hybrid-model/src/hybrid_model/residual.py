@@ -10,9 +10,22 @@ drop-in of ``HyperHead`` (the one stream, no parameters).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
+
+
+class NoResidualBDA(nn.Module):
+    """Replaces a megatron layer's ``self_attn_bda`` / ``mlp_bda`` / ``mamba_bda``: ``dropout(f + bias)`` without
+    ``+ residual`` (the wrapper adds the residual, or mHC mixes it)."""
+
+    def forward(self, training: bool, fused: bool):
+        def bda(x_with_bias, residual, prob: float):
+            x, bias = x_with_bias
+            return F.dropout(x if bias is None else x + bias, p=prob, training=training)
+
+        return bda
 
 
 class PlainResidualLayer(MegatronModule):
@@ -20,21 +33,19 @@ class PlainResidualLayer(MegatronModule):
     ``mixer=True``, a ``MambaLayer``) whose own residual adds are disabled (the sum is done here, in ``x``'s dtype)."""
 
     def __init__(self, config, inner_layer, *, mixer: bool = False) -> None:
-        from mhc.megatron.layer import _NoResidualBDA
-
         super().__init__(config=config)
         self.inner_layer = inner_layer
         self.mixer = mixer
         if mixer:
-            inner_layer.mamba_bda = _NoResidualBDA()
+            inner_layer.mamba_bda = NoResidualBDA()
             self.has_attention, self.has_mlp = True, False
         else:
             self.has_attention = not isinstance(inner_layer.self_attention, IdentityOp)
             self.has_mlp = not isinstance(inner_layer.mlp, IdentityOp)
             if self.has_attention:
-                inner_layer.self_attn_bda = _NoResidualBDA()
+                inner_layer.self_attn_bda = NoResidualBDA()
             if self.has_mlp:
-                inner_layer.mlp_bda = _NoResidualBDA()
+                inner_layer.mlp_bda = NoResidualBDA()
 
     @property
     def layer_number(self) -> int:
