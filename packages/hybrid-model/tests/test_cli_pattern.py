@@ -63,7 +63,7 @@ def test_mtp_depth_2_without_mhc_logs_each_depth(tmp_path):
             "--pattern",
             "WEC-H-/W-/W-",
             "--steps",
-            "5",
+            "4",
         ]
         + ["--out", str(run), "--resume", "auto"],
         capture_output=True,
@@ -72,6 +72,7 @@ def test_mtp_depth_2_without_mhc_logs_each_depth(tmp_path):
         env=env,
     )
     assert again.returncode == 2 and "enable_mhc_connections" in again.stderr, again.stderr[-3000:]
+    assert "--steps" not in again.stderr.split("cannot change in a resumed run:")[1]  # only the model differs
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "flops", "train"])
