@@ -169,6 +169,13 @@ def test_flops_of_standard_attention_by_hand():
     assert stats.forward == pytest.approx(br.forward, rel=1e-12)
 
 
+def test_standard_attention_needs_whole_heads():
+    with pytest.raises(
+        ValueError, match=r"hidden_size \(66\) must be divisible by num_attention_heads \(4\)"
+    ):
+        get_preset("tiny").replace(hidden_size=66).with_pattern("*E")
+
+
 def test_flops_and_params_refuse_uncounted_symbols():
     cfg = _tiny("W+E")  # MLA: counted neither analytically (a built model is counted) nor in FLOPs
     with pytest.raises(ValueError, match=re.escape("'+' (megatron-core's mla layer) is not counted")):

@@ -17,6 +17,7 @@ from typing import Any
 
 from dsv4_attention import LayerKind
 from hybrid_model.symbols import (
+    ATTENTION,
     MOE,
     SEQUENCE_MIXERS,
     ParsedPattern,
@@ -183,6 +184,12 @@ class DSv4ModelConfig:
                 f"hybrid_layer_pattern {parsed.pattern!r} has {mixers} blocks (sequence mixers) and "
                 f"{parsed.mtp_num_depths} MTP depth(s), but num_layers={self.num_layers} and "
                 f"num_nextn_predict_layers={self.num_nextn_predict_layers}; {fix}"
+            )
+        if ATTENTION in parsed.all_symbols and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"pattern {parsed.pattern!r} has standard attention '*', whose heads are hidden_size / "
+                f"num_attention_heads wide: hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
             )
         expected = mixer_ratios(parsed, self.csa_compress_ratio, self.hca_compress_ratio)
         if list(self.compress_ratios) != expected:
