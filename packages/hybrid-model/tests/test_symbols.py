@@ -1,5 +1,7 @@
 """C/H/W symbols, compress-ratio forms and pattern generation (upstream D4)."""
 
+import re
+
 import pytest
 
 from hybrid_model.symbols import (
@@ -55,17 +57,32 @@ def test_bad_ratios_rejected(ratios, msg):
         normalize_compress_ratios("WECE|HE/WE", ratios)
 
 
-def test_bad_patterns_rejected():
-    with pytest.raises(ValueError, match="mixes standard attention"):
-        parse_pattern("*ECE")
-    with pytest.raises(ValueError, match="'X' is not a layer symbol"):
-        parse_pattern("WXE")
-    with pytest.raises(ValueError, match="same pattern"):
-        parse_pattern("WE/WE/CE")
-    with pytest.raises(ValueError, match="cannot contain"):
-        parse_pattern("WE/W|E")
-    with pytest.raises(ValueError, match="empty pipeline segment"):
-        parse_pattern("WE||CE")
+@pytest.mark.parametrize(
+    "pattern, position, reason",
+    [
+        ("*ECE", 2, "standard attention '*' mixed with the MLA family"),
+        ("WXE", 1, "'X' is not a layer symbol"),
+        ("WE/WE/CE", 6, "differs from the first depth"),
+        ("WE/W|E", 4, "'|' inside an MTP depth"),
+        ("WE||CE", 3, "empty pipeline stage"),
+        ("WE/", 2, "empty MTP depth"),
+        ("/WE", 0, "has no layers"),
+    ],
+)
+def test_bad_patterns_point_at_the_character(pattern, position, reason):
+    from hybrid_model.symbols import PatternError
+
+    with pytest.raises(PatternError, match=re.escape(reason)) as info:
+        parse_pattern(pattern)
+    err = info.value
+    assert isinstance(err, ValueError) and err.position == position
+    lines = str(err).splitlines()
+    assert lines[0].startswith(f"invalid hybrid layer pattern at position {position + 1}:")
+    assert lines[1] == f"  {pattern}" and lines[2] == "  " + " " * position + "^"
+    assert "valid symbols: W window, C CSA, H HCA, E MoE, - dense MLP, * attention" in lines[3]
+
+
+def test_pattern_from_bad_ratio():
     with pytest.raises(ValueError, match="neither 0"):
         pattern_from_compress_ratios([0, 16], 2)
 

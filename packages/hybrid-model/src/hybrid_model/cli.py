@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from hybrid_model.model_flags import add_model_flags
+
 
 def _default(name: str) -> str:
     """``TrainConfig``'s default of field ``name`` for ``--help`` (flags default to ``None`` so that a ``--config``
@@ -140,6 +142,7 @@ def _train_parser(sub) -> None:
         type=_json_object,
         help=d("model_overrides", "JSON object of DSv4ModelConfig fields changed on the preset"),
     )
+    add_model_flags(p)
     p.add_argument("--steps", type=int, help=d("steps", "optimizer steps of the run"))
     _add_data_flags(p)
     p.add_argument(
@@ -333,11 +336,19 @@ def train_config_from_args(args):
     """The :class:`TrainConfig` of parsed ``dsv4 train`` arguments: the ``--config`` file (if any) with the flags
     given on the command line on top; flags left unset keep the file's or the dataclass's values. Flags that only
     apply in another mode are refused (``ValueError``) instead of being ignored."""
+    from hybrid_model.model_flags import overrides_from_args
     from hybrid_model.training.config import TrainConfig
 
+    model_flags = overrides_from_args(args)  # --pattern / --no-mhc: model_overrides entries
     flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config", "func") and v is not None}
+    if model_flags:
+        flags["model_overrides"] = {**flags.get("model_overrides", {}), **model_flags}
     flags = {k: None if v is _NULL else v for k, v in flags.items()}
     tc = TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
+    if "hybrid_layer_pattern" in tc.model_overrides:  # the pattern against --pp, before any process starts
+        from hybrid_model.training.setup import model_config_for
+
+        model_config_for(tc)
     if "cuda_graph_warmup_steps" in flags and not tc.cuda_graph:
         raise ValueError("--cuda-graph-warmup-steps only applies with --cuda-graph")
     if "eval_iters" in flags and not tc.eval_interval:
@@ -423,11 +434,23 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _model_config(args):
+    """The preset of ``dsv4 inspect|flops`` with ``--pattern`` / ``--no-mhc`` applied (the pattern's cuts decide
+    the pipeline stages)."""
+    from hybrid_model.model_flags import apply_model_overrides, overrides_from_args
+    from hybrid_model.presets import get_preset
+    from hybrid_model.symbols import parse_pattern
+
+    overrides = overrides_from_args(args)
+    pattern = overrides.get("hybrid_layer_pattern")
+    pp = len(parse_pattern(pattern).segments) if pattern else 1
+    return apply_model_overrides(get_preset(args.preset), overrides, pp=pp)
+
+
 def _cmd_inspect(args) -> int:
     from hybrid_model.params import analytic_param_counts
-    from hybrid_model.presets import get_preset
 
-    cfg = get_preset(args.preset)
+    cfg = _model_config(args)
     counts = analytic_param_counts(cfg)
     layers = [
         {
@@ -447,7 +470,13 @@ def _cmd_inspect(args) -> int:
         return 0
     print(f"preset {cfg.name}: pattern {cfg.layer_pattern}")
     for li in layers:
-        extra = f" ratio {li['compress_ratio']}" if li["symbol"] in "CHW" else f" router {li['router']}"
+        extra = (
+            f" ratio {li['compress_ratio']}"
+            if li["symbol"] in "CHW"
+            else f" router {li['router']}"
+            if li["router"]
+            else ""
+        )
         where = f"mtp depth {li['mtp_depth']}" if li["mtp_depth"] else f"stage {li['stage']}"
         print(f"  {li['index']:3d} {li['symbol']} {li['kind']:<7}{extra:<14} {where}")
     b = lambda n: f"{n / 1e9:,.4f} B"
@@ -462,9 +491,8 @@ def _cmd_inspect(args) -> int:
 
 def _cmd_flops(args) -> int:
     from hybrid_model.flops import forward_flops_sbhd, summarize_by_kind
-    from hybrid_model.presets import get_preset
 
-    cfg = get_preset(args.preset)
+    cfg = _model_config(args)
     br = forward_flops_sbhd(cfg, args.seq_len, args.batch, dense=args.dense)
     report = {
         "preset": cfg.name,
@@ -494,11 +522,13 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     p = sub.add_parser("inspect", help="layer pattern, per-layer kinds and parameter counts of a preset")
     p.add_argument("--preset", default="tiny")
+    add_model_flags(p)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("flops", help="FLOP breakdown of a preset at a sequence length")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
+    add_model_flags(p)
     p.add_argument(
         "--dense", action="store_true", help="dense-attention phase (CSA attends every visible entry)"
     )

@@ -17,10 +17,13 @@ from typing import Any
 
 from dsv4_attention import LayerKind
 from hybrid_model.symbols import (
+    ATTENTION,
     MOE,
+    SEQUENCE_MIXERS,
     ParsedPattern,
     hash_layer_numbers,
     layer_infos,
+    mixer_ratios,
     normalize_compress_ratios,
     parse_pattern,
     pattern_from_compress_ratios,
@@ -43,7 +46,9 @@ class DSv4ModelConfig:
 
     ``compress_ratios`` has ``num_layers + num_nextn_predict_layers`` entries (0 window, ``csa_compress_ratio``
     CSA, ``hca_compress_ratio`` HCA); ``pipeline_stages`` (int or blocks per stage) places the ``|`` cuts of the
-    derived pattern.
+    derived pattern. ``enable_mhc_connections`` (upstream's name; default on) wraps every layer in mHC with
+    ``hc_mult`` residual streams; off, every layer is a plain pre-norm residual sub-layer ``x + f(norm(x))`` on one
+    stream (no stream expansion, no HyperHead; ablations and non-mHC checkpoints).
     """
 
     vocab_size: int = 129280
@@ -67,6 +72,7 @@ class DSv4ModelConfig:
     index_head_dim: int = 128
     index_topk: int = 512
     hc_mult: int = 4
+    enable_mhc_connections: bool = True
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
     rms_norm_eps: float = 1e-6
@@ -86,6 +92,10 @@ class DSv4ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        if not isinstance(self.enable_mhc_connections, bool):
+            raise ValueError(
+                f"enable_mhc_connections must be true or false, got {self.enable_mhc_connections!r}"
+            )
         if isinstance(self.pipeline_stages, list):
             object.__setattr__(self, "pipeline_stages", tuple(self.pipeline_stages))
         if isinstance(self.yarn, dict):
@@ -139,27 +149,71 @@ class DSv4ModelConfig:
             raise ValueError(f"n_shared_experts must be 0 or 1, got {self.n_shared_experts}")
         if self.scoring_func != "sqrtsoftplus":
             raise ValueError(f"scoring_func must be 'sqrtsoftplus' for DSv4, got {self.scoring_func!r}")
-        n_total = self.num_layers + self.num_nextn_predict_layers
-        if len(self.compress_ratios) != n_total:
-            raise ValueError(
-                f"compress_ratios has {len(self.compress_ratios)} entries; need num_layers + "
-                f"num_nextn_predict_layers = {n_total} (MTP blocks last)"
-            )
         if not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
             raise ValueError(
                 f"mtp_loss_weight must be a finite number >= 0 (spec §8: 0.3, then 0.1), got {self.mtp_loss_weight}"
             )
-        if self.num_nextn_predict_layers and self.compress_ratios[self.num_layers] != 0:
-            raise ValueError("the MTP block is window-only in DSv4: its compress_ratios entry must be 0")
-        derived = self._derived_pattern()
-        parsed = parse_pattern(derived if self.hybrid_layer_pattern is None else self.hybrid_layer_pattern)
-        if self.hybrid_layer_pattern is not None and parsed.all_symbols != parse_pattern(derived).all_symbols:
-            raise ValueError(
-                f"hybrid_layer_pattern {self.hybrid_layer_pattern!r} disagrees with compress_ratios "
-                f"(which give {derived!r})"
-            )
+        if self.hybrid_layer_pattern is not None:
+            parsed = self._check_explicit_pattern()
+        else:
+            n_total = self.num_layers + self.num_nextn_predict_layers
+            if len(self.compress_ratios) != n_total:
+                raise ValueError(
+                    f"compress_ratios has {len(self.compress_ratios)} entries; need num_layers + "
+                    f"num_nextn_predict_layers = {n_total} (MTP blocks last)"
+                )
+            if self.num_nextn_predict_layers and self.compress_ratios[self.num_layers] != 0:
+                raise ValueError("the MTP block is window-only in DSv4: its compress_ratios entry must be 0")
+            parsed = parse_pattern(self._derived_pattern())
         hash_layer_numbers(parsed, self.num_hash_layers)  # validates placement
         _PARSED_PATTERNS[self] = parsed  # the one parse of this config
+
+    def _check_explicit_pattern(self) -> ParsedPattern:
+        """An explicit ``hybrid_layer_pattern`` decides the layers; the counts must describe the same model:
+        ``num_layers`` = sequence mixers of the main part, ``num_nextn_predict_layers`` = MTP depths,
+        ``compress_ratios`` = one ratio per sequence mixer (:func:`~hybrid_model.symbols.mixer_ratios`)."""
+        parsed = parse_pattern(self.hybrid_layer_pattern)
+        fix = "build the config with DSv4ModelConfig.with_pattern(pattern), which derives them"
+        mixers = sum(s in SEQUENCE_MIXERS for s in parsed.main)
+        if mixers == 0:
+            raise ValueError(
+                f"hybrid_layer_pattern {parsed.pattern!r} has no sequence mixer (C H W * + D G M) in its main part"
+            )
+        if self.num_layers != mixers or self.num_nextn_predict_layers != parsed.mtp_num_depths:
+            raise ValueError(
+                f"hybrid_layer_pattern {parsed.pattern!r} has {mixers} blocks (sequence mixers) and "
+                f"{parsed.mtp_num_depths} MTP depth(s), but num_layers={self.num_layers} and "
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers}; {fix}"
+            )
+        if ATTENTION in parsed.all_symbols and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"pattern {parsed.pattern!r} has standard attention '*', whose heads are hidden_size / "
+                f"num_attention_heads wide: hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        expected = mixer_ratios(parsed, self.csa_compress_ratio, self.hca_compress_ratio)
+        if list(self.compress_ratios) != expected:
+            raise ValueError(
+                f"hybrid_layer_pattern {parsed.pattern!r} disagrees with compress_ratios {list(self.compress_ratios)} "
+                f"(the pattern's blocks give {expected}); {fix}"
+            )
+        return parsed
+
+    def with_pattern(self, pattern: str) -> DSv4ModelConfig:
+        """A copy that builds ``pattern`` (every symbol of :mod:`hybrid_model.symbols`), with ``num_layers``,
+        ``num_nextn_predict_layers`` and ``compress_ratios`` derived from it and ``num_hash_layers`` capped at the
+        ``E`` layers of the first pipeline stage (hash routing needs the stage holding ``input_ids``)."""
+        parsed = parse_pattern(pattern)
+        first_stage_moe = parsed.segments[0].count(MOE)
+        return dataclasses.replace(
+            self,
+            hybrid_layer_pattern=pattern,
+            num_layers=sum(s in SEQUENCE_MIXERS for s in parsed.main),
+            num_nextn_predict_layers=parsed.mtp_num_depths,
+            compress_ratios=tuple(mixer_ratios(parsed, self.csa_compress_ratio, self.hca_compress_ratio)),
+            num_hash_layers=min(self.num_hash_layers, first_stage_moe),
+            pipeline_stages=1,
+        )
 
     def _derived_pattern(self) -> str:
         return pattern_from_compress_ratios(
@@ -187,7 +241,7 @@ class DSv4ModelConfig:
                 if self.hybrid_layer_pattern is not None
                 else self._derived_pattern()
             )
-            parsed = _PARSED_PATTERNS[self] = parse_pattern(source)
+            parsed = _PARSED_PATTERNS[self] = parse_pattern(source)  # pragma: no cover (set in __post_init__)
         return parsed
 
     @property
@@ -210,6 +264,11 @@ class DSv4ModelConfig:
             csa_ratio=self.csa_compress_ratio,
             hca_ratio=self.hca_compress_ratio,
         )
+
+    @property
+    def num_streams(self) -> int:
+        """Residual streams between layers: ``hc_mult`` with mHC, 1 (a plain residual) without."""
+        return self.hc_mult if self.enable_mhc_connections else 1
 
     @property
     def num_moe_layers(self) -> int:

@@ -9,8 +9,11 @@ and the compressor's per-channel pooling are below 1% and left out). Per token (
     indexer      2·(d_c·n_I·c_I + d·n_I) + 2·2·(2c_I)·d
     mHC          2·n·d·(2+n)·n (coefficients) + 2·n·d (collapse) + 2·n·d + 2·n²·d (post + combᵀ mix)
     MoE          2·d·E (router) + (K + shared)·2·3·d·f
+    dense MLP -  2·3·d·f
+    attention *  2·(3·d·d + d·d) (QKV, output; n_h heads of d/n_h dims) + 4·d per causal (query, key) pair
     head         2·d·V  (+ HyperHead 2·n·d·n + 2·n·d)
     MTP          2·d·d (e_proj) + n·2·d·d (h_proj per stream) + its block + HyperHead + head
+    mHC off      no mHC / HyperHead terms, n = 1
 
 Attention cores cost ``4·n_h·c`` per (query, key) pair (``q·k`` and ``p·v``) and the indexer ``2·n_I·c_I + 2·n_I``
 per (query, visible compressed entry) pair. For a document of length ``L`` (query ``t = 0..L-1``):
@@ -35,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import MOE, attention_kind
+from hybrid_model.symbols import ATTENTION, KIND_NAMES, MLP, MOE, attention_kind
 
 
 # ----------------------------------------------------------------------------------------- pair counts
@@ -81,11 +84,15 @@ def _indexer_linear(cfg: DSv4ModelConfig) -> int:
 
 
 def _mhc(cfg: DSv4ModelConfig) -> int:
+    if not cfg.enable_mhc_connections:  # plain residual: an add (not a matrix product)
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return 2 * n * d * (2 + n) * n + 2 * n * d + 2 * n * d + 2 * n * n * d
 
 
 def _hyper_head(cfg: DSv4ModelConfig) -> int:
+    if not cfg.enable_mhc_connections:
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return 2 * n * d * n + 2 * n * d
 
@@ -93,6 +100,22 @@ def _hyper_head(cfg: DSv4ModelConfig) -> int:
 def _moe(cfg: DSv4ModelConfig) -> int:
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
     return 2 * d * cfg.n_routed_experts + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 2 * 3 * d * f
+
+
+def _dense_mlp(cfg: DSv4ModelConfig) -> int:
+    """``-``: SwiGLU MLP of width ``f = moe_intermediate_size`` (fc1 ``d -> 2f``, fc2 ``f -> d``)."""
+    return 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def _standard_core_per_pair(cfg: DSv4ModelConfig) -> int:
+    """``*``: ``q·k`` and ``p·v`` over ``n_h`` heads of ``d / n_h`` dims = ``4·d`` per (query, key) pair."""
+    return 4 * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _standard_layers(cfg: DSv4ModelConfig) -> list[str]:
+    """The component prefix of every ``*`` layer (main, then each MTP depth)."""
+    p = cfg.parsed_pattern
+    return [""] * p.main.count(ATTENTION) + ["mtp."] * (p.mtp_pattern.count(ATTENTION) * p.mtp_num_depths)
 
 
 @dataclass
@@ -146,14 +169,22 @@ def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) ->
                 br.add(prefix + "attention.indexer", _indexer_linear(cfg) * tokens)
         elif symbol == MOE:
             br.add(prefix + "moe", _moe(cfg) * tokens)
+        elif symbol == MLP:
+            br.add(prefix + "mlp", _dense_mlp(cfg) * tokens)
+        elif symbol == ATTENTION:
+            br.add(prefix + "attention.projections", 8 * cfg.hidden_size * cfg.hidden_size * tokens)
         else:
-            raise ValueError(f"FLOP accounting supports DSv4 patterns (C/H/W/E), got {symbol!r}")
-        br.add(prefix + "mhc", _mhc(cfg) * tokens)
+            raise ValueError(
+                f"FLOP accounting covers the symbols C H W E - * ; {symbol!r} (megatron-core's "
+                f"{KIND_NAMES[symbol]} layer) is not counted: use a pattern without it"
+            )
+        if cfg.enable_mhc_connections:
+            br.add(prefix + "mhc", _mhc(cfg) * tokens)
 
     for s in p.main:
         layer(s, "")
     br.add("head", (2 * cfg.hidden_size * cfg.vocab_size + _hyper_head(cfg)) * tokens)
-    d, n = cfg.hidden_size, cfg.hc_mult
+    d, n = cfg.hidden_size, cfg.num_streams
     for _ in range(p.mtp_num_depths):
         br.add("mtp.projections", (2 * d * d + n * 2 * d * d) * tokens)
         for s in p.mtp_pattern:
@@ -188,6 +219,9 @@ def forward_flops(cfg: DSv4ModelConfig, lengths: Sequence[int], *, dense: bool =
     csa = sum((visible_entries_sum(L, m) if dense else selected_entries_sum(L, m, k)) for L in lengths)
     hca = sum(visible_entries_sum(L, mh) for L in lengths)
     idx = sum(visible_entries_sum(L, m) for L in lengths)
+    causal = sum(L * (L + 1) // 2 for L in lengths)
+    for prefix in _standard_layers(cfg):
+        br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * causal)
     for kind, prefix in _kinds_with_prefix(cfg):
         br.add(prefix + "attention.window_core", _core_per_pair(cfg) * win)
         if kind is LayerKind.CSA:
@@ -220,6 +254,8 @@ def forward_flops_from_stats(
         LayerKind.HCA.compress_ratio,
     )  # = cfg.csa/hca_compress_ratio (validated)
     k, W = cfg.index_topk, cfg.sliding_window
+    for prefix in _standard_layers(cfg):  # Σ_t (t + 1) = (Σ len² + Σ len) / 2, exact
+        br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * (sum_len_sq + sum_len) / 2)
     for kind, prefix in _kinds_with_prefix(cfg):
         br.add(prefix + "attention.window_core", _core_per_pair(cfg) * W * sum_len)
         if kind is LayerKind.CSA:

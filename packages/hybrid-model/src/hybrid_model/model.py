@@ -8,8 +8,9 @@ Dataflow (spec §1.1, §8)::
     logits = h @ head.T                    [b, s, V]      (without labels)
     loss_t = lse(h_t head^T) - (h_t head^T)[y_t]  [b, s]  (with labels: dsv4-primitives' linear_cross_entropy,
                                                            the [s, b, V] logits never materialised)
-    MTP (last stage): DSv4MultiTokenPrediction(X, Embed(ids rolled left)) -> shared head -> loss on t+2,
-                      weight ``mtp_loss_weight``, attached to h with megatron's ``MTPLossAutoScaler``
+    MTP (last stage): depth k = DSv4MultiTokenPrediction(X_{k-1}, Embed(ids rolled left k)) -> shared head ->
+                      loss on t+k+1; weight ``mtp_loss_weight / D`` per depth (D depths), attached to h with
+                      megatron's ``MTPLossAutoScaler``
 
 Construction goes through ``HybridModel.__init__`` (embedding, pipeline segment selection, decoder from the stack
 spec, output layer); the main pattern (``|`` cuts included, MTP part removed) is what megatron parses, after
@@ -80,6 +81,13 @@ class DSv4Model(HybridModel):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         parsed = model_config.parsed_pattern
+        pp_size = pg_collection.pp.size() if getattr(pg_collection, "pp", None) is not None else 1
+        stages = pp_size * (config.virtual_pipeline_model_parallel_size or 1)
+        if len(parsed.segments) > 1 and len(parsed.segments) != stages:
+            raise ValueError(
+                f"pattern {parsed.pattern!r} has {len(parsed.segments)} '|'-separated pipeline segments but the model "
+                f"runs on {stages} pipeline stage(s) (PP x VPP): give one segment per stage"
+            )
         if stack_spec is None:
             stack_spec = dsv4_stack_spec(model_config, backend)(config)
         elif callable(stack_spec) and not hasattr(stack_spec, "submodules"):
@@ -105,11 +113,6 @@ class DSv4Model(HybridModel):
         if self.mtp_process:
             from hybrid_model.mtp import DSv4MultiTokenPrediction
 
-            if parsed.mtp_num_depths != 1 or parsed.mtp_pattern != "WE":
-                raise ValueError(
-                    f"DSv4 MTP is one window-only depth ('/WE'); pattern {model_config.layer_pattern!r} has "
-                    f"{parsed.mtp_num_depths} depth(s) of {parsed.mtp_pattern!r}"
-                )
             if not hasattr(self, "embedding"):
                 self.embedding = LanguageModelEmbedding(
                     config=config,
@@ -119,10 +122,21 @@ class DSv4Model(HybridModel):
                     tp_group=self.pg_collection.tp,
                 )
             subs = dsv4_stack_submodules(model_config, backend, is_mtp=True)
-            self.mtp = DSv4MultiTokenPrediction(config, subs, mhc_config(model_config), self.pg_collection)
+            self.mtp = DSv4MultiTokenPrediction(
+                config,
+                subs,
+                mhc_config(model_config),
+                self.pg_collection,
+                pattern=parsed.mtp_pattern,
+                num_depths=parsed.mtp_num_depths,
+                enable_mhc=model_config.enable_mhc_connections,
+            )
         self._deferring_embedding_setup = False
         self.setup_embeddings_and_output_layer()
-        self.last_mtp_loss: torch.Tensor | None = None
+        self.last_mtp_loss: torch.Tensor | None = None  # mean over the depths of the last training forward
+        self.last_mtp_losses: list[
+            torch.Tensor
+        ] = []  # one per depth (metrics ``mtp_loss_1``, ``mtp_loss_2``, ...)
         self._step_state = StepState(
             bool(getattr(config, "csa_dense_mode", False)), float(config.mtp_loss_scaling_factor or 0.0)
         )
@@ -226,29 +240,38 @@ class DSv4Model(HybridModel):
     def mtp_logits(
         self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None, router_cu=None
     ):
-        """MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``). ``router_cu``:
+        """Depth-1 MTP logits ``[s, b, V]`` from the main streams (position ``t`` predicts token ``t+2``). ``router_cu``:
         the pack's :func:`~hybrid_model.mtp.router_cu_seqlens` when the caller already has them."""
-        h = self.mtp_hidden(streams, input_ids, position_ids, packed_seq_params, padding_mask, router_cu)
+        h = self.mtp_hidden(streams, input_ids, position_ids, packed_seq_params, padding_mask, router_cu)[0]
         logits, _ = self.output_layer(h)
         return logits
 
     def mtp_hidden(
         self, streams, input_ids, position_ids=None, packed_seq_params=None, padding_mask=None, router_cu=None
-    ):
-        """The MTP depth's final hidden states ``[s, b, d]`` (the shared head's input; see :meth:`mtp_logits`)."""
+    ) -> list[torch.Tensor]:
+        """Every MTP depth's final hidden states ``[s, b, d]`` (the shared head's input), depth 1 first. Depth ``k``
+        embeds the ids rolled left ``k`` times (0 past each document's end) and reads depth ``k - 1``'s streams."""
         from hybrid_model.mtp import mtp_roll_left, router_cu_seqlens
 
         cp = self.context_parallel_group
-        next_ids = mtp_roll_left(
-            input_ids, packed_seq_params, cp
-        )  # token t+1 at t (0 at each document's end)
-        e = self.embedding(input_ids=next_ids, position_ids=position_ids)  # [s, b, d]
         if router_cu is None:
-            router_cu = router_cu_seqlens(packed_seq_params, next_ids.shape[-1], cp)
-        self.mtp.block[1].inner_layer.mlp.set_input_ids(next_ids, router_cu)
-        return self.mtp(
-            streams, e, attention_mask=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask
-        )  # [s, b, d]
+            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
+        out, ids = [], input_ids
+        for depth in self.mtp.depths():
+            ids = mtp_roll_left(ids, packed_seq_params, cp)  # token t+k at t (CP: across rank edges)
+            e = self.embedding(input_ids=ids, position_ids=position_ids)  # [s, b, d]
+            for moe in depth.moe_layers():
+                moe.set_input_ids(ids, router_cu)
+            h, streams = depth(
+                streams,
+                e,
+                return_streams=True,
+                attention_mask=None,
+                packed_seq_params=packed_seq_params,
+                padding_mask=padding_mask,
+            )  # [s, b, d], [s, b, n, d]
+            out.append(h)
+        return out
 
     def _attach_mtp_loss(
         self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask, router_cu
@@ -257,25 +280,30 @@ class DSv4Model(HybridModel):
         from hybrid_model.mtp import mtp_roll_left
 
         cp = self.context_parallel_group
-        h = self.mtp_hidden(streams, input_ids, position_ids, psp, padding_mask, router_cu)  # [s, b, d]
-        mtp_labels = mtp_roll_left(labels, psp, cp)  # labels[t] = ids[t+1] -> mtp_labels[t] = ids[t+2]
+        hs = self.mtp_hidden(streams, input_ids, position_ids, psp, padding_mask, router_cu)  # D x [s, b, d]
+        mtp_labels = labels
         mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask.float()
-        mask = mtp_roll_left(mask, psp, cp)  # a document's last position has no t+2
-        if self._fused_head():
-            per_token = self.head_loss(h, mtp_labels)  # [b, s]
-        else:
-            logits, _ = self.output_layer(h)  # [s, b, V]
-            per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
-        # under CP: this rank's partial (its rows' sum over the CP group's token count; the partials add up to the
-        # CP=1 loss). megatron scales the main and MoE losses by the CP size (its DDP averages gradients over
-        # DP x CP), not the MTP loss: scale it here so that CP=P gradients equal CP=1 gradients
-        num = cp_token_count(mask, cp).clamp(min=1.0)
-        mtp_loss = (per_token * mask).sum() / num
-        self.last_mtp_loss = mtp_loss.detach()
-        scale = self._step_state.mtp_loss_weight / (self.config.mtp_num_layers or 1)
+        losses = []
+        for h in hs:
+            mtp_labels = mtp_roll_left(mtp_labels, psp, cp)  # depth k: labels[t] = ids[t+1] -> ids[t+1+k]
+            mask = mtp_roll_left(mask, psp, cp)  # a document's last k positions have no target
+            if self._fused_head():
+                per_token = self.head_loss(h, mtp_labels)  # [b, s]
+            else:
+                logits, _ = self.output_layer(h)  # [s, b, V]
+                per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
+            # under CP: this rank's partial (its rows' sum over the CP group's token count; the partials add up
+            # to the CP=1 loss)
+            losses.append((per_token * mask).sum() / cp_token_count(mask, cp).clamp(min=1.0))
+        self.last_mtp_losses = [x.detach() for x in losses]
+        self.last_mtp_loss = torch.stack(self.last_mtp_losses).mean()
+        # megatron's scaling: mtp_loss_scaling_factor / mtp_num_layers per depth. megatron scales the main and MoE
+        # losses by the CP size (its DDP averages gradients over DP x CP), not the MTP loss: scale it here so that
+        # CP=P gradients equal CP=1 gradients
+        scale = self._step_state.mtp_loss_weight / len(losses)
         if cp is not None:
             scale = scale * cp.size()
-        return MTPLossAutoScaler.apply(hidden, scale * mtp_loss)
+        return MTPLossAutoScaler.apply(hidden, scale * torch.stack(losses).sum())
 
     @property
     def context_parallel_group(self):

@@ -1,4 +1,4 @@
-"""DSv4 multi-token prediction (spec §8): one depth, adapted to mHC.
+"""DSv4 multi-token prediction (spec §8), adapted to mHC; ``D >= 1`` chained depths (pattern ``main/WE/WE``).
 
     X_L [s, b, n, d]  main streams before the HyperHead;   e = Embed(ids rolled left by one)   [s, b, d]
     Xm  = h_proj(RMSNorm_hnorm(X_L))  +  e_proj(RMSNorm_enorm(e))[:, :, None]                 [s, b, n, d]
@@ -6,7 +6,11 @@
     h   = RMSNorm_norm(HyperHead_mtp(Xm))                                                     [s, b, d]
     logits_mtp = h @ head.weight.T (shared head);   position t predicts token t+2 (last positions masked)
 
-The depth's layers take ``layer_number`` = the depth (1) with ``is_mtp_layer=True``, so routers and the indexer-loss
+Depth ``k`` (1-based) reads the streams of depth ``k - 1`` (depth 1: the main streams) and the embedding of the ids
+rolled left by ``k``; its position ``t`` predicts token ``t + k + 1``. Each depth's layers follow the MTP part of the
+pattern (``WE`` in DSv4; any symbols but hash routing, which is never used in MTP layers).
+
+The depth's layers take ``layer_number`` = the depth ``k`` with ``is_mtp_layer=True``, so routers and the indexer-loss
 tracker put them in the MTP slots after the main layers (upstream P4's per-depth metric slots).
 """
 
@@ -14,12 +18,11 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
 from dsv4_primitives import RMSNorm
+from hybrid_model.layers import build_hybrid_layer
 from mhc import HyperHead
-from mhc.megatron import HyperConnectionLayer
 from thd_packing import roll_left, roll_left_contiguous_cp
 
 
@@ -85,11 +88,22 @@ def router_cu_seqlens(packed_seq_params, num_tokens: int, cp_group=None) -> torc
 class DSv4MultiTokenPrediction(MegatronModule):
     """One DSv4 MTP depth (``mtp.*`` parameters). ``forward(streams, next_embedding, **layer_kwargs) -> h [s, b, d]``."""
 
-    def __init__(self, config, submodules, mhc, pg_collection, depth: int = 1) -> None:
+    def __init__(
+        self,
+        config,
+        submodules,
+        mhc,
+        pg_collection,
+        depth: int = 1,
+        pattern: str = "WE",
+        num_depths: int = 1,
+        enable_mhc: bool = True,
+    ) -> None:
         super().__init__(config=config)
         d = config.hidden_size
         self.mhc_config = mhc
         self.depth = depth
+        self.pattern = pattern
         eps = config.layernorm_epsilon
         self.enorm = RMSNorm(d, eps=eps, config=config)
         self.hnorm = RMSNorm(d, eps=eps, config=config)
@@ -98,21 +112,38 @@ class DSv4MultiTokenPrediction(MegatronModule):
         if config.perform_initialization:
             config.init_method(self.e_proj.weight)
             config.init_method(self.h_proj.weight)
-        layers = []
-        for spec in (submodules.window_layer, submodules.moe_layer):
-            inner = build_module(
-                spec,
-                config=config,
+        self.block = nn.ModuleList(  # one mHC-wrapped layer per symbol of the depth's pattern (DSv4: W, E)
+            build_hybrid_layer(
+                symbol,
+                submodules,
+                config,
                 layer_number=depth,
                 pg_collection=pg_collection,
                 is_mtp_layer=True,
-                add_layer_offset=False,
+                pp_layer_offset=0,
+                hashed=False,  # hash routing is never used in MTP layers
+                mhc=mhc,
+                plain_residual=not enable_mhc,
             )
-            layers.append(HyperConnectionLayer(config, inner, mhc=mhc))
-        self.block = nn.ModuleList(layers)  # [window attention layer, MoE layer]
-        self.hyper_head = HyperHead(mhc)
+            for symbol in pattern
+        )
+        if enable_mhc:
+            self.hyper_head = HyperHead(mhc)
+        else:
+            from hybrid_model.residual import SingleStreamHead
+
+            self.hyper_head = SingleStreamHead()
         self.norm = RMSNorm(d, eps=eps, config=config)
         self.tp_group = pg_collection.tp
+        # depth k + 1 reads this depth's streams (spec §8 / DeepSeek-V3 MTP chaining); its parameters are
+        # ``mtp.next_depth.*`` so that depth 1 keeps the ``mtp.*`` names of a one-depth model
+        self.next_depth = (
+            DSv4MultiTokenPrediction(
+                config, submodules, mhc, pg_collection, depth + 1, pattern, num_depths, enable_mhc
+            )
+            if depth < num_depths
+            else None
+        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """megatron's default treats the plain ``nn.ModuleList`` :attr:`block` as replicated tensors, which loses
@@ -121,6 +152,9 @@ class DSv4MultiTokenPrediction(MegatronModule):
 
         out = {}
         for name, child in self.named_children():
+            if name == "next_depth":
+                out.update(child.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+                continue
             subs = (
                 [(f"{name}.{i}.", m) for i, m in enumerate(child)]
                 if name == "block"
@@ -143,7 +177,27 @@ class DSv4MultiTokenPrediction(MegatronModule):
         none of those (its layers are :attr:`block`)."""
         return ()
 
-    def forward(self, streams: torch.Tensor, next_embedding: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+    def depths(self) -> list[DSv4MultiTokenPrediction]:
+        """This depth and the ones after it (``[depth 1, depth 2, ...]`` on the model's ``mtp``)."""
+        return [self] + (self.next_depth.depths() if self.next_depth is not None else [])
+
+    def moe_layers(self) -> list:
+        """The ``DSv4MoELayer`` of every ``E`` layer of this depth (not of the next ones)."""
+        from hash_moe.megatron import DSv4MoELayer
+
+        mlps = (getattr(layer.inner_layer, "mlp", None) for layer in self.block)
+        return [mlp for mlp in mlps if isinstance(mlp, DSv4MoELayer)]
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        next_embedding: torch.Tensor,
+        *,
+        return_streams: bool = False,
+        **layer_kwargs,
+    ):
+        """``streams [s, b, n, d]`` (main streams, or the previous depth's), ``next_embedding [s, b, d]`` -> this
+        depth's ``h [s, b, d]`` (and its streams ``[s, b, n, d]`` for the next depth with ``return_streams``)."""
         s, b, n, d = streams.shape  # [s, b, n, d]
         e = self.e_proj(self.enorm(next_embedding))  # [s, b, d]
         h = self.h_proj(self.hnorm(streams).to(self.h_proj.weight.dtype))  # [s, b, n, d]
@@ -151,4 +205,5 @@ class DSv4MultiTokenPrediction(MegatronModule):
         for layer in self.block:
             x, _ = layer(x, **layer_kwargs)
         out_dtype = torch.bfloat16 if self.config.bf16 else None
-        return self.norm(self.hyper_head(x.view(s, b, n, d), out_dtype=out_dtype))  # [s, b, d]
+        h = self.norm(self.hyper_head(x.view(s, b, n, d), out_dtype=out_dtype))  # [s, b, d]
+        return (h, x.view(s, b, n, d)) if return_streams else h

@@ -8,8 +8,10 @@ groups/rank, ``n_I``/``c_I`` indexer heads/dim, ``n`` mHC streams, ``E``/``K`` e
     indexer        = n_I·c_I·d_c + n_I·d + 2·(2c_I·d) + m·2c_I + c_I
     mHC (per sub-layer) = (2+n)·n·(n·d) + (2+n)·n + 3
     MoE            = E·d (gate) [+ E bias, learned layers] + E·3·d·f (routed) + 3·d·f (shared)
+    dense MLP (-)  = 3·d·f + d (norm)          attention (*) = 4·d² + d (QKV, output; norm)
     model          = 2·V·d (embedding, head; untied) + d (norm) + n·n·d + n + 1 (HyperHead)
     MTP            = 2·d² (e_proj, h_proj) + 3·d (enorm, hnorm, norm) + HyperHead + window block
+    mHC off        : no mHC and no HyperHead terms (plain residual, one stream)
 
 ``activated`` replaces ``E`` by ``K`` routed experts per MoE layer (embedding and head included, as in §9.3).
 """
@@ -24,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import MOE, attention_kind
+from hybrid_model.symbols import ATTENTION, KIND_NAMES, MLP, MOE, attention_kind
 
 
 @dataclass
@@ -79,12 +81,17 @@ def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, i
 
 
 def mhc_params(cfg: DSv4ModelConfig) -> int:
-    """One mHC instance (``fn``, ``base``, ``scale``) around one sub-layer."""
+    """One mHC instance (``fn``, ``base``, ``scale``) around one sub-layer (0 with mHC off)."""
+    if not cfg.enable_mhc_connections:
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return (2 + n) * n * n * d + (2 + n) * n + 3
 
 
 def hyper_head_params(cfg: DSv4ModelConfig) -> int:
+    """The HyperHead collapsing the streams (0 with mHC off: one stream, no head)."""
+    if not cfg.enable_mhc_connections:
+        return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return n * n * d + n + 1
 
@@ -135,9 +142,23 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
                 add(prefix + k, v)
             total = sum(parts.values())
             act = total - parts["moe.routed_experts"] + cfg.num_experts_per_tok * one_expert_params(cfg)
+        elif symbol in (MLP, ATTENTION):
+            # -: SwiGLU MLP d -> 2f -> d; *: QKV d -> 3d and output d -> d (n_h heads of d/n_h dims), no biases
+            key, n_lin = (
+                ("mlp", one_expert_params(cfg)) if symbol == MLP else ("attention.projections", 4 * d * d)
+            )
+            add(prefix + key, n_lin)
+            add(prefix + "norms", d)
+            att = n_lin if symbol == ATTENTION else 0
+            total = act = n_lin + d
         else:
-            raise ValueError(f"parameter counting supports DSv4 patterns (C/H/W/E), got symbol {symbol!r}")
-        add(prefix + "mhc", mhc_params(cfg))
+            raise ValueError(
+                f"parameter counting covers the symbols C H W E - * ; {symbol!r} (megatron-core's "
+                f"{KIND_NAMES[symbol]} layer) is not counted analytically: count a built model "
+                "(count_model_params / build_meta_model)"
+            )
+        if cfg.enable_mhc_connections:
+            add(prefix + "mhc", mhc_params(cfg))
         return total + mhc_params(cfg), act + mhc_params(cfg), att
 
     for i, s in enumerate(p.main):

@@ -10,6 +10,9 @@ symbol   hybrid layer (every one wrapped by mHC, :class:`mhc.megatron.HyperConne
 ``H``    the same of ``LayerKind.HCA`` (ratio ``m'`` = 128)
 ``E``    ``TransformerLayer`` (RMSNorm ``ffn_norm`` + ``DSv4MoELayer``): hash router for the first
          ``num_hash_layers`` MoE layers, learned sqrt-softplus top-k elsewhere
+``-``    ``TransformerLayer`` (RMSNorm + megatron's dense SwiGLU ``MLP``)
+``*``    standard attention (:mod:`hybrid_model.standard_attention`); ``+ D G M``: megatron-core's own
+         layer specs (they need transformer-engine, and ``fla`` / ``mamba_ssm``; :mod:`hybrid_model.layers`)
 =======  ==========================================================================================
 
 Linear layers come from megatron-core's local provider on CPU and from transformer-engine's when the ``gpu`` extra
@@ -151,12 +154,13 @@ def transformer_config(
 
 
 def mhc_config(cfg: DSv4ModelConfig, stream_dtype: torch.dtype = torch.float32):
-    """The :class:`mhc.MHCConfig` of every mHC instance of the model."""
+    """The :class:`mhc.MHCConfig` of every mHC instance of the model (with mHC off: the one plain residual stream,
+    whose ``stream_dtype`` the stack and the pipeline buffers keep)."""
     from mhc import MHCConfig
 
     return MHCConfig(
         hidden_size=cfg.hidden_size,
-        num_streams=cfg.hc_mult,
+        num_streams=cfg.num_streams,  # 1 with mHC off: the plain residual stream
         sinkhorn_iters=cfg.hc_sinkhorn_iters,
         norm_eps=cfg.rms_norm_eps,
         hc_eps=cfg.hc_eps,
@@ -174,6 +178,17 @@ class DSv4StackSubmodules:
     moe_layer: Any = None
     hash_moe_layer: Any = None
     mtp_block_spec: Any = None
+    mlp_layer: Any = None
+    #: specs of the other megatron symbols present in the pattern (``*``, ``+``, ``D``, ``G``, ``M``)
+    symbol_layers: dict = dataclasses.field(default_factory=dict)
+
+    def symbol_layer(self, symbol: str):
+        """The layer spec of a ``*``/``+``/``D``/``G``/``M`` symbol (built for the symbols of the pattern)."""
+        if symbol not in self.symbol_layers:
+            raise ValueError(
+                f"the stack spec has no layer for symbol {symbol!r} (it is not in the model's pattern)"
+            )
+        return self.symbol_layers[symbol]
 
     def attention_layer(self, kind):
         """The layer spec of a :class:`dsv4_attention.LayerKind`."""
@@ -206,9 +221,21 @@ def moe_layer_spec(*, hash_routing: bool, vocab_size: int | None = None, tid2eid
 
 
 def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = False) -> DSv4StackSubmodules:
-    """Specs of the four DSv4 layer kinds (C/H/W attention, learned and hash ``E``)."""
+    """Specs of the DSv4 layer kinds (C/H/W attention, learned and hash ``E``, dense ``-``) and of the other megatron
+    symbols of the pattern (``* + D G M``; :mod:`hybrid_model.layers`). Raises ``ImportError`` naming the missing
+    package when a symbol of the pattern needs one."""
     from dsv4_attention import LayerKind
     from dsv4_attention.megatron import get_dsv4_layer_spec
+    from hybrid_model.layers import (
+        attention_layer_spec,
+        megatron_layer_spec,
+        mlp_layer_spec,
+        require_symbol_dependencies,
+    )
+    from hybrid_model.symbols import ATTENTION
+
+    symbols = set(cfg.parsed_pattern.all_symbols)
+    require_symbol_dependencies("".join(symbols))
 
     backend = backend if backend is not None else select_backend()
     hash_spec = None
@@ -228,6 +255,11 @@ def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = 
         hca_layer=get_dsv4_layer_spec(LayerKind.HCA, backend, is_mtp_layer=is_mtp),
         moe_layer=moe_layer_spec(hash_routing=False),
         hash_moe_layer=hash_spec,
+        mlp_layer=mlp_layer_spec(backend),
+        symbol_layers={
+            s: attention_layer_spec(cfg, backend) if s == ATTENTION else megatron_layer_spec(s)
+            for s in sorted(symbols & set("*+DGM"))
+        },
     )
 
 

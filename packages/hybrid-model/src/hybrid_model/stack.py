@@ -1,6 +1,7 @@
 """``DSv4HybridStack``: the mHC hybrid stack with the DSv4 symbols ``C``/``H``/``W`` and hash-routed ``E`` layers.
 
-megatron-core 0.19.2's ``HybridStack`` knows neither C/H/W nor hash MoE; this stack builds those layers itself
+megatron-core 0.19.2's ``HybridStack`` knows neither C/H/W nor hash MoE; this stack builds every layer itself
+(:func:`hybrid_model.layers.build_hybrid_layer`: C/H/W/E, megatron's ``- * + D G M``)
 (``layer_number = i + 1 + pp_layer_offset``, counting every symbol, as ``HybridStack`` does), wraps every layer in
 :class:`mhc.megatron.HyperConnectionLayer`, expands the embedding into ``n`` streams on the first stage and collapses
 them with the HyperHead + final RMSNorm on the last (returning the streams too, for MTP).
@@ -11,11 +12,11 @@ make the balance loss per document).
 
 from __future__ import annotations
 
-from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
-from hybrid_model.symbols import MOE, attention_kind
-from mhc.megatron import HyperConnectionHybridStack, HyperConnectionLayer
+from hybrid_model.layers import build_hybrid_layer
+from hybrid_model.symbols import MOE
+from mhc.megatron import HyperConnectionHybridStack
 
 
 class DSv4HybridStack(HyperConnectionHybridStack):
@@ -66,45 +67,34 @@ class DSv4HybridStack(HyperConnectionHybridStack):
         )
         self.layer_type_list = list(layer_type_list)
         hashed = set() if is_mtp_layer else set(model_config.hash_layer_numbers)
-        layers = []
-        for i, symbol in enumerate(self.layer_type_list):
-            layer_number = i + 1 + pp_layer_offset
-            kind = attention_kind(symbol)
-            if kind is not None:
-                inner = build_module(
-                    submodules.attention_layer(kind),
-                    config=config,
-                    layer_number=layer_number,
-                    pg_collection=pg_collection,
-                    is_mtp_layer=is_mtp_layer,
-                    add_layer_offset=False,
-                    pp_layer_offset=pp_layer_offset,
-                )
-            elif symbol == MOE:
-                spec = submodules.hash_moe_layer if layer_number in hashed else submodules.moe_layer
-                inner = build_module(
-                    spec,
-                    config=config,
-                    layer_number=layer_number,
-                    pg_collection=pg_collection,
-                    is_mtp_layer=is_mtp_layer,
-                    add_layer_offset=False,
-                )
-            else:
-                raise ValueError(
-                    f"DSv4HybridStack builds W/C/H/E layers only, got symbol {symbol!r} at layer {layer_number}"
-                )
-            layers.append(HyperConnectionLayer(config, inner, mhc=self.mhc_config))
+        layers = [
+            build_hybrid_layer(
+                symbol,
+                submodules,
+                config,
+                layer_number=i + 1 + pp_layer_offset,
+                pg_collection=pg_collection,
+                is_mtp_layer=is_mtp_layer,
+                pp_layer_offset=pp_layer_offset,
+                hashed=symbol == MOE and i + 1 + pp_layer_offset in hashed,
+                mhc=self.mhc_config,
+                plain_residual=not model_config.enable_mhc_connections,
+            )
+            for i, symbol in enumerate(self.layer_type_list)
+        ]
         self.layers = nn.ModuleList(layers)
+        if not model_config.enable_mhc_connections and self.post_process:
+            from hybrid_model.residual import SingleStreamHead
+
+            self.hyper_head = SingleStreamHead()  # one stream (mhc.num_streams = 1): no HyperHead parameters
         self.num_layers_per_pipeline_rank = len(self.layers)
 
     def moe_layers(self):
         """The ``DSv4MoELayer`` of every ``E`` layer of this segment."""
         from hash_moe.megatron import DSv4MoELayer
 
-        return [
-            layer.inner_layer.mlp for layer in self.layers if isinstance(layer.inner_layer.mlp, DSv4MoELayer)
-        ]
+        mlps = (getattr(layer.inner_layer, "mlp", None) for layer in self.layers)
+        return [mlp for mlp in mlps if isinstance(mlp, DSv4MoELayer)]
 
     def capture_layer_state(self):
         """The token ids bound to the MoE routers now, re-bound by the returned function (a full-recompute chunk

@@ -16,8 +16,9 @@ is what the stack spec, parameter and FLOP counts read. A model parses its patte
 (:attr:`hybrid_model.config.DSv4ModelConfig.parsed_pattern`).
 
 ``|`` cuts pipeline stages, ``/`` starts an MTP depth (each depth repeats the same pattern). A DSv4 block is an
-attention symbol followed by ``E`` (``"WEWECEHE…|…/WE"``). ``*`` cannot be mixed with the MLA family
-(``+ D C H W``).
+attention symbol followed by ``E`` (``"WEWECEHE…|…/WE"``); any mix of the symbols above builds
+(:mod:`hybrid_model.layers`), e.g. upstream's functional pattern ``"WEC-|H-C-/W-"``. ``*`` cannot be mixed with the
+MLA family (``+ D C H W``). :func:`parse_pattern` raises :class:`PatternError` pointing at the offending character.
 
 Per-layer compress ratios are accepted in two forms (:func:`normalize_compress_ratios`):
 
@@ -52,6 +53,8 @@ MTP_SEPARATOR = "/"
 DSV4_ATTENTION = frozenset({CSA, HCA, WINDOW})
 MLA_FAMILY = frozenset({MLA, DSA, CSA, HCA, WINDOW})
 LAYER_SYMBOLS = frozenset({MAMBA, GDN, ATTENTION, DSA, MLA, MLP, MOE, CSA, HCA, WINDOW})
+#: the token-mixing symbols: one "block" each (``num_layers`` counts them; ``-``/``E`` are channel mixers)
+SEQUENCE_MIXERS = frozenset({MAMBA, GDN, ATTENTION, DSA, MLA, CSA, HCA, WINDOW})
 KIND_NAMES = {
     CSA: "csa",
     HCA: "hca",
@@ -108,38 +111,85 @@ class ParsedPattern:
         return self.main + self.mtp_pattern * self.mtp_num_depths
 
 
+SYMBOL_HELP = (
+    "W window, C CSA, H HCA, E MoE, - dense MLP, * attention, + MLA, D DSA, G GDN, M Mamba; "
+    "'|' pipeline cut, '/' MTP depth"
+)  # (= hybrid_model.model_flags.PATTERN_HELP, which --help reads without importing torch)
+
+
+class PatternError(ValueError):
+    """A pattern that does not parse; ``position`` is the 0-based index of the offending character."""
+
+    def __init__(self, pattern: str, position: int, reason: str) -> None:
+        self.pattern, self.position, self.reason = pattern, position, reason
+        super().__init__(
+            f"invalid hybrid layer pattern at position {position + 1}: {reason}\n"
+            f"  {pattern}\n  {' ' * position}^\n"
+            f"valid symbols: {SYMBOL_HELP}"
+        )
+
+
 def parse_pattern(pattern: str) -> ParsedPattern:
-    """Validate ``pattern`` and split it (raises ``ValueError`` naming the offending symbol or rule)."""
+    """Validate ``pattern`` and split it (raises :class:`PatternError`, a ``ValueError`` pointing at the offending
+    character with a caret line and listing the valid symbols)."""
     if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"hybrid layer pattern must be a non-empty string, got {pattern!r}")
+        raise ValueError(
+            f"hybrid layer pattern must be a non-empty string, got {pattern!r}; valid symbols: {SYMBOL_HELP}"
+        )
+    first_mtp = pattern.find(MTP_SEPARATOR)
+    for i, ch in enumerate(pattern):
+        if ch == PIPE and 0 <= first_mtp < i:
+            raise PatternError(
+                pattern, i, "'|' inside an MTP depth (MTP layers live on the last pipeline stage)"
+            )
+        if ch not in LAYER_SYMBOLS and ch not in (PIPE, MTP_SEPARATOR):
+            raise PatternError(pattern, i, f"{ch!r} is not a layer symbol")
     parts = pattern.split(MTP_SEPARATOR)
     main, mtp_parts = parts[0], parts[1:]
-    for name, part, allow_pipe in [("main", main, True)] + [("MTP", p, False) for p in mtp_parts]:
-        for ch in part:
-            if ch == PIPE and allow_pipe:
-                continue
-            if ch not in LAYER_SYMBOLS:
-                where = "MTP depths cannot contain '|'" if ch == PIPE else f"'{ch}' is not a layer symbol"
-                raise ValueError(
-                    f"invalid {name} pattern {part!r} in {pattern!r}: {where}; valid symbols are "
-                    f"{''.join(sorted(LAYER_SYMBOLS))} plus '|' (pipeline cut) and '/' (MTP depth)"
-                )
-    if mtp_parts and any(p != mtp_parts[0] for p in mtp_parts):
-        raise ValueError(f"every MTP depth must repeat the same pattern, got {mtp_parts} in {pattern!r}")
-    if mtp_parts and not mtp_parts[0]:
-        raise ValueError(
-            f"empty MTP depth in {pattern!r}: remove the trailing '/' or give the depth's layers"
-        )
+    if not main.replace(PIPE, ""):
+        raise PatternError(pattern, 0, "the main pattern (before the first '/') has no layers")
+    starts = [len(main) + 1]
+    for p in mtp_parts[:-1]:
+        starts.append(starts[-1] + len(p) + 1)
+    for start, p in zip(starts, mtp_parts):
+        if not p:
+            raise PatternError(
+                pattern, start - 1, "empty MTP depth: remove the '/' or give the depth's layers"
+            )
+        if p != mtp_parts[0]:
+            raise PatternError(
+                pattern,
+                start,
+                f"MTP depth {p!r} differs from the first depth {mtp_parts[0]!r}: every depth repeats it",
+            )
     layers = main.replace(PIPE, "") + "".join(mtp_parts)
     if ATTENTION in layers and any(s in layers for s in MLA_FAMILY):
-        raise ValueError(
-            f"pattern {pattern!r} mixes standard attention '*' with the MLA family (+ D C H W); "
-            "use one attention family per model"
+        at = min(i for i, c in enumerate(pattern) if c in MLA_FAMILY and c in layers)
+        raise PatternError(
+            pattern,
+            max(pattern.find(ATTENTION), at),
+            "standard attention '*' mixed with the MLA family (+ D C H W); use one attention family per model",
         )
     segments = tuple(main.split(PIPE))
-    if len(segments) > 1 and any(not s for s in segments):
-        raise ValueError(f"empty pipeline segment in {pattern!r}: every '|'-separated stage needs layers")
+    if len(segments) > 1:
+        pos = 0
+        for seg in segments:
+            if not seg:
+                raise PatternError(
+                    pattern,
+                    min(pos, len(main) - 1),
+                    "empty pipeline stage: every '|'-separated stage needs layers",
+                )
+            pos += len(seg) + 1
     return ParsedPattern(pattern, segments, mtp_parts[0] if mtp_parts else "", len(mtp_parts))
+
+
+def mixer_ratios(pattern: str | ParsedPattern, csa_ratio: int = 4, hca_ratio: int = 128) -> list[int]:
+    """One compress ratio per sequence-mixer symbol (``C H W * + D G M``; the "blocks"), main then every MTP depth:
+    ``W``/``*``/``+``/``D``/``G``/``M`` give 0 (no compressor), ``C`` ``csa_ratio``, ``H`` ``hca_ratio``."""
+    return [
+        ratio_of_symbol(s, csa_ratio, hca_ratio) for s in _parsed(pattern).all_symbols if s in SEQUENCE_MIXERS
+    ]
 
 
 def attention_kind(symbol: str) -> LayerKind | None:

@@ -271,6 +271,22 @@ class DistributedOptimizerWithNativeFP32Params(DistributedOptimizer):
         if distrib_optimizer.HAVE_APEX_OR_TE or self.is_stub_optimizer:
             return super().state_dict()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not params:
+            # no parameter of this kind on this rank (e.g. the expert optimizer of a pipeline stage without MoE
+            # layers: megatron builds it on every rank of the model-parallel group): megatron reads the step from
+            # the per-parameter state, of which there is none, so give it the one step it asks for (0, unused)
+            real = self.optimizer.state_dict
+
+            def with_a_step():
+                out = real()
+                out["state"] = {0: {"step": torch.zeros((), dtype=torch.float32)}}
+                return out
+
+            self.optimizer.state_dict = with_a_step
+            try:
+                return super().state_dict()
+            finally:
+                del self.optimizer.state_dict
         fresh = [p for p in params if "step" not in self.optimizer.state.get(p, {})]
         if not fresh or len(fresh) != len(params):  # trained (or partially: let megatron's check speak)
             return super().state_dict()

@@ -284,9 +284,38 @@ _LAYER_TYPE_OF_RATIO = {
 }
 
 
+def check_hf_representable(cfg: DSv4ModelConfig) -> None:
+    """``ValueError`` unless the released DeepSeek-V4 checkpoint format (and transformers' ``DeepseekV4``) can hold
+    ``cfg``: mHC on, blocks of one C/H/W attention layer followed by one ``E`` MoE layer, at most one MTP depth of
+    ``WE``. Pipeline cuts do not matter (a checkpoint has none)."""
+    fix = "train with the DSv4 layout to export, or keep the Megatron checkpoint"
+    if not cfg.enable_mhc_connections:
+        raise ValueError(
+            "enable_mhc_connections=False (--no-mhc): Hugging Face DeepSeek-V4 checkpoints always have mHC "
+            f"(hc_mult residual streams), so a plain-residual model has no HF form; {fix}"
+        )
+    p = cfg.parsed_pattern
+    blocks = "".join(p.segments)
+    if len(blocks) % 2 or any(
+        a not in "CHW" or e != "E" for a, e in zip(blocks[::2], blocks[1::2], strict=True)
+    ):
+        raise ValueError(
+            f"pattern {cfg.layer_pattern!r}: Hugging Face DeepSeek-V4 holds only blocks of one C/H/W attention layer "
+            f"followed by one E MoE layer (e.g. 'WECEHE/WE'); {fix}"
+        )
+    if p.mtp_num_depths > 1 or (p.mtp_num_depths and p.mtp_pattern != "WE"):
+        raise ValueError(
+            f"pattern {cfg.layer_pattern!r} has {p.mtp_num_depths} MTP depth(s) of {p.mtp_pattern!r}: the DeepSeek-V4 "
+            "checkpoint format holds at most one MTP depth of one window block ('/WE', tensors mtp.0.*); "
+            "keep the Megatron checkpoint, or train with one MTP depth to export"
+        )
+
+
 def hf_config_from_model_config(cfg: DSv4ModelConfig, **extra: Any) -> dict[str, Any]:
     """A transformers 5.x ``config.json`` dict (``DeepseekV4ForCausalLM``) for ``cfg``; ``extra`` keys are added
-    (e.g. token ids carried over from the source checkpoint)."""
+    (e.g. token ids carried over from the source checkpoint). Refuses what the format cannot hold
+    (:func:`check_hf_representable`)."""
+    check_hf_representable(cfg)
     n = cfg.num_layers
     moe_layers = n  # every DSv4 block has an MoE
     prf = cfg.qk_rope_head_dim / cfg.head_dim

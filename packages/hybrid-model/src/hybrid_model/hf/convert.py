@@ -189,8 +189,12 @@ def load_megatron_checkpoint(
                 f"{path} has no {MODEL_CONFIG_FILE}: pass the model configuration (dsv4 convert --preset NAME)"
             )
         model_config = DSv4ModelConfig.from_dict(meta["model_config"])
-    if model_config.pipeline_stages != 1 or model_config.hybrid_layer_pattern is not None:
-        model_config = model_config.replace(pipeline_stages=1, hybrid_layer_pattern=None)
+    if model_config.hybrid_layer_pattern is not None:  # one stage: the same layers without the '|' cuts
+        model_config = model_config.replace(
+            pipeline_stages=1, hybrid_layer_pattern=model_config.hybrid_layer_pattern.replace("|", "")
+        )
+    elif model_config.pipeline_stages != 1:
+        model_config = model_config.replace(pipeline_stages=1)
     from torch.distributed.checkpoint.api import CheckpointException
 
     model = build_empty_model(model_config, "cpu")

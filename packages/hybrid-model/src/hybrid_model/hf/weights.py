@@ -84,6 +84,9 @@ _MTP_TOP = {
 
 def _blocks(model_config) -> list[tuple[str, str, str]]:
     """``(official scope, our attention layer, our MoE layer)`` per block, main blocks then MTP depths."""
+    from hybrid_model.hf.config_map import check_hf_representable
+
+    check_hf_representable(model_config)
     p = model_config.parsed_pattern
     main = p.main
     out = []

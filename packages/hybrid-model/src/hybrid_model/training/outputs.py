@@ -40,7 +40,9 @@ def read_metrics(path: Path) -> list[dict]:
 def progress_line(m: dict, total: int) -> str:
     """One log line of step ``m`` (the progress of non-interactive runs)."""
     parts = [f"step {m['step']}/{total}"]
-    for key, fmt in (("lm_loss", ".4f"), ("mtp_loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".3e")):
+    depths = sorted((k for k in m if k.startswith("mtp_loss_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    keys = [("lm_loss", ".4f"), ("mtp_loss", ".4f")] + [(k, ".4f") for k in depths]
+    for key, fmt in keys + [("grad_norm", ".3f"), ("lr", ".3e")]:
         v = m.get(key)
         if v is not None:
             parts.append(f"{key} {v:{fmt}}")
@@ -155,7 +157,13 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
     rows = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4))
     plotted = False
-    for key, label in (("lm_loss", "LM loss"), ("mtp_loss", "MTP loss")):
+    depth_keys = sorted(
+        {k for r in rows for k in r if k.startswith("mtp_loss_")}, key=lambda k: int(k.rsplit("_", 1)[1])
+    )
+    labels = [("lm_loss", "LM loss"), ("mtp_loss", "MTP loss")] + [
+        (k, f"MTP loss, depth {k[9:]}") for k in depth_keys
+    ]
+    for key, label in labels:
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), label=label)

@@ -42,11 +42,13 @@ def init_distributed() -> tuple[int, int]:
 def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
     """The preset of ``tc`` with its ``model_overrides`` (and ``pipeline_stages`` = ``--pp`` x ``--vpp`` unless
     overridden)."""
+    from hybrid_model.model_flags import apply_model_overrides
+
     cfg = get_preset(tc.preset)
     changes = dict(tc.model_overrides)
-    if tc.pp > 1:
+    if tc.pp > 1 and "hybrid_layer_pattern" not in changes:
         changes.setdefault("pipeline_stages", tc.pp * tc.vpp)  # VPP: P·V segments (virtual_pipeline.py)
-    return cfg.replace(**changes) if changes else cfg
+    return apply_model_overrides(cfg, changes, pp=tc.pp * tc.vpp)
 
 
 def reset_metric_trackers() -> None:

@@ -16,6 +16,14 @@ from hybrid_model.training.config import TrainConfig
 LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
 
 
+def loss_keys(mtp_num_depths: int) -> tuple[str, ...]:
+    """The step's loss metrics: :data:`LOSS_KEYS`, plus ``mtp_loss_1 … mtp_loss_D`` with ``D > 1`` MTP depths
+    (``mtp_loss`` is their mean)."""
+    return LOSS_KEYS + (
+        tuple(f"mtp_loss_{k}" for k in range(1, mtp_num_depths + 1)) if mtp_num_depths > 1 else ()
+    )
+
+
 class TrainingDiverged(RuntimeError):
     """The run produced non-finite losses / gradients ``max_nonfinite_steps`` times in a row, or non-finite weights
     were about to be saved (``dsv4 train`` exits 1 with this message)."""
@@ -109,6 +117,9 @@ class StepRunner:
             report = {"lm loss": loss.detach().clone()}  # megatron divides the returned loss in place
             if unwrapped.mtp_process and unwrapped.last_mtp_loss is not None:
                 report["mtp loss"] = unwrapped.last_mtp_loss
+                if len(unwrapped.last_mtp_losses) > 1:
+                    for k, value in enumerate(unwrapped.last_mtp_losses, start=1):
+                        report[f"mtp loss {k}"] = value
             return loss, report
 
         return out, loss_func
@@ -140,12 +151,14 @@ class StepRunner:
             from mhc.megatron import mhc_folded_seq_length
 
             check_vpp_microbatches(batch.num_microbatches, tc.pp)
-            seq = mhc_folded_seq_length(seq, self.model_config.hc_mult)
+            seq = mhc_folded_seq_length(seq, self.model_config.num_streams)
             data_iterator = [iter(batch.microbatches) for _ in chunks]
         elif tc.pp > 1:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
-            kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
+            kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(
+                self.model_config.num_streams
+            )
         schedule = dict(
             forward_step_func=self.forward_step,
             data_iterator=data_iterator,
@@ -205,15 +218,17 @@ class StepRunner:
         LM/MTP partials enter the world sums as they are with a count of ``1 / CP`` each, the per-layer balance and
         indexer partials are summed over the CP group first (one small all-reduce), so every value is the global
         one, equal to CP=1's."""
-        local = torch.zeros(2 * len(LOSS_KEYS) + 1, dtype=torch.float64, device=self.device)
+        keys = loss_keys(self.model_config.parsed_pattern.mtp_num_depths)
+        local = torch.zeros(2 * len(keys) + 1, dtype=torch.float64, device=self.device)
         local[-1] = float(nonfinite_grads)
 
         def add(key: str, values: list[float], weight: float = 1.0) -> None:
-            i = LOSS_KEYS.index(key)
+            i = keys.index(key)
             local[2 * i] += sum(values)
             local[2 * i + 1] += len(values) * weight
 
-        for key in ("lm loss", "mtp loss"):  # CP partials: CP values sum to one replica's loss
+        for key in ("lm loss", "mtp loss") + tuple(k.replace("_", " ") for k in keys[len(LOSS_KEYS) :]):
+            # CP partials: the CP values sum to one replica's loss
             add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r], 1.0 / self.cp_size)
         # per-layer trackers accumulate one value per micro-batch; layers of other stages stay 0
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -236,9 +251,7 @@ class StepRunner:
         if self.world > 1:
             dist.all_reduce(local)
         losses = {
-            key: float(local[2 * i] / local[2 * i + 1])
-            for i, key in enumerate(LOSS_KEYS)
-            if local[2 * i + 1] > 0
+            key: float(local[2 * i] / local[2 * i + 1]) for i, key in enumerate(keys) if local[2 * i + 1] > 0
         }
         return losses, int(local[-1])
 

@@ -1,0 +1,71 @@
+"""The model-surface flags shared by ``dsv4 train|inspect|flops``: ``--pattern`` (a hybrid layer pattern replacing
+the preset's) and ``--no-mhc`` (plain pre-norm residual layers instead of mHC).
+
+``dsv4 train`` carries them in ``TrainConfig.model_overrides`` (``hybrid_layer_pattern``,
+``enable_mhc_connections``), so a run directory records them and ``--resume`` refuses a change like any other model
+field; :func:`apply_model_overrides` turns the overrides into the run's :class:`~hybrid_model.config.DSv4ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybrid_model.config import DSv4ModelConfig
+
+#: one line of the pattern symbols for ``--help`` (kept import-free: ``dsv4 --help`` loads no torch)
+PATTERN_HELP = (
+    "W window, C CSA, H HCA, E MoE, - dense MLP, * attention, + MLA, D DSA, G GDN, M Mamba; '|' pipeline cut, "
+    "'/' MTP depth"
+)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Add ``--pattern`` and ``--no-mhc`` to a sub-command's parser."""
+    p.add_argument(
+        "--pattern",
+        help="hybrid layer pattern replacing the preset's, e.g. 'WEC-|H-C-/W-' (" + PATTERN_HELP + "; "
+        "see the hybrid-model README; default: the preset's)",
+    )
+    p.add_argument(
+        "--no-mhc",
+        dest="no_mhc",
+        action="store_true",
+        default=None,
+        help="plain pre-norm residual layers instead of mHC (enable_mhc_connections=False; default: mHC on)",
+    )
+
+
+def overrides_from_args(args) -> dict[str, Any]:
+    """The ``DSv4ModelConfig`` changes of the parsed flags (removed from ``args``)."""
+    from hybrid_model.symbols import parse_pattern
+
+    out: dict[str, Any] = {}
+    pattern = vars(args).pop("pattern", None)
+    if pattern is not None:
+        parse_pattern(pattern)  # the error points at the offending character
+        out["hybrid_layer_pattern"] = pattern
+    if vars(args).pop("no_mhc", None):
+        out["enable_mhc_connections"] = False
+    return out
+
+
+def apply_model_overrides(cfg: DSv4ModelConfig, overrides: dict[str, Any], *, pp: int = 1) -> DSv4ModelConfig:
+    """``cfg`` with ``overrides`` applied: a ``hybrid_layer_pattern`` goes through
+    :meth:`~hybrid_model.config.DSv4ModelConfig.with_pattern` (which derives the counts), then the other fields.
+    A pattern's ``|`` cuts must match ``pp`` pipeline stages."""
+    from hybrid_model.symbols import PIPE, parse_pattern
+
+    changes = dict(overrides)
+    pattern = changes.pop("hybrid_layer_pattern", None)
+    if pattern is not None:
+        stages = len(parse_pattern(pattern).segments)
+        if stages != pp:
+            raise ValueError(
+                f"pattern {pattern!r} has {stages} pipeline stage(s) ('{PIPE}' cuts) but --pp is {pp}: give one "
+                f"'{PIPE}'-separated segment per pipeline stage (--pp {stages}, or remove the cuts for --pp 1)"
+            )
+        cfg = cfg.with_pattern(pattern)
+        changes.pop("pipeline_stages", None)
+    return cfg.replace(**changes) if changes else cfg
