@@ -93,8 +93,8 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from hybrid_model.model import build_model as build_dsv4_model
-    from hybrid_model.training.virtual_pipeline import VirtualPipelineChunks, chunk_stages
     from hybrid_model.training.recompute import recompute_config
+    from hybrid_model.training.virtual_pipeline import VirtualPipelineChunks, chunk_stages
 
     torch.manual_seed(tc.seed)
     vpp_kw = {"virtual_pipeline_model_parallel_size": tc.vpp} if tc.vpp > 1 else {}
