@@ -57,7 +57,7 @@ from dsv4_primitives.varlen import (
     thd_to_sbhd,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 __all__ = [
     "CompressorState",

@@ -42,7 +42,7 @@ from dsv4_attention.kind import LAYER_KINDS, VALID_COMPRESS_RATIOS, LayerKind, c
 from dsv4_attention.layout import TokenLayout, sbhd_layout, thd_layout, token_layout
 from dsv4_attention.param_counts import parameter_table
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "LAYER_KINDS",
