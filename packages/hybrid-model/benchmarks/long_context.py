@@ -32,22 +32,12 @@ from types import SimpleNamespace
 
 import torch
 
+from hybrid_model.training.recompute import LONG_CONTEXT_SELECTIVE
+
 # the recompute settings compared (TrainConfig fields); "selective" is the long-context recipe of the README
 SETTINGS: dict[str, dict] = {
     "none": {},
-    "selective": dict(
-        recompute_granularity="selective",
-        recompute_modules=[
-            "mhc",
-            "layernorm",
-            "mla_up_proj",
-            "compressor",
-            "indexer",
-            "core_attn",
-            "moe_act",
-        ],
-        mhc_recompute_layer_num=2,
-    ),
+    "selective": dict(LONG_CONTEXT_SELECTIVE),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 SEQ_LENS = (4096, 16384, 32768, 65536)

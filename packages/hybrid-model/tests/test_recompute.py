@@ -7,6 +7,7 @@ import torch
 
 from dsv4_primitives.recompute import SELECTIVE_MODULES, RecomputeConfig
 from hybrid_model.presets import get_preset
+from hybrid_model.training.recompute import LONG_CONTEXT_SELECTIVE
 
 SETTINGS = {
     **{m: RecomputeConfig("selective", (m,)) for m in SELECTIVE_MODULES},
@@ -106,19 +107,7 @@ def test_pp2_recompute_gradients_bitwise(tmp_path):
     )
     settings = {
         "none": {},
-        "selective": dict(
-            recompute_granularity="selective",
-            recompute_modules=[
-                "mhc",
-                "layernorm",
-                "mla_up_proj",
-                "compressor",
-                "indexer",
-                "core_attn",
-                "moe_act",
-            ],
-            mhc_recompute_layer_num=2,
-        ),
+        "selective": dict(LONG_CONTEXT_SELECTIVE),
         "full": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
     }
     runs = [(name, dict(base, out=str(tmp_path / name), **kw)) for name, kw in settings.items()]

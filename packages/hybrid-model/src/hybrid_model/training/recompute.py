@@ -12,6 +12,14 @@ from __future__ import annotations
 
 from dsv4_primitives.recompute import METHODS, SELECTIVE_MODULES, RecomputeConfig
 
+# the "long context on one GPU" recipe of the README (TrainConfig fields): every selective module but megatron's
+# whole-MoE ``moe`` (``moe_act`` covers the expert activations), the mHC streams rebuilt in groups of two layers
+LONG_CONTEXT_SELECTIVE: dict = {
+    "recompute_granularity": "selective",
+    "recompute_modules": [m for m in SELECTIVE_MODULES if m != "moe"],
+    "mhc_recompute_layer_num": 2,
+}
+
 
 def recompute_config(tc) -> RecomputeConfig:
     """The :class:`RecomputeConfig` of a :class:`~hybrid_model.training.config.TrainConfig` (``ValueError`` naming
