@@ -27,13 +27,13 @@ import torch
 
 from dsv4_attention._kernels import (
     attention_indices,
-    indexer_loss,
     sparse_attn,
     visible_compressed_indices,
     window_indices,
 )
 from dsv4_attention.compressor import Compressor
 from dsv4_attention.indexer import IndexerState, LightningIndexer
+from dsv4_attention.indexer_kl import indexer_kl_sum
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
 from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
@@ -268,24 +268,19 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
             )  # [T, max_c]
         else:
             loss_set, student = comp, topk_scores  # [T, k]
-        valid = loss_set >= 0
-        student = torch.where(valid, student, torch.zeros_like(student))
-        teacher_idx = attention_indices(loss_set[:, :0], loss_set, t)  # rows of kv_all, -1 kept
-        _, per_row = indexer_loss(
-            q.detach(),
-            kv_all.detach(),
-            self.attn_sink.detach(),
-            lse.detach(),
-            teacher_idx,
+        total, rows = indexer_kl_sum(
+            q,
+            kv_all,
+            self.attn_sink,
+            lse,
+            loss_set,
             student,
             self.softmax_scale,
-            backend=backend,
-            check_indices=False,
+            t,
+            layout.real_rows,
+            backend,
         )
-        rows = valid.any(-1)
-        if layout.real_rows is not None:
-            rows = rows & layout.real_rows
-        return torch.where(rows, per_row, torch.zeros_like(per_row)).sum() / rows.sum().clamp(min=1)
+        return total / rows.sum().clamp(min=1)
 
     def _visible(self, layout: TokenLayout, cu_c: torch.Tensor, max_c: int) -> torch.Tensor:
         """Every visible compressed entry per query ``[T, max_c]`` (global rows, -1 padded), without a sync."""

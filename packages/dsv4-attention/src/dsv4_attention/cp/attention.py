@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_attention._kernels import attention_indices, indexer_loss, sparse_attn
+from dsv4_attention._kernels import attention_indices, sparse_attn
 from dsv4_attention._linears import linear_out
 from dsv4_attention._rope import rope
 from dsv4_attention.cp.compressed import start_owned_entries
 from dsv4_attention.cp.halo import exchange_halo
 from dsv4_attention.cp.indexer import local_queries, scores_at, select_topk
+from dsv4_attention.indexer_kl import indexer_kl_sum
 from dsv4_attention.indexer_loss import attach_indexer_loss
 from dsv4_primitives import rms_norm
 
@@ -106,22 +107,17 @@ def _core(core, q, kv, plan, cpl, pending, iq, dense, coeff):
         student = scores_at(iq, k_idx, loss_set, backend)  # [L, max_c]
     else:
         loss_set, student = comp, topk_scores  # [L, k]
-    valid = loss_set >= 0
-    student = torch.where(valid, student, torch.zeros_like(student))
-    teacher_idx = attention_indices(loss_set[:, :0], loss_set, n_ext)
-    _, per_row = indexer_loss(
-        q.detach(),
-        kv_all.detach(),
-        core.attn_sink.detach(),
-        lse.detach(),
-        teacher_idx,
+    total, _ = indexer_kl_sum(
+        q,
+        kv_all,
+        core.attn_sink,
+        lse,
+        loss_set,
         student,
         core.softmax_scale,
-        backend=backend,
-        check_indices=False,
+        n_ext,
+        cpl.local_real_rows,
+        backend,
     )
-    rows = valid.any(-1)
-    if cpl.local_real_rows is not None:
-        rows = rows & cpl.local_real_rows
-    partial = torch.where(rows, per_row, torch.zeros_like(per_row)).sum() / plan.loss_rows.clamp(min=1)
+    partial = total / plan.loss_rows.clamp(min=1)
     return o, partial * coeff
