@@ -52,13 +52,19 @@ def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
 
 
 def reset_metric_trackers() -> None:
-    """Process-wide per-layer loss trackers are sized by the first model that records: start each run fresh."""
+    """Process-wide per-layer loss trackers are sized by the first model that records, and the auxiliary-loss
+    auto-scalers keep the backward scale tensor of the first step that set it (class attributes, later updated in
+    place with ``copy_``, so a previous run's tensor would fix this run's shape and device): start each run fresh."""
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from dsv4_attention import get_indexer_loss_tracker
+    from dsv4_attention.indexer_loss import IndexerLossAutoScaler
 
     destroy_moe_metrics_tracker()
     get_indexer_loss_tracker().reset()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    IndexerLossAutoScaler.main_loss_backward_scale = None
 
 
 def default_peak_tflops() -> float:

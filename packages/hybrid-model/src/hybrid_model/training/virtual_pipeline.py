@@ -104,6 +104,15 @@ class VirtualPipelineChunks(torch.nn.Module):
     def last_mtp_loss(self):
         return self.chunks[-1].last_mtp_loss
 
+    @property
+    def last_mtp_losses(self):
+        return self.chunks[-1].last_mtp_losses
+
+    @property
+    def context_parallel_group(self):
+        """The chunks' CP group (``None`` at CP = 1; ``--vpp`` with ``--cp`` > 1 is refused at config time)."""
+        return self.chunks[0].context_parallel_group
+
     def sharded_state_dict(self, *args: Any, **kwargs: Any) -> dict:
         return {f"chunk{i}": c.sharded_state_dict(*args, **kwargs) for i, c in enumerate(self.chunks)}
 
