@@ -34,6 +34,30 @@ _TILE_INTERPRET = 1 << 16  # interpreter: few, large programs
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+def vocab_shard(
+    tp_group: dist.ProcessGroup | None, shard_size: int, vocab_start: int | None
+) -> tuple[int, int]:
+    """``(tp world size, first token id of this rank's shard)`` for a vocabulary split over ``tp_group``
+    (``None``: one shard); ``vocab_start`` defaults to megatron's VocabUtility rule (equal shards in rank order).
+    ``ValueError`` for a group this process cannot use or a bad ``vocab_start``."""
+    world, rank = 1, 0
+    if tp_group is not None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("tp_group was given but torch.distributed is not initialised")
+        world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        if rank < 0:
+            raise ValueError(
+                "this process is not a member of tp_group; pass the tensor-parallel group it belongs to"
+            )
+    if vocab_start is None:
+        vocab_start = rank * shard_size  # megatron's VocabUtility: equal shards in rank order
+    elif isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        raise ValueError(
+            f"vocab_start must be a non-negative int (first token id of this shard), got {vocab_start!r}"
+        )
+    return world, int(vocab_start)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -269,22 +293,8 @@ def _check_inputs(
         raise ValueError(f"label_smoothing must be in [0, 1) (megatron's range), got {label_smoothing}")
     if not isinstance(inplace_backward, bool):
         raise ValueError(f"inplace_backward must be a bool, got {inplace_backward!r}")
-    world, rank = 1, 0
-    if tp_group is not None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("tp_group was given but torch.distributed is not initialised")
-        world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-        if rank < 0:
-            raise ValueError(
-                "this process is not a member of tp_group; pass the tensor-parallel group it belongs to"
-            )
     v = logits.shape[-1]
-    if vocab_start is None:
-        vocab_start = rank * v  # megatron's VocabUtility: equal shards in rank order
-    elif isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(
-            f"vocab_start must be a non-negative int (first token id of this shard), got {vocab_start!r}"
-        )
+    world, vocab_start = vocab_shard(tp_group, v, vocab_start)
     if label_smoothing > 0 and v * world < 2:
         raise ValueError("label_smoothing > 0 needs a vocabulary of at least 2 tokens (it divides by K - 1)")
     if inplace_backward and logits.requires_grad:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dsv4_primitives.cross_entropy.apply import _IMPLS
+from dsv4_primitives.cross_entropy.apply import _IMPLS, vocab_shard
 from dsv4_primitives.dispatch import resolve_backend
 
 _CHUNK_ELEMENTS = 1 << 28  # logits elements of one vocabulary chunk (512 MiB in bf16)
@@ -163,22 +163,7 @@ def _check_inputs(hidden, weight, target, tp_group, vocab_start, ignore_index, v
         isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 1
     ):
         raise ValueError(f"vocab_chunk must be a positive int or None, got {vocab_chunk!r}")
-    world, rank = 1, 0
-    if tp_group is not None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("tp_group was given but torch.distributed is not initialised")
-        world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-        if rank < 0:
-            raise ValueError(
-                "this process is not a member of tp_group; pass the tensor-parallel group it belongs to"
-            )
-    if vocab_start is None:
-        vocab_start = rank * weight.shape[0]  # megatron's VocabUtility: equal shards in rank order
-    elif isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
-        raise ValueError(
-            f"vocab_start must be a non-negative int (first token id of this shard), got {vocab_start!r}"
-        )
-    return world, int(vocab_start)
+    return vocab_shard(tp_group, weight.shape[0], vocab_start)
 
 
 def linear_cross_entropy(
