@@ -50,10 +50,15 @@ CASES = {
 
 
 def layout_of(pack: str):
-    lengths, padded, total = PACKS[pack]
+    return pack_layout(*PACKS[pack])
+
+
+def pack_layout(lengths, padded, total: int):
+    """The global THD layout of documents ``lengths`` (``padded``: their padded lengths or ``None``) in ``total``
+    rows."""
 
     def cu(v):
-        return torch.tensor([0, *torch.tensor(v).cumsum(0).tolist()], dtype=torch.int32)
+        return torch.tensor([0, *torch.tensor(v, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
 
     psp = SimpleNamespace(
         cu_seqlens_q=cu(lengths),

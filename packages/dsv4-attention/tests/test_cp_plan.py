@@ -14,26 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _cp_cases import pack_layout
 
 from dsv4_attention import Compressor, CompressorConfig, LayerKind, rope_config_for_kind
 from dsv4_attention._kernels import visible_compressed_indices, window_indices
 from dsv4_attention.cp import ContextParallelLayout, halo_rows, owned_before
 from dsv4_attention.cp.compressed import owned_entries
-from dsv4_attention.layout import thd_layout
-
-
-def _layout(lengths, padded, total):
-    def cu(v):
-        return torch.tensor([0, *torch.tensor(v, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
-
-    psp = SimpleNamespace(
-        cu_seqlens_q=cu(lengths),
-        cu_seqlens_kv=cu(lengths),
-        cu_seqlens_q_padded=None if padded is None else cu(padded),
-        local_cp_size=None,
-        cp_group=None,
-    )
-    return thd_layout(psp, total)
 
 
 def _random_pack(rng: random.Random, p: int, scale: int):
@@ -41,7 +27,7 @@ def _random_pack(rng: random.Random, p: int, scale: int):
     padded = [n + rng.choice([0, 0, 1, 5]) for n in lengths]
     used = sum(padded)
     big_l = -(-max(used, 1) // p) + rng.choice([0, 2])
-    return _layout(lengths, padded, big_l * p)
+    return pack_layout(lengths, padded, big_l * p)
 
 
 CASES = [
@@ -117,7 +103,7 @@ def test_owned_entries_equal_cp1_compressor(kind):
         else [([300, 3, 0, 60], [300, 3, 0, 64], 384), ([129, 250], None, 380)]
     )
     for lengths, padded, total in packs:
-        glob = _layout(lengths, padded, total)
+        glob = pack_layout(lengths, padded, total)
         x = torch.randn(total, d)
         ref, _ = comp(x, glob.cu_seqlens, backend="reference", max_position=glob.max_rope_position)
         for p in (2, 4):
@@ -135,7 +121,7 @@ def test_owned_entries_equal_cp1_compressor(kind):
 def test_cp_refusals():
     from dsv4_attention.cp import packed_context_parallel_layout
 
-    glob = _layout([10, 3], None, 14)
+    glob = pack_layout([10, 3], None, 14)
     with pytest.raises(ValueError, match="not a multiple of the context-parallel size 4"):
         ContextParallelLayout(glob, None, 0, 4)
     with pytest.raises(ValueError, match="SBHD"):  # CP needs the global THD pack, never [s, b, h]
@@ -150,7 +136,7 @@ def test_single_rank_layout_is_the_plain_path():
     from dsv4_attention import AttentionConfig, DSv4Attention
     from dsv4_attention.cp import context_parallel_layout
 
-    glob = _layout([10, 3], None, 14)
+    glob = pack_layout([10, 3], None, 14)
     cpl = context_parallel_layout(glob, None)
     assert (cpl.size, cpl.rank, cpl.local_start, cpl.local_stop, cpl.is_parallel) == (1, 0, 0, 14, False)
     torch.testing.assert_close(cpl.local_positions, glob.positions, rtol=0, atol=0)
@@ -183,7 +169,7 @@ def test_cp_topk_equals_cp1_rows(monkeypatch, chunk):
     from dsv4_attention.cp import indexer as cp_indexer
 
     monkeypatch.setattr(cp_indexer, "_CHUNK_ELEMENTS", chunk)
-    glob = _layout([13, 0, 3, 20, 9], [13, 0, 5, 22, 9], 52)
+    glob = pack_layout([13, 0, 3, 20, 9], [13, 0, 5, 22, 9], 52)
     cfg = IndexerConfig(hidden_size=16, q_lora_rank=8, n_heads=2, head_dim=8, topk=3)
     indexer = LightningIndexer(cfg, rope_config_for_kind(LayerKind.CSA, 4))
     torch.manual_seed(0)
