@@ -197,3 +197,96 @@ def test_forward_total_reconciles(counted):
     n_layers = len(p.main) + len(p.mtp_pattern) * p.mtp_num_depths
     n, d = cfg.hc_mult, cfg.hidden_size
     assert elementwise - matmul_part == B * T * (4 * n * d * n_layers + 2 * 2 * n * d)
+
+
+# ------------------------------------------------------------------ '+' (MLA) and 'D' (DSA), local path
+LATENT_PATTERN = "W+D-E/+E"  # MLA and DSA in the main part, MLA in the MTP depth
+
+
+class _LatentCounter(MatmulCounter):
+    """:class:`MatmulCounter` that also counts the MLA core's SDPA call (``CausalSoftmaxAttention``) as the dense
+    product it is launched as: ``2·b·h·s_q·s_k·(d_qk + d_v)``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if "scaled_dot_product" in name:
+            q, k, v = args[:3]  # [b, h, s, d]
+            key = (self.stack[-1], "sdpa", tuple(tuple(x.shape) for x in (q, k, v)))
+            self.flops[key] += 2 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_mla_and_dsa_match_the_brute_force_count():
+    """``+``/``D`` (local modules): projections (DSA's absorbed ``q·W_UK`` / ``·W_UV`` einsums included) and the
+    DSA indexer linears match exactly; the cores differ exactly by the masked work. The MLA core runs as one dense
+    causal SDPA call (``4·n_h·c`` per (query, key) of the square), the formula counts the causal pairs; the DSA
+    reference scores every key (``q·k`` over ``c``, ``p·v`` over ``L = c - r``) and masks all but the top-``k``
+    causal ones, the formula counts ``Σ_t min(t+1, k)``; indexer scores: every (query, key) pair in the reference
+    (``2·n_I·c_I``; the ReLU-weighted head sum ``2·n_I`` is elementwise), the causal pairs in the formula."""
+    from dsv4_testkit.megatron_cpu import megatron_cpu_context
+
+    from hybrid_model.flops import _dsa_core_per_pair, _proj_attention
+
+    b, t = 2, 40
+    with megatron_cpu_context():
+        from hybrid_model.model import build_model
+
+        torch.manual_seed(0)
+        cfg = get_preset("tiny").with_pattern(LATENT_PATTERN)
+        model = build_model(cfg).train()
+        names = {m: n for n, m in model.named_modules()}
+        counter = _LatentCounter()
+
+        def enter(mod, *_):
+            counter.stack.append(names[mod])
+
+        def leave(mod, *_):
+            counter.stack.pop()
+
+        hooks = [
+            h
+            for m in model.modules()
+            for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
+        ]
+        ids = torch.randint(0, cfg.vocab_size, (b, t))
+        with torch.no_grad(), counter:
+            model(ids, torch.arange(t)[None].expand(b, t), None, labels=torch.roll(ids, -1, 1))
+        for h in hooks:
+            h.remove()
+    nh, c, r, k = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_topk
+    rank = c - r
+    assert t > k  # DSA selects a strict subset of the causal keys
+    got: collections.Counter = collections.Counter()
+    for (path, op, shapes), f in counter.flops.items():
+        prefix = "mtp." if path.startswith("mtp.") else ""
+        is_dsa = path.startswith("decoder.layers.2.")  # 'D' is layer 3 of W+D-E
+        if path.startswith("decoder.layers.0.") or ".self_attention" not in path:
+            continue  # W (checked above), MoE / MLP / mHC / heads
+        if ".core_attention.indexer." in path:
+            part = "attention.indexer"
+        elif op == "sdpa":
+            part = "attention.causal_core"
+        elif path.endswith(".core_attention") and shapes[1] == (nh, rank, c):  # ·W_UV, absorbed v up-projection
+            part = "attention.projections"
+        elif path.endswith(".core_attention"):
+            part = "attention.indexer_scores" if shapes[0][-1] == cfg.index_head_dim else "attention.dsa_core"
+        else:
+            part = "attention.projections"
+        got[prefix + part + (".dsa" if is_dsa and part == "attention.projections" else "")] += f
+    br = forward_flops_sbhd(cfg, t, b)
+    c_ = br.components
+    per_latent = c_["mtp.attention.projections"]  # one '+' layer (the MTP depth has one)
+    assert got["mtp.attention.projections"] == per_latent
+    assert got["attention.projections"] == per_latent  # the main '+'
+    assert got["attention.projections.dsa"] == per_latent  # 'D': absorbed einsums cost the same
+    assert c_["attention.projections"] == 2 * per_latent + _proj_attention(cfg) * b * t  # + W's projections
+    assert got["attention.indexer"] == c_["attention.indexer"]
+    causal, square = b * t * (t + 1) // 2, b * t * t
+    assert got["attention.causal_core"] == _core_per_pair(cfg) * square
+    assert c_["attention.causal_core"] == _core_per_pair(cfg) * causal
+    assert got["mtp.attention.causal_core"] == _core_per_pair(cfg) * square
+    assert got["attention.dsa_core"] == _dsa_core_per_pair(cfg) * square
+    assert c_["attention.dsa_core"] == _dsa_core_per_pair(cfg) * b * window_pairs(t, k)
+    assert got["attention.indexer_scores"] == 2 * cfg.index_n_heads * cfg.index_head_dim * square
+    assert c_["attention.indexer_scores"] == _index_per_pair(cfg) * causal

@@ -11,6 +11,11 @@ and the compressor's per-channel pooling are below 1% and left out). Per token (
     MoE          2·d·E (router) + (K + shared)·2·3·d·f
     dense MLP -  2·3·d·f
     attention *  2·(3·d·d + d·d) (QKV, output; n_h heads of d/n_h dims) + 4·d per causal (query, key) pair
+    MLA +        2·(d·d_c + d_c·n_h·c + d·c + L·n_h·(2c - r) + n_h·c·d)   (L = c - r: kv rank = q/k nope dim)
+                 + 4·n_h·c per causal (query, key) pair
+    DSA D        the same projections (the absorbed q·W_UK and ·W_UV einsums cost what the kv up-projection
+                 does) + indexer 2·(d_c·n_I·c_I + d·c_I + d·n_I) + 2·n_h·(2c - r) per selected pair
+                 (q·k over L + r latent dims, p·v over L) + 2·n_I·c_I + 2·n_I per causal indexer pair
     head         2·d·V  (+ HyperHead 2·n·d·n + 2·n·d)
     MTP          2·d·d (e_proj) + n·2·d·d (h_proj per stream) + its block + HyperHead + head
     mHC off      no mHC / HyperHead terms, n = 1
@@ -19,6 +24,7 @@ Attention cores cost ``4·n_h·c`` per (query, key) pair (``q·k`` and ``p·v``)
 per (query, visible compressed entry) pair. For a document of length ``L`` (query ``t = 0..L-1``):
 
     window pairs   Σ_t min(t+1, n_win)
+    DSA pairs      Σ_t min(t+1, k)      (megatron's top-k over the causal keys; indexer pairs: Σ_t (t+1))
     CSA pairs      Σ_t min(k, ⌊(t+1)/m⌋)         (top-k of the visible entries; dense phase: all visible)
     HCA pairs      Σ_t ⌊(t+1)/m'⌋
     indexer pairs  Σ_t ⌊(t+1)/m⌋
@@ -27,7 +33,7 @@ per (query, visible compressed entry) pair. For a document of length ``L`` (quer
 :func:`forward_flops_cp_rank` is the exact share of one context-parallel rank (its rows of a pack).
 :func:`forward_flops_from_stats` is the closed form from ``Σ len`` and ``Σ len²`` that a packed-THD scheduler
 knows (as in upstream D9): window ``n_win`` keys per token, CSA ``k`` entries per token, HCA ``Σ len²/(2m')`` and
-indexer ``Σ len²/(2m)`` pairs — an upper bound that is within a few percent for ``len ≫ m·k``.
+indexer ``Σ len²/(2m)`` pairs (``D``: ``k`` selected keys per token) — an upper bound that is within a few percent for ``len ≫ m·k``.
 Training = 3 × forward (backward is twice the forward). MFU = achieved FLOP/s ÷ peak.
 """
 
@@ -38,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import ATTENTION, KIND_NAMES, MLP, MOE, attention_kind
+from hybrid_model.symbols import ATTENTION, DSA, KIND_NAMES, MLA, MLP, MOE, attention_kind
 
 
 # ----------------------------------------------------------------------------------------- pair counts
@@ -112,10 +118,38 @@ def _standard_core_per_pair(cfg: DSv4ModelConfig) -> int:
     return 4 * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
 
 
-def _standard_layers(cfg: DSv4ModelConfig) -> list[str]:
-    """The component prefix of every ``*`` layer (main, then each MTP depth)."""
+def _standard_layers(cfg: DSv4ModelConfig, symbol: str = ATTENTION) -> list[str]:
+    """The component prefix of every ``symbol`` layer (main, then each MTP depth)."""
     p = cfg.parsed_pattern
-    return [""] * p.main.count(ATTENTION) + ["mtp."] * (p.mtp_pattern.count(ATTENTION) * p.mtp_num_depths)
+    return [""] * p.main.count(symbol) + ["mtp."] * (p.mtp_pattern.count(symbol) * p.mtp_num_depths)
+
+
+def _latent_projections(cfg: DSv4ModelConfig) -> int:
+    """``+``/``D``: q down/up, kv down/up (or DSA's absorbed equivalents) and output projection, per token."""
+    d, c, r, nh, dc = cfg.hidden_size, cfg.head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads, cfg.q_lora_rank
+    rank = c - r  # megatron's kv_lora_rank = qk_head_dim (dsv4_attention.megatron.DSv4AttentionConfig)
+    return 2 * (d * dc + dc * nh * c + d * c + rank * nh * (2 * c - r) + nh * c * d)
+
+
+def _dsa_indexer_linear(cfg: DSv4ModelConfig) -> int:
+    """``D``: megatron's DSA indexer ``linear_wq_b`` (d_c -> n_I·c_I), ``linear_wk`` (d -> c_I), weights (d -> n_I)."""
+    d, nI, cI = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+    return 2 * (cfg.q_lora_rank * nI * cI + d * cI + d * nI)
+
+
+def _dsa_core_per_pair(cfg: DSv4ModelConfig) -> int:
+    """``D`` (absorbed MLA): ``q·k`` over ``L + r = c`` latent dims and ``p·v`` over ``L = c - r``, ``n_h`` heads."""
+    c, r = cfg.head_dim, cfg.qk_rope_head_dim
+    return 2 * cfg.num_attention_heads * (2 * c - r)
+
+
+def _add_latent_cores(br: FlopBreakdown, cfg: DSv4ModelConfig, causal: float, selected: float) -> None:
+    """Cores of every ``+``/``D`` layer given the causal pair count and DSA's selected pair count."""
+    for prefix in _standard_layers(cfg, MLA):
+        br.add(prefix + "attention.causal_core", _core_per_pair(cfg) * causal)
+    for prefix in _standard_layers(cfg, DSA):
+        br.add(prefix + "attention.dsa_core", _dsa_core_per_pair(cfg) * selected)
+        br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * causal)
 
 
 @dataclass
@@ -173,9 +207,13 @@ def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) ->
             br.add(prefix + "mlp", _dense_mlp(cfg) * tokens)
         elif symbol == ATTENTION:
             br.add(prefix + "attention.projections", 8 * cfg.hidden_size * cfg.hidden_size * tokens)
+        elif symbol in (MLA, DSA):
+            br.add(prefix + "attention.projections", _latent_projections(cfg) * tokens)
+            if symbol == DSA:
+                br.add(prefix + "attention.indexer", _dsa_indexer_linear(cfg) * tokens)
         else:
             raise ValueError(
-                f"FLOP accounting covers the symbols C H W E - * ; {symbol!r} (megatron-core's "
+                f"FLOP accounting covers the symbols C H W E - * + D ; {symbol!r} (megatron-core's "
                 f"{KIND_NAMES[symbol]} layer) is not counted: use a pattern without it"
             )
         if cfg.enable_mhc_connections:
@@ -222,6 +260,7 @@ def forward_flops(cfg: DSv4ModelConfig, lengths: Sequence[int], *, dense: bool =
     causal = sum(L * (L + 1) // 2 for L in lengths)
     for prefix in _standard_layers(cfg):
         br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * causal)
+    _add_latent_cores(br, cfg, causal, sum(window_pairs(L, k) for L in lengths))
     for kind, prefix in _kinds_with_prefix(cfg):
         br.add(prefix + "attention.window_core", _core_per_pair(cfg) * win)
         if kind is LayerKind.CSA:
@@ -256,6 +295,7 @@ def forward_flops_from_stats(
     k, W = cfg.index_topk, cfg.sliding_window
     for prefix in _standard_layers(cfg):  # Σ_t (t + 1) = (Σ len² + Σ len) / 2, exact
         br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * (sum_len_sq + sum_len) / 2)
+    _add_latent_cores(br, cfg, (sum_len_sq + sum_len) / 2, k * sum_len)  # DSA: k keys per token, upper bound
     for kind, prefix in _kinds_with_prefix(cfg):
         br.add(prefix + "attention.window_core", _core_per_pair(cfg) * W * sum_len)
         if kind is LayerKind.CSA:
@@ -311,6 +351,8 @@ def forward_flops_cp_rank(
         "csa": (lambda n: visible_entries_sum(n, m)) if dense else (lambda n: selected_entries_sum(n, m, k)),
         "hca": lambda n: visible_entries_sum(n, mh),
         "idx": lambda n: visible_entries_sum(n, m),
+        "causal": lambda n: n * (n + 1) // 2,  # '*', '+' and the DSA indexer
+        "dsa": lambda n: window_pairs(n, k),  # DSA: min(t+1, k) selected keys
     }
     pairs = dict.fromkeys(counts, 0)
     tokens, offset = 0, 0
@@ -323,6 +365,9 @@ def forward_flops_cp_rank(
         offset += int(padded)
     br = FlopBreakdown(tokens=tokens)
     _add_linear_terms(br, cfg, tokens)
+    for prefix in _standard_layers(cfg):
+        br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * pairs["causal"])
+    _add_latent_cores(br, cfg, pairs["causal"], pairs["dsa"])
     for kind, prefix in _kinds_with_prefix(cfg):
         br.add(prefix + "attention.window_core", _core_per_pair(cfg) * pairs["win"])
         if kind is LayerKind.CSA:

@@ -10,15 +10,20 @@ symbol   inner layer                                                     needs
          ``ffn_hidden_size = moe_intermediate_size``)
 ``*``    ``TransformerLayer``: RMSNorm + :class:`~hybrid_model.standard_attention.StandardSelfAttention`
          (own RoPE, causal softmax core, THD aware)                      --
-``+``    megatron's MLA layer (``hybrid_stack_spec.mla_layer``)          ``transformer_engine`` (``hybrid-model[gpu]``)
-``D``    megatron's DSA layer (``hybrid_stack_spec.dsa_layer``)          ``transformer_engine`` (``hybrid-model[gpu]``)
+``+``    megatron's MLA layer: TE spec (``hybrid_stack_spec``) or        -- (TE spec: ``transformer_engine``)
+         the local spec (:mod:`hybrid_model.latent_attention`)
+``D``    megatron's DSA layer (absorbed MLA, ``DSAttention`` + indexer), -- (TE spec: ``transformer_engine``)
+         TE or local spec the same way
 ``G``    megatron's GDN layer (``hybrid_stack_spec.gdn_layer``)          ``transformer_engine`` + ``fla``
 ``M``    megatron's ``MambaLayer`` (``hybrid_stack_spec.mamba_layer``)   ``transformer_engine`` + ``mamba_ssm`` +
                                                                          ``causal_conv1d``
 ======== =============================================================== ==========================================
 
-``+ D G M`` are megatron-core's own layer specs, which use transformer-engine modules (megatron's local core
-attention cannot build MLA, whose key and value head sizes differ); :func:`require_symbol_dependencies` raises an
+``+``/``D`` follow the linear backend (:func:`hybrid_model.spec.select_backend`): megatron-core's TE specs with
+transformer-engine's provider, the local specs (same math, :mod:`hybrid_model.latent_attention`) with the local one,
+which is what a machine without transformer-engine gets. ``G``/``M`` exist only as megatron's TE specs: GDN's
+``in_proj`` is TE's fused norm+linear and its kernels are ``fla``'s (flash-linear-attention, Triton); Mamba's are
+mamba-ssm's and causal-conv1d's compiled CUDA kernels. :func:`require_symbol_dependencies` raises an
 ``ImportError`` naming what is missing before anything is built. Every layer is a pre-norm sub-layer ``f``; the mHC
 wrapper supplies the residual path (``HyperConnectionLayer`` for ``TransformerLayer`` subclasses,
 :class:`HyperConnectionMixer` for the Mamba layer; :class:`~hybrid_model.residual.PlainResidualLayer` with mHC off).
@@ -37,19 +42,20 @@ from mhc import ManifoldHyperConnection
 from mhc.megatron import HyperConnectionLayer
 
 #: symbol -> (python module, pip package / extra) that its layer needs
+_TE = ("transformer_engine", "transformer-engine (the `hybrid-model[gpu]` extra; its spec builds the layer)")
 SYMBOL_DEPENDENCIES: dict[str, tuple[tuple[str, str], ...]] = {
-    MLA: (("transformer_engine", "transformer-engine (the `hybrid-model[gpu]` extra)"),),
-    DSA: (("transformer_engine", "transformer-engine (the `hybrid-model[gpu]` extra)"),),
     GDN: (
-        ("transformer_engine", "transformer-engine (the `hybrid-model[gpu]` extra)"),
-        ("fla", "flash-linear-attention (`pip install flash-linear-attention`)"),
+        _TE,
+        ("fla", "flash-linear-attention (`pip install flash-linear-attention`: the gated-delta-rule Triton kernels)"),
     ),
     MAMBA: (
-        ("transformer_engine", "transformer-engine (the `hybrid-model[gpu]` extra)"),
-        ("mamba_ssm", "mamba-ssm (`pip install mamba-ssm`)"),
-        ("causal_conv1d", "causal-conv1d (`pip install causal-conv1d`)"),
+        _TE,
+        ("mamba_ssm", "mamba-ssm (`pip install mamba-ssm`: the compiled selective-scan CUDA kernels)"),
+        ("causal_conv1d", "causal-conv1d (`pip install causal-conv1d`: the compiled causal conv1d CUDA kernel)"),
     ),
 }
+"""symbol -> (python module, pip package / extra) that its layer needs (``+``/``D`` need nothing: without
+transformer-engine they build from megatron's local modules)"""
 
 
 def _installed(module: str) -> bool:
@@ -68,12 +74,13 @@ def require_symbol_dependencies(symbols: str) -> None:
         missing = [pip for mod, pip in SYMBOL_DEPENDENCIES[symbol] if not _installed(mod)]
         if missing:
             raise ImportError(
-                f"pattern symbol '{symbol}' builds megatron-core's {_NAMES[symbol]} layer, which needs "
-                f"{' and '.join(missing)}: install it, or use a pattern without '{symbol}'"
+                f"pattern symbol '{symbol}' builds megatron-core's {_NAMES[symbol]} layer, which exists only as "
+                f"megatron's transformer-engine spec and needs {' and '.join(missing)} (and a CUDA GPU): install "
+                f"them, or use a pattern without '{symbol}' ('+' MLA and 'D' DSA run without transformer-engine)"
             )
 
 
-_NAMES = {MLA: "MLA", DSA: "DSA", GDN: "GDN (gated delta net)", MAMBA: "Mamba"}
+_NAMES = {GDN: "GDN (gated delta net)", MAMBA: "Mamba"}
 
 
 def mlp_layer_spec(backend):
@@ -134,13 +141,30 @@ def attention_layer_spec(model_config, backend):
     )
 
 
-def megatron_layer_spec(symbol: str):
-    """``+ D G M``: megatron-core 0.19.2's own layer spec of ``symbol`` (after :func:`require_symbol_dependencies`)."""
+def megatron_layer_spec(symbol: str, backend=None):
+    """``+ D G M``: megatron-core 0.19.2's layer spec of ``symbol``.
+
+    ``+``/``D``: the local spec (:func:`hybrid_model.latent_attention.local_latent_layer_spec`) when ``backend`` is
+    megatron's ``LocalSpecProvider`` (or ``None`` and transformer-engine is not importable), else megatron's TE
+    spec. ``G``/``M``: megatron's TE spec (after :func:`require_symbol_dependencies`).
+    """
+    from megatron.core.models.backends import LocalSpecProvider
+
+    from hybrid_model.latent_attention import (
+        LATENT_SYMBOLS,
+        local_latent_layer_spec,
+        te_available,
+        te_latent_layer_spec,
+    )
+
+    if symbol in LATENT_SYMBOLS:
+        local = isinstance(backend, LocalSpecProvider) if backend is not None else not te_available()
+        return local_latent_layer_spec(symbol) if local else te_latent_layer_spec(symbol)
     require_symbol_dependencies(symbol)
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     subs = hybrid_stack_spec.submodules
-    return {MLA: subs.mla_layer, DSA: subs.dsa_layer, GDN: subs.gdn_layer, MAMBA: subs.mamba_layer}[symbol]
+    return {GDN: subs.gdn_layer, MAMBA: subs.mamba_layer}[symbol]
 
 
 class HyperConnectionMixer(MegatronModule):

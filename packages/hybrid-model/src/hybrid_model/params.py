@@ -9,6 +9,9 @@ groups/rank, ``n_I``/``c_I`` indexer heads/dim, ``n`` mHC streams, ``E``/``K`` e
     mHC (per sub-layer) = (2+n)·n·(n·d) + (2+n)·n + 3
     MoE            = E·d (gate) [+ E bias, learned layers] + E·3·d·f (routed) + 3·d·f (shared)
     dense MLP (-)  = 3·d·f + d (norm)          attention (*) = 4·d² + d (QKV, output; norm)
+    MLA (+)        = d_c·d + n_h·c·d_c + c·d + n_h·(2c - r)·L + d·n_h·c (q down/up, kv down/up, output;
+                     L = c - r the kv rank) + d_c + L (q / kv latent norms) + d (input norm)
+    DSA (D)        = MLA + n_I·c_I·d_c + c_I·d + 2·c_I + n_I·d (indexer wq_b, wk, LayerNorm k-norm, weights)
     model          = 2·V·d (embedding, head; untied) + d (norm) + n·n·d + n + 1 (HyperHead)
     MTP            = 2·d² (e_proj, h_proj) + 3·d (enorm, hnorm, norm) + HyperHead + window block
     mHC off        : no mHC and no HyperHead terms (plain residual, one stream)
@@ -26,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import ATTENTION, KIND_NAMES, MLP, MOE, attention_kind
+from hybrid_model.symbols import ATTENTION, DSA, KIND_NAMES, MLA, MLP, MOE, attention_kind
 
 
 @dataclass
@@ -77,6 +80,20 @@ def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, i
         out["attention.indexer"] = nI * cI * dc + nI * d + 2 * (2 * cI * d) + m * 2 * cI + cI
     elif kind.has_compressor:
         out["attention.compressor"] = 2 * c * d + m * c + c
+    return out
+
+
+def latent_attention_params(cfg: DSv4ModelConfig, symbol: str) -> dict[str, int]:
+    """Attention parameters of a ``+`` (MLA) or ``D`` (DSA) layer by part (megatron's modules; see module doc)."""
+    d, c, r, nh, dc = cfg.hidden_size, cfg.head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads, cfg.q_lora_rank
+    rank = c - r  # megatron's kv_lora_rank = qk_head_dim (dsv4_attention.megatron.DSv4AttentionConfig)
+    out = {
+        "attention.projections": dc * d + nh * c * dc + c * d + nh * (2 * c - r) * rank + d * nh * c,
+        "attention.latent_norms": dc + rank,
+    }
+    if symbol == DSA:
+        nI, cI = cfg.index_n_heads, cfg.index_head_dim
+        out["attention.indexer"] = nI * cI * dc + cI * d + 2 * cI + nI * d
     return out
 
 
@@ -142,6 +159,13 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
                 add(prefix + k, v)
             total = sum(parts.values())
             act = total - parts["moe.routed_experts"] + cfg.num_experts_per_tok * one_expert_params(cfg)
+        elif symbol in (MLA, DSA):
+            parts = latent_attention_params(cfg, symbol)
+            parts["norms"] = d  # input_layernorm
+            for k, v in parts.items():
+                add(prefix + k, v)
+            att = sum(v for k, v in parts.items() if k.startswith("attention"))
+            total = act = sum(parts.values())
         elif symbol in (MLP, ATTENTION):
             # -: SwiGLU MLP d -> 2f -> d; *: QKV d -> 3d and output d -> d (n_h heads of d/n_h dims), no biases
             key, n_lin = (
@@ -153,7 +177,7 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
             total = act = n_lin + d
         else:
             raise ValueError(
-                f"parameter counting covers the symbols C H W E - * ; {symbol!r} (megatron-core's "
+                f"parameter counting covers the symbols C H W E - * + D ; {symbol!r} (megatron-core's "
                 f"{KIND_NAMES[symbol]} layer) is not counted analytically: count a built model "
                 "(count_model_params / build_meta_model)"
             )

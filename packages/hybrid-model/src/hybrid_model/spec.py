@@ -11,8 +11,9 @@ symbol   hybrid layer (every one wrapped by mHC, :class:`mhc.megatron.HyperConne
 ``E``    ``TransformerLayer`` (RMSNorm ``ffn_norm`` + ``DSv4MoELayer``): hash router for the first
          ``num_hash_layers`` MoE layers, learned sqrt-softplus top-k elsewhere
 ``-``    ``TransformerLayer`` (RMSNorm + megatron's dense SwiGLU ``MLP``)
-``*``    standard attention (:mod:`hybrid_model.standard_attention`); ``+ D G M``: megatron-core's own
-         layer specs (they need transformer-engine, and ``fla`` / ``mamba_ssm``; :mod:`hybrid_model.layers`)
+``*``    standard attention (:mod:`hybrid_model.standard_attention`); ``+ D``: megatron-core's MLA / DSA
+         (TE specs, or local ones without TE: :mod:`hybrid_model.latent_attention`); ``G M``: megatron's
+         TE specs (transformer-engine and ``fla`` / ``mamba_ssm``; :mod:`hybrid_model.layers`)
 =======  ==========================================================================================
 
 Linear layers come from megatron-core's local provider on CPU and from transformer-engine's when the ``gpu`` extra
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.symbols import DSA
 
 
 def select_backend(prefer: str = "auto"):
@@ -140,6 +142,10 @@ def transformer_config(
         # read of the logits, no fp32 [s, b, V] copies); False = megatron's unfused fp32 path
         cross_entropy_loss_fusion=True,
     )
+    if DSA in p.all_symbols:  # megatron's DSA indexers (D) take the same per-micro-batch loss scale
+        from hybrid_model.latent_attention import set_indexer_loss_scales
+
+        kw["experimental_attention_variant_loss_scale_func"] = set_indexer_loss_scales
     if recompute is not None and recompute.granularity is not None:
         kw.update(recompute.megatron_fields(), dsv4_recompute=recompute)
     if cfg.yarn is not None:
@@ -257,7 +263,7 @@ def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = 
         hash_moe_layer=hash_spec,
         mlp_layer=mlp_layer_spec(backend),
         symbol_layers={
-            s: attention_layer_spec(cfg, backend) if s == ATTENTION else megatron_layer_spec(s)
+            s: attention_layer_spec(cfg, backend) if s == ATTENTION else megatron_layer_spec(s, backend)
             for s in sorted(symbols & set("*+DGM"))
         },
     )

@@ -68,7 +68,7 @@ def _allowed(s: int, doc: torch.Tensor | None, device) -> torch.Tensor:
 
 
 class CausalSoftmaxAttention(MegatronModule):
-    """Core attention of ``*``: causal softmax attention on ``[s, b, h, d]`` (SBHD) or ``[t, h, d]`` (THD).
+    """Core attention of ``*`` (and of ``+`` without transformer-engine): causal softmax attention on ``[s, b, h, d]`` (SBHD) or ``[t, h, d]`` (THD).
 
     Same constructor and ``forward`` interface as megatron's ``DotProductAttention``; the math is
     :func:`causal_attention_reference`, computed with ``torch.nn.functional.scaled_dot_product_attention`` (a
@@ -90,7 +90,8 @@ class CausalSoftmaxAttention(MegatronModule):
         super().__init__(config=config)
         if pg_collection is not None and pg_collection.cp is not None and pg_collection.cp.size() > 1:
             raise ValueError(
-                "the '*' layer (standard attention) does not support context parallelism: use C/H/W layers or CP=1"
+                "the '*' layer (standard attention) and the '+' layer without transformer-engine (MLA) do not "
+                "support context parallelism: use C/H/W layers or CP=1"
             )
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -112,7 +113,7 @@ class CausalSoftmaxAttention(MegatronModule):
         thd = packed_seq_params is not None
         if thd:  # [t, h, d] -> [t, 1, h, d]
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-        s, b, hq, d = query.shape
+        s, b, hq, _ = query.shape
         hk = key.shape[2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         if hk != hq:
@@ -125,8 +126,9 @@ class CausalSoftmaxAttention(MegatronModule):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        out = out.permute(2, 0, 1, 3)  # [s, b, h, d]
-        return out.reshape(s, hq * d) if thd else out.reshape(s, b, hq * d)
+        out = out.permute(2, 0, 1, 3)  # [s, b, h, dv] (dv = the value head dim, MLA's may differ from d)
+        dv = out.shape[-1]
+        return out.reshape(s, hq * dv) if thd else out.reshape(s, b, hq * dv)
 
 
 class StandardSelfAttention(SelfAttention):

@@ -248,6 +248,11 @@ class StepRunner:
             vals = self._cp_summed(vals)
             add("indexer_loss", (vals[vals != 0].double() / num_microbatches).tolist())
             tracker.clean()
+        from hybrid_model.latent_attention import drain_dsa_indexer_losses
+
+        dsa = drain_dsa_indexer_losses()  # megatron's DSA indexers ('D' layers; CP is refused for them)
+        if dsa is not None:
+            add("indexer_loss", (dsa[dsa != 0].double() / num_microbatches).tolist())
         if self.world > 1:
             dist.all_reduce(local)
         losses = {
