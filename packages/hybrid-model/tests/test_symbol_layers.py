@@ -113,6 +113,8 @@ def _builds_param_counts(cfg):
         ("*-*E/*E/*E", True),
         (None, False),  # tiny, mHC off
         ("*-*E/*E", False),
+        ("WE+-HDC-/D-", True),  # the functional pattern with MLA and DSA mixed in (local modules here)
+        ("W+D-E/+E", False),
     ],
 )
 def test_param_counts_match_the_built_model(megatron_cpu, pattern, mhc):
@@ -177,8 +179,8 @@ def test_standard_attention_needs_whole_heads():
 
 
 def test_flops_and_params_refuse_uncounted_symbols():
-    cfg = _tiny("W+E")  # MLA: counted neither analytically (a built model is counted) nor in FLOPs
-    with pytest.raises(ValueError, match=re.escape("'+' (megatron-core's mla layer) is not counted")):
+    cfg = _tiny("WGE")  # GDN: counted neither analytically (a built model is counted) nor in FLOPs
+    with pytest.raises(ValueError, match=re.escape("'G' (megatron-core's gdn layer) is not counted")):
         forward_flops(cfg, [8])
     with pytest.raises(ValueError, match="count a built model"):
         analytic_param_counts(cfg)
@@ -189,9 +191,9 @@ def test_flops_and_params_refuse_uncounted_symbols():
     [
         ("M", "mamba_ssm", "mamba-ssm"),
         ("M", "causal_conv1d", "causal-conv1d"),
+        ("M", "transformer_engine", "hybrid-model[gpu]"),
         ("G", "fla", "flash-linear-attention"),
-        ("+", "transformer_engine", "hybrid-model[gpu]"),
-        ("D", "transformer_engine", "hybrid-model[gpu]"),
+        ("G", "transformer_engine", "hybrid-model[gpu]"),
     ],
 )
 def test_symbols_with_missing_dependencies_raise_import_error(monkeypatch, symbol, missing, names):
@@ -203,6 +205,14 @@ def test_symbols_with_missing_dependencies_raise_import_error(monkeypatch, symbo
     )
     with pytest.raises(ImportError, match=re.escape(f"pattern symbol '{symbol}'") + ".*" + re.escape(names)):
         layers.require_symbol_dependencies("WE" + symbol)
+
+
+def test_mla_and_dsa_need_no_optional_package(monkeypatch):
+    """'+' and 'D' build from megatron's local modules when transformer-engine is missing: nothing is required."""
+    from hybrid_model import layers
+
+    monkeypatch.setattr(layers.importlib.util, "find_spec", lambda name, *a: None)
+    layers.require_symbol_dependencies("W+D-E")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="mamba_ssm is installed here")

@@ -1,0 +1,211 @@
+"""``+`` (MLA) and ``D`` (DSA) without transformer-engine: megatron's MLA / DSA modules built from local parts
+(``hybrid_model.latent_attention``), chosen automatically without TE; causal, packed-THD aware, mHC wrapped, exact
+parameter counts, trained from the CLI and under ``--pp 2`` (fp32, equal to PP = 1)."""
+
+import dataclasses
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
+
+from dsv4_testkit import run_distributed
+from hybrid_model.flops import forward_flops, forward_flops_from_stats
+from hybrid_model.presets import get_preset
+
+FUNCTIONAL = "WE+-|HDC-/D-"  # upstream's functional pattern 'WEC-|H-C-/W-' with MLA and DSA mixed in
+
+
+def _tiny(pattern):
+    return get_preset("tiny").with_pattern(pattern)
+
+
+def test_local_specs_are_chosen_without_transformer_engine(monkeypatch):
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from hybrid_model import latent_attention as la
+    from hybrid_model.layers import megatron_layer_spec
+
+    monkeypatch.setattr(la, "te_available", lambda: False)
+    for symbol in "+D":
+        assert megatron_layer_spec(symbol).params == {"symbol": symbol, "local": True}
+    monkeypatch.setattr(la, "te_available", lambda: True)
+    # transformer-engine importable: megatron's own TE spec, built with the same per-layer config
+    te = megatron_layer_spec("+")
+    assert te.params == {"symbol": "+", "local": False}
+    assert te.submodules is hybrid_stack_spec.submodules.mla_layer.submodules
+    assert megatron_layer_spec("D").submodules is hybrid_stack_spec.submodules.dsa_layer.submodules
+    # selectable: an explicit local backend (what select_backend gives without TE or CUDA) picks the local spec
+    assert megatron_layer_spec("D", LocalSpecProvider()).params["local"] is True
+
+
+def test_layer_config_and_refusals(megatron_cpu):
+    from hybrid_model.latent_attention import check_local_latent_support, latent_layer_config
+    from hybrid_model.spec import transformer_config
+
+    tc = transformer_config(_tiny("W+DE"))
+    mla, dsa = latent_layer_config(tc, "+", local=True), latent_layer_config(tc, "D", local=True)
+    assert mla.qk_layernorm and dsa.qk_layernorm and not tc.qk_layernorm  # the model config is not changed
+    assert (mla.transformer_impl, dsa.transformer_impl) == ("local", "local")
+    assert dsa.experimental_attention_variant == "dsa" and mla.experimental_attention_variant == "dsv4_hybrid"
+    assert not dsa.dsa_indexer_rotate_activation  # fp32 (the Hadamard rotation needs bf16 + its package)
+    assert latent_layer_config(tc, "+", local=False).transformer_impl == tc.transformer_impl
+    with pytest.raises(ValueError, match="'\\+' and 'D'"):
+        latent_layer_config(tc, "W", local=True)
+    cp2 = types.SimpleNamespace(cp=types.SimpleNamespace(size=lambda: 2))
+    with pytest.raises(ValueError, match="pattern symbol 'D' without transformer-engine does not support context"):
+        check_local_latent_support(tc, cp2, "D")
+
+
+def test_functional_pattern_builds_and_trains(megatron_cpu):
+    """Every layer mHC-wrapped; '+' = MLASelfAttention over the causal softmax core, 'D' = absorbed MLA +
+    megatron's DSAttention with a duplicated-linear indexer; every parameter (the indexer's from its KL loss) gets
+    a finite, non-zero gradient, and the DSA indexer losses reach the per-layer tracker."""
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from hybrid_model.latent_attention import DuplicatedLinear, drain_dsa_indexer_losses
+    from hybrid_model.model import build_model
+    from hybrid_model.standard_attention import CausalSoftmaxAttention
+    from mhc.megatron import HyperConnectionLayer
+
+    cfg = _tiny(FUNCTIONAL.replace("|", ""))
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    layers = list(model.decoder.layers) + list(model.mtp.depths()[0].block)
+    assert all(isinstance(x, HyperConnectionLayer) for x in layers)
+    attn = {i: x.inner_layer.self_attention for i, x in enumerate(model.decoder.layers) if i in (2, 5)}
+    assert isinstance(attn[2], MLASelfAttention) and isinstance(attn[2].core_attention, CausalSoftmaxAttention)
+    assert isinstance(attn[5], AbsorbedMLASelfAttention) and isinstance(attn[5].core_attention, DSAttention)
+    assert isinstance(attn[5].core_attention.indexer.linear_wk, DuplicatedLinear)
+    assert isinstance(attn[2].q_layernorm, torch.nn.RMSNorm) and isinstance(attn[5].kv_layernorm, torch.nn.RMSNorm)
+    drain_dsa_indexer_losses()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.train()
+    loss = model(ids, torch.arange(24)[None].expand(2, 24), None, labels=torch.roll(ids, -1, 1))
+    loss.mean().backward()
+    assert torch.isfinite(loss).all()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    for i, layer in enumerate(layers):
+        assert any(p.grad.abs().sum() > 0 for p in layer.inner_layer.parameters()), i
+    assert attn[5].core_attention.indexer.linear_wq_b.weight.grad.abs().sum() > 0  # KL loss -> indexer
+    tracked = drain_dsa_indexer_losses()
+    # megatron's slots are layer numbers: the main D is layer 6; the MTP depth's D is layer 1 of its depth
+    assert tracked is not None and tracked[5] > 0 and tracked[0] > 0 and torch.count_nonzero(tracked) == 2
+
+
+@pytest.mark.parametrize("symbol", ["+", "D"])
+def test_layer_is_causal_and_packed_equals_each_document(megatron_cpu, symbol):
+    """One '+' / 'D' layer: rows before t do not change when later rows do (SBHD), and a packed THD pack of two
+    documents gives each document's rows of its own SBHD forward (RoPE and attention restart per document; DSA's
+    top-k (k = 4 < the document lengths) picks among the document's own earlier keys)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.spec_utils import build_module
+
+    from hybrid_model.latent_attention import local_latent_layer_spec
+    from hybrid_model.spec import transformer_config
+
+    cfg = _tiny(f"W{symbol}E")
+    tc = transformer_config(cfg)
+    torch.manual_seed(0)
+    layer = build_module(local_latent_layer_spec(symbol), config=tc, layer_number=2).eval()
+    x = torch.randn(15, 1, cfg.hidden_size)
+    with torch.no_grad():
+        out, _ = layer(x, None)
+        later = x.clone()
+        later[9:] += 1.0
+        out2, _ = layer(later, None)
+        torch.testing.assert_close(out2[:9], out[:9], rtol=0, atol=0)
+        assert not torch.allclose(out2[9:], out[9:])
+        cu = torch.tensor([0, 6, 15], dtype=torch.int32)
+        psp = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9
+        )
+        packed, _ = layer(x, None, packed_seq_params=psp)
+        for a, e in [(0, 6), (6, 15)]:
+            alone, _ = layer(x[a:e], None)
+            torch.testing.assert_close(packed[a:e], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_flops_closed_forms():
+    """'+': the THD closed form is exact (causal pairs); 'D': it charges k selected keys per token, an upper bound
+    above the exact count by Σ over each document's queries of k - min(t+1, k)."""
+    lengths = [7, 30, 1]
+    stats = (sum(lengths), sum(x * x for x in lengths))
+    mla = _tiny("+-E")  # no W: its window term is an upper bound in the closed form
+    assert forward_flops_from_stats(mla, *stats).forward == pytest.approx(forward_flops(mla, lengths).forward)
+    dsa = _tiny("WDE")
+    k = dsa.index_topk
+    exact, bound = forward_flops(dsa, lengths), forward_flops_from_stats(dsa, *stats)
+    short = sum(k * (k - 1) // 2 if x >= k else k * x - x * (x + 1) // 2 for x in lengths)  # Σ (k - min(t+1, k))
+    from hybrid_model.flops import _dsa_core_per_pair
+
+    gap = bound.components["attention.dsa_core"] - exact.components["attention.dsa_core"]
+    assert gap == _dsa_core_per_pair(dsa) * short
+
+
+_BASE = ["--seq-len", "32", "--global-batch-size", "2", "--micro-batch-size", "2", "--warmup-steps", "0"]
+_BASE += ["--log-interval", "1", "--lr", "1e-2"]
+
+
+def test_cli_trains_a_pattern_with_mla_and_dsa(tmp_path):
+    from hybrid_model.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", *_BASE, "--pattern", "W+D-E", "--steps", "5", "--out", str(run)]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
+    assert len(losses) == 5 and all(x == x for x in losses), losses
+    assert min(losses[-2:]) < losses[0], losses
+    assert all(r.get("indexer_loss") is not None for r in rows if "lm_loss" in r)  # D's indexer KL, logged
+
+
+def _overrides(pattern: str) -> dict:
+    """``model_overrides`` that turn the tiny preset into ``pattern`` (the fields ``with_pattern`` derives)."""
+    base, cfg = get_preset("tiny"), _tiny(pattern)
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if getattr(cfg, f.name) != getattr(base, f.name)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pp2_matches_pp1_in_fp32(tmp_path):
+    """The functional pattern with '+' and 'D' split by its '|' over two pipeline stages: every step's losses and
+    the first step's gradients equal the PP = 1 run of the same global batch (DP = 2 in the same two gloo
+    processes, itself equal to the single process: test_parallel_matrix) within fp32 reduction-order rounding."""
+    base = dict(seq_len=16, global_batch_size=4, micro_batch_size=1, warmup_steps=0, lr=3e-3, steps=2)
+    pp1 = base | dict(out=str(tmp_path / "pp1"), model_overrides=_overrides(FUNCTIONAL.replace("|", "")))
+    pp2 = base | dict(
+        out=str(tmp_path / "pp2"),
+        pp=2,
+        model_overrides=_overrides(FUNCTIONAL),
+        init_from=str(tmp_path / "pp1" / "checkpoints" / "iter_0000000"),
+    )
+    ranks = run_distributed(train_layouts, 2, [("pp1", pp1), ("pp2", pp2)], True, timeout=900)
+    got = {name: [r[name]["metrics"] for r in ranks] for name in ("pp1", "pp2")}
+    for name, metrics in got.items():
+        assert all(m == metrics[0] for m in metrics), name
+    ref, pp = got["pp1"][0], got["pp2"][0]
+    for step, (g, r) in enumerate(zip(pp, ref, strict=True), start=1):
+        for key in METRIC_KEYS:
+            if r[key] is None:
+                assert g[key] is None, (step, key)
+                continue
+            assert g[key] == pytest.approx(r[key], rel=2e-5, abs=1e-7), (step, key, g[key], r[key])
+    assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] and ref[0]["indexer_loss"] is not None
+    g_ref, g_pp = (merge_rank_grads([r[name]["grads"] for r in ranks]) for name in ("pp1", "pp2"))
+    assert set(g_ref) == set(g_pp)
+    for name, g in g_ref.items():
+        err = float((g_pp[name] - g).abs().max())
+        assert err <= 2e-5 * float(g.abs().max()) + 1e-9, (name, err)
