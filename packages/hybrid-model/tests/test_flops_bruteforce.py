@@ -212,7 +212,9 @@ class _LatentCounter(MatmulCounter):
         if "scaled_dot_product" in name:
             q, k, v = args[:3]  # [b, h, s, d]
             key = (self.stack[-1], "sdpa", tuple(tuple(x.shape) for x in (q, k, v)))
-            self.flops[key] += 2 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+            self.flops[key] += (
+                2 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])
+            )
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -225,7 +227,6 @@ def test_mla_and_dsa_match_the_brute_force_count():
     causal ones, the formula counts ``Σ_t min(t+1, k)``; indexer scores: every (query, key) pair in the reference
     (``2·n_I·c_I``; the ReLU-weighted head sum ``2·n_I`` is elementwise), the causal pairs in the formula."""
     from dsv4_testkit.megatron_cpu import megatron_cpu_context
-
     from hybrid_model.flops import _dsa_core_per_pair, _proj_attention
 
     b, t = 2, 40
@@ -267,7 +268,11 @@ def test_mla_and_dsa_match_the_brute_force_count():
             part = "attention.indexer"
         elif op == "sdpa":
             part = "attention.causal_core"
-        elif path.endswith(".core_attention") and shapes[1] == (nh, rank, c):  # ·W_UV, absorbed v up-projection
+        elif path.endswith(".core_attention") and shapes[1] == (
+            nh,
+            rank,
+            c,
+        ):  # ·W_UV, absorbed v up-projection
             part = "attention.projections"
         elif path.endswith(".core_attention"):
             part = "attention.indexer_scores" if shapes[0][-1] == cfg.index_head_dim else "attention.dsa_core"

@@ -59,7 +59,9 @@ def test_layer_config_and_refusals(megatron_cpu):
     with pytest.raises(ValueError, match="'\\+' and 'D'"):
         latent_layer_config(tc, "W", local=True)
     cp2 = types.SimpleNamespace(cp=types.SimpleNamespace(size=lambda: 2))
-    with pytest.raises(ValueError, match="pattern symbol 'D' without transformer-engine does not support context"):
+    with pytest.raises(
+        ValueError, match="pattern symbol 'D' without transformer-engine does not support context"
+    ):
         check_local_latent_support(tc, cp2, "D")
 
 
@@ -82,10 +84,14 @@ def test_functional_pattern_builds_and_trains(megatron_cpu):
     layers = list(model.decoder.layers) + list(model.mtp.depths()[0].block)
     assert all(isinstance(x, HyperConnectionLayer) for x in layers)
     attn = {i: x.inner_layer.self_attention for i, x in enumerate(model.decoder.layers) if i in (2, 5)}
-    assert isinstance(attn[2], MLASelfAttention) and isinstance(attn[2].core_attention, CausalSoftmaxAttention)
+    assert isinstance(attn[2], MLASelfAttention) and isinstance(
+        attn[2].core_attention, CausalSoftmaxAttention
+    )
     assert isinstance(attn[5], AbsorbedMLASelfAttention) and isinstance(attn[5].core_attention, DSAttention)
     assert isinstance(attn[5].core_attention.indexer.linear_wk, DuplicatedLinear)
-    assert isinstance(attn[2].q_layernorm, torch.nn.RMSNorm) and isinstance(attn[5].kv_layernorm, torch.nn.RMSNorm)
+    assert isinstance(attn[2].q_layernorm, torch.nn.RMSNorm) and isinstance(
+        attn[5].kv_layernorm, torch.nn.RMSNorm
+    )
     drain_dsa_indexer_losses()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     model.train()
@@ -135,6 +141,16 @@ def test_layer_is_causal_and_packed_equals_each_document(megatron_cpu, symbol):
             torch.testing.assert_close(packed[a:e], alone, rtol=1e-5, atol=1e-5)
 
 
+def test_hf_export_refuses_mla_and_dsa():
+    from hybrid_model.hf.config_map import check_hf_representable
+
+    for pattern in ("W+D-E", "WE+E/WE", "WEDE/WE"):
+        with pytest.raises(
+            ValueError, match="Hugging Face DeepSeek-V4 holds only blocks of one C/H/W attention"
+        ):
+            check_hf_representable(_tiny(pattern))
+
+
 def test_flops_closed_forms():
     """'+': the THD closed form is exact (causal pairs); 'D': it charges k selected keys per token, an upper bound
     above the exact count by Σ over each document's queries of k - min(t+1, k)."""
@@ -145,7 +161,9 @@ def test_flops_closed_forms():
     dsa = _tiny("WDE")
     k = dsa.index_topk
     exact, bound = forward_flops(dsa, lengths), forward_flops_from_stats(dsa, *stats)
-    short = sum(k * (k - 1) // 2 if x >= k else k * x - x * (x + 1) // 2 for x in lengths)  # Σ (k - min(t+1, k))
+    short = sum(
+        k * (k - 1) // 2 if x >= k else k * x - x * (x + 1) // 2 for x in lengths
+    )  # Σ (k - min(t+1, k))
     from hybrid_model.flops import _dsa_core_per_pair
 
     gap = bound.components["attention.dsa_core"] - exact.components["attention.dsa_core"]

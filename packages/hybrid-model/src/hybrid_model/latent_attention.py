@@ -217,7 +217,9 @@ def local_latent_layer_spec(symbol: str):
             module=AbsorbedMLASelfAttention,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=AbsorbedMLASelfAttentionSubmodules(
-                core_attention=ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer)),
+                core_attention=ModuleSpec(
+                    module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer)
+                ),
                 **linears,
             ),
         )

@@ -46,12 +46,18 @@ _TE = ("transformer_engine", "transformer-engine (the `hybrid-model[gpu]` extra;
 SYMBOL_DEPENDENCIES: dict[str, tuple[tuple[str, str], ...]] = {
     GDN: (
         _TE,
-        ("fla", "flash-linear-attention (`pip install flash-linear-attention`: the gated-delta-rule Triton kernels)"),
+        (
+            "fla",
+            "flash-linear-attention (`pip install flash-linear-attention`: the gated-delta-rule Triton kernels)",
+        ),
     ),
     MAMBA: (
         _TE,
         ("mamba_ssm", "mamba-ssm (`pip install mamba-ssm`: the compiled selective-scan CUDA kernels)"),
-        ("causal_conv1d", "causal-conv1d (`pip install causal-conv1d`: the compiled causal conv1d CUDA kernel)"),
+        (
+            "causal_conv1d",
+            "causal-conv1d (`pip install causal-conv1d`: the compiled causal conv1d CUDA kernel)",
+        ),
     ),
 }
 """symbol -> (python module, pip package / extra) that its layer needs (``+``/``D`` need nothing: without

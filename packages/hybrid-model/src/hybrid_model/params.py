@@ -85,7 +85,13 @@ def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, i
 
 def latent_attention_params(cfg: DSv4ModelConfig, symbol: str) -> dict[str, int]:
     """Attention parameters of a ``+`` (MLA) or ``D`` (DSA) layer by part (megatron's modules; see module doc)."""
-    d, c, r, nh, dc = cfg.hidden_size, cfg.head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads, cfg.q_lora_rank
+    d, c, r, nh, dc = (
+        cfg.hidden_size,
+        cfg.head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.num_attention_heads,
+        cfg.q_lora_rank,
+    )
     rank = c - r  # megatron's kv_lora_rank = qk_head_dim (dsv4_attention.megatron.DSv4AttentionConfig)
     out = {
         "attention.projections": dc * d + nh * c * dc + c * d + nh * (2 * c - r) * rank + d * nh * c,
