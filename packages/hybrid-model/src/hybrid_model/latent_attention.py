@@ -253,7 +253,11 @@ def set_indexer_loss_scales(scale) -> None:
     IndexerLossAutoScaler.set_loss_scale(scale)
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(float(scale))
-    DSAIndexerLossAutoScaler.set_loss_scale(scale.detach().clone())
+    cur = DSAIndexerLossAutoScaler.main_loss_backward_scale
+    if cur is None or cur.shape != scale.shape or cur.device != scale.device:  # e.g. left by an earlier run
+        DSAIndexerLossAutoScaler.main_loss_backward_scale = scale.detach().clone()
+    else:
+        cur.copy_(scale.detach())
 
 
 def drain_dsa_indexer_losses() -> torch.Tensor | None:
@@ -264,3 +268,14 @@ def drain_dsa_indexer_losses() -> torch.Tensor | None:
     values = DSAIndexerLossLoggingHelper.tracker.pop("values", None)
     DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
     return None if values is None else values.detach()
+
+
+def reset_dsa_indexer_loss_state() -> None:
+    """Forget megatron's DSA indexer-loss backward scale and tracked losses (a new run starts fresh)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexerLossAutoScaler,
+        DSAIndexerLossLoggingHelper,
+    )
+
+    DSAIndexerLossAutoScaler.main_loss_backward_scale = None
+    DSAIndexerLossLoggingHelper.tracker.clear()

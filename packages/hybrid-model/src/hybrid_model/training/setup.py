@@ -65,6 +65,9 @@ def reset_metric_trackers() -> None:
     get_indexer_loss_tracker().reset()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     IndexerLossAutoScaler.main_loss_backward_scale = None
+    from hybrid_model.latent_attention import reset_dsa_indexer_loss_state
+
+    reset_dsa_indexer_loss_state()  # megatron's DSA ('D') scaler and tracker
 
 
 def default_peak_tflops() -> float:
