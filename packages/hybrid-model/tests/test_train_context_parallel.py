@@ -33,11 +33,12 @@ bf16 (the bound of ``test_parallel_matrix``, re-derived for CP):
   single-process bf16 gradient deviates from the fp32 one by ``δ_g = max|g_bf16 - g_fp32|`` (per tensor, measured);
   a CP bf16 run makes the same roundings in another order, so by the triangle inequality it stays within ``2·δ_g``.
   Bound per tensor: ``max|g - g_ref| <= 2·δ_g + 2·M·u·max|g_ref|``.
-* CP2 x PP2 and CP2 x EP2: the same loss bound ``2·δ`` (neither PP nor EP adds a bf16 rounding of a loss: the mHC
-  streams cross stages in fp32, the experts' outputs are combined in the same order). Gradients: the CP bound plus
-  the one bf16 rounding per micro-batch that PP and EP add in ``test_parallel_matrix`` (PP: the word embedding's
-  main-head and MTP contributions summed in fp32 across stages instead of in bf16 on one stage; EP: the experts'
-  grouped GEMMs over another set of rows): ``2·δ_g + (2 + 1)·M·u·max|g_ref|``.
+* CP2 x PP2 and CP2 x EP2: the same loss bound ``2·δ``. PP adds no rounding to the forward (the mHC streams cross
+  stages in fp32); EP's grouped expert GEMMs see another set of rows and round them in another order, which is
+  again the same bf16 roundings of the same magnitudes, so the triangle-inequality argument holds unchanged.
+  Gradients: the CP bound plus the one bf16 rounding per micro-batch that PP and EP add in ``test_parallel_matrix``
+  (PP: the word embedding's main-head and MTP contributions summed in fp32 across stages instead of in bf16 on one
+  stage; EP: a rounding per expert GEMM output over another row grouping): ``2·δ_g + (2 + 1)·M·u·max|g_ref|``.
 
 Resume: the step-2 losses of the ``--cp 1`` and ``--cp 4`` resumes equal the uninterrupted ``--cp 2`` run's to the
 fp32 bound above (the checkpoint is CP-agnostic: weights, ``dp_reshardable`` optimizer state and data position;

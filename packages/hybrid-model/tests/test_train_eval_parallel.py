@@ -5,7 +5,9 @@ last step. With PP the evaluation runs megatron's pipelined forward-only schedul
 with VPP the interleaved one (2 chunks per rank, the folded streams, the wrap-around from rank 1's first chunk to
 rank 0's second); the per-token loss sums are all-reduced over the last stage's DP replicas. Under CP each rank
 evaluates its 32 contiguous rows of every 64-token sequence (one THD pack of one document, as in training; the MTP
-mask rolled across the rank edge) and the per-token sums are all-reduced over the CP ranks.
+mask rolled across the rank edge) and the per-token sums are all-reduced over the CP ranks; ``cp2-packed`` (fp32)
+evaluates packed THD batches (each CP rank its 32 rows of every 64-row pack, documents crossing the rank edge)
+against the single-process packed evaluation.
 
 fp32: the evaluation losses agree to 2e-5 (fp32 sums in another order after two optimizer steps, as in the parallel
 matrix; the evaluation itself adds the fp64 sums of the per-micro-batch losses in another order; under CP the
@@ -43,41 +45,60 @@ _BASE = dict(
     eval_interval=2,
     eval_iters=2,
 )
-LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2), "pp2xvpp2": dict(pp=2, vpp=2), "cp2": dict(cp=2)}
+LAYOUTS = {
+    "dp2": dict(),
+    "pp2": dict(pp=2),
+    "pp2xvpp2": dict(pp=2, vpp=2),
+    "cp2": dict(cp=2),
+    "cp2-packed": dict(cp=2, packed=True),
+}
 # layouts whose forward arithmetic differs from the single process (module docstring)
 _FORWARD_CHANGES = {"cp2"}
 DTYPES = ("fp32", "bf16")
+# (layout, dtype) cells; packed CP in fp32 only (bf16 CP is the [B, S] cell: the same CP arithmetic)
+CELLS = [(name, dt) for name in LAYOUTS for dt in DTYPES if not (name == "cp2-packed" and dt == "bf16")]
+SINGLE = (*DTYPES, "fp32-packed")  # the single-process runs
+
+
+def _config(key: str, **kw) -> dict:
+    """TrainConfig kwargs of single-process run ``key`` (``dtype`` or ``dtype-packed``) plus ``kw``."""
+    base = dict(_BASE, bf16=key.startswith("bf16"))
+    if key.endswith("-packed"):
+        del base["micro_batch_size"]  # a THD micro-batch is one pack
+        base["packed"] = True
+    return base | kw
+
+
+def _ref_key(layout: str, dtype: str) -> str:
+    return f"{dtype}-packed" if LAYOUTS[layout].get("packed") else dtype
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_single")
-    runs = [(dt, dict(_BASE, bf16=dt == "bf16", out=str(out / dt))) for dt in DTYPES]
+    runs = [(key, _config(key, out=str(out / key))) for key in SINGLE]
     (single,) = run_distributed(evaluate_layouts, 1, runs, True, timeout=900)
     out2 = tmp_path_factory.mktemp("eval_world2")
     runs = [
         (
             f"{name}-{dt}",
-            dict(
-                _BASE,
-                bf16=dt == "bf16",
+            _config(
+                _ref_key(name, dt),
                 out=str(out2 / f"{name}-{dt}"),
-                init_from=str(out / dt / "checkpoints" / "iter_0000000"),
+                init_from=str(out / _ref_key(name, dt) / "checkpoints" / "iter_0000000"),
             )
-            | layout,
+            | LAYOUTS[name],
         )
-        for name, layout in LAYOUTS.items()
-        for dt in DTYPES
+        for name, dt in CELLS
     ]
     per_rank = run_distributed(evaluate_layouts, 2, runs, timeout=1500)
     return single, per_rank
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("layout", "dtype"), CELLS, ids=[f"{n}-{d}" for n, d in CELLS])
 def test_parallel_evaluation_matches_single_process(results, layout, dtype):
     single, per_rank = results
-    ref = single[dtype]
+    ref = single[_ref_key(layout, dtype)]
     got = [r[f"{layout}-{dtype}"] for r in per_rank]
     assert got[0] == got[1], "every rank reports the reduced evaluation"
     got = got[0]
