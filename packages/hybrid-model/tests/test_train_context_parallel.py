@@ -129,7 +129,9 @@ def _check_fp32(got_ranks: list[dict], ref: dict, cell: str) -> None:
         assert err <= _FP32_REL * float(g_ref.abs().max()) + 1e-9, (cell, name, err)
 
 
-def _check_bf16(got_ranks: list[dict], ref: dict, ref_fp32: dict, cell: str, extra_roundings: int = 0) -> None:
+def _check_bf16(
+    got_ranks: list[dict], ref: dict, ref_fp32: dict, cell: str, extra_roundings: int = 0
+) -> None:
     """Losses within ``2·δ``, gradients within ``2·δ_g + (2 + extra_roundings)·M·u·max|g_ref|`` (module
     docstring)."""
     metrics = [r["metrics"] for r in got_ranks]
@@ -181,5 +183,6 @@ def test_resume_cp2_checkpoint_at_another_cp_gives_the_same_next_step_loss(runs,
     got = runs["world4"][-1][resume]["metrics"]
     assert [m["step"] for m in full] == [1, 2] and [m["step"] for m in got] == [2]
     for key in ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss"):
-        assert got[0][key] == pytest.approx(full[1][key], rel=_FP32_REL), (resume, key, got[0][key], full[1][key])
+        g, f = got[0][key], full[1][key]
+        assert g == pytest.approx(f, rel=_FP32_REL), (resume, key, g, f)
     assert got[0]["lr"] == full[1]["lr"]

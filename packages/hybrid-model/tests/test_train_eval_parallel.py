@@ -119,4 +119,5 @@ def test_parallel_evaluation_matches_single_process(results, layout, dtype):
         bound_steps = range(1, 2)
     for i in bound_steps:
         for k in keys:
-            assert abs(got[i][k] - ref[i][k]) <= 2 * delta, (layout, got[i]["step"], k, got[i][k], ref[i][k], delta)
+            g, r = got[i][k], ref[i][k]
+            assert abs(g - r) <= 2 * delta, (layout, got[i]["step"], k, g, r, delta)
