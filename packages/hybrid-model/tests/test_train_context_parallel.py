@@ -7,8 +7,9 @@ Runs (every run starts from the single-process reference's initial weights throu
 * 2 processes: ``--cp 2`` (DP 1) for the same four runs. Each CP rank holds 128 contiguous rows of every pack
   (documents cross the rank boundary; ``[B, S]`` micro-batches run as a THD pack of 2 documents of 256 tokens).
   The fp32 packed run also saves its step-1 checkpoint.
-* 4 processes: ``--cp 2 --pp 2`` and ``--cp 2 --ep 2`` (fp32, packed), and the resume of the ``--cp 2`` step-1
-  checkpoint at ``--cp 1`` (DP 4).
+* 4 processes, one world for every case: ``--cp 2 --pp 2`` and ``--cp 2 --ep 2`` (packed, fp32 and bf16),
+  ``--cp 2`` with DP 2 (``[B, S]``, fp32: each DP replica one micro-batch of 2 rows, split over its 2 CP ranks), and
+  the resume of the ``--cp 2`` step-1 checkpoint at ``--cp 1`` (DP 4) and at ``--cp 4`` (64 rows per rank).
 
 What is compared: every metric of every step (LM, MTP, balance and indexer losses, grad norm, LR; each the global
 value, identical on every rank) and the first step's reduced gradient of every parameter.
@@ -32,10 +33,16 @@ bf16 (the bound of ``test_parallel_matrix``, re-derived for CP):
   single-process bf16 gradient deviates from the fp32 one by ``δ_g = max|g_bf16 - g_fp32|`` (per tensor, measured);
   a CP bf16 run makes the same roundings in another order, so by the triangle inequality it stays within ``2·δ_g``.
   Bound per tensor: ``max|g - g_ref| <= 2·δ_g + 2·M·u·max|g_ref|``.
+* CP2 x PP2 and CP2 x EP2: the same loss bound ``2·δ``. PP adds no rounding to the forward (the mHC streams cross
+  stages in fp32); EP's grouped expert GEMMs see another set of rows and round them in another order, which is
+  again the same bf16 roundings of the same magnitudes, so the triangle-inequality argument holds unchanged.
+  Gradients: the CP bound plus the one bf16 rounding per micro-batch that PP and EP add in ``test_parallel_matrix``
+  (PP: the word embedding's main-head and MTP contributions summed in fp32 across stages instead of in bf16 on one
+  stage; EP: a rounding per expert GEMM output over another row grouping): ``2·δ_g + (2 + 1)·M·u·max|g_ref|``.
 
-Resume: the step-2 losses of the ``--cp 1`` resume equal the uninterrupted ``--cp 2`` run's to the fp32 bound above
-(the checkpoint is CP-agnostic: weights, ``dp_reshardable`` optimizer state and data position; only the layout of
-the step differs).
+Resume: the step-2 losses of the ``--cp 1`` and ``--cp 4`` resumes equal the uninterrupted ``--cp 2`` run's to the
+fp32 bound above (the checkpoint is CP-agnostic: weights, ``dp_reshardable`` optimizer state and data position;
+only the layout of the step differs).
 """
 
 from __future__ import annotations
@@ -59,8 +66,12 @@ FORMATS = {"packed": dict(packed=True), "bs": dict(micro_batch_size=2)}
 DTYPES = ("fp32", "bf16")
 _MICRO_BATCHES = 4  # at most 4 micro-batches per step (4 documents)
 _FP32_REL = 2e-5
-# 4-process cells (fp32, packed): (name, layout)
+# 4-process cells (packed, fp32 and bf16): (name, layout)
 CELLS4 = {"cp2xpp2": dict(cp=2, pp=2), "cp2xep2": dict(cp=2, ep=2)}
+# bf16 roundings per micro-batch that PP / EP add to a gradient (module docstring)
+_EXTRA_ROUNDINGS4 = 1
+# resumes of the --cp 2 step-1 checkpoint in the 4-process world: (name, CP size; DP is the rest)
+RESUMES = {"resume-cp1": 1, "resume-cp4": 4}
 
 
 def _kw(fmt: str, dt: str, out: Path, **extra) -> dict:
@@ -86,15 +97,18 @@ def runs(tmp_path_factory):
         for f, d in names
     ]
     cp2 = run_distributed(train_layouts, 2, cp2_runs, timeout=1800)
-    # the CP=2 step-1 checkpoint as the newest one of a fresh run directory, resumed at CP=1 (DP=4)
-    dst = tmp / "resume-cp1" / "checkpoints"
-    shutil.copytree(tmp / "cp2-packed-fp32" / "checkpoints" / "iter_0000001", dst / "iter_0000001")
-    (dst / "latest").write_text("iter_0000001")
     world4_runs = [
-        (name, _kw("packed", "fp32", tmp / name, init_from=init["packed-fp32"]) | layout)
+        (f"{name}-{d}", _kw("packed", d, tmp / f"{name}-{d}", init_from=init[f"packed-{d}"]) | layout)
         for name, layout in CELLS4.items()
+        for d in DTYPES
     ]
-    world4_runs.append(("resume-cp1", _kw("packed", "fp32", tmp / "resume-cp1", resume=True)))
+    world4_runs.append(("cp2xdp2", _kw("bs", "fp32", tmp / "cp2xdp2", cp=2, init_from=init["bs-fp32"])))
+    for name, cp in RESUMES.items():
+        # the CP=2 step-1 checkpoint as the newest one of a fresh run directory, resumed at CP=1 (DP=4) / CP=4
+        dst = tmp / name / "checkpoints"
+        shutil.copytree(tmp / "cp2-packed-fp32" / "checkpoints" / "iter_0000001", dst / "iter_0000001")
+        (dst / "latest").write_text("iter_0000001")
+        world4_runs.append((name, _kw("packed", "fp32", tmp / name, resume=True, cp=cp)))
     world4 = run_distributed(train_layouts, 4, world4_runs, timeout=1800)
     return {"ref": ref, "cp2": cp2, "world4": world4}
 
@@ -115,6 +129,28 @@ def _check_fp32(got_ranks: list[dict], ref: dict, cell: str) -> None:
         assert err <= _FP32_REL * float(g_ref.abs().max()) + 1e-9, (cell, name, err)
 
 
+def _check_bf16(
+    got_ranks: list[dict], ref: dict, ref_fp32: dict, cell: str, extra_roundings: int = 0
+) -> None:
+    """Losses within ``2·δ``, gradients within ``2·δ_g + (2 + extra_roundings)·M·u·max|g_ref|`` (module
+    docstring)."""
+    metrics = [r["metrics"] for r in got_ranks]
+    assert all(m == metrics[0] for m in metrics), "every metric is the global value on every rank"
+    bound = _bf16_loss_bound({"fp32": ref_fp32, "bf16": ref})
+    for step, (g, r) in enumerate(zip(metrics[0], ref["metrics"], strict=True), start=1):
+        for key in ("lm_loss", "mtp_loss"):
+            assert abs(g[key] - r[key]) <= bound, (cell, step, key, g[key], r[key], bound)
+        assert g["lr"] == r["lr"]
+    grads = merge_rank_grads([r["grads"] for r in got_ranks])
+    assert set(grads) == set(ref["grads"])
+    roundings = 2 + extra_roundings
+    for name, g_ref in ref["grads"].items():
+        err = float((grads[name] - g_ref).abs().max())
+        delta = float((g_ref - ref_fp32["grads"][name]).abs().max())  # single-process bf16 vs fp32
+        bound = 2 * delta + roundings * _MICRO_BATCHES * _BF16_U * float(g_ref.abs().max())
+        assert err <= bound, (cell, name, err, bound)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_cp2_matches_cp1(runs, fmt, dtype):
@@ -122,35 +158,31 @@ def test_cp2_matches_cp1(runs, fmt, dtype):
     per_rank = [r[f"{fmt}-{dtype}"] for r in runs["cp2"]]
     if dtype == "fp32":
         _check_fp32(per_rank, ref, f"cp2-{fmt}")
-        return
-    metrics = [r["metrics"] for r in per_rank]
-    assert all(m == metrics[0] for m in metrics)
-    bound = _bf16_loss_bound({"fp32": runs["ref"][f"{fmt}-fp32"], "bf16": ref})
-    for step, (g, r) in enumerate(zip(metrics[0], ref["metrics"], strict=True), start=1):
-        for key in ("lm_loss", "mtp_loss"):
-            assert abs(g[key] - r[key]) <= bound, (fmt, step, key, g[key], r[key], bound)
-        assert g["lr"] == r["lr"]
-    grads = merge_rank_grads([r["grads"] for r in per_rank])
-    fp32_grads = runs["ref"][f"{fmt}-fp32"]["grads"]
-    assert set(grads) == set(ref["grads"])
-    for name, g_ref in ref["grads"].items():
-        err = float((grads[name] - g_ref).abs().max())
-        delta = float(
-            (g_ref - fp32_grads[name]).abs().max()
-        )  # single-process bf16 vs fp32 (module docstring)
-        bound = 2 * delta + 2 * _MICRO_BATCHES * _BF16_U * float(g_ref.abs().max())
-        assert err <= bound, (fmt, name, err, bound)
+    else:
+        _check_bf16(per_rank, ref, runs["ref"][f"{fmt}-fp32"], f"cp2-{fmt}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cell", list(CELLS4))
-def test_cp2_with_pp2_or_ep2_matches_cp1(runs, cell):
-    _check_fp32([r[cell] for r in runs["world4"]], runs["ref"]["packed-fp32"], cell)
+def test_cp2_with_pp2_or_ep2_matches_cp1(runs, cell, dtype):
+    per_rank = [r[f"{cell}-{dtype}"] for r in runs["world4"]]
+    ref = runs["ref"][f"packed-{dtype}"]
+    if dtype == "fp32":
+        _check_fp32(per_rank, ref, cell)
+    else:
+        _check_bf16(per_rank, ref, runs["ref"]["packed-fp32"], cell, _EXTRA_ROUNDINGS4)
 
 
-def test_resume_cp2_checkpoint_at_cp1_gives_the_same_next_step_loss(runs):
+def test_cp2_with_dp2_matches_cp1(runs):
+    _check_fp32([r["cp2xdp2"] for r in runs["world4"]], runs["ref"]["bs-fp32"], "cp2xdp2")
+
+
+@pytest.mark.parametrize("resume", list(RESUMES))
+def test_resume_cp2_checkpoint_at_another_cp_gives_the_same_next_step_loss(runs, resume):
     full = runs["cp2"][-1]["packed-fp32"]["metrics"]
-    got = runs["world4"][-1]["resume-cp1"]["metrics"]
+    got = runs["world4"][-1][resume]["metrics"]
     assert [m["step"] for m in full] == [1, 2] and [m["step"] for m in got] == [2]
     for key in ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss"):
-        assert got[0][key] == pytest.approx(full[1][key], rel=_FP32_REL), (key, got[0][key], full[1][key])
+        g, f = got[0][key], full[1][key]
+        assert g == pytest.approx(f, rel=_FP32_REL), (resume, key, g, f)
     assert got[0]["lr"] == full[1]["lr"]

@@ -44,9 +44,10 @@ def test_ckpt_format_choices():
         TrainConfig(ckpt_format="fully_sharded_model_space")
 
 
-def test_vpp_and_eval_refusals_with_cp():
-    """Combinations no parity test covers yet are refused at config time with the reason (README matrix)."""
+def test_vpp_refusal_with_cp_and_evaluation_under_cp_or_vpp():
+    """Combinations no parity test covers yet are refused at config time with the reason (README matrix); the
+    evaluation runs under --cp and --vpp (parity: test_train_eval_parallel.py)."""
     with pytest.raises(ValueError, match="--vpp 2 with --cp 2 is not supported"):
         TrainConfig(pp=2, vpp=2, cp=2, seq_len=64)
-    with pytest.raises(ValueError, match="--eval-interval with --cp > 1 is not supported"):
-        TrainConfig(cp=2, seq_len=64, eval_interval=1)
+    assert TrainConfig(cp=2, seq_len=64, eval_interval=1).eval_interval == 1
+    assert TrainConfig(pp=2, vpp=2, eval_interval=1).eval_interval == 1

@@ -104,7 +104,7 @@ def _add_data_flags(p) -> None:
         help=d(
             "eval_interval",
             "evaluate every N steps and after the last (LM loss, perplexity, MTP loss: metrics.jsonl rows with "
-            '"eval": true, TensorBoard eval/*, loss.png); 0 = never',
+            '"eval": true, TensorBoard eval/*, loss.png) under any parallel layout (DP, PP, VPP, EP, CP); 0 = never',
         ),
     )
     p.add_argument(

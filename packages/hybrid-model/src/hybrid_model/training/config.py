@@ -202,12 +202,6 @@ class TrainConfig:
             raise ValueError(f"--eval-interval must be >= 0 (0: no evaluation), got {self.eval_interval}")
         if self.eval_data and not self.eval_interval:
             raise ValueError("--eval-data only applies with --eval-interval N (N > 0)")
-        if self.eval_interval and (self.cp > 1 or self.vpp > 1):
-            raise ValueError(
-                f"--eval-interval with {'--cp' if self.cp > 1 else '--vpp'} > 1 is not supported yet: the evaluation "
-                "runs one model chunk on unsliced batches (no CP slicing / MTP roll across CP ranks, no interleaved "
-                "schedule); drop --eval-interval or evaluate the saved checkpoint with --cp 1 --vpp 1"
-            )
         from hybrid_model.training.mock_data import check_mock_data, is_mock
 
         if any(is_mock(s) for s in self.eval_data):

@@ -1,7 +1,10 @@
 """Evaluation of ``dsv4 train`` (``--eval-interval N``, ``--eval-iters K``, ``--eval-data PATH``): every ``N`` steps
 and after the last step, ``K`` global batches of the evaluation data (:mod:`hybrid_model.training.eval_data`) go
-through megatron's forward-only schedule (the same schedule function as training: with PP the pipelined one, the
-mHC stream shapes between stages) with the model in eval mode under ``torch.no_grad``.
+through megatron's forward-only schedule (the same schedule function and arguments as training,
+:meth:`~hybrid_model.training.step.StepRunner.schedule`: with PP the pipelined one with the mHC stream shapes between
+stages, with ``--vpp`` the interleaved one over every model chunk with the folded streams) with the model in eval
+mode under ``torch.no_grad``. Under ``--cp N`` the evaluation batches are sharded like the training batches: over DP
+only, each CP rank taking its contiguous rows of every pack (``[B, S]`` rows as one THD pack, then sliced).
 
 Eval mode changes, compared with a training forward of the same weights and batch: no CSA indexer KL loss and no
 MoE balance loss are computed or recorded (they only shape gradients), the routers count no expert loads (the
@@ -10,9 +13,11 @@ metric trackers; the attention phase (dense warm-up / sparse) is the current tra
 are those of a training forward (the same per-token values), with the MTP head evaluated in eval mode too.
 
 Reduction: per token. Each rank sums ``loss x mask`` and the mask over its micro-batches (LM loss, and the MTP loss
-over its rolled mask, the positions that have a ``t + 2`` target); one all-reduce of the sums over the world adds
-the DP replicas (and EP ranks, which hold their own data) of the last pipeline stage, where the losses are; other
-stages add zeros. ``eval_lm_loss = sum / tokens`` (nats per token) and ``eval_ppl = exp(eval_lm_loss)``, the
+over its rolled mask, the positions that have a ``t + 2`` target; under CP over its own rows, the MTP mask rolled
+across the CP ranks' edges as in training); one all-reduce of the sums over the world adds the DP replicas, the CP
+ranks (each holds other rows of the same packs) and the EP ranks (which hold their own data) of the last pipeline
+stage, where the losses are; other stages add zeros. This is the token weighting of training (a CP rank's loss is
+its partial sum over the CP group's token count). ``eval_lm_loss = sum / tokens`` (nats per token) and ``eval_ppl = exp(eval_lm_loss)``, the
 same numbers at every parallel layout.
 
 Record, one line of ``metrics.jsonl`` after the step's training row (strict JSON; training rows never carry
@@ -48,7 +53,8 @@ class Evaluator:
         return step % self.tc.eval_interval == 0 or step == self.tc.steps
 
     def batches(self):
-        """A fresh iterator over this rank's share of the evaluation batches (the same ones at every evaluation)."""
+        """A fresh iterator over this rank's share of the evaluation batches (the same ones at every evaluation;
+        sharded over DP, each CP rank taking its rows of every pack as in training)."""
         from hybrid_model.training.data import build_batches
 
         return build_batches(
@@ -57,29 +63,34 @@ class Evaluator:
             vocab_size=self.model_config.vocab_size,
             dp_size=self.ps.get_data_parallel_world_size(),
             dp_rank=self.ps.get_data_parallel_rank(),
+            cp_size=self.stepper.cp_size,
+            cp_rank=self.stepper.cp_rank,
         )
 
     def _forward_step(self, data_iterator, model):
         """megatron's ``forward_step_func`` of the evaluation: the training forward of one micro-batch, with a
         loss function that reports per-token sums (module docstring)."""
+        from hybrid_model.context_parallel import cp_token_count
         from hybrid_model.mtp import mtp_roll_left
 
         mb = next(data_iterator)
         out, _ = self.stepper.forward_step(iter([mb]), model)
         core = self.stepper.core
-        packed = self.tc.packed
-        mask = (mb.loss_mask[None] if packed else mb.loss_mask).to(self.device).float()  # [b, s]
+        cp_group = self.stepper.cp_group
+        lb = self.stepper.local_batch(mb)  # this rank's rows (under CP: its slice of the pack)
+        mask = lb.loss_mask.float()  # [b, s]
 
         def loss_func(output):
             tokens = mask.sum()
             lm_sum = (output.float() * mask).sum()
             report = {"lm_sum": lm_sum, "lm_tokens": tokens}
             if core.mtp_process and core.last_mtp_loss is not None:
-                mtp_mask = mtp_roll_left(mask, mb.packed_seq_params() if packed else None)
-                mtp_tokens = mtp_mask.sum()
-                # the model's MTP loss is the mean over its rolled mask (clamped at one token)
-                report["mtp_sum"] = core.last_mtp_loss.double() * mtp_tokens.clamp(min=1.0)
-                report["mtp_tokens"] = mtp_tokens
+                mtp_mask = mtp_roll_left(mask, lb.packed_seq_params, cp_group)
+                # the model's MTP loss is the sum over its rolled mask divided by the token count over CP (clamped
+                # at one token): this rank's partial under CP, the mean at CP = 1
+                denominator = cp_token_count(mtp_mask, cp_group).clamp(min=1.0)
+                report["mtp_sum"] = core.last_mtp_loss.double() * denominator
+                report["mtp_tokens"] = mtp_mask.sum()
             return lm_sum / tokens.clamp(min=1.0), report
 
         return out, loss_func
@@ -88,41 +99,31 @@ class Evaluator:
         """Evaluate now (after step ``step``); returns the record (module docstring; every rank the same)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from hybrid_model.training.virtual_pipeline import ddp_chunks
+
         tc = self.tc
         t0 = time.perf_counter()
-        kwargs = {}
-        if tc.pp > 1:
-            from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
-
-            kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(self.model_config.hc_mult)
         fb = get_forward_backward_func()
-        model = self.stepper.model
+        chunks = ddp_chunks(self.stepper.model)
         sums = torch.zeros(
             4, dtype=torch.float64, device=self.device
         )  # lm sum, lm tokens, mtp sum, mtp tokens
         batches = self.batches()
-        model.eval()
+        for chunk in chunks:
+            chunk.eval()
         try:
             with torch.no_grad():
                 for _ in range(tc.eval_iters):
                     batch = next(batches)
                     with cuda_as_cpu():
-                        reports = fb(
-                            forward_step_func=self._forward_step,
-                            data_iterator=iter(batch.microbatches),
-                            model=[model],
-                            num_microbatches=batch.num_microbatches,
-                            seq_length=tc.seq_len,
-                            micro_batch_size=1 if tc.packed else tc.micro_batch_size,
-                            forward_only=True,
-                            **kwargs,
-                        )
+                        reports = fb(**self.stepper.schedule(batch, self._forward_step, forward_only=True))
                     for r in reports:
                         for i, key in enumerate(("lm_sum", "lm_tokens", "mtp_sum", "mtp_tokens")):
                             if key in r:
                                 sums[i] += r[key].double()
         finally:
-            model.train()
+            for chunk in chunks:
+                chunk.train()
         if self.world > 1:
             dist.all_reduce(sums)
         lm = float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")

@@ -93,11 +93,7 @@ class StepRunner:
             psp = None
             tokens, labels, loss_mask, pos, pad = (mb[k] for k in BATCH_FIELDS)
         else:
-            from hybrid_model.training.context_parallel import local_batch
-
-            lb = local_batch(
-                mb, packed=self.tc.packed, cp_rank=self.cp_rank, cp_size=self.cp_size, device=self.device
-            )
+            lb = self.local_batch(mb)
             psp = lb.packed_seq_params
             tokens, labels, loss_mask = lb.tokens, lb.labels, lb.loss_mask
             pos, pad = lb.position_ids, lb.padding_mask  # pad: True on padding rows
@@ -124,20 +120,23 @@ class StepRunner:
 
         return out, loss_func
 
-    def __call__(self, batch, step: int) -> dict:
-        """Train on ``batch`` (one global batch's share of this rank) as optimizer step ``step`` (0-based); returns
-        the step's metrics (``step`` is 1-based there)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+    def local_batch(self, mb):
+        """Micro-batch ``mb`` as this rank feeds it to the model (its CP rows; see
+        :func:`~hybrid_model.training.context_parallel.local_batch`)."""
+        from hybrid_model.training.context_parallel import local_batch
 
-        from hash_moe.megatron import update_selection_biases
+        return local_batch(
+            mb, packed=self.tc.packed, cp_rank=self.cp_rank, cp_size=self.cp_size, device=self.device
+        )
+
+    def schedule(self, batch, forward_step_func, *, forward_only: bool) -> dict:
+        """The keyword arguments of megatron's forward-backward function for ``batch`` (training and evaluation
+        alike): the micro-batch shape the schedule sizes its p2p buffers with, one data iterator per VPP chunk, the
+        mHC stream-shape hook of the 1F1B schedule."""
         from hybrid_model.training.virtual_pipeline import ddp_chunks
 
         tc = self.tc
         chunks = ddp_chunks(self.model)
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        fb = get_forward_backward_func()
         kwargs = {}
         seq = tc.seq_len  # THD packs are padded to the static capacity seq_len (megatron divides it by CP)
         mbs = 1 if tc.packed else tc.micro_batch_size
@@ -159,16 +158,31 @@ class StepRunner:
             kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(
                 self.model_config.num_streams
             )
-        schedule = dict(
-            forward_step_func=self.forward_step,
+        return dict(
+            forward_step_func=forward_step_func,
             data_iterator=data_iterator,
             model=chunks,
             num_microbatches=batch.num_microbatches,
             seq_length=seq,
             micro_batch_size=mbs,
-            forward_only=False,
+            forward_only=forward_only,
             **kwargs,
         )
+
+    def __call__(self, batch, step: int) -> dict:
+        """Train on ``batch`` (one global batch's share of this rank) as optimizer step ``step`` (0-based); returns
+        the step's metrics (``step`` is 1-based there)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from hash_moe.megatron import update_selection_biases
+        from hybrid_model.training.virtual_pipeline import ddp_chunks
+
+        tc = self.tc
+        for chunk in ddp_chunks(self.model):
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        fb = get_forward_backward_func()
+        schedule = self.schedule(batch, self.forward_step, forward_only=False)
         if tc.cuda_graph:
             from hybrid_model.training.cuda_graph import GraphedForwardBackward, static_batch
 
