@@ -95,7 +95,7 @@ def _core(core, q, kv, plan, cpl, pending, iq, dense, coeff):
     if dense:
         comp = plan.visible  # [L, max_c]
     else:
-        comp, topk_scores = select_topk(core.indexer, iq, k_idx, plan.visible, backend, want_loss)  # [L, k]
+        comp, topk_scores = select_topk(core.indexer, iq, k_idx, plan, backend, want_loss)  # [L, k] streamed
     idx = attention_indices(plan.window, comp, n_ext)  # [L, W + K] rows of kv_all
     o, lse = sparse_attn(
         q, kv_all, core.attn_sink, idx, core.softmax_scale, backend=backend, check_indices=False
@@ -103,7 +103,7 @@ def _core(core, q, kv, plan, cpl, pending, iq, dense, coeff):
     if not want_loss:
         return o, None
     if dense or not core.cfg.use_sparse_loss:
-        loss_set = plan.visible
+        loss_set = comp if dense else plan.visible  # [L, max_c] (the dense loss needs every visible entry)
         student = scores_at(iq, k_idx, loss_set, backend)  # [L, max_c]
     else:
         loss_set, student = comp, topk_scores  # [L, k]
