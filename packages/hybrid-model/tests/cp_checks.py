@@ -82,7 +82,9 @@ def saved_bytes(cp_rank: int, cp_size: int) -> dict[str, int]:
     cfg = get_preset("tiny")
     ids = torch.randint(0, cfg.vocab_size, (1, MEM_T), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, MEM_T], dtype=torch.int32)
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=MEM_T, max_seqlen_kv=MEM_T)
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=MEM_T, max_seqlen_kv=MEM_T
+    )
     torch.manual_seed(0)
     model = build_model(cfg).train()
     model.set_step_state(dense_attention=False)

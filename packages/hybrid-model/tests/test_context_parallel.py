@@ -148,7 +148,7 @@ def test_cp_memory_formula_against_saved_bytes(cp2_world):
     a = one["total"] / (MEM_T * n_layers)
     f = cp_activation_memory(cfg, MEM_T, 2, bytes_per_token_layer=a, element_bytes=4, path="reference")
     assert f.gathered == 0 and f.own_rows == pytest.approx(one["total"] / 2)
-    local, d, b = MEM_T // 2, cfg.hidden_size, 4
+    local, b = MEM_T // 2, 4
     const = 4 * MEM_T * cfg.qk_rope_head_dim // 2 * b
     # own rows: everything outside the attention halves exactly (MoE, mHC, head) up to the per-rank id rows
     for r in range(2):
@@ -156,14 +156,16 @@ def test_cp_memory_formula_against_saved_bytes(cp2_world):
         assert abs(rest - (one["total"] - one["attn"]) / 2) <= 16 * local, (r, rest)
     # rank 0 (no halo, no clipped document): its attention keeps CP=1's half (the local rows' view of x_ext)
     assert abs(mem[0]["cp"]["attn"] - one["attn"] / 2) <= const, mem[0]
-    # rank 1: the halo term, with the formula's worst-case alignment rows replaced by the actual ones
+    # rank 1: the halo term, with the formula's worst-case alignment rows replaced by the actual ones (their
+    # pooling buffers: CSA 4c + 4c_I, HCA 2c per row)
+    c, c_i = cfg.head_dim, cfg.index_head_dim
     slack = 0
-    for ratio, n_comp, layers in ((4, 2, 3), (128, 1, 2)):  # tiny: 3 CSA and 2 HCA layers
+    for ratio, pool, layers in ((4, 4 * c + 4 * c_i, 3), (128, 2 * c, 2)):  # tiny: 3 CSA and 2 HCA layers
         h = max(cfg.sliding_window - 1, 2 * ratio - 1 if ratio == 4 else ratio - 1)
-        slack += layers * n_comp * (ratio - 1 - (local - h) % ratio) * d * b
+        slack += layers * (ratio - 1 - (local - h) % ratio) * pool * b
     overhead = mem[1]["cp"]["attn"] - one["attn"] / 2
     assert abs(overhead - (f.halo - slack)) <= const, (overhead, f.halo, slack)
-    assert overhead > 10 * const  # the halo term is what is measured, not the tolerance
+    assert overhead > 5 * const  # the halo term is what is measured, not the tolerance
     assert abs(mem[1]["cp"]["total"] - f.total) <= slack + const
 
 
@@ -175,13 +177,13 @@ def test_cp_memory_formula_reproduces_the_readme_table():
     gib = 2.0**30
     table = {
         (65536, 1): 256.96,
-        (65536, 2): 130.49,
-        (65536, 4): 65.28,
-        (65536, 8): 32.68,
+        (65536, 2): 128.54,
+        (65536, 4): 64.30,
+        (65536, 8): 32.18,
         (131072, 1): 513.92,
-        (131072, 2): 260.96,
-        (131072, 4): 130.54,
-        (131072, 8): 65.33,
+        (131072, 2): 257.07,
+        (131072, 4): 128.59,
+        (131072, 8): 64.35,
     }
     for (t, cp), total in table.items():
         m = cp_activation_memory(cfg, t, cp, pp=8)

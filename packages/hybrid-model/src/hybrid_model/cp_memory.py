@@ -3,15 +3,14 @@ under CP"), for the busiest rank (a rank ``r >= 1`` whose first document started
 
     M_act ≈ L · (ℓ / P_pp) · a                                   the rank's own rows (L = T / N)
           + Σ_attn layers / P_pp of, per layer of kind κ (window, CSA, HCA; only for N > 1):
-              h_κ · (d + 2c + s_κ) · b                            halo rows: input, KV projection + norm, pooling
-              + n_κ · (m_κ - 1 + h_κ + L) · d · b                 the compressors' zero-aligned input copies
+              h_κ · (d + 2c) · b                                  halo rows: input, KV projection + norm
+              + (h_κ + m_κ - 1) · s_κ · b                         their pooling buffers, alignment rows included
               + G_κ(T) · b                                        gathered entries (kernels path only)
 
 * ``h_κ = min(max(n_win - 1, d_comp), L·r)`` rows left of the slice (``d_comp`` 0 / 7 / 127): window and CSA layers
-  need ``n_win - 1``, HCA ``127``; ``s_κ`` the compressor's per-row pooling buffers (``2·2c + 2·2c_I`` for the
-  overlapping CSA compressor and its indexer's, ``2c`` for HCA, 0 for window layers);
-* ``n_κ`` compressors per layer (CSA 2: KV + indexer keys, HCA 1) each pool a copy of the extended rows prefixed
-  with up to ``m - 1`` zero rows (the clipped document's group alignment; the formula takes ``m - 1``, an upper bound);
+  need ``n_win - 1``, HCA ``127``; ``s_κ`` the compressors' per-row pooling buffers (``2·2c + 2·2c_I`` for the
+  overlapping CSA compressor and its indexer's, ``2c`` for HCA, 0 for window layers), which also pool up to
+  ``m - 1`` zero rows that align the clipped document's groups (the formula takes ``m - 1``, an upper bound);
 * ``G_CSA = (T/4)·(c + c_I)``, ``G_HCA = (T/128)·c``: every rank keeps every compressed entry (and indexer key) of
   the pack in its key buffer. On the ``"reference"`` path (CPU) the sparse attention keeps the gathered candidate
   rows per query instead, which is per-token memory inside ``a``: ``G = 0`` there.
@@ -41,7 +40,7 @@ PATHS = ("kernels", "reference")
 @dataclass(frozen=True)
 class CpActivationMemory:
     """Bytes per rank: ``own_rows`` (scales with ``1 / CP``), ``gathered`` (global compressed entries and indexer
-    keys), ``halo`` (the extended rows: halo rows and the compressors' aligned input copies); ``total`` their sum."""
+    keys), ``halo`` (the extended rows: halo and alignment rows); ``total`` their sum."""
 
     own_rows: float
     gathered: float
@@ -84,12 +83,12 @@ def cp_activation_memory(
         d_comp = (2 * m - 1 if kind.overlap else m - 1) if m else 0
         h = min(max(cfg.sliding_window - 1, d_comp), local * (cp - 1))
         if m == 4:  # CSA: KV + indexer compressors, overlapping (2c / 2c_I channels, two buffers each)
-            pool, n_comp, entries = 4 * c + 4 * c_i, 2, seq_len // 4 * (c + c_i)
+            pool, entries = 4 * c + 4 * c_i, seq_len // 4 * (c + c_i)
         elif m:  # HCA
-            pool, n_comp, entries = 2 * c, 1, seq_len // m * c
+            pool, entries = 2 * c, seq_len // m * c
         else:
-            pool, n_comp, entries = 0, 0, 0
-        halo += (h * (d + 2 * c + pool) + n_comp * (max(m - 1, 0) + h + local) * d) * b
+            pool, entries = 0, 0
+        halo += (h * (d + 2 * c) + (h + max(m - 1, 0)) * pool) * b
         if path == "kernels":
             gathered += entries * b
     return CpActivationMemory(own, gathered / pp, halo / pp)
