@@ -65,3 +65,61 @@ def mtp_and_loss_worker(rank: int, world: int) -> dict:
     out["count"] = float(cp_token_count(mask[:, rows], group))
     out["count_ref"] = float(mask.sum())
     return out
+
+
+MEM_T = 512  # one document of 512 tokens: at CP=2 it crosses the rank boundary (rank 1 gets every halo)
+
+
+def saved_bytes(cp_rank: int, cp_size: int) -> dict[str, int]:
+    """Bytes of the distinct activation storages the tiny model saves for backward in one sparse-phase forward of
+    this CP rank's rows (parameters excluded): ``attn`` inside the DSv4 attention layers, ``total`` all."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from dsv4_attention.megatron import DSv4HybridAttention
+    from hybrid_model.model import build_model
+    from hybrid_model.presets import get_preset
+
+    cfg = get_preset("tiny")
+    ids = torch.randint(0, cfg.vocab_size, (1, MEM_T), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, MEM_T], dtype=torch.int32)
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=MEM_T, max_seqlen_kv=MEM_T
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    model.set_step_state(dense_attention=False)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    depth = [0]  # > 0 inside an attention layer's forward
+    for m in model.modules():
+        if isinstance(m, DSv4HybridAttention):
+            m.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1))
+            m.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
+    saved: dict[int, tuple[int, bool]] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in saved:
+            saved[ptr] = (t.untyped_storage().nbytes(), depth[0] > 0)
+        return t
+
+    local = MEM_T // cp_size
+    rows = slice(cp_rank * local, (cp_rank + 1) * local)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids[:, rows], None, None, labels=torch.roll(ids, -1, 1)[:, rows], packed_seq_params=psp)
+    return {"total": sum(n for n, _ in saved.values()), "attn": sum(n for n, a in saved.values() if a)}
+
+
+def memory_worker(rank: int, world: int) -> dict:
+    """The saved bytes at CP=1 (every rank runs the whole pack) and on this rank at CP=``world``."""
+    from dsv4_testkit import megatron_cpu_context
+
+    with megatron_cpu_context(cp=1):
+        one = saved_bytes(0, 1)
+    with megatron_cpu_context(cp=world):
+        mine = saved_bytes(rank, world)
+    return {"cp1": one, "cp": mine}
+
+
+def cp2_worker(rank: int, world: int) -> dict:
+    """One 2-rank world for the rolls / loss partials and the memory count."""
+    return {**mtp_and_loss_worker(rank, world), "memory": memory_worker(rank, world)}

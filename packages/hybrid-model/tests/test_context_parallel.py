@@ -99,13 +99,21 @@ def test_packed_batch_slices_and_global_params():
         local_batch(batches[1].microbatches[0], packed=True, cp_rank=0, cp_size=2, device=cpu)
 
 
-@pytest.mark.distributed
-def test_cp2_mtp_rolls_router_intervals_and_loss_partials():
-    from cp_checks import CU_PADDED, T, mtp_and_loss_worker
+@pytest.fixture(scope="module")
+def cp2_world():
+    """One 2-rank gloo world: the MTP rolls / router intervals / loss partials and the saved-bytes count."""
+    from cp_checks import cp2_worker
 
     from dsv4_testkit import run_distributed
 
-    results = run_distributed(mtp_and_loss_worker, 2, timeout=300)
+    return run_distributed(cp2_worker, 2, timeout=900)
+
+
+@pytest.mark.distributed
+def test_cp2_mtp_rolls_router_intervals_and_loss_partials(cp2_world):
+    from cp_checks import CU_PADDED, T
+
+    results = cp2_world
     for r in results:
         for key in ("ids", "mask", "dx", "doc_ids"):
             assert torch.equal(r[key], r[f"{key}_ref"]), key
@@ -115,16 +123,73 @@ def test_cp2_mtp_rolls_router_intervals_and_loss_partials():
     assert int(CU_PADDED[-1]) < T  # the pack has a tail past the last document
 
 
+@pytest.mark.distributed
+def test_cp_memory_formula_against_saved_bytes(cp2_world):
+    """``cp_activation_memory`` against the bytes the tiny model saves for backward (distinct storages, parameters
+    excluded; fp32, CPU reference path, sparse phase) in one forward of a 512-token document at CP=1 and on each
+    rank at CP=2 (rank 1 is the busiest rank: the document enters it from rank 0). ``a`` is calibrated at CP=1
+    (as for V4-Flash: a measurement without CP), so the own-rows term is CP=1's bytes / 2; each term is checked.
+
+    Tolerances: ``const`` = the RoPE cos/sin tables sized by the pack's largest position, which every rank keeps
+    whole (4 tables x T x rope_dim / 2 x 4 B; the formula omits T-independent-per-rank terms), and ``16 L`` bytes
+    for the non-attention part (two ``[1, L]`` int64 id rows of the MTP roll). The formula takes the worst-case
+    ``m - 1`` alignment rows per compressor; rank 1's actual alignment (``e0 mod m``) is subtracted exactly."""
+    from cp_checks import MEM_T
+
+    from hybrid_model.cp_memory import cp_activation_memory
+    from hybrid_model.presets import get_preset
+
+    cfg = get_preset("tiny")
+    mem = [r["memory"] for r in cp2_world]
+    one = mem[0]["cp1"]
+    assert mem[1]["cp1"]["attn"] == one["attn"]  # deterministic (routing noise would show here)
+    p = cfg.parsed_pattern
+    n_layers = len(p.main) + p.mtp_num_depths * len(p.mtp_pattern)
+    a = one["total"] / (MEM_T * n_layers)
+    f = cp_activation_memory(cfg, MEM_T, 2, bytes_per_token_layer=a, element_bytes=4, path="reference")
+    assert f.gathered == 0 and f.own_rows == pytest.approx(one["total"] / 2)
+    local, b = MEM_T // 2, 4
+    const = 4 * MEM_T * cfg.qk_rope_head_dim // 2 * b
+    # own rows: everything outside the attention halves exactly (MoE, mHC, head) up to the per-rank id rows
+    for r in range(2):
+        rest = mem[r]["cp"]["total"] - mem[r]["cp"]["attn"]
+        assert abs(rest - (one["total"] - one["attn"]) / 2) <= 16 * local, (r, rest)
+    # rank 0 (no halo, no clipped document): its attention keeps CP=1's half (the local rows' view of x_ext)
+    assert abs(mem[0]["cp"]["attn"] - one["attn"] / 2) <= const, mem[0]
+    # rank 1: the halo term, with the formula's worst-case alignment rows replaced by the actual ones (their
+    # pooling buffers: CSA 4c + 4c_I, HCA 2c per row)
+    c, c_i = cfg.head_dim, cfg.index_head_dim
+    slack = 0
+    for ratio, pool, layers in ((4, 4 * c + 4 * c_i, 3), (128, 2 * c, 2)):  # tiny: 3 CSA and 2 HCA layers
+        h = max(cfg.sliding_window - 1, 2 * ratio - 1 if ratio == 4 else ratio - 1)
+        slack += layers * (ratio - 1 - (local - h) % ratio) * pool * b
+    overhead = mem[1]["cp"]["attn"] - one["attn"] / 2
+    assert abs(overhead - (f.halo - slack)) <= const, (overhead, f.halo, slack)
+    assert overhead > 5 * const  # the halo term is what is measured, not the tolerance
+    assert abs(mem[1]["cp"]["total"] - f.total) <= slack + const
+
+
 def test_cp_memory_formula_reproduces_the_readme_table():
     from hybrid_model.cp_memory import cp_activation_memory
     from hybrid_model.presets import get_preset
 
     cfg = get_preset("v4-flash")
     gib = 2.0**30
-    table = {(65536, 8): 32.18, (65536, 16): 16.12, (131072, 8): 64.35, (131072, 16): 32.23}
+    table = {
+        (65536, 1): 256.96,
+        (65536, 2): 128.54,
+        (65536, 4): 64.30,
+        (65536, 8): 32.18,
+        (131072, 1): 513.92,
+        (131072, 2): 257.07,
+        (131072, 4): 128.59,
+        (131072, 8): 64.35,
+    }
     for (t, cp), total in table.items():
         m = cp_activation_memory(cfg, t, cp, pp=8)
         assert round(m.total / gib, 2) == total, (t, cp, m)
+        if cp == 1:
+            continue
         # only the own rows scale with 1 / CP; the gathered entries are global
         half = cp_activation_memory(cfg, t, 2 * cp, pp=8)
         assert half.own_rows == m.own_rows / 2 and half.gathered == m.gathered
@@ -132,3 +197,5 @@ def test_cp_memory_formula_reproduces_the_readme_table():
     assert one.gathered == one.halo == 0
     with pytest.raises(ValueError, match="multiple of cp"):
         cp_activation_memory(cfg, 100, 3)
+    with pytest.raises(ValueError, match="path must be one of"):
+        cp_activation_memory(cfg, 64, 2, path="gpu")

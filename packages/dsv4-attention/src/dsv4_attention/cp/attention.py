@@ -4,7 +4,7 @@ Per layer on CP rank ``r`` (``x [L, d]`` local rows, plan = the kind's :class:`~
 
     x_ext  = exchange_halo(x)                          # [h + L, d]   rows [e0, le), autograd all-gather
     E      = owned entries of the compressor(s) on x_ext, ONE gather launched async  (CSA / HCA; + indexer keys)
-    q, cQ  = query path on the local rows               # [L, n_h, c], RoPE at the local positions
+    q, cQ  = query path on the local rows x_ext[h:]     # [L, n_h, c], RoPE at the local positions
     kv     = RoPE(kv_layernorm(linear_kv_proj(x_ext)))  # [h + L, c]
     kv_all = cat(kv, E.wait())                          # [h + L + Tc, c]  compressed id g = CP=1's id g
     idx    = cat(window rows of kv, h + L + compressed ids)   # window / all visible (HCA, dense) / indexer top-k
@@ -53,6 +53,9 @@ def forward_cp(
     max_pos = glob.max_rope_position
     backend = core.backend
     x_ext = exchange_halo(x, plan.halo_request, plan.halo, cpl)  # [h + L, d]
+    # the query side reads the local rows as a VIEW of x_ext: the projections then keep one [h + L, d] buffer for
+    # backward instead of x_ext and a second copy of the local rows (L * d elements per layer)
+    x = x_ext[plan.halo :]  # [L, d]
     pending = None
     if core.compressor is not None:  # launch the gather first: it overlaps the query / key projections
         parts = [(core.compressor, x_ext)]
@@ -95,7 +98,7 @@ def _core(core, q, kv, plan, cpl, pending, iq, dense, coeff):
     if dense:
         comp = plan.visible  # [L, max_c]
     else:
-        comp, topk_scores = select_topk(core.indexer, iq, k_idx, plan.visible, backend, want_loss)  # [L, k]
+        comp, topk_scores = select_topk(core.indexer, iq, k_idx, plan, backend, want_loss)  # [L, k] streamed
     idx = attention_indices(plan.window, comp, n_ext)  # [L, W + K] rows of kv_all
     o, lse = sparse_attn(
         q, kv_all, core.attn_sink, idx, core.softmax_scale, backend=backend, check_indices=False
@@ -103,7 +106,7 @@ def _core(core, q, kv, plan, cpl, pending, iq, dense, coeff):
     if not want_loss:
         return o, None
     if dense or not core.cfg.use_sparse_loss:
-        loss_set = plan.visible
+        loss_set = comp if dense else plan.visible  # [L, max_c] (the dense loss needs every visible entry)
         student = scores_at(iq, k_idx, loss_set, backend)  # [L, max_c]
     else:
         loss_set, student = comp, topk_scores  # [L, k]

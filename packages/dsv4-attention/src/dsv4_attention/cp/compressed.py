@@ -1,7 +1,7 @@
 """Compressed entries under CP (D7): each rank pools the entries it owns, all ranks gather them in CP=1's order.
 
-``start_owned_entries(compressor, x_ext, plan, cpl)`` runs the compressor's projections on ``cat(zeros(a),
-x_ext)``, pools with csa-kernels' ``compressor_pool`` on the realigned extended segments (see
+``start_owned_entries(compressor, x_ext, plan, cpl)`` runs the compressor's projections on ``x_ext`` and prepends
+``a`` zero rows to them (= the projections of ``cat(zeros(a), x_ext)``: the linears are bias-free), pools with csa-kernels' ``compressor_pool`` on the realigned extended segments (see
 :mod:`dsv4_attention.cp.plan`), keeps the owned rows, applies the norm and RoPE at the entries' global positions
 ``w * m``, pads them to the static capacity ``c_cap`` and launches the async all-gather (the main entries and the indexer
 keys of a CSA layer in one collective). ``.wait()`` gives the
@@ -41,11 +41,14 @@ def owned_entries(
     compressor: Compressor, x_ext: torch.Tensor, plan, max_position: int, backend: str
 ) -> torch.Tensor:
     """This rank's owned entries ``[c_cap, c]`` (zero rows past the owned count) in ``x_ext.dtype``."""
-    x_c = x_ext
-    if plan.align:
-        x_c = torch.cat((x_ext.new_zeros(plan.align, x_ext.shape[1]), x_ext), 0)  # [a + h + L, d]
-    kv = linear_out(compressor.linear_wkv, x_c)  # [a+h+L, coff*c]
-    score = linear_out(compressor.linear_wgate, x_c)  # [a+h+L, coff*c]
+    kv = linear_out(compressor.linear_wkv, x_ext)  # [h+L, coff*c]
+    score = linear_out(compressor.linear_wgate, x_ext)  # [h+L, coff*c]
+    if (
+        plan.align
+    ):  # the zero rows' projections are zero rows (the linears are bias-free): prepend those, so the
+        # projections keep x_ext itself for backward, not an [a + h + L, d] zero-padded copy of it
+        z = kv.new_zeros(plan.align, kv.shape[1])
+        kv, score = torch.cat((z, kv), 0), torch.cat((z.to(score.dtype), score), 0)  # [a+h+L, coff*c]
     pooled, _ = compressor_pool(
         kv,
         score,

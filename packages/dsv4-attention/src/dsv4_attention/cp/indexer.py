@@ -1,10 +1,12 @@
 """The lightning indexer under CP (D8): local queries scored against every visible compressed key of their segment.
 
-Keys ``KI [Tc, c_I]`` are the gathered global indexer entries (CP=1's ids); each local query's candidates are its
-visible ids ``plan.visible [L, max_c]`` (``w < floor((p+1)/4)`` of its segment). Scores come from csa-kernels'
-``indexer_scores_at`` (the same ``sum_h w[t,h] relu(<qI[t,h], KI[s]>)``), so a rank forms at most ``[L, max_c]``
-scores, never the whole sequence's (the top-k runs on row tiles of at most 2^24 candidate scores). Top-k = csa-kernels' ``lower_index`` rule: a stable descending sort over the
-candidates in entry order (ties -> lower entry id), ``-1`` / ``-inf`` in the trailing slots.
+Keys ``KI [Tc, c_I]`` are the gathered global indexer entries (CP=1's ids); each local query's candidates are the
+contiguous visible ids ``[entry_start, entry_start + num_visible)`` of its segment (``w < floor((p+1)/4)``, from the
+:class:`~dsv4_attention.cp.plan.KindPlan`). Scores come from csa-kernels' ``indexer_scores_at`` (the same
+``sum_h w[t,h] relu(<qI[t,h], KI[s]>)``). The top-k STREAMS (:func:`stream_topk`): chunks of rows, tiles of
+candidate columns, merged into a running top-k, so neither an ``[L, max_c]`` candidate map nor ``[L, max_c]``
+scores are formed (memory ``O(L * k)`` plus one bounded tile, like CP=1's streaming ``indexer_topk``). Tie rule =
+csa-kernels' ``lower_index`` (ties -> lower entry id, exactly), ``-1`` / ``-inf`` in the trailing slots.
 """
 
 from __future__ import annotations
@@ -53,41 +55,63 @@ def select_topk(
     indexer: LightningIndexer,
     iq: LocalIndexerQueries,
     keys: torch.Tensor,
-    visible: torch.Tensor,
+    plan,
     backend: str,
     with_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [L, k] int32 global entry ids, -1 trailing; scores [L, k])`` (scores differentiable when
-    ``with_grad``)."""
+    ``with_grad``) over each local query's visible range of ``plan``
+    (a :class:`~dsv4_attention.cp.plan.KindPlan`), streamed (module docstring)."""
     if indexer.cfg.tie_break != "lower_index":
         raise ValueError(
             f"IndexerConfig.tie_break={indexer.cfg.tie_break!r} is a CPU-parity rule for single-rank runs; context "
             "parallelism supports tie_break='lower_index' only"
         )
-    k = indexer.topk
-    rows = max(1, _CHUNK_ELEMENTS // max(visible.shape[1], 1))  # bounded [rows, max_c] score tiles
-    parts = []
     with torch.no_grad():
-        for lo in range(0, visible.shape[0], rows):
-            q_part = LocalIndexerQueries(iq.q[lo : lo + rows], iq.weights[lo : lo + rows])
-            parts.append(_topk_rows(q_part, keys, visible[lo : lo + rows], k, backend))
-    idx = torch.cat([p[0] for p in parts]) if parts else visible.new_full((0, k), -1)
-    vals = torch.cat([p[1] for p in parts]) if parts else iq.weights.new_full((0, k), float("-inf"))
+        idx, vals = stream_topk(iq, keys, plan, indexer.topk, backend)
     if with_grad:
         vals = scores_at(iq, keys, idx, backend)  # [L, k] the sparse-loss student
     return idx, vals
 
 
-_CHUNK_ELEMENTS = 1 << 24  # candidate scores per tile of the top-k (64 MiB of fp32)
+ENTRY_TILE = 4096  # candidate columns scored per merge step
+TILE_ELEMENTS = 1 << 24  # bound of one merge buffer [rows, k + ENTRY_TILE] (rows per chunk follow from it)
 
 
-def _topk_rows(iq: LocalIndexerQueries, keys, visible, k: int, backend: str):
-    """Top-k of one tile of rows: ``(indices [n, k] int32, scores [n, k] fp32)``."""
-    s = scores_at(iq, keys, visible, backend)  # [n, max_c]
-    vals, cols = torch.sort(s, dim=1, descending=True, stable=True)
-    vals, cols = vals[:, :k], cols[:, :k]
-    idx = torch.where(torch.isneginf(vals), -1, visible.gather(1, cols).to(torch.int64))
-    if idx.shape[1] < k:
-        idx = torch.nn.functional.pad(idx, (0, k - idx.shape[1]), value=-1)
-        vals = torch.nn.functional.pad(vals, (0, k - vals.shape[1]), value=float("-inf"))
-    return idx.to(torch.int32), vals
+def stream_topk(iq: LocalIndexerQueries, keys: torch.Tensor, plan, k: int, backend: str):
+    """Top-k of every local row over its visible range, ``(indices [L, k] int32, scores [L, k])`` (no autograd).
+
+    Rows in chunks of ``max(1, TILE_ELEMENTS // (k + ENTRY_TILE))``; per chunk the columns ``j < max visible`` of
+    the chunk (a host bound) in tiles of ``ENTRY_TILE``, candidate ``j`` = entry ``entry_start + j`` where
+    ``j < num_visible`` (else -1, score ``-inf``), merged into the running best by a stable descending sort of
+    ``cat(best, tile)``: ``best`` is kept in (score descending, id ascending) order and holds lower ids than the
+    tile, so equal scores keep the lower id (CP=1's ``lower_index`` rule, exactly). ``+ 0.0`` makes ``-0.0`` equal
+    ``+0.0`` for any sort. Memory: the outputs plus one ``[rows, k + ENTRY_TILE]`` buffer (scores, ids, order) and
+    the score op's own bounded temporaries, whatever the number of visible entries.
+    """
+    big_l = iq.q.shape[0]
+    dev = iq.q.device
+    fp64 = torch.float64 in (iq.q.dtype, keys.dtype, iq.weights.dtype)
+    idx = torch.full((big_l, k), -1, dtype=torch.int32, device=dev)
+    vals = torch.full((big_l, k), float("-inf"), dtype=torch.float64 if fp64 else torch.float32, device=dev)
+    rows = max(1, TILE_ELEMENTS // (k + ENTRY_TILE))
+    for lo in range(0, big_l, rows):
+        hi = min(big_l, lo + rows)
+        width = plan.max_visible(lo, hi)  # host int
+        if width == 0:
+            continue
+        q_part = LocalIndexerQueries(iq.q[lo:hi], iq.weights[lo:hi])
+        first, count = plan.entry_start[lo:hi, None], plan.num_visible[lo:hi, None]  # [n, 1]
+        best_v = best_i = None
+        for c0 in range(0, width, ENTRY_TILE):
+            cols = torch.arange(c0, min(width, c0 + ENTRY_TILE), device=dev)
+            ids = torch.where(cols < count, first + cols, -1).to(torch.int32)  # [n, E] candidate ids
+            cand = scores_at(q_part, keys, ids, backend) + 0.0  # [n, E] (-inf at -1)
+            if best_v is not None:
+                cand, ids = torch.cat((best_v, cand), 1), torch.cat((best_i, ids), 1)
+            cand, order = torch.sort(cand, dim=1, descending=True, stable=True)
+            best_v, best_i = cand[:, :k], ids.gather(1, order[:, :k])
+        m = best_v.shape[1]
+        idx[lo:hi, :m] = torch.where(torch.isneginf(best_v), -1, best_i)
+        vals[lo:hi, :m] = best_v
+    return idx, vals

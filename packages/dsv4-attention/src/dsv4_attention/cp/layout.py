@@ -131,7 +131,9 @@ def packed_context_parallel_layout(
     if hit is not None and hit[0]() is glob and hit[1] is group:
         return hit[2]
     cpl = context_parallel_layout(glob, group)
-    if len(_CACHE) >= 2:  # the current and the previous micro-batch: plans hold [L, max_c] index maps
+    if (
+        len(_CACHE) >= 2
+    ):  # the current and the previous micro-batch: plans hold [L, W] window maps and [Tc] id maps
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[key] = (weakref.ref(glob), group, cpl)
     return cpl

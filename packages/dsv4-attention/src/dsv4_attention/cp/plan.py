@@ -26,6 +26,7 @@ so the kernel's first (possibly zero-padded, previous-half-empty) group of a cli
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -48,8 +49,13 @@ class KindPlan:
         owned_positions: int64 ``[n_own]`` RoPE positions ``w * m`` (+ offset) of the owned entries.
         capacity: ``c_cap``; num_entries: ``Tc`` (global).
         gather_rows: int64 ``[Tc]`` gathered row of every global entry id.
-        visible: int32 ``[L, max_c]`` global entry ids visible to each local query (``w < floor((p+1)/m)``), -1.
+        entry_start: int64 ``[L]`` global id of the first entry of each local query's segment (``cu_c[k]``).
+        num_visible: int64 ``[L]`` entries visible to each local query, ``floor((p+1)/m)``: its visible ids are the
+            contiguous range ``[entry_start, entry_start + num_visible)`` (so no ``[L, max_c]`` map is kept).
+        max_entries: ``max_c``, the largest per-segment entry count (host int; the width of :attr:`visible`).
         loss_rows: int64 scalar tensor: global count of real rows with at least one visible entry.
+        bounds: host segment bounds of the global layout (for :meth:`max_visible`).
+        local_start: ``ls``, the first global row of this rank.
     """
 
     halo_request: int
@@ -65,8 +71,36 @@ class KindPlan:
     capacity: int = 0
     num_entries: int = 0
     gather_rows: torch.Tensor | None = None
-    visible: torch.Tensor | None = None
+    entry_start: torch.Tensor | None = None
+    num_visible: torch.Tensor | None = None
+    max_entries: int = 0
     loss_rows: torch.Tensor | None = None
+    bounds: tuple[int, ...] = ()
+    local_start: int = 0
+
+    @property
+    def visible(self) -> torch.Tensor | None:
+        """int32 ``[L, max_c]`` global entry ids visible to each local query (``w < floor((p+1)/m)``), -1 after.
+
+        Built on every call (``O(L * max_c)``, not cached): only the dense phase (HCA, dense CSA, the dense indexer
+        loss) needs it, as CP=1 builds its ``[T, max_c]`` map there; the sparse top-k streams over the ranges."""
+        if not self.ratio:
+            return None
+        cols = torch.arange(self.max_entries, device=self.entry_start.device)
+        ids = self.entry_start[:, None] + cols  # [L, max_c]
+        return torch.where(cols < self.num_visible[:, None], ids, -1).to(torch.int32)
+
+    def max_visible(self, lo: int, hi: int) -> int:
+        """Host max of :attr:`num_visible` over local rows ``[lo, hi)`` (from the segment bounds: no device sync)."""
+        g0, g1 = self.local_start + lo, self.local_start + hi
+        k = max(bisect.bisect_right(self.bounds, g0) - 1, 0)
+        best = 0
+        while k + 1 < len(self.bounds) and self.bounds[k] < g1:
+            s, e = self.bounds[k], self.bounds[k + 1]
+            if e > g0:  # rows [max(s, g0), min(e, g1)) of segment k; its last one sees the most entries
+                best = max(best, (min(e, g1) - s) // self.ratio)
+            k += 1
+        return best
 
 
 def halo_rows(window: int, ratio: int, overlap: bool) -> int:
@@ -111,9 +145,6 @@ def build_kind_plan(cpl, window: int, ratio: int, overlap: bool) -> KindPlan:
         torch.searchsorted(glob.cu_seqlens.to(torch.int64), torch.arange(ls, le, device=dev), right=True) - 1
     )
     first = torch.tensor(cu_c, dtype=torch.int64, device=dev)[seg]  # [L]
-    max_c = glob.max_compressed_entries(ratio)
-    cols = torch.arange(max_c, device=dev)
-    visible = torch.where(cols < ((pos + 1) // ratio)[:, None], first[:, None] + cols, -1).to(torch.int32)
     real = glob.positions >= ratio - 1
     if glob.real_rows is not None:
         real = real & glob.real_rows
@@ -131,8 +162,12 @@ def build_kind_plan(cpl, window: int, ratio: int, overlap: bool) -> KindPlan:
         capacity=cap,
         num_entries=cu_c[-1],
         gather_rows=gather.to(dev),
-        visible=visible,
+        entry_start=first,
+        num_visible=(pos + 1) // ratio,
+        max_entries=glob.max_compressed_entries(ratio),
         loss_rows=real.sum(),
+        bounds=tuple(bounds),
+        local_start=ls,
     )
 
 
