@@ -54,7 +54,7 @@ def test_reduction_runs_after_the_schedule_and_after_replays():
     assert reduction(schedule, num_microbatches=2) == ["report"]
     assert calls == [((["model"], None), {"pg_collection": "pg", "force_all_reduce": False})]
     assert seen_inside[0] is not config.finalize_model_grads_func  # the recorder, not the reduction
-    replay = lambda **kw: ["replayed report"]  # noqa: E731  (a graph replay: no Python of the schedule runs)
+    replay = lambda **kw: ["replayed report"]  # a graph replay: no Python of the schedule runs
     assert reduction(replay, num_microbatches=2) == ["replayed report"]
     assert len(calls) == 2 and calls[1] == calls[0]
 
@@ -67,7 +67,9 @@ def test_a_schedule_without_finalize_is_an_error():
 
 @pytest.mark.distributed
 def test_split_step_equals_dp2_and_single_process(tmp_path):
-    (ref,) = run_distributed(train_layouts, 1, [("single", _BASE | dict(out=str(tmp_path / "single"), save_final=False))])
+    (ref,) = run_distributed(
+        train_layouts, 1, [("single", _BASE | dict(out=str(tmp_path / "single"), save_final=False))]
+    )
     ref = ref["single"]
     runs = [
         (name, _BASE | dict(out=str(tmp_path / name), save_final=False), variant)
@@ -136,7 +138,9 @@ def test_graphed_dp2_on_one_gpu_matches_eager(tmp_path):
     delta = max(abs(b[k] - f[k]) for b, f in zip(eager, fp32, strict=True) for k in keys)
     print("\nstep  eager-bf16 lm / mtp            graph-bf16 lm / mtp            replayed")
     for e, g, rep in zip(eager, graph, res["graph-bf16"]["replayed"], strict=True):
-        print(f"{e['step']:>4}  {e['lm_loss']:.9f} / {e['mtp_loss']:.9f}  {g['lm_loss']:.9f} / {g['mtp_loss']:.9f}  {rep}")
+        print(
+            f"{e['step']:>4}  {e['lm_loss']:.9f} / {e['mtp_loss']:.9f}  {g['lm_loss']:.9f} / {g['mtp_loss']:.9f}  {rep}"
+        )
     print(f"bound 2*delta = {2 * delta:.3g}; bitwise equal: {eager == graph}")
     assert res["graph-bf16"]["split"] and not res["eager-bf16"]["split"]
     # two eager warm-up steps (bitwise the eager run's), the capture step (replayed at once), replays
@@ -147,3 +151,31 @@ def test_graphed_dp2_on_one_gpu_matches_eager(tmp_path):
             assert abs(g[k] - e[k]) <= 2 * delta, (g["step"], k, g[k], e[k], 2 * delta)
         assert g["lr"] == e["lr"]
     assert graph[-1]["lm_loss"] < graph[0]["lm_loss"]
+
+
+def test_dist_backend_flag():
+    from hybrid_model.cli import build_parser, train_config_from_args
+    from hybrid_model.training.config import TrainConfig
+
+    args = build_parser().parse_args(["train", "--dist-backend", "gloo"])
+    assert train_config_from_args(args).dist_backend == "gloo"
+    default = TrainConfig().dist_backend
+    assert default == ("nccl" if torch.cuda.is_available() else "gloo")
+    with pytest.raises(ValueError, match="--dist-backend must be one of"):
+        TrainConfig(dist_backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--dist-backend nccl needs CUDA"):
+            TrainConfig(dist_backend="nccl")
+
+
+def test_host_staging_is_scoped():
+    """The staged collectives replace megatron's module-level functions only inside the block."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    from hybrid_model.training.gloo_cuda import host_staged_collectives
+
+    names = ("dist_reduce_scatter_func", "dist_all_gather_func", "_coalescing_manager")
+    before = [getattr(pgb, n) for n in names]
+    with host_staged_collectives():
+        assert all(getattr(pgb, n) is not b for n, b in zip(names, before, strict=True))
+    assert [getattr(pgb, n) for n in names] == before

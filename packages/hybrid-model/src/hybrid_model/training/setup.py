@@ -15,7 +15,6 @@ from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.presets import get_preset
 from hybrid_model.training.config import TrainConfig
 
-
 DIST_BACKENDS = ("nccl", "gloo")
 
 
@@ -27,7 +26,9 @@ def resolve_dist_backend(backend: str | None) -> str:
     if backend not in DIST_BACKENDS:
         raise ValueError(f"--dist-backend must be one of {DIST_BACKENDS}, got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("--dist-backend nccl needs CUDA devices (none is visible); use --dist-backend gloo on CPU")
+        raise ValueError(
+            "--dist-backend nccl needs CUDA devices (none is visible); use --dist-backend gloo on CPU"
+        )
     return backend
 
 

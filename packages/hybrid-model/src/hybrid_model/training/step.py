@@ -82,7 +82,10 @@ class StepRunner:
         # --cuda-graph with DP > 1: the DP gradient reduction runs eagerly after the (captured) schedule
         self.grad_reduction = None
         if tc.cuda_graph:
-            from hybrid_model.training.graph_data_parallel import GradReductionAfterSchedule, data_parallel_size
+            from hybrid_model.training.graph_data_parallel import (
+                GradReductionAfterSchedule,
+                data_parallel_size,
+            )
 
             if data_parallel_size(ps) > 1:
                 self.grad_reduction = GradReductionAfterSchedule(config)
