@@ -80,6 +80,11 @@ def test_split_step_equals_dp2_and_single_process(tmp_path):
         )
     ]
     per_rank = run_distributed(train_variants, 2, runs, timeout=900)
+    for r in per_rank:  # ranks with different micro-batch counts would replay different steps: refused
+        assert (
+            "same number of micro-batches" in r["unequal-microbatches"]
+            and "2..3" in r["unequal-microbatches"]
+        )
     today = per_rank[0]["dp2"]
     assert not today["recorded"]
     for name in ("dp2-split", "dp2-split-staged"):

@@ -40,6 +40,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+
+def check_equal_microbatches(num_microbatches: int, group, device) -> None:
+    """``RuntimeError`` unless every rank of ``group`` runs ``num_microbatches`` micro-batches per step (one small
+    all-reduce): a rank that captured another number of micro-batches would replay another step, and the ranks
+    would wait for each other at megatron's capture barrier or in the reduction."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    bounds = torch.tensor([num_microbatches, -num_microbatches], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    high, low = int(bounds[0]), -int(bounds[1])
+    if high != low:
+        raise RuntimeError(
+            f"--cuda-graph with data parallelism needs the same number of micro-batches on every rank (this rank "
+            f"runs {num_microbatches}, the data-parallel group {low}..{high})"
+        )
+
 
 class GradReductionAfterSchedule:
     """Runs a forward-backward function with megatron's ``finalize_model_grads`` taken out of it, then runs that
@@ -48,17 +67,24 @@ class GradReductionAfterSchedule:
     ``config``: the megatron ``TransformerConfig`` whose ``finalize_model_grads_func`` the schedule calls. The
     arguments of the schedule's call are kept between steps: a replayed graph runs no Python, so the reduction after
     a replay reuses the arguments recorded at the capture (the model chunks, ``None`` or the static token-count
-    tensor, the process groups — all fixed for the run).
+    tensor, the process groups — all fixed for the run). ``group`` / ``device``: the data-parallel group and the
+    device of a small tensor; the first call checks that every rank runs the same number of micro-batches
+    (:func:`check_equal_microbatches`).
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, group=None, device=None) -> None:
         self.config = config
+        self.group, self.device = group, device
+        self.checked = False
         self.call: tuple[tuple, dict] | None = None  # (args, kwargs) of the schedule's last finalize call
 
     def _record(self, *args: Any, **kwargs: Any) -> None:
         self.call = (args, kwargs)
 
     def __call__(self, forward_backward_func, **schedule) -> Any:
+        if not self.checked:
+            check_equal_microbatches(schedule["num_microbatches"], self.group, self.device)
+            self.checked = True
         finalize = self.config.finalize_model_grads_func
         if finalize is None:
             return forward_backward_func(**schedule)

@@ -88,7 +88,8 @@ class StepRunner:
             )
 
             if data_parallel_size(ps) > 1:
-                self.grad_reduction = GradReductionAfterSchedule(config)
+                dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+                self.grad_reduction = GradReductionAfterSchedule(config, dp_group, device)
         cp = core.context_parallel_group
         self.cp_group = cp
         self.cp_size, self.cp_rank = (1, 0) if cp is None else (cp.size(), cp.rank())
