@@ -158,6 +158,22 @@ def test_graphed_dp2_on_one_gpu_matches_eager(tmp_path):
     assert graph[-1]["lm_loss"] < graph[0]["lm_loss"]
 
 
+def test_overlapped_grad_reduce_is_refused():
+    """Collectives launched from the backward hooks would be captured: the graphed DP step refuses them."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from hybrid_model.training.graph_data_parallel import check_no_sync_in_backward
+
+    def chunk(overlap: bool):  # what the check reads of a megatron DDP chunk
+        return SimpleNamespace(ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=overlap))
+
+    check_no_sync_in_backward([chunk(False)])
+    with pytest.raises(RuntimeError, match="overlap_grad_reduce=False"):
+        check_no_sync_in_backward([chunk(False), chunk(True)])
+
+
 def test_dist_backend_flag():
     from hybrid_model.cli import build_parser, train_config_from_args
     from hybrid_model.training.config import TrainConfig

@@ -60,6 +60,17 @@ def check_equal_microbatches(num_microbatches: int, group, device) -> None:
         )
 
 
+def check_no_sync_in_backward(chunks) -> None:
+    """``RuntimeError`` if a DDP chunk would launch gradient collectives from its backward hooks
+    (``overlap_grad_reduce``): they would be captured into the graph instead of running beside it."""
+    for chunk in chunks:
+        if chunk.ddp_config.overlap_grad_reduce:
+            raise RuntimeError(
+                "--cuda-graph with data parallelism keeps the gradient reduction out of the graph, which needs "
+                "DistributedDataParallelConfig(overlap_grad_reduce=False): the backward hooks must only accumulate"
+            )
+
+
 class GradReductionAfterSchedule:
     """Runs a forward-backward function with megatron's ``finalize_model_grads`` taken out of it, then runs that
     reduction eagerly.

@@ -84,10 +84,13 @@ class StepRunner:
         if tc.cuda_graph:
             from hybrid_model.training.graph_data_parallel import (
                 GradReductionAfterSchedule,
+                check_no_sync_in_backward,
                 data_parallel_size,
             )
+            from hybrid_model.training.virtual_pipeline import ddp_chunks
 
             if data_parallel_size(ps) > 1:
+                check_no_sync_in_backward(ddp_chunks(model))
                 dp_group = ps.get_data_parallel_group(with_context_parallel=True)
                 self.grad_reduction = GradReductionAfterSchedule(config, dp_group, device)
         cp = core.context_parallel_group
