@@ -42,10 +42,16 @@ def test_rejects_what_cannot_be_captured(fake_cuda, kwargs, match):
         TrainConfig(**{"cuda_graph": True, "bf16": True, **kwargs})
 
 
-def test_rejects_several_processes(fake_cuda, monkeypatch):
+def test_data_parallel_is_accepted_model_parallel_is_not(fake_cuda, monkeypatch):
+    """Several processes are data parallel (the DP gradient reduction runs beside the graph:
+    test_train_graph_dp.py); PP, EP and CP stay refused with their reasons."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="one GPU"):
-        TrainConfig(cuda_graph=True, bf16=True)
+    assert TrainConfig(cuda_graph=True, bf16=True).cuda_graph
+    for kwargs, match in (({"pp": 2}, "one model-parallel rank"), ({"ep": 2}, "one model-parallel rank")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(cuda_graph=True, bf16=True, **kwargs)
+    with pytest.raises(ValueError, match="--cuda-graph with --cp 2"):
+        TrainConfig(cuda_graph=True, bf16=True, cp=2)
 
 
 def test_cli_flags(fake_cuda):

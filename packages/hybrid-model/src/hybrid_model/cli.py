@@ -270,15 +270,23 @@ def _train_parser(sub) -> None:
         default=None,
         help=d(
             "cuda_graph",
-            "one GPU, [B, S] batches: capture each step's forward+backward in a CUDA graph "
-            "(megatron's FullCudaGraphWrapper) and replay it; removes the kernel-launch overhead of short "
-            "sequences",
+            "[B, S] batches, one model-parallel rank (TP = PP = EP = CP = 1), any DP size: capture each step's "
+            "forward+backward in a CUDA graph (megatron's FullCudaGraphWrapper) and replay it; removes the "
+            "kernel-launch overhead of short sequences. With DP > 1 the gradient reduce-scatter runs eagerly "
+            "after each replay (not overlapped with the backward)",
         ),
     )
     p.add_argument(
         "--cuda-graph-warmup-steps",
         type=int,
         help=d("cuda_graph_warmup_steps", "--cuda-graph: eager steps before the capture"),
+    )
+    p.add_argument(
+        "--dist-backend",
+        choices=["nccl", "gloo"],
+        help="torch.distributed backend of a torchrun run (default: nccl on CUDA, gloo on CPU); gloo on CUDA "
+        "lets several ranks share one GPU (tests, e.g. two data-parallel ranks with --cuda-graph on one GPU; NCCL "
+        "refuses two ranks on one device) and stages the distributed optimizer's collectives through host memory",
     )
     p.add_argument(
         "--optimizer-impl",

@@ -29,7 +29,12 @@ class TrainConfig:
     ``null``) keeps the preset's weight throughout. See :meth:`lr_decay_start` and :meth:`mtp_weight_at`.
     ``cuda_graph``: capture each training step's forward + backward (all micro-batches) in one CUDA graph with
     megatron-core's ``FullCudaGraphWrapper`` after ``cuda_graph_warmup_steps`` eager steps, then replay it (the
-    optimizer step stays eager). One GPU, fixed-length ``[B, S]`` batches; see :mod:`hybrid_model.training.cuda_graph`.
+    optimizer step stays eager). Fixed-length ``[B, S]`` batches, one model-parallel rank (TP = PP = EP = CP = 1),
+    any number of data-parallel ranks (the DP gradient reduction runs eagerly after each replay:
+    :mod:`hybrid_model.training.graph_data_parallel`); see :mod:`hybrid_model.training.cuda_graph`.
+    ``dist_backend``: the ``torch.distributed`` backend of a multi-process run, ``"nccl"`` or ``"gloo"``; ``None``
+    resolves to ``"nccl"`` on CUDA and ``"gloo"`` on CPU. ``"gloo"`` on CUDA runs several processes on one GPU
+    (tests; :mod:`hybrid_model.training.gloo_cuda`).
     ``data``: text sources read in order (empty: the embedded default corpus); ``long_docs``: ``"split"`` documents
     longer than ``seq_len`` into several sequences or ``"truncate"`` them; ``skip_bad_records``: skip and count bad
     records instead of stopping at the first (see :mod:`hybrid_model.training.data`).
@@ -98,6 +103,7 @@ class TrainConfig:
     bf16: bool | None = None
     cuda_graph: bool = False
     cuda_graph_warmup_steps: int = 2
+    dist_backend: str | None = None
     optimizer_impl: str = "auto"
     fused_linear_ce: bool = True
     max_nonfinite_steps: int = 5
@@ -121,6 +127,9 @@ class TrainConfig:
             import torch
 
             self.bf16 = torch.cuda.is_available()
+        from hybrid_model.training.setup import resolve_dist_backend
+
+        self.dist_backend = resolve_dist_backend(self.dist_backend)
         for name in (
             "steps",
             "seq_len",

@@ -4,8 +4,8 @@ At short sequences a DSv4 training step is launch-bound: a flash-smoke step at S
 them a few microseconds long (mHC coefficients, norms, routing), and eager PyTorch cannot launch them as fast as the
 GPU runs them. megatron-core's ``FullCudaGraphWrapper`` wraps the forward-backward schedule: after
 ``cuda_graph_warmup_steps`` eager steps it captures one step (every micro-batch's forward and backward, the gradient
-hooks, ``finalize_model_grads``) in a CUDA graph and replays it from then on, copying each step's batch into static
-input buffers first. The optimizer step, the loss reduction and the selection-bias update stay eager.
+hooks, and ``finalize_model_grads`` at DP = 1) in a CUDA graph and replays it from then on, copying each step's batch
+into static input buffers first. The optimizer step, the loss reduction and the selection-bias update stay eager.
 
 What makes the step capturable (no host reads, no host-to-device copies of pageable memory, static shapes):
 
@@ -25,14 +25,18 @@ the current stream before it builds the model and keeps it for the whole run (:f
 warm-up) whenever one of them changes: the dense / sparse attention phase (``--dense-steps``) and the MTP loss weight
 (its decay at the start of the LR decay).
 
-Limits (``ValueError`` at configuration time): a CUDA device, bf16, one process (DP = PP = EP = TP = 1),
-fixed-length ``[B, S]`` batches (``--packed`` THD batches move document boundaries every step, and those are host-side layout
-values of the attention kernels).
+**Data parallelism.** With DP > 1 the graph holds every micro-batch's forward and backward (the DDP hooks only
+accumulate into the grad buffers); megatron's ``finalize_model_grads`` — the DP reduce-scatter of the gradients —
+runs eagerly after each replay, before the optimizer step (:mod:`~hybrid_model.training.graph_data_parallel`:
+what it costs, what capturing the collective would need).
+
+Limits (``ValueError`` at configuration time): a CUDA device, bf16, one model-parallel rank (PP = EP = TP = CP = 1;
+any number of data-parallel ranks), fixed-length ``[B, S]`` batches (``--packed`` THD batches move document
+boundaries every step, and those are host-side layout values of the attention kernels).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 import torch
@@ -71,12 +75,8 @@ def check_cuda_graph_config(tc: GraphRunSettings) -> None:
             f"--cuda-graph supports one model-parallel rank (got pp={tc.pp}, ep={tc.ep}, tp={tc.tp}): pipeline "
             "transfers and the expert all-to-all have data-dependent sizes; drop --cuda-graph"
         )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ValueError(
-            f"--cuda-graph is supported on one GPU (WORLD_SIZE={world}); data-parallel capture is not validated "
-            "yet: drop --cuda-graph for multi-GPU runs"
-        )
+    # data parallelism (WORLD_SIZE > 1 at one model-parallel rank): the DP gradient reduction runs eagerly beside
+    # the graph (hybrid_model.training.graph_data_parallel); --cp > 1 is refused by the context-parallel checks
 
 
 def use_capture_stream() -> torch.cuda.Stream:

@@ -15,17 +15,36 @@ from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.presets import get_preset
 from hybrid_model.training.config import TrainConfig
 
+DIST_BACKENDS = ("nccl", "gloo")
 
-def init_distributed() -> tuple[int, int]:
-    """``(rank, world)`` of the default process group, created when missing: from torchrun's environment, else one
-    local process on a free loopback port (NCCL with CUDA, gloo on CPU)."""
+
+def resolve_dist_backend(backend: str | None) -> str:
+    """``--dist-backend``: ``None`` -> ``"nccl"`` on CUDA, ``"gloo"`` on CPU; ``ValueError`` for an unknown name
+    or NCCL without CUDA."""
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in DIST_BACKENDS:
+        raise ValueError(f"--dist-backend must be one of {DIST_BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "--dist-backend nccl needs CUDA devices (none is visible); use --dist-backend gloo on CPU"
+        )
+    return backend
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int]:
+    """``(rank, world)`` of the default process group, created when missing with ``backend`` (see
+    :func:`resolve_dist_backend`): from torchrun's environment, else one local process on a free loopback port.
+    Each torchrun process takes the GPU ``LOCAL_RANK``; with gloo on CUDA, ``LOCAL_RANK`` modulo the visible GPUs
+    (several ranks may share one GPU, which NCCL refuses). An existing process group is used as it is."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_dist_backend(backend)
     if "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local % torch.cuda.device_count() if backend == "gloo" else local)
         dist.init_process_group(backend, rank=rank, world_size=world)
         return rank, world
     import socket

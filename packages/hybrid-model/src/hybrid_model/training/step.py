@@ -79,6 +79,20 @@ class StepRunner:
             world,
         )
         self.graphed = None  # GraphedForwardBackward once the first --cuda-graph step runs
+        # --cuda-graph with DP > 1: the DP gradient reduction runs eagerly after the (captured) schedule
+        self.grad_reduction = None
+        if tc.cuda_graph:
+            from hybrid_model.training.graph_data_parallel import (
+                GradReductionAfterSchedule,
+                check_no_sync_in_backward,
+                data_parallel_size,
+            )
+            from hybrid_model.training.virtual_pipeline import ddp_chunks
+
+            if data_parallel_size(ps) > 1:
+                check_no_sync_in_backward(ddp_chunks(model))
+                dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+                self.grad_reduction = GradReductionAfterSchedule(config, dp_group, device)
         cp = core.context_parallel_group
         self.cp_group = cp
         self.cp_size, self.cp_rank = (1, 0) if cp is None else (cp.size(), cp.rank())
@@ -191,6 +205,8 @@ class StepRunner:
             schedule["data_iterator"] = iter([static_batch(mb) for mb in batch.microbatches])
             # host-side values baked into the captured step: a change recaptures
             fb = functools.partial(self.graphed, key=self.core.step_state)
+        if self.grad_reduction is not None:
+            fb = functools.partial(self.grad_reduction, fb)
         with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors
             reports = fb(**schedule)
         # a non-finite loss or gradient on any rank skips the update on every rank (checked before the optimizer

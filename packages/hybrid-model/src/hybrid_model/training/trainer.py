@@ -1,7 +1,8 @@
 """The training loop of ``dsv4 train`` on megatron-core: parallel state, DDP + distributed optimizer, the
 forward-backward schedule, dist-checkpointing with exact resume, and the run's outputs.
 
-One process (CPU or one GPU) or ``torchrun`` (gloo on CPU, NCCL on GPU) with ``--pp/--ep/--cp`` (DP is the rest;
+One process (CPU or one GPU) or ``torchrun`` (gloo on CPU, NCCL on GPU, ``--dist-backend`` to choose) with
+``--pp/--ep/--cp`` (DP is the rest;
 context parallelism: :mod:`~hybrid_model.training.context_parallel`).
 Outputs in ``out``: ``metrics.jsonl`` (one JSON object per step), ``loss.png``, ``tb/`` (TensorBoard),
 ``checkpoints/iter_XXXXXXX`` (megatron dist checkpoints; ``latest`` names the newest).
@@ -13,6 +14,7 @@ optimizer step and the loss reduction); :class:`Trainer` holds them and runs the
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import time
@@ -60,7 +62,7 @@ class Trainer:
 
             prepare_deterministic_environment()
         apply_cpu_shims()
-        self.rank, self.world = init_distributed()
+        self.rank, self.world = init_distributed(tc.dist_backend)
         if self.world % (tc.pp * tc.tp * tc.cp):
             raise ValueError(
                 f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp} x cp={tc.cp} "
@@ -78,12 +80,21 @@ class Trainer:
             expert_model_parallel_size=tc.ep,
             context_parallel_size=tc.cp,
         )
+        self._unstage = None  # gloo on CUDA: megatron's coalesced collectives staged through host memory
+        if torch.cuda.is_available() and dist.get_backend() == "gloo":
+            from hybrid_model.training.gloo_cuda import host_staged_collectives
+
+            staging = host_staged_collectives()
+            staging.__enter__()
+            self._unstage = functools.partial(staging.__exit__, None, None, None)
         self._previous_stream = None
         try:
             self._build(tc, ps)
         except BaseException:  # leave no half-initialised megatron state behind
             if self._previous_stream is not None:
                 torch.cuda.set_stream(self._previous_stream)
+            if self._unstage is not None:
+                self._unstage()
             ps.destroy_model_parallel()
             raise
         self.step = 0
@@ -336,6 +347,9 @@ class Trainer:
             torch.cuda.set_stream(self._previous_stream)
             self._previous_stream = None
         self._restore_determinism()
+        if self._unstage is not None:
+            self._unstage()
+            self._unstage = None
         self.ps.destroy_model_parallel()
 
 
