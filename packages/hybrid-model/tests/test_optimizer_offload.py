@@ -28,7 +28,7 @@ from hybrid_model.training.offload import hybrid_optimizers, offload_config_fiel
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _build(offload, *, fraction=1.0, bf16=True, dist_opt=True, impl=None, **fields):
+def _build(offload, *, fraction=1.0, bf16=True, dist_opt=True, impl=None, device="cpu", **fields):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
@@ -40,7 +40,7 @@ def _build(offload, *, fraction=1.0, bf16=True, dist_opt=True, impl=None, **fiel
     cfg = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=1, bf16=bf16, params_dtype=dtype
     )
-    model = _toy_cls()(cfg)
+    model = _toy_cls()(cfg).to(device)
     if bf16:
         model = Float16ModuleKeepFP32(cfg, model)
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True)
@@ -219,3 +219,59 @@ def test_refusals(megatron_cpu):
                 _build(True, impl="fused")
             with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
                 _build(True, fraction=0.0)
+
+
+def test_cli_flags():
+    from hybrid_model.cli import build_parser, train_config_from_args
+    from hybrid_model.training.config import TrainConfig
+
+    def tc_of(*argv):
+        return train_config_from_args(build_parser().parse_args(["train", *argv]))
+
+    tc = tc_of("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25")
+    assert tc.optimizer_cpu_offload is True and tc.optimizer_offload_fraction == 0.25
+    tc = tc_of()
+    assert tc.optimizer_cpu_offload is False and tc.optimizer_offload_fraction == 1.0
+    with pytest.raises(ValueError, match="only applies with --optimizer-cpu-offload"):
+        tc_of("--optimizer-offload-fraction", "0.5")
+    with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
+        TrainConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5)
+    with pytest.raises(ValueError, match="--optimizer-impl fused cannot apply"):
+        TrainConfig(optimizer_cpu_offload=True, optimizer_impl="fused")
+    with pytest.raises(ValueError, match="--optimizer-cpu-offload with --cuda-graph"):
+        TrainConfig(optimizer_cpu_offload=True, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_cuda_offload_parity(megatron_cpu, tmp_path, fraction):
+    """On the GPU: host Adam (CPU fused kernel) and device Adam (CUDA fused kernel) against the non-offloaded
+    CUDA fused kernel, within the rounding bound of :mod:`hybrid_model.training.optimizer`; then a checkpoint
+    round trip offloaded -> offloaded keeps the device state on the device and resumes bitwise."""
+    from test_optimizer_impl import _assert_within_bound
+
+    from hybrid_model.training.checkpoint import sync_saver_queue
+
+    steps = 4
+    ddp0, ref = _build(False, device="cuda")
+    ddp1, opt = _build(True, fraction=fraction, device="cuda")
+    (hdo,) = hybrid_optimizers(opt)
+    assert all(not p.is_cuda for p in hdo.gpu_params_map_cpu_copy.values())
+    for s in range(steps):
+        _step(ddp0, ref, s)
+        _step(ddp1, opt, s)
+    cpu = [tuple(x.cpu() for x in t[:3]) + (t[3],) for t in _main_state(ref)]
+    got = [tuple(x.cpu() for x in t) + (float(steps),) for t in _hybrid_state(opt)]
+    _assert_within_bound(cpu, got, steps, f"offload {fraction}")
+    sync_saver_queue()
+    _save(ddp1, opt, tmp_path / "ckpt", True)
+    ddp2, opt2 = _build(True, fraction=fraction, device="cuda")
+    _load(ddp2, opt2, tmp_path / "ckpt", True)
+    (hdo2,) = hybrid_optimizers(opt2)
+    for sub in hdo2.sub_optimizers:  # fix 4: state beside its param
+        for p, st in sub.state.items():
+            assert all(v.device == p.device for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+    _step(ddp1, opt, steps)
+    _step(ddp2, opt2, steps)
+    for (n, a), b in zip(_model_params(ddp1).items(), _model_params(ddp2).values(), strict=True):
+        assert torch.equal(a, b), n

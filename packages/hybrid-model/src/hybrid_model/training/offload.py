@@ -74,7 +74,6 @@ import contextlib
 import torch
 
 from dsv4_primitives.megatron.precision import DistributedOptimizerWithNativeFP32Params
-
 from hybrid_model.training.optimizer import _MEGATRON_FLAGS
 
 

@@ -155,7 +155,6 @@ def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwa
     megatron's ``HybridDeviceOptimizer`` inside :class:`~hybrid_model.training.offload.DistributedOptimizerCpuOffload`
     (validated by :func:`~hybrid_model.training.offload.check_cpu_offload`; ``impl`` must be auto / unfused)."""
     from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
-
     from hybrid_model.training.offload import check_cpu_offload, offload_distributed_optimizer
 
     first = next((p for m in model_chunks for p in m.parameters()), None)
