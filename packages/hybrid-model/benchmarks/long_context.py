@@ -2,12 +2,14 @@
 flash-smoke at growing sequence lengths, for each activation-recompute setting (``bench_flash_smoke.py
 --long-context``).
 
-Per setting (none / selective / full) one fresh process builds the model and megatron's distributed optimizer
-through ``dsv4 train``'s own setup (bf16, fused AdamW, gradient clipping), then runs :class:`StepRunner` steps on
-one random ``[1, S]`` sequence per point: S = 4K, 16K, 32K, 64K, then longer (96K, 128K, ...) until the first
-out-of-memory, then one bisection probe between the last fitting length and the first OOM. Every point: one
-warm-up step, ``iters`` timed steps; tokens/s, ms per step, peak GiB (``max_memory_allocated`` over the timed
-steps), the static GiB (weights, gradient buffers, Adam states: allocated between steps) and GiB per 1K tokens (peak
+Per setting (:data:`SETTINGS`, most informative first: full recompute with the optimizer CPU offload at F = 1 and
+0.5, then full / selective / no recompute) one fresh process builds the model and megatron's distributed optimizer
+through ``dsv4 train``'s own setup (bf16, fused AdamW or the offload, gradient clipping), then runs
+:class:`StepRunner` steps on one random ``[1, S]`` sequence per point. Offload settings: S = 64K first, then longer
+(96K, 128K, ...) until the first out-of-memory, then 4K / 16K / 32K; the others: S = 4K, 16K, 32K, 64K, then longer
+until the first out-of-memory, then one bisection probe between the last fitting length and the first OOM. Every
+point: one warm-up step, ``iters`` timed steps; tokens/s, ms per step, the optimizer step alone (``optimizer_ms``,
+synchronised before and after), peak GiB (``max_memory_allocated`` over the timed steps), the static GiB (weights, gradient buffers, Adam states: allocated between steps) and GiB per 1K tokens (peak
 minus static, per 1K tokens; and the marginal slope of the peak from the previous point). The total time is bounded:
 a point is not started past the deadline (``--budget-s``), a child is killed at it, and a setting's child stops at
 its first OOM. Results: ``long_context.json`` in ``--out`` and ``benchmarks/results/``; the Hugging Face peer
