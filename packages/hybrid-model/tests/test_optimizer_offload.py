@@ -275,3 +275,24 @@ def test_cuda_offload_parity(megatron_cpu, tmp_path, fraction):
     _step(ddp2, opt2, steps)
     for (n, a), b in zip(_model_params(ddp1).items(), _model_params(ddp2).values(), strict=True):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dp2_offload():
+    """DP2 on gloo: each rank's hybrid optimizer holds its half of the distributed optimizer's shards, and the
+    offloaded run equals the non-offloaded fused run bitwise on both ranks (per-rank gradients differ; the DP
+    average is applied), the ranks agreeing on every param after the all-gather."""
+    from offload_sim import dp_rank_offload_vs_fused
+
+    from dsv4_testkit import run_distributed
+
+    results = run_distributed(dp_rank_offload_vs_fused, 2, 1.0)
+    for r in results:
+        host, total = r["shard"]
+        assert host == total and 0 < total < r["numel"]  # this rank's shard only, all of it offloaded
+        for n, p in r["ref"].items():
+            assert torch.equal(p, r["offload"][n]), n
+    assert sum(r["shard"][1] for r in results) >= results[0]["numel"]
+    for n, p in results[0]["offload"].items():
+        assert torch.equal(p, results[1]["offload"][n]), n
