@@ -8,10 +8,11 @@ sequence must match an fp32 run of the same weights. Then each S in --seq-lens (
 doubling until out of memory). Writes ``flash_smoke.json`` to --out and to benchmarks/results/.
 
 ``--long-context``: the full training step (forward + backward with MTP + optimizer) at 4K / 16K / 32K / 64K / the
-longest that fits, for no / selective / full activation recompute, in a bounded time (:mod:`long_context`)::
+longest that fits, for full recompute with the optimizer offloaded (F = 1, 0.5), then full / selective / no recompute,
+in a bounded time (:mod:`long_context`)::
 
-    python3 packages/hybrid-model/benchmarks/bench_flash_smoke.py --long-context --iters 2 --max-seq-len 196608 \
-        --budget-s 420 --out DIR
+    python3 packages/hybrid-model/benchmarks/bench_flash_smoke.py --long-context --iters 2 --max-seq-len 131072 \
+        --budget-s 500 --out DIR
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 flash-smoke at growing sequence lengths, for each activation-recompute setting (``bench_flash_smoke.py
 --long-context``).
 
-Per setting (none / selective / full) one fresh process builds the model and megatron's distributed optimizer
-through ``dsv4 train``'s own setup (bf16, fused AdamW, gradient clipping), then runs :class:`StepRunner` steps on
-one random ``[1, S]`` sequence per point: S = 4K, 16K, 32K, 64K, then longer (96K, 128K, ...) until the first
-out-of-memory, then one bisection probe between the last fitting length and the first OOM. Every point: one
-warm-up step, ``iters`` timed steps; tokens/s, ms per step, peak GiB (``max_memory_allocated`` over the timed
-steps), the static GiB (weights, gradient buffers, Adam states: allocated between steps) and GiB per 1K tokens (peak
+Per setting (:data:`SETTINGS`, most informative first: full recompute with the optimizer CPU offload at F = 1 and
+0.5, then full / selective / no recompute) one fresh process builds the model and megatron's distributed optimizer
+through ``dsv4 train``'s own setup (bf16, fused AdamW or the offload, gradient clipping), then runs
+:class:`StepRunner` steps on one random ``[1, S]`` sequence per point. Offload settings: S = 64K first, then longer
+(96K, 128K, ...) until the first out-of-memory, then 4K / 16K / 32K; the others: S = 4K, 16K, 32K, 64K, then longer
+until the first out-of-memory, then one bisection probe between the last fitting length and the first OOM. Every
+point: one warm-up step, ``iters`` timed steps; tokens/s, ms per step, the optimizer step alone (``optimizer_ms``,
+synchronised before and after), peak GiB (``max_memory_allocated`` over the timed steps), the static GiB (weights, gradient buffers, Adam states: allocated between steps) and GiB per 1K tokens (peak
 minus static, per 1K tokens; and the marginal slope of the peak from the previous point). The total time is bounded:
 a point is not started past the deadline (``--budget-s``), a child is killed at it, and a setting's child stops at
 its first OOM. Results: ``long_context.json`` in ``--out`` and ``benchmarks/results/``; the Hugging Face peer
@@ -34,13 +36,22 @@ import torch
 
 from hybrid_model.training.recompute import LONG_CONTEXT_SELECTIVE
 
-# the recompute settings compared (TrainConfig fields); "selective" is the long-context recipe of the README
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# the settings compared (TrainConfig fields), most informative first (the budget may end before the last ones):
+# full recompute with the whole optimizer state offloaded to the host (the 64K recipe of the README), with half of
+# it offloaded, then the settings without offload (measured before: same-call comparison); "selective" is the
+# recompute recipe of the README
 SETTINGS: dict[str, dict] = {
-    "none": {},
+    "offload-full": dict(FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0),
+    "offload-half-full": dict(FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
+    "full": dict(FULL),
     "selective": dict(LONG_CONTEXT_SELECTIVE),
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "none": {},
 }
 SEQ_LENS = (4096, 16384, 32768, 65536)
+# offload settings: the target length first, then longer ones until the first OOM, then the shorter ones (the
+# per-1K-token slope); settings without offload keep the ascending order (they OOM before 64K)
+TARGET_SEQ_LEN = 65536
 PROBE_STEP = 8192  # lengths past the list grow by 50% (rounded to this); the bisection probe rounds to it too
 
 
@@ -103,6 +114,18 @@ class _Run:
         )
         self.parts = parts
         self.optimizer = build_optimizer(self.tc, parts.model)
+        self.optimizer_s: list[float] = []  # synchronised wall time of each optimizer step (``optimizer_ms``)
+        real_step = self.optimizer.step
+
+        def timed_step(*a, **k):
+            _sync()
+            t0 = time.perf_counter()
+            out = real_step(*a, **k)
+            _sync()
+            self.optimizer_s.append(time.perf_counter() - t0)
+            return out
+
+        self.optimizer.step = timed_step
         self.scheduler = build_scheduler(self.tc, self.optimizer)
         attach_schedule_hooks(parts.config, parts.model)
         parts.model.train()
@@ -152,9 +175,13 @@ def _measure(run: _Run, s: int, iters: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         static = torch.cuda.memory_allocated() / 2**30  # weights, gradient buffers, optimizer states
+    run.optimizer_s.clear()
     times = [run.step(s, batch) for _ in range(iters)]
     dt = sorted(times)[len(times) // 2]
-    row = {"seq_len": s, "ms": 1e3 * dt, "tokens_per_s": s / dt}
+    opt = sorted(run.optimizer_s)[len(run.optimizer_s) // 2] if run.optimizer_s else float("nan")
+    # optimizer_ms: the optimizer step alone (megatron's step: grad unscale/clip, AdamW on the GPU and/or the
+    # host with its copies, param copy-back), synchronised before and after
+    row = {"seq_len": s, "ms": 1e3 * dt, "tokens_per_s": s / dt, "optimizer_ms": 1e3 * opt}
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**30
         row.update(
@@ -166,9 +193,8 @@ def _measure(run: _Run, s: int, iters: int) -> dict:
     return row
 
 
-def _next_lengths(seq_lens, max_seq_len: int):
-    yield from (s for s in seq_lens if s <= max_seq_len)
-    s = max(seq_lens)
+def _longer(s: int, max_seq_len: int):
+    """Lengths past ``s``, growing by 50% (rounded to :data:`PROBE_STEP`) up to ``max_seq_len``."""
     while True:
         s = max(s + PROBE_STEP, int(s * 1.5) // PROBE_STEP * PROBE_STEP)
         if s > max_seq_len:
@@ -176,22 +202,47 @@ def _next_lengths(seq_lens, max_seq_len: int):
         yield s
 
 
+def _next_lengths(seq_lens, max_seq_len: int):
+    yield from (s for s in seq_lens if s <= max_seq_len)
+    yield from _longer(max(seq_lens), max_seq_len)
+
+
+def _plan(setting: str, seq_lens, max_seq_len: int, target: int | None) -> tuple[list[int], list[int]]:
+    """(growing lengths, run until the first OOM; shorter lengths, run afterwards). Offload settings start at
+    ``target`` (the most informative point first); the others grow from the shortest."""
+    if target is None or not SETTINGS[setting].get("optimizer_cpu_offload") or target > max_seq_len:
+        return list(_next_lengths(seq_lens, max_seq_len)), []
+    return [target, *_longer(target, max_seq_len)], [s for s in seq_lens if s < target]
+
+
 def child_main(setting: str, iters: int, deadline: float, max_seq_len: int, preset: str | None) -> None:
     """One setting (in its own process): print ``LONG_CONTEXT {json}`` lines, one per point."""
     preset = preset or ("flash-smoke" if torch.cuda.is_available() else "tiny")
-    seq_lens = SEQ_LENS if preset == "flash-smoke" else (64, 256)
-    if preset != "flash-smoke":  # the CPU smoke run: the listed lengths only
+    smoke = preset != "flash-smoke"
+    seq_lens = SEQ_LENS if not smoke else (64, 256)
+    if smoke:  # the CPU smoke run: the listed lengths only
         max_seq_len = max(seq_lens)
+    if SETTINGS[setting].get("optimizer_cpu_offload") and not torch.cuda.is_available():
+        print(f"LONG_CONTEXT {json.dumps({'setting': setting, 'skipped': 'optimizer offload needs CUDA'})}")
+        return
     t0 = time.time()
     run = _Run(setting, preset)
     print(f"LONG_CONTEXT {json.dumps({'setting': setting, 'build_s': time.time() - t0})}", flush=True)
-    fit, oom = 0, None
-    for s in _next_lengths(seq_lens, max_seq_len):
+    growing, shorter = _plan(setting, seq_lens, max_seq_len, None if smoke else TARGET_SEQ_LEN)
+
+    def point(s: int) -> dict | None:
         if time.time() > deadline:
             print(f"LONG_CONTEXT {json.dumps({'seq_len': s, 'skipped': 'time budget'})}", flush=True)
-            return
+            return None
         row = _point(run, s, iters)
         print(f"LONG_CONTEXT {json.dumps(row)}", flush=True)
+        return row
+
+    fit, oom = 0, None
+    for s in growing:
+        row = point(s)
+        if row is None:
+            return
         if row.get("oom"):
             oom = s
             break
@@ -199,7 +250,10 @@ def child_main(setting: str, iters: int, deadline: float, max_seq_len: int, pres
     if oom and fit and oom - fit > PROBE_STEP and time.time() < deadline:  # one bisection probe
         mid = (fit + oom) // 2 // PROBE_STEP * PROBE_STEP
         if fit < mid < oom:
-            print(f"LONG_CONTEXT {json.dumps(_point(run, mid, iters))}", flush=True)
+            point(mid)
+    for s in shorter:
+        if point(s) is None:
+            return
 
 
 def _point(run: _Run, s: int, iters: int) -> dict:
@@ -322,23 +376,26 @@ def run_long_context(args, out: Path) -> dict:
 
 def print_table(result: dict) -> None:
     print(
-        f"{'recompute':>10} | {'S':>7} | {'ms/step':>9} | {'tok/s':>9} | {'peak GiB':>8} | {'GiB/1K':>7} | marginal"
+        f"{'setting':>17} | {'S':>7} | {'ms/step':>9} | {'opt ms':>7} | {'tok/s':>9} | {'peak GiB':>8} | "
+        f"{'static':>6} | {'GiB/1K':>7} | marginal"
     )
     for setting, summary in result["settings"].items():
         for r in summary.get("points", []):
             marg = r.get("marginal_gib_per_1k_tokens")
             print(
-                f"{setting:>10} | {r['seq_len']:>7} | {r['ms']:>9.1f} | {r['tokens_per_s']:>9,.0f} | "
-                f"{r.get('peak_gib', float('nan')):>8.1f} | {r.get('gib_per_1k_tokens', float('nan')):>7.2f} | "
+                f"{setting:>17} | {r['seq_len']:>7} | {r['ms']:>9.1f} | {r.get('optimizer_ms', float('nan')):>7.1f} | "
+                f"{r['tokens_per_s']:>9,.0f} | {r.get('peak_gib', float('nan')):>8.1f} | "
+                f"{r.get('static_gib', float('nan')):>6.1f} | {r.get('gib_per_1k_tokens', float('nan')):>7.2f} | "
                 + (f"{marg:.2f}" if marg is not None else "-")
             )
         if summary.get("first_oom_seq_len"):
-            print(f"{setting:>10} | {summary['first_oom_seq_len']:>7} | OOM")
+            print(f"{setting:>17} | {summary['first_oom_seq_len']:>7} | OOM")
     hf = result.get("hf_full_step", {})
     for r in hf.get("rows", []):
         if "ms_step" in r:
             print(
-                f"{'HF':>10} | {r['seq']:>7} | {r['ms_step']:>9.1f} | {r['tokens_per_s']:>9,.0f} | {r['peak_gib']:>8.1f}"
+                f"{'HF':>17} | {r['seq']:>7} | {r['ms_step']:>9.1f} | {'':>7} | {r['tokens_per_s']:>9,.0f} | "
+                f"{r['peak_gib']:>8.1f}"
             )
 
 

@@ -88,6 +88,42 @@ def test_gradients_equal_no_recompute_bitwise(megatron_cpu, ids, reference, name
     assert saved < ref_saved, (name, saved, ref_saved)
 
 
+def _mtp_saved_bytes(recompute, ids) -> tuple[int, int]:
+    """(bytes of the storages saved for backward while an MTP depth runs, all bytes saved) in one forward."""
+    from hybrid_model.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny"), recompute=recompute).train()
+    inside = [False]
+    for depth in model.mtp.depths():
+        depth.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        depth.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    mtp, everything = {}, {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        everything[key] = t.untyped_storage().nbytes()
+        if inside[0]:
+            mtp[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, None, None, labels=torch.roll(ids, -1, 1)).mean()
+    loss.backward()  # outside the hooks: a recompute's own saves are not kept across the step
+    return sum(mtp.values()), sum(everything.values())
+
+
+def test_mtp_inside_full_recompute(megatron_cpu, ids):
+    """Full recompute whose stage's last layer is checkpointed (uniform) also recomputes the MTP depths: nothing is
+    saved inside them (their gradients are bitwise those of no recompute: ``full-uniform-3`` above); block
+    recompute that leaves the last layers alone keeps the MTP activations as before."""
+    none_mtp, none_all = _mtp_saved_bytes(None, ids)
+    full_mtp, full_all = _mtp_saved_bytes(SETTINGS["full-uniform-3"], ids)
+    block_mtp, _ = _mtp_saved_bytes(SETTINGS["full-block-5"], ids)
+    assert none_mtp > 0 and full_mtp == 0 and block_mtp == none_mtp
+    assert full_all <= none_all - none_mtp  # the MTP activations are all gone from what full recompute keeps
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_pp2_recompute_gradients_bitwise(tmp_path):

@@ -251,25 +251,29 @@ class DSv4Model(HybridModel):
     ) -> list[torch.Tensor]:
         """Every MTP depth's final hidden states ``[s, b, d]`` (the shared head's input), depth 1 first. Depth ``k``
         embeds the ids rolled left ``k`` times (0 past each document's end) and reads depth ``k - 1``'s streams."""
-        from hybrid_model.mtp import mtp_roll_left, router_cu_seqlens
+        from hybrid_model.mtp import mtp_full_recompute, mtp_roll_left, router_cu_seqlens
 
         cp = self.context_parallel_group
         if router_cu is None:
             router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
+        from hybrid_model.mtp import run_mtp_depth
+
         out, ids = [], input_ids
+        recompute = self.training and mtp_full_recompute(self.config, len(self.decoder.layers))
         for depth in self.mtp.depths():
             ids = mtp_roll_left(ids, packed_seq_params, cp)  # token t+k at t (CP: across rank edges)
-            e = self.embedding(input_ids=ids, position_ids=position_ids)  # [s, b, d]
-            for moe in depth.moe_layers():
-                moe.set_input_ids(ids, router_cu)
-            h, streams = depth(
+            h, streams = run_mtp_depth(
+                depth,
+                self.embedding,
                 streams,
-                e,
-                return_streams=True,
+                ids,
+                position_ids,
+                router_cu,
+                recompute=recompute,
                 attention_mask=None,
                 packed_seq_params=packed_seq_params,
                 padding_mask=padding_mask,
-            )  # [s, b, d], [s, b, n, d]
+            )  # [s, b, d], [s, b, n, d] (None after the last depth)
             out.append(h)
         return out
 

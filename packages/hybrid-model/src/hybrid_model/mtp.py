@@ -85,6 +85,48 @@ def router_cu_seqlens(packed_seq_params, num_tokens: int, cp_group=None) -> torc
     return cu
 
 
+def mtp_full_recompute(config, num_decoder_layers: int) -> bool:
+    """Whether the MTP depths are recomputed: under full recompute (``--recompute-granularity full``) when the
+    stage's last decoder layer is checkpointed too (uniform: always; block: when ``--recompute-num-layers`` covers
+    the whole stage), i.e. the MTP block counts as part of the stage's last chunk."""
+    from dsv4_primitives.recompute import recompute_config_of
+
+    rc = recompute_config_of(config)
+    if not rc.full:
+        return False
+    chunks = rc.full_chunks(num_decoder_layers)
+    return not chunks or chunks[-1][2]
+
+
+def run_mtp_depth(
+    depth, embedding, streams, ids, position_ids, router_cu, *, recompute: bool, **layer_kwargs
+):
+    """One MTP ``depth`` on ``streams [s, b, n, d]`` and the ids ``[b, s]`` rolled for it: binds the ids to the
+    depth's MoE routers, embeds them, runs the depth. Returns ``(h [s, b, d], streams [s, b, n, d])``, the streams
+    ``None`` after the last depth (nothing reads them).
+
+    ``recompute``: the whole depth (embedding lookup, projections, layers, HyperHead, norm) runs as one reentrant
+    checkpoint (:func:`dsv4_primitives.recompute.checkpoint_layers`): only ``streams`` (kept by the main stack
+    anyway) is saved, and backward rebinds the ids (a later micro-batch may have bound others) and runs the depth
+    again. Side effects guarded by ``torch.is_grad_enabled()`` (expert-load counters, loss trackers) run once."""
+    last = depth.next_depth is None
+
+    def run(x):
+        for moe in depth.moe_layers():
+            moe.set_input_ids(ids, router_cu)
+        e = embedding(input_ids=ids, position_ids=position_ids)  # [s, b, d]
+        h, out = depth(x, e, return_streams=True, **layer_kwargs)  # [s, b, d], [s, b, n, d]
+        return h if last else (h, out)
+
+    if recompute:
+        from dsv4_primitives.recompute import checkpoint_layers
+
+        result = checkpoint_layers(run, streams)
+    else:
+        result = run(streams)
+    return (result, None) if last else result
+
+
 class DSv4MultiTokenPrediction(MegatronModule):
     """One DSv4 MTP depth (``mtp.*`` parameters). ``forward(streams, next_embedding, **layer_kwargs) -> h [s, b, d]``."""
 

@@ -40,7 +40,10 @@ class TrainConfig:
     records instead of stopping at the first (see :mod:`hybrid_model.training.data`).
     ``optimizer_impl``: the kernel of megatron's torch AdamW (:mod:`hybrid_model.training.optimizer`): ``"auto"``
     (fused on CUDA, megatron's own choice on CPU), ``"fused"``, ``"foreach"`` or ``"unfused"`` (megatron's
-    optimizer as built); checkpoints are the same whichever is used. ``fused_linear_ce``: the main and MTP head
+    optimizer as built); checkpoints are the same whichever is used. ``optimizer_cpu_offload``: megatron's
+    ``HybridDeviceOptimizer`` keeps the fp32 masters and Adam moments of ``optimizer_offload_fraction`` of the
+    params in host memory and steps them on the CPU (:mod:`hybrid_model.training.offload`; CUDA only; checkpoints
+    interchangeable with non-offloaded runs). ``fused_linear_ce``: the main and MTP head
     losses through dsv4-primitives' ``linear_cross_entropy`` (no ``[s, b, V]`` logits); ``False``: the output
     layer's logits, then the fused cross entropy.
     ``resume``: ``False`` (a new run; ``out`` must not hold one unless ``overwrite``), ``True`` (continue from
@@ -105,6 +108,8 @@ class TrainConfig:
     cuda_graph_warmup_steps: int = 2
     dist_backend: str | None = None
     optimizer_impl: str = "auto"
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
     fused_linear_ce: bool = True
     max_nonfinite_steps: int = 5
     deterministic: bool = False
@@ -155,6 +160,21 @@ class TrainConfig:
         from hybrid_model.training.context_parallel import check_context_parallel_config
 
         check_context_parallel_config(self)
+        if not 0.0 < self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                f"--optimizer-offload-fraction must be in (0, 1], got {self.optimizer_offload_fraction}"
+            )
+        if self.optimizer_cpu_offload and self.optimizer_impl not in ("auto", "unfused"):
+            raise ValueError(
+                f"--optimizer-cpu-offload uses megatron's hybrid optimizer (torch AdamW(fused=True) on the host and "
+                f"the GPU); --optimizer-impl {self.optimizer_impl} cannot apply: use --optimizer-impl auto"
+            )
+        if self.optimizer_cpu_offload and self.cuda_graph:
+            raise ValueError(
+                "--optimizer-cpu-offload with --cuda-graph: not supported (the graphs capture forward+backward; the "
+                "offloaded step and its host copies stay eager, but megatron's hybrid optimizer was not tested "
+                "with the graphed runner); drop one of them"
+            )
         if self.cuda_graph:
             check_cuda_graph_config(self)
         from hybrid_model.training.optimizer import OPTIMIZER_IMPLS

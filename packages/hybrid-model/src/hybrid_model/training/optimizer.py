@@ -149,10 +149,20 @@ def set_adam_impl(optimizer, impl: str):
 
 def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwargs):
     """megatron-core's optimizer for ``model_chunks`` (``get_megatron_optimizer`` with the keep-in-FP32 fix-ups of
-    dsv4-primitives) on the torch Adam kernel ``impl`` (``"auto"`` resolved from the first param's device)."""
-    from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
+    dsv4-primitives) on the torch Adam kernel ``impl`` (``"auto"`` resolved from the first param's device).
 
-    device = next((p.device for m in model_chunks for p in m.parameters()), torch.device("cpu"))
+    With ``opt_config.optimizer_cpu_offload`` (fields from :func:`hybrid_model.training.offload.offload_config_fields`)
+    megatron's ``HybridDeviceOptimizer`` inside :class:`~hybrid_model.training.offload.DistributedOptimizerCpuOffload`
+    (validated by :func:`~hybrid_model.training.offload.check_cpu_offload`; ``impl`` must be auto / unfused)."""
+    from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
+    from hybrid_model.training.offload import check_cpu_offload, offload_distributed_optimizer
+
+    first = next((p for m in model_chunks for p in m.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if opt_config.optimizer_cpu_offload:  # megatron's HybridDeviceOptimizer (hybrid_model.training.offload)
+        check_cpu_offload(opt_config, impl=impl, params_on_cuda=first is not None and first.is_cuda)
+        with offload_distributed_optimizer():
+            return get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)
     optimizer = get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)
     return set_adam_impl(optimizer, resolve_impl(impl, device))
 

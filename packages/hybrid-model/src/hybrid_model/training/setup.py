@@ -178,7 +178,10 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
     on the AdamW kernel ``tc.optimizer_impl`` (:mod:`hybrid_model.training.optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig
 
+    from hybrid_model.training.offload import offload_config_fields
     from hybrid_model.training.optimizer import build_optimizer as build_megatron_optimizer
+
+    offload_fields = offload_config_fields(tc.optimizer_offload_fraction) if tc.optimizer_cpu_offload else {}
 
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -192,6 +195,7 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
         use_distributed_optimizer=True,
         bf16=tc.bf16,
         params_dtype=params_dtype_of(tc),
+        **offload_fields,
     )
     from hybrid_model.training.virtual_pipeline import ddp_chunks
 
