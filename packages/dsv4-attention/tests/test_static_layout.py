@@ -58,7 +58,7 @@ def test_static_layout_segments(pack):
     cu = static.cu_seqlens.tolist()
     assert sorted(set(cu)) == sorted(set(host.bounds_host))
     with pytest.raises(ValueError, match="device only"):
-        static.bounds_host
+        _ = static.bounds_host
 
 
 @pytest.mark.parametrize(
@@ -102,6 +102,7 @@ def test_layer_static_equals_host_layout(kind, dense, backend):
             return torch.equal(a, b)
         a, b = a.detach(), b.detach()
         return float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()) + 1e-7
+
     assert check(y_s, y_h)
     assert (l_h is None) == (l_s is None) and (l_h is None or check(l_s, l_h))
     assert check(dx_s, dx_h)

@@ -15,6 +15,7 @@ from csa_kernels.ops.compressor import (
     compressor_pool_ref,
     compressor_pool_sbhd,
 )
+from csa_kernels.ops.compressor.static import compressor_pool_static
 from csa_kernels.ops.indexer import (
     indexer_scores,
     indexer_scores_at,
@@ -25,6 +26,7 @@ from csa_kernels.ops.indexer import (
     indexer_topk_ref,
     indexer_topk_sbhd,
 )
+from csa_kernels.ops.indexer.static import indexer_scores_static, indexer_topk_static
 from csa_kernels.ops.indexer_loss import (
     indexer_loss,
     indexer_loss_ref,
@@ -47,8 +49,6 @@ from csa_kernels.ops.visibility import (
     window_indices,
     window_indices_sbhd,
 )
-from csa_kernels.ops.compressor.static import compressor_pool_static
-from csa_kernels.ops.indexer.static import indexer_scores_static, indexer_topk_static
 from csa_kernels.static_bounds import (
     StaticBounds,
     visible_compressed_indices_static,

@@ -47,7 +47,9 @@ class StaticBounds:
         cu = self.cu_seqlens
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
             got = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
-            raise ValueError(f"StaticBounds.cu_seqlens must be a 1-D int tensor [N_cap + 1] (N_cap >= 1), got {got}")
+            raise ValueError(
+                f"StaticBounds.cu_seqlens must be a 1-D int tensor [N_cap + 1] (N_cap >= 1), got {got}"
+            )
         if cu.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"StaticBounds.cu_seqlens must be int32 (or int64), got {cu.dtype}")
         if not isinstance(self.total, int) or isinstance(self.total, bool) or self.total < 0:

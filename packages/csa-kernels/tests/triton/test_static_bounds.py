@@ -18,13 +18,13 @@ from csa_kernels import (
 from csa_kernels.ops.compressor import triton as compressor_triton
 from csa_kernels.ops.compressor.static import compressor_pool_static
 from csa_kernels.ops.indexer.static import indexer_scores_static, indexer_topk_static
+from csa_kernels.ops.indexer.triton import _row_blocks
 from csa_kernels.static_bounds import (
     StaticBounds,
     row_block_table,
     visible_compressed_indices_static,
     window_indices_static,
 )
-from csa_kernels.ops.indexer.triton import _row_blocks
 from dsv4_primitives.varlen import compressed_cu_seqlens_host
 from dsv4_testkit import interpreting
 
@@ -32,7 +32,10 @@ interpreter_only = pytest.mark.skipif(not interpreting(), reason="CPU interprete
 
 # (document lengths, empty capacity slots after them): the pack ends at its last document (T = sum)
 PACKS = [
-    ([37, 5, 130, 3, 9], 2),  # several documents, short ones (< window, < a ratio-128 group), empty tail slots
+    (
+        [37, 5, 130, 3, 9],
+        2,
+    ),  # several documents, short ones (< window, < a ratio-128 group), empty tail slots
     ([200, 1, 56], 0),  # exactly at the document capacity
     ([3, 2], 3),  # no document holds a ratio-128 group
 ]
@@ -60,12 +63,20 @@ def test_index_maps_equal_host(lengths, spare):
         vis = visible_compressed_indices_static(b, ratio)
         assert vis.shape == (b.total, b.total // ratio)
         ref = visible_compressed_indices(
-            cu, torch.tensor(cuc_host, dtype=torch.int32), ratio, cu_seqlens_host=host, cu_seqlens_c_host=cuc_host
+            cu,
+            torch.tensor(cuc_host, dtype=torch.int32),
+            ratio,
+            cu_seqlens_host=host,
+            cu_seqlens_c_host=cuc_host,
         )
         assert torch.equal(vis[:, : ref.shape[1]], ref)
         assert bool((vis[:, ref.shape[1] :] == -1).all())
         pos = b.entry_positions(ratio)[: cuc_host[-1]]
-        expect = [(e - cuc_host[d]) * ratio for d in range(len(lengths)) for e in range(cuc_host[d], cuc_host[d + 1])]
+        expect = [
+            (e - cuc_host[d]) * ratio
+            for d in range(len(lengths))
+            for e in range(cuc_host[d], cuc_host[d + 1])
+        ]
         assert pos.tolist() == expect
 
 
@@ -165,7 +176,9 @@ def test_indexer_scores_static_equals_host(lengths, spare, ratio):
     assert torch.equal(torch.isfinite(stat[:, :m]), torch.isfinite(dense))
     assert bool(torch.isneginf(stat[:, m:]).all())
     fin = torch.isfinite(dense)
-    torch.testing.assert_close(stat[:, :m][fin], dense[fin], atol=1e-6, rtol=1e-6)  # fp32: summation order only
+    torch.testing.assert_close(
+        stat[:, :m][fin], dense[fin], atol=1e-6, rtol=1e-6
+    )  # fp32: summation order only
     gen = torch.Generator().manual_seed(4)
     cot = torch.where(fin, torch.randn(dense.shape, generator=gen), 0.0)
     g_host = _grads(dense, (q, k, w), cot)

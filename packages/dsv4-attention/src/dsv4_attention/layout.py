@@ -311,7 +311,9 @@ def static_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenL
     padded = psp.cu_seqlens_q_padded
     padded = cu_q if padded is None else padded.to(device=device, dtype=torch.int64)
     if padded.shape != cu_q.shape:
-        raise ValueError(f"cu_seqlens_q_padded shape {tuple(padded.shape)} differs from cu_seqlens_q {tuple(cu_q.shape)}")
+        raise ValueError(
+            f"cu_seqlens_q_padded shape {tuple(padded.shape)} differs from cu_seqlens_q {tuple(cu_q.shape)}"
+        )
     real_end = padded[:-1] + (cu_q[1:] - cu_q[:-1])  # [N] end of each document's real rows
     inner = torch.stack((real_end, padded[1:]), 1).reshape(-1)  # [2N] real end, padded end per document
     tail = torch.full((1,), num_tokens, dtype=torch.int64, device=cu_q.device)

@@ -29,7 +29,10 @@ class TrainConfig:
     ``null``) keeps the preset's weight throughout. See :meth:`lr_decay_start` and :meth:`mtp_weight_at`.
     ``cuda_graph``: capture each training step's forward + backward (all micro-batches) in one CUDA graph with
     megatron-core's ``FullCudaGraphWrapper`` after ``cuda_graph_warmup_steps`` eager steps, then replay it (the
-    optimizer step stays eager). One GPU, fixed-length ``[B, S]`` batches; see :mod:`hybrid_model.training.cuda_graph`.
+    optimizer step stays eager). One GPU; ``[B, S]`` or ``packed`` batches (static-shape THD with device-side
+    document boundaries, :mod:`hybrid_model.training.graph_packs`); see :mod:`hybrid_model.training.cuda_graph`.
+    ``max_docs_per_pack``: the document capacity of a packed micro-batch (``None``: derived, see
+    :func:`hybrid_model.training.graph_packs.max_docs_per_pack`).
     ``data``: text sources read in order (empty: the embedded default corpus); ``long_docs``: ``"split"`` documents
     longer than ``seq_len`` into several sequences or ``"truncate"`` them; ``skip_bad_records``: skip and count bad
     records instead of stopping at the first (see :mod:`hybrid_model.training.data`).
@@ -63,6 +66,7 @@ class TrainConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 4
     packed: bool = False
+    max_docs_per_pack: int | None = None
     dense_steps: int = 0
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -141,6 +145,10 @@ class TrainConfig:
             from hybrid_model.training.virtual_pipeline import check_vpp_config
 
             check_vpp_config(self)
+        if self.max_docs_per_pack is not None and not self.packed:
+            raise ValueError("--max-docs-per-pack only applies with --packed")
+        if self.max_docs_per_pack is not None and self.max_docs_per_pack < 1:
+            raise ValueError(f"--max-docs-per-pack must be >= 1, got {self.max_docs_per_pack}")
         if self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
         from hybrid_model.training.context_parallel import check_context_parallel_config

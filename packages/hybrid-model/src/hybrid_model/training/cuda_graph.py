@@ -25,9 +25,11 @@ the current stream before it builds the model and keeps it for the whole run (:f
 warm-up) whenever one of them changes: the dense / sparse attention phase (``--dense-steps``) and the MTP loss weight
 (its decay at the start of the LR decay).
 
-Limits (``ValueError`` at configuration time): a CUDA device, bf16, one process (DP = PP = EP = TP = 1),
-fixed-length ``[B, S]`` batches (``--packed`` THD batches move document boundaries every step, and those are host-side layout
-values of the attention kernels).
+**Packed batches** (``--packed``): the pack's boundaries move every step, so they are copied into the static buffers
+with the batch (``cu_seqlens`` at a fixed document capacity) and the attention stack runs in its device-bounds mode
+(:mod:`hybrid_model.training.graph_packs`); the micro-batch count of a step is part of the recapture key.
+
+Limits (``ValueError`` at configuration time): a CUDA device, bf16, one process (DP = PP = EP = TP = 1).
 """
 
 from __future__ import annotations
@@ -61,11 +63,6 @@ def check_cuda_graph_config(tc: GraphRunSettings) -> None:
             "--cuda-graph needs bf16 (the default on CUDA): the fp32 expert GEMMs read their row counts on the "
             "host, which a captured step cannot; drop --no-bf16 or --cuda-graph"
         )
-    if tc.packed:
-        raise ValueError(
-            "--cuda-graph needs fixed-length [B, S] batches: packed THD batches move the document boundaries every "
-            "step, and the attention kernels take them as host-side values; drop --packed or --cuda-graph"
-        )
     if tc.pp > 1 or tc.ep > 1 or tc.tp > 1:
         raise ValueError(
             f"--cuda-graph supports one model-parallel rank (got pp={tc.pp}, ep={tc.ep}, tp={tc.tp}): pipeline "
@@ -89,8 +86,13 @@ def use_capture_stream() -> torch.cuda.Stream:
     return previous
 
 
-def static_batch(mb: Any) -> dict[str, torch.Tensor]:
-    """A fixed-length micro-batch as the dict of tensors that ``FullCudaGraphWrapper`` copies into its static buffers."""
+def static_batch(mb: Any, *, max_docs: int | None = None, step: int = 0) -> dict[str, torch.Tensor]:
+    """A micro-batch as the dict of tensors that ``FullCudaGraphWrapper`` copies into its static buffers; a packed
+    one (``max_docs``: its document capacity) with its boundaries (:func:`~.graph_packs.static_pack_batch`)."""
+    if max_docs is not None:
+        from hybrid_model.training.graph_packs import static_pack_batch
+
+        return static_pack_batch(mb, max_docs=max_docs, step=step)
     return {name: getattr(mb, name) for name in BATCH_FIELDS}
 
 

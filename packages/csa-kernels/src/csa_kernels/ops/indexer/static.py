@@ -46,7 +46,9 @@ def indexer_topk_static(
 
     no_indices = torch.empty(q_idx.shape[0], 0, dtype=torch.int32)  # shape-only: the checks read no values
     check_scores_at_inputs(q_idx, k_idx, weights, no_indices, False)
-    idx, vals = _topk_triton(q_idx.detach(), k_idx.detach(), weights.detach(), ratio, topk, bounds, chunk_size)
+    idx, vals = _topk_triton(
+        q_idx.detach(), k_idx.detach(), weights.detach(), ratio, topk, bounds, chunk_size
+    )
     return idx, attach_scores_at_grad(vals, q_idx, k_idx, weights, idx, deterministic)
 
 
