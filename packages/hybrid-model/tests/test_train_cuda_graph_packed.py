@@ -40,7 +40,10 @@ def test_packed_graphs_are_accepted(fake_cuda):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"max_docs_per_pack": 4}, "only applies with --packed"), ({"packed": True, "max_docs_per_pack": 0}, ">= 1")],
+    [
+        ({"max_docs_per_pack": 4}, "only applies with --packed"),
+        ({"packed": True, "max_docs_per_pack": 0}, ">= 1"),
+    ],
 )
 def test_max_docs_flag_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -83,7 +86,14 @@ def test_static_batch_pads_boundaries_and_refuses_overflow():
     mb = _mb([5, 3], [6, 3], 16, 2, 50)  # 2 documents + the dummy tail at capacity 2 (+1)
     out = static_pack_batch(mb, max_docs=4, step=6)
     assert out["tokens"].shape == (1, 16)
-    assert out["cu_seqlens"].tolist() == [0, 5, 8, 15, 15, 15]  # 4 documents + the dummy (7 rows), end repeated
+    assert out["cu_seqlens"].tolist() == [
+        0,
+        5,
+        8,
+        15,
+        15,
+        15,
+    ]  # 4 documents + the dummy (7 rows), end repeated
     assert out["cu_seqlens_padded"].tolist() == [0, 6, 9, 16, 16, 16]
     with pytest.raises(ValueError, match=r"step 7: .* 3 documents .* --max-docs-per-pack to at least 2"):
         static_pack_batch(mb, max_docs=1, step=6)
@@ -180,3 +190,64 @@ def test_graphed_packed_training_matches_eager(tmp_path):
     for key in ("lm", "mtp", "indexer", "grad_norm"):
         for e, g in zip(eager[key], graph[key], strict=True):
             assert g == pytest.approx(e, rel=2e-2), (key, eager[key], graph[key])
+
+
+@pytest.mark.gpu
+def test_packed_step_captured_on_one_pack_replays_another(megatron_cpu):
+    """The tiny model's packed forward + backward captured in a CUDA graph on pack A, then replayed after pack B (other
+    documents, other boundaries, same capacities) was copied into the static buffers, equals the eager step on pack B:
+    per-token losses, the MTP loss and every gradient, bitwise (deterministic kernels: the replay runs the eager
+    step's kernels on the same inputs)."""
+    from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+    from hybrid_model.model import build_model
+    from hybrid_model.presets import get_preset
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    cfg = get_preset("tiny")
+    stream = get_shared_capture_stream()
+    previous = torch.cuda.current_stream()
+    torch.cuda.set_stream(stream)  # the model's autograd nodes live on the capture stream (cuda_graph module)
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg, params_dtype=torch.bfloat16, bf16=True).cuda().train()
+        pack_a = static_pack_batch(
+            _mb([9, 140, 3, 30], [10, 140, 4, 30], 256, 6, cfg.vocab_size, 1), max_docs=6, step=0
+        )
+        pack_b = static_pack_batch(
+            _mb([60, 7, 100, 2, 33], [64, 7, 100, 2, 33], 256, 6, cfg.vocab_size, 2), max_docs=6, step=1
+        )
+        bufs = {k: v.cuda().clone() for k, v in pack_a.items()}
+
+        def step():
+            loss = model(
+                bufs["tokens"], bufs["position_ids"], None, labels=bufs["labels"], loss_mask=bufs["loss_mask"],
+                packed_seq_params=static_packed_seq_params(bufs), padding_mask=bufs["padding_mask"],
+            )  # fmt: skip
+            ((loss.float() * bufs["loss_mask"]).sum() + model.last_mtp_loss.float()).backward()
+            return loss.detach(), model.last_mtp_loss.detach()
+
+        for _ in range(2):  # eager warm-up (Triton compilation, caches)
+            model.zero_grad(set_to_none=True)
+            step()
+        model.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+        for k, v in pack_b.items():
+            bufs[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        replay = [t.clone() for t in captured]
+        replay_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        eager = step()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_stream(previous)
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(replay[0], eager[0]) and torch.equal(replay[1], eager[1])
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == replay_grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(replay_grads[name], g), name
