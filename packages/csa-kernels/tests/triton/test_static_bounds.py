@@ -150,10 +150,12 @@ def test_indexer_topk_static_equals_host(lengths, spare, ratio, topk):
     for a, s in zip(g_host, g_stat):  # (k's gradient is zero on the padding entries in both: k[:tc] above)
         assert torch.equal(a, s)
     assert bool((g_stat[1][tc:] == 0).all())
-    # fixed row chunks (several chunks: row blocks clipped at the chunk edges) select the same entries
-    cidx, cval = indexer_topk_static(q, k, w, ratio, topk, b, backend="triton", chunk_size=32)
-    assert torch.equal(cidx, idx)
-    torch.testing.assert_close(cval, val, atol=1e-6, rtol=1e-6)
+    if (
+        ratio == 4
+    ):  # fixed row chunks (several: row blocks clipped at the chunk edges) select the same entries
+        cidx, cval = indexer_topk_static(q, k, w, ratio, topk, b, backend="triton", chunk_size=32)
+        assert torch.equal(cidx, idx)
+        torch.testing.assert_close(cval, val, atol=1e-6, rtol=1e-6)
     # and the reference backend's static form (bounds read back) too
     ridx, _ = indexer_topk_static(q, k, w, ratio, topk, b, backend="reference")
     assert torch.equal(ridx, idx)
