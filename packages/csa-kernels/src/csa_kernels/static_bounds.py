@@ -126,7 +126,7 @@ def window_indices_static(bounds: StaticBounds, window: int) -> torch.Tensor:
 
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
-    return window_rows(bounds.cu64, bounds.document_ids(), window)
+    return bounds._memo(("win", window), lambda: window_rows(bounds.cu64, bounds.document_ids(), window))
 
 
 def visible_compressed_indices_static(bounds: StaticBounds, ratio: int) -> torch.Tensor:
@@ -135,7 +135,10 @@ def visible_compressed_indices_static(bounds: StaticBounds, ratio: int) -> torch
     from csa_kernels.ops.visibility.rules import visible_rows
 
     cap = bounds.entry_capacity(ratio)
-    return visible_rows(bounds.cu64, bounds.compressed(ratio), bounds.document_ids(), ratio, cap)
+    return bounds._memo(
+        ("vis", ratio),
+        lambda: visible_rows(bounds.cu64, bounds.compressed(ratio), bounds.document_ids(), ratio, cap),
+    )
 
 
 def row_block_table(
@@ -149,6 +152,12 @@ def row_block_table(
     equal the host-bounds plan (``csa_kernels.ops.indexer.triton._row_blocks``), in the same order.
     """
     row1 = bounds.total if row1 is None else row1
+    return bounds._memo(
+        ("rows", ratio, block_t, row0, row1), lambda: _row_blocks(bounds, ratio, block_t, row0, row1)
+    )
+
+
+def _row_blocks(bounds: StaticBounds, ratio: int, block_t: int, row0: int, row1: int) -> torch.Tensor:
     cu = bounds.cu64
     cuc = bounds.compressed(ratio).to(torch.int64)
     s = cu[:-1].clamp(row0, row1)  # [N] clipped document starts

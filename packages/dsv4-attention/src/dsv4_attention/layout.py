@@ -284,6 +284,7 @@ def _build_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenL
 
 
 STATIC_BOUNDS_ATTR = "dsv4_static_bounds"
+_STATIC_LAYOUT_ATTR = "_dsv4_static_layout"
 
 
 def mark_static_bounds(packed_seq_params):
@@ -356,5 +357,14 @@ def token_layout(hidden_states: torch.Tensor, packed_seq_params=None) -> TokenLa
             f"THD activations must be [t, 1, h] (batch dim 1), got shape {tuple(hidden_states.shape)}"
         )
     if getattr(packed_seq_params, STATIC_BOUNDS_ATTR, False):
-        return static_thd_layout(packed_seq_params, s, hidden_states.device)
+        # built once per PackedSeqParams object (every layer of a micro-batch gets the same one; the Trainer makes a
+        # new object per micro-batch): its derived maps (compressed bounds, document ids, row blocks) are shared
+        key = (s, str(hidden_states.device))
+        cached = getattr(packed_seq_params, _STATIC_LAYOUT_ATTR, None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layout = static_thd_layout(packed_seq_params, s, hidden_states.device)
+        if not torch.is_inference_mode_enabled():  # inference tensors could never be saved for a backward
+            setattr(packed_seq_params, _STATIC_LAYOUT_ATTR, (key, layout))
+        return layout
     return thd_layout(packed_seq_params, s, hidden_states.device)
