@@ -153,6 +153,7 @@ _REPLAY_RUNNER = textwrap.dedent(
                 preset="tiny", steps=8, seq_len=256, global_batch_size=6, warmup_steps=0, packed=True,
                 cuda_graph=graph, out=f"{out}/{name}", progress=False, save_final=False, mtp_loss_weight_decay=None,
                 data=["mock:mean=60,min=3,max=256,docs=400"],  # several short documents per pack
+                max_docs_per_pack=40,  # the same packs in both runs (the --cuda-graph default would derive 86)
             )
             trainer = Trainer(tc)
             metrics = trainer.run()
