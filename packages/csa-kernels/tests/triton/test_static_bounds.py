@@ -204,3 +204,27 @@ def test_static_bounds_validation():
     q = torch.zeros(8, 1, 4)
     with pytest.raises(ValueError, match="T // ratio"):
         indexer_topk_static(q, torch.zeros(3, 4), torch.zeros(8, 1), 4, 2, b, backend="reference")
+
+
+@interpreter_only
+def test_static_ops_read_nothing_back():
+    """Every static-bounds op, forward and backward, reads no tensor value on the host (the capture rule): the
+    index maps, the pooling, the top-k and the dense scores on the Triton backend under the host-read detector."""
+    from _nosync import no_host_reads
+
+    _, _, b = _bounds([9, 7, 3], 2)
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(b.total, 16, generator=gen, requires_grad=True)
+    score = torch.randn(b.total, 16, generator=gen, requires_grad=True)
+    ape = torch.randn(4, 16, generator=gen, requires_grad=True)
+    q, k, w = _indexer_inputs(b, 4, seed=6)
+    with no_host_reads():
+        window_indices_static(b, 8)
+        visible_compressed_indices_static(b, 4)
+        pooled, _ = compressor_pool_static(kv, score, ape, 4, True, b, backend="triton")
+        _, vals = indexer_topk_static(q, k, w, 4, 3, b, backend="triton")
+        dense = indexer_scores_static(q, k, w, 4, b, backend="triton")
+        loss = pooled.sum() + torch.where(torch.isfinite(vals), vals, 0).sum()
+        loss = loss + torch.where(torch.isfinite(dense), dense, 0).sum()
+        loss.backward()
+    assert kv.grad is not None and q.grad is not None and k.grad is not None
