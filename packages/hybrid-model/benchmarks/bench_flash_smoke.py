@@ -7,6 +7,11 @@ Correctness first: at initialisation the LM loss must be finite and close to ln(
 sequence must match an fp32 run of the same weights. Then each S in --seq-lens (default 2048 4096 8192, then
 doubling until out of memory). Writes ``flash_smoke.json`` to --out and to benchmarks/results/.
 
+Graph rows: ``CUDA graph`` (``dsv4 train --cuda-graph``, ``[1, S]``) at every S, and at 4096 ``CUDA graph, packed``
+(``--cuda-graph --packed``: static THD packs with device-side document boundaries, a new pack at every replay;
+``--no-packed-graph`` skips it); the optimizer-step runs include ``thd_cuda_graph``. The profile, gap and sync
+reports live in :mod:`flash_smoke_diagnostics`.
+
 ``--long-context``: the full training step (forward + backward with MTP + optimizer) at 4K / 16K / 32K / 64K / the
 longest that fits, for full recompute with the optimizer offloaded (F = 1, 0.5), then full / selective / no recompute,
 in a bounded time (:mod:`long_context`)::
@@ -28,6 +33,10 @@ from pathlib import Path
 
 import long_context
 import torch
+from flash_smoke_diagnostics import fwd_bwd_step as _fwd_bwd_step
+from flash_smoke_diagnostics import gap_report as _gap_report
+from flash_smoke_diagnostics import profile as _profile
+from flash_smoke_diagnostics import sync_report as _sync_report
 
 # Hugging Face transformers eager DeepseekV4ForCausalLM, same shapes, fwd+bwd, no optimizer (issue 10)
 HF_EAGER = {2048: (10965, 20), 4096: (8763, 40), 8192: (6075, 105)}  # S: (tokens/s, GiB)
@@ -106,19 +115,6 @@ def _check(model) -> dict:
     }
 
 
-def _fwd_bwd_step(model, S: int):
-    """A closure running one forward + backward of the model on a random sequence of S tokens."""
-    ids = torch.randint(0, model.model_config.vocab_size, (1, S), device="cuda")
-    labels = torch.roll(ids, -1, 1)
-
-    def step() -> None:
-        loss = model(ids, None, None, labels=labels).float().mean()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    return step
-
-
 def _time_fwd_bwd(model, S: int, iters: int) -> dict:
     from hybrid_model.flops import forward_flops_sbhd
 
@@ -139,22 +135,60 @@ def _time_fwd_bwd(model, S: int, iters: int) -> dict:
     }
 
 
-def _time_fwd_bwd_graphed(model, S: int, iters: int) -> dict:
+def _packed_batches(model, S: int, n: int, max_docs: int = 64) -> list[tuple[dict, list[int]]]:
+    """``n`` static packs of ``S`` real tokens with different document boundaries (lengths drawn in [64, 1024], the
+    last document fills the pack), as ``dsv4 train --cuda-graph --packed`` copies them into the static buffers."""
+    from types import SimpleNamespace
+
+    from hybrid_model.training.graph_packs import static_pack_batch
+    from thd_packing import PackedSeqs
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        lengths: list[int] = []
+        while sum(lengths) < S:
+            lengths.append(min(int(torch.randint(64, 1025, (1,), generator=g)), S - sum(lengths)))
+        packed = PackedSeqs.from_lengths(lengths, total_tokens=S)
+        ids = torch.randint(0, model.model_config.vocab_size, (S,), generator=g)
+        mb = SimpleNamespace(
+            tokens=ids,
+            labels=torch.roll(ids, -1),
+            loss_mask=torch.ones(S),
+            position_ids=packed.position_ids,
+            padding_mask=torch.zeros(S, dtype=torch.bool),
+            packed_seqs=packed,
+        )
+        batch = static_pack_batch(mb, max_docs=max_docs, step=i)
+        out.append(({k: v.cuda() for k, v in batch.items()}, lengths))
+    return out
+
+
+def _time_fwd_bwd_graphed(model, S: int, iters: int, packed: bool = False) -> dict:
     """forward+backward as ``dsv4 train --cuda-graph`` runs it: megatron's forward-backward schedule behind
     ``FullCudaGraphWrapper`` (:class:`hybrid_model.training.cuda_graph.GraphedForwardBackward`): two eager warm-up
     steps, then one captured step, then ``iters`` timed replays (each copies the batch into the static buffers).
-    The capture starts without gradients, so every replay writes fresh ones (as eager ``zero_grad`` + backward)."""
+    The capture starts without gradients, so every replay writes fresh ones (as eager ``zero_grad`` + backward).
+
+    ``packed`` (``--cuda-graph --packed``): every step a different static THD pack of ``S`` real tokens (the replays
+    run on document boundaries the capture never saw; device-side bounds, :mod:`hybrid_model.training.graph_packs`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from hybrid_model.flops import forward_flops_sbhd
+    from hybrid_model.flops import forward_flops, forward_flops_sbhd
     from hybrid_model.training.cuda_graph import GraphedForwardBackward
+    from hybrid_model.training.graph_packs import static_packed_seq_params
 
     ids = torch.randint(0, model.model_config.vocab_size, (1, S), device="cuda")
-    batch = {"tokens": ids, "labels": torch.roll(ids, -1, 1)}
+    packs = _packed_batches(model, S, iters + 3) if packed else None
+    batches = [b for b, _ in packs] if packed else [{"tokens": ids, "labels": torch.roll(ids, -1, 1)}]
 
     def forward_step(data_iterator, m):
         b = next(data_iterator)
-        out = m(b["tokens"], None, None, labels=b["labels"])
+        if "cu_seqlens" in b:
+            psp = static_packed_seq_params(b)
+            out = m(b["tokens"], b["position_ids"], None, labels=b["labels"], packed_seq_params=psp)
+        else:
+            out = m(b["tokens"], None, None, labels=b["labels"])
 
         def loss_func(output):
             loss = output.float().mean()
@@ -169,11 +203,13 @@ def _time_fwd_bwd_graphed(model, S: int, iters: int) -> dict:
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     fb = GraphedForwardBackward(get_forward_backward_func(), warmup_steps=2)
 
+    calls = iter(range(1 << 30))
+
     def step():
         reports = fb(
-            key=S,
+            key=(S, packed),
             forward_step_func=forward_step,
-            data_iterator=iter([batch]),
+            data_iterator=iter([batches[next(calls) % len(batches)]]),
             model=[model],
             num_microbatches=1,
             seq_length=S,
@@ -201,250 +237,17 @@ def _time_fwd_bwd_graphed(model, S: int, iters: int) -> dict:
     finally:
         fb.close()
         model.zero_grad(set_to_none=True)
-    flops = forward_flops_sbhd(model.model_config, S).training
+    if packed:  # the timed replays' packs (the last `iters` of `iters + 3`): per-document attention FLOPs
+        flops = sum(forward_flops(model.model_config, ls).training for _, ls in packs[3:]) / iters
+    else:
+        flops = forward_flops_sbhd(model.model_config, S).training
     return {
         "tokens_per_s": S / dt,
         "mfu": flops / dt / H200_BF16_PEAK,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "lm_loss": loss,
+        **({"documents_per_pack": [len(ls) for _, ls in packs]} if packed else {}),
     }
-
-
-# Kernel-name patterns of the step's parts (first match wins), for the profile's breakdown.
-_CATEGORIES = [
-    ("csa-kernels: sparse attention", r"_sparse_attn|_delta_kernel"),
-    ("csa-kernels: indexer + top-k + loss", r"_indexer|mbtopk|radixSort|sort|topk"),
-    ("csa-kernels: compressor", r"_compressor"),
-    ("mhc kernels", r"_sk_|sinkhorn|_coeff_|_pre_|_post_|_split_bf16|_mm"),
-    ("rope", r"rope"),
-    ("hash-moe routing", r"_topk_route"),
-    ("GEMM (cuBLAS / cutlass)", r"gemm|nvjet|cutlass|xmma|cublas|Kernel2|splitK"),
-    ("cross-entropy / softmax", r"softmax|nll|cross_entropy|log_softmax"),
-    ("MoE permute / gather / scatter", r"index|scatter|gather|sort|cumsum|histc|bincount|nonzero|masked"),
-    ("norm / reductions", r"norm|reduce_kernel|welford"),
-    ("elementwise / copies", r"elementwise|copy|fill|Memcpy|Memset|cat|where|clamp"),
-]
-
-
-def _profile(model, S: int, out: Path, top: int = 40) -> dict:
-    """One profiled fwd+bwd at length S (after a warm-up): kernel time by category, GPU busy share of the wall
-    time, and the top kernels; the full table goes to ``out/flash_smoke_profile_S.txt``."""
-    import re
-
-    from torch.profiler import ProfilerActivity, profile
-
-    step = _fwd_bwd_step(model, S)
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    us = {e.key: e.self_device_time_total for e in kernels}
-    counts = {e.key: e.count for e in kernels}
-    total = sum(us.values())
-    cats: dict[str, float] = {}
-    for name, t in us.items():
-        cat = next((c for c, pat in _CATEGORIES if re.search(pat, name, re.I)), "other")
-        cats[cat] = cats.get(cat, 0.0) + t
-    top_rows = sorted(us.items(), key=lambda kv: -kv[1])[:top]
-    lines = [
-        f"flash-smoke fwd+bwd S={S}: wall {wall * 1e3:.1f} ms (profiled), kernel time {total / 1e3:.1f} ms "
-        f"(GPU busy {100 * total / 1e6 / wall:.0f}%), {sum(counts.values())} kernel launches",
-        "",
-        f"{'category':40s} {'ms':>9} {'share':>6}",
-    ]
-    for c, t in sorted(cats.items(), key=lambda kv: -kv[1]):
-        lines.append(f"{c:40s} {t / 1e3:9.2f} {100 * t / total:5.1f}%")
-    lines += ["", f"{'kernel':90s} {'calls':>6} {'ms':>9} {'share':>6}"]
-    for name, t in top_rows:
-        lines.append(f"{name[:90]:90s} {counts[name]:6d} {t / 1e3:9.2f} {100 * t / total:5.1f}%")
-    ops = [
-        e
-        for e in prof.key_averages(group_by_input_shape=True)
-        if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0
-    ]
-    lines += ["", "PyTorch ops by the kernel time they launched (grouped by input shapes):"]
-    lines.append(f"{'op':34s} {'input shapes':70s} {'calls':>6} {'ms':>8}")
-    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
-        shapes = str(e.input_shapes)[:70]
-        lines.append(f"{e.key[:34]:34s} {shapes:70s} {e.count:6d} {e.self_device_time_total / 1e3:8.2f}")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"flash_smoke_profile_{S}.txt").write_text(text + "\n")
-    return {
-        "wall_ms": wall * 1e3,
-        "kernel_ms": total / 1e3,
-        "launches": sum(counts.values()),
-        "categories_ms": {c: t / 1e3 for c, t in cats.items()},
-        "top_kernels_ms": {n[:120]: t / 1e3 for n, t in top_rows[:15]},
-    }
-
-
-# source paths of the frames the diagnostics attribute host work to: our packages and megatron-core
-_OUR_FRAMES = ("/hybrid_model/", "/dsv4_attention/", "/csa_kernels/", "/hash_moe/", "/mhc/", "/dsv4_primitives/",
-               "/thd_packing/", "/megatron/core/")  # fmt: skip
-
-
-def _ours(path: str) -> bool:
-    return any(k in path for k in _OUR_FRAMES)
-
-
-def _short(path: str) -> str:
-    """A source path from its package root (``hash_moe/routing.py``, ``megatron/core/...``)."""
-    return path.split("/src/")[-1].split("site-packages/")[-1]
-
-
-def _gap_report(S: int, model, out: Path, top: int = 30) -> dict:
-    """Where the GPU waits for the host: one profiled fwd+bwd (Python stacks on), every idle interval between
-    kernels longer than 5 us attributed to the code that launched the kernel ending it (innermost frames of our
-    packages or megatron-core). Written to ``out/flash_smoke_gaps_S.txt``."""
-    import bisect
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    step = _fwd_bwd_step(model, S)
-    step()
-    torch.cuda.synchronize()
-    # forward attribution: every module's forward runs inside a "mod:<name>" range
-    hooks = []
-
-    def pre(name):
-        def hook(module, args):
-            ctx = torch.profiler.record_function(f"mod:{name}")
-            ctx.__enter__()
-            module.__dict__.setdefault("_gap_ctx", []).append(ctx)
-
-        return hook
-
-    def post(module, args, output):
-        module.__dict__["_gap_ctx"].pop().__exit__(None, None, None)
-
-    for name, mod in model.named_modules():
-        if name:
-            hooks.append(mod.register_forward_pre_hook(pre(name)))
-            hooks.append(mod.register_forward_hook(post))
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-            step()
-            torch.cuda.synchronize()
-    finally:
-        for h in hooks:
-            h.remove()
-    events = prof.profiler.kineto_results.events()
-    gpu = sorted((e for e in events if e.device_type() == DeviceType.CUDA), key=lambda e: e.start_ns())
-    launch = {}  # correlation id -> host launch time
-    cpu_ops = []
-    for e in events:
-        if e.device_type() != DeviceType.CPU:
-            continue
-        if e.name().startswith(("cuda", "cu")):
-            if e.correlation_id():
-                launch[e.correlation_id()] = e.start_ns()
-        else:
-            cpu_ops.append(e)
-    cpu_ops.sort(key=lambda e: e.start_ns())
-    starts = [e.start_ns() for e in cpu_ops]
-    # Python stacks live on the parsed events (times in us from the trace start)
-    t0 = prof.profiler.kineto_results.trace_start_ns()
-    stacked = sorted(
-        (e for e in prof.events() if e.stack and any(_ours(f) for f in e.stack)),
-        key=lambda e: e.time_range.start,
-    )
-    stacked_starts = [e.time_range.start for e in stacked]
-
-    def frames_at(t_us: float) -> str:
-        i = bisect.bisect_right(stacked_starts, t_us) - 1
-        for j in range(i, max(i - 20000, -1), -1):
-            e = stacked[j]
-            if e.time_range.end >= t_us:
-                return " <- ".join(_short(f) for f in [f for f in e.stack if _ours(f)][:2])
-        return ""
-
-    def site(t_ns: int) -> str:
-        """Outermost and innermost host ops running at ``t_ns``, and our innermost Python frames."""
-        i = bisect.bisect_right(starts, t_ns) - 1
-        running = [cpu_ops[j] for j in range(i, max(i - 20000, -1), -1) if cpu_ops[j].end_ns() >= t_ns]
-        if not running:
-            return "(no host op)"
-        inner, outer = running[0], running[-1]
-        mod = next((e.name()[4:] for e in running if e.name().startswith("mod:")), None)
-        where = frames_at((t_ns - t0) / 1000)
-        return f"{mod or outer.name()[:50]} > {inner.name()[:40]}" + (f" @ {where}" if where else "")
-
-    gaps: dict[str, list[float]] = {}
-    end = gpu[0].start_ns() if gpu else 0
-    total_gap = 0.0
-    for e in gpu:
-        gap = e.start_ns() - end
-        if gap > 5_000:
-            key = f"{site(launch.get(e.correlation_id(), e.start_ns()))} | next: {e.name()[:40]}"
-            g = gaps.setdefault(key, [0.0, 0])
-            g[0] += gap / 1e6
-            g[1] += 1
-            total_gap += gap / 1e6
-        end = max(end, e.end_ns())
-    span = (end - gpu[0].start_ns()) / 1e6 if gpu else 0.0
-    rows = sorted(gaps.items(), key=lambda kv: -kv[1][0])
-    lines = [
-        f"flash-smoke fwd+bwd S={S}: GPU span {span:.1f} ms, idle {total_gap:.1f} ms in gaps > 5 us "
-        f"(profiler with stacks on: host times are inflated)",
-        "",
-        f"{'idle ms':>8} {'gaps':>5}  launched by",
-    ]
-    lines += [f"{g[0]:8.2f} {g[1]:5d}  {k[:220]}" for k, g in rows[:top]]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"flash_smoke_gaps_{S}.txt").write_text(text + "\n")
-    return {"span_ms": span, "idle_ms": total_gap, "top": {k[:200]: g[0] for k, g in rows[:top]}}
-
-
-def _sync_report(model, S: int, out: Path, top: int = 40) -> dict:
-    """One fwd+bwd at length S under ``torch.cuda.set_sync_debug_mode("warn")``: every device-to-host
-    synchronisation, grouped by the innermost frames of our packages and megatron-core that triggered it (the
-    host gaps of the profile). Written to ``out/flash_smoke_syncs_S.txt``."""
-    import traceback as tb
-    import warnings
-
-    step = _fwd_bwd_step(model, S)
-    step()
-    torch.cuda.synchronize()
-    sites: dict[str, int] = {}
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
-            return
-        frames = [f for f in tb.extract_stack()[:-1] if _ours(f.filename)]
-        where = " <- ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
-        key = where or f"{filename}:{lineno}"
-        sites[key] = sites.get(key, 0) + 1
-
-    old = warnings.showwarning
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
-    total = sum(sites.values())
-    lines = [f"flash-smoke fwd+bwd S={S}: {total} device-to-host synchronisations", ""]
-    lines += [f"{n:5d}  {k}" for k, n in sorted(sites.items(), key=lambda kv: -kv[1])[:top]]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"flash_smoke_syncs_{S}.txt").write_text(text + "\n")
-    return {"total": total, "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:top])}
 
 
 def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = False) -> dict:
@@ -558,6 +361,7 @@ def _print_table(result: dict) -> None:
     )
     rows = [(s, "eager", r) for s, r in result["fwd_bwd"].items()]
     rows += [(s, "CUDA graph", r) for s, r in result.get("fwd_bwd_graph", {}).items()]
+    rows += [(s, "CUDA graph, packed", r) for s, r in result.get("fwd_bwd_packed_graph", {}).items()]
     for run, r in result.get("no_mtp", {}).get("4096", {}).items():
         rows.append((4096, f"no MTP, {run.replace('_', ' ')}", r))
     for s, run, r in sorted(rows, key=lambda x: (int(x[0]), x[1])):
@@ -592,10 +396,15 @@ def main() -> None:
     )
     ap.add_argument("--no-mtp-row", action="store_true", help="skip the flash-smoke-without-MTP rows")
     ap.add_argument(
+        "--no-packed-graph",
+        action="store_true",
+        help="skip the --cuda-graph --packed row (4096 tokens, a new pack each replay)",
+    )
+    ap.add_argument(
         "--optimizer-steps",
         nargs="*",
-        default=["sbhd", "thd", "sbhd_cuda_graph"],
-        help="full optimizer-step runs at S=4096 (sbhd, thd, sbhd_cuda_graph)",
+        default=["sbhd", "thd", "sbhd_cuda_graph", "thd_cuda_graph"],
+        help="full optimizer-step runs at S=4096 (sbhd, thd, sbhd_cuda_graph, thd_cuda_graph)",
     )
     long_context.add_flags(ap)
     args = ap.parse_args()
@@ -654,6 +463,15 @@ def main() -> None:
             torch.cuda.empty_cache()
             print(f"S={s} CUDA graph: {result['fwd_bwd_graph'][s]}", flush=True)
             save()
+    if not args.no_graphs and not args.no_packed_graph and 4096 in fits:  # next to the unpacked graph row
+        try:
+            row = _time_fwd_bwd_graphed(model, 4096, args.iters, packed=True)
+        except Exception:  # report, do not hide
+            row = {"error": traceback.format_exc()[-4000:]}
+        result["fwd_bwd_packed_graph"] = {4096: row}
+        torch.cuda.empty_cache()
+        print(f"S=4096 CUDA graph, packed: {row}", flush=True)
+        save()
     # The longest S that fits: double past the last measured length, then bisect in steps of 2048 tokens.
     lo = max(fits, default=0)
     hi = None
@@ -679,7 +497,12 @@ def main() -> None:
         save()
     if not args.no_optimizer_step:
         result["optimizer_step"] = {}
-        runs = {"sbhd": (False, False), "thd": (True, False), "sbhd_cuda_graph": (False, True)}
+        runs = {
+            "sbhd": (False, False),
+            "thd": (True, False),
+            "sbhd_cuda_graph": (False, True),
+            "thd_cuda_graph": (True, True),
+        }
         for key in args.optimizer_steps:
             if key not in runs or (args.no_graphs and runs[key][1]):
                 continue

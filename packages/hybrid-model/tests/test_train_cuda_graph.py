@@ -30,7 +30,6 @@ def test_needs_a_cuda_device():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"packed": True}, "fixed-length"),
         ({"pp": 2}, "one model-parallel rank"),
         ({"ep": 2}, "one model-parallel rank"),
         ({"cuda_graph_warmup_steps": 0}, "warmup-steps must be >= 1"),

@@ -63,3 +63,11 @@ def test_gradient_flows_only_within_documents():
 def test_errors(shifts, x, match):
     with pytest.raises(ValueError, match=match):
         roll_left(x, PackedSeqs.from_lengths([2, 3]), shifts=shifts)
+
+
+def test_unvalidated_roll_equals_validated():
+    """``validate=False`` (static packs under CUDA graphs: no host read of the boundaries) rolls identically."""
+    p = PackedSeqs.from_lengths([3, 0, 4, 1], [4, 0, 6, 1], total_tokens=14)
+    x = torch.arange(14.0).reshape(1, 14)
+    for b in (p, p.cu_seqlens_padded):
+        assert torch.equal(roll_left(x, b, dim=-1, validate=False), roll_left(x, b, dim=-1))

@@ -15,6 +15,7 @@ from csa_kernels.ops.compressor import (
     compressor_pool_ref,
     compressor_pool_sbhd,
 )
+from csa_kernels.ops.compressor.static import compressor_pool_static
 from csa_kernels.ops.indexer import (
     indexer_scores,
     indexer_scores_at,
@@ -25,6 +26,7 @@ from csa_kernels.ops.indexer import (
     indexer_topk_ref,
     indexer_topk_sbhd,
 )
+from csa_kernels.ops.indexer.static import indexer_scores_static, indexer_topk_static
 from csa_kernels.ops.indexer_loss import (
     indexer_loss,
     indexer_loss_ref,
@@ -47,6 +49,11 @@ from csa_kernels.ops.visibility import (
     window_indices,
     window_indices_sbhd,
 )
+from csa_kernels.static_bounds import (
+    StaticBounds,
+    visible_compressed_indices_static,
+    window_indices_static,
+)
 from dsv4_primitives.varlen import (
     compressed_cu_seqlens,
     compressed_cu_seqlens_host,
@@ -61,6 +68,7 @@ __version__ = "0.3.1"
 
 __all__ = [
     "CompressorState",
+    "StaticBounds",
     "__version__",
     "attention_indices",
     "compress",
@@ -72,6 +80,7 @@ __all__ = [
     "compressor_pool",
     "compressor_pool_ref",
     "compressor_pool_sbhd",
+    "compressor_pool_static",
     "csa_dense_mask",
     "cu_seqlens_from_lengths",
     "indexer_loss",
@@ -82,10 +91,12 @@ __all__ = [
     "indexer_scores_at_ref",
     "indexer_scores_ref",
     "indexer_scores_sbhd",
+    "indexer_scores_static",
     "indexer_teacher_ref",
     "indexer_topk",
     "indexer_topk_ref",
     "indexer_topk_sbhd",
+    "indexer_topk_static",
     "indices_to_mask",
     "local_to_global_rows",
     "sbhd_cu_seqlens",
@@ -98,6 +109,8 @@ __all__ = [
     "thd_to_sbhd",
     "visible_compressed_indices",
     "visible_compressed_indices_sbhd",
+    "visible_compressed_indices_static",
     "window_indices",
     "window_indices_sbhd",
+    "window_indices_static",
 ]

@@ -8,7 +8,8 @@ Core (no megatron; see the package README):
   (+ :class:`IndexerConfig`), :class:`GroupedOutputProjection`: its submodules (paper names), frozen configs.
 - :class:`IndexerLossAutoScaler`, :class:`IndexerLossTracker`, :func:`get_indexer_loss_tracker`: indexer-loss
   scheduling and logging.
-- :func:`token_layout`, :class:`TokenLayout`: SBHD / THD plumbing.
+- :func:`token_layout`, :class:`TokenLayout`: SBHD / THD plumbing; :func:`static_thd_layout` /
+  :func:`mark_static_bounds`: static-shape THD (device-side boundaries) for CUDA graphs.
 - :func:`parameter_table`: analytic parameter counts per layer kind.
 
 megatron adapter (extra ``[megatron]``): :mod:`dsv4_attention.megatron` (``DSv4AttentionConfig``,
@@ -39,7 +40,14 @@ from dsv4_attention.indexer_loss import (
     indexer_loss_tracker_slot,
 )
 from dsv4_attention.kind import LAYER_KINDS, VALID_COMPRESS_RATIOS, LayerKind, check_compress_ratio
-from dsv4_attention.layout import TokenLayout, sbhd_layout, thd_layout, token_layout
+from dsv4_attention.layout import (
+    TokenLayout,
+    mark_static_bounds,
+    sbhd_layout,
+    static_thd_layout,
+    thd_layout,
+    token_layout,
+)
 from dsv4_attention.param_counts import parameter_table
 
 __version__ = "0.4.0"
@@ -67,9 +75,11 @@ __all__ = [
     "check_compress_ratio",
     "get_indexer_loss_tracker",
     "indexer_loss_tracker_slot",
+    "mark_static_bounds",
     "parameter_table",
     "rope_config_for_kind",
     "sbhd_layout",
+    "static_thd_layout",
     "thd_layout",
     "token_layout",
 ]

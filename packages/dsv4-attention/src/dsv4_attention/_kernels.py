@@ -8,29 +8,41 @@ Triton kernel on CUDA (where csa-kernels has one) and to its fp32 PyTorch refere
 from __future__ import annotations
 
 from csa_kernels import (
+    StaticBounds,
     attention_indices,
     compressed_cu_seqlens_host,
     compressed_positions,
     compressor_pool,
+    compressor_pool_static,
     indexer_loss,
     indexer_scores,
     indexer_scores_at,
+    indexer_scores_static,
     indexer_topk,
+    indexer_topk_static,
     sparse_attn,
     visible_compressed_indices,
+    visible_compressed_indices_static,
     window_indices,
+    window_indices_static,
 )
 
 __all__ = [
+    "StaticBounds",
     "attention_indices",
     "compressed_cu_seqlens_host",
     "compressed_positions",
     "compressor_pool",
+    "compressor_pool_static",
     "indexer_loss",
     "indexer_scores",
     "indexer_scores_at",
+    "indexer_scores_static",
     "indexer_topk",
+    "indexer_topk_static",
     "sparse_attn",
     "visible_compressed_indices",
+    "visible_compressed_indices_static",
     "window_indices",
+    "window_indices_static",
 ]

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_attention._kernels import compressed_cu_seqlens_host, compressed_positions, compressor_pool
+from dsv4_attention._kernels import (
+    StaticBounds,
+    compressed_cu_seqlens_host,
+    compressed_positions,
+    compressor_pool,
+    compressor_pool_static,
+)
 from dsv4_attention._linears import default_norm, linear_out, plain_linear
 from dsv4_attention._rope import rope
 from dsv4_attention.kind import LayerKind
@@ -118,9 +124,20 @@ class Compressor(KeepFP32Mixin, torch.nn.Module):
         those positions (:attr:`~dsv4_attention.layout.TokenLayout.max_rope_position`; avoids a device sync).
         ``cu_seqlens_host``: host copy of ``cu_seqlens`` (:attr:`~dsv4_attention.layout.TokenLayout.bounds_host`;
         with it and ``max_position`` the compressor does no device-to-host synchronisation).
+
+        ``cu_seqlens`` may be a :class:`csa_kernels.StaticBounds` (static-shape THD, the CUDA-graph path): then
+        the entries are ``[T // ratio, c]`` (rows past the real count are padding no index points to) and nothing
+        is read back from the device.
         """
         kv = linear_out(self.linear_wkv, x)  # [T, coff*c]
         score = linear_out(self.linear_wgate, x)  # [T, coff*c]
+        if isinstance(cu_seqlens, StaticBounds):
+            pooled, cu_c = compressor_pool_static(
+                kv, score, self.ape, self.compress_ratio, self.overlap, cu_seqlens, backend=backend
+            )  # [T // ratio, c] fp32
+            pos = cu_seqlens.entry_positions(self.compress_ratio) + position_offset  # [T // ratio]
+            normed = self.norm(pooled)
+            return rope(normed, pos, self.rope_cfg, max_position=max_position).to(x.dtype), cu_c
         pooled, cu_c = compressor_pool(
             kv,
             score,

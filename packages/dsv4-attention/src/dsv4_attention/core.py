@@ -29,7 +29,9 @@ from dsv4_attention._kernels import (
     attention_indices,
     sparse_attn,
     visible_compressed_indices,
+    visible_compressed_indices_static,
     window_indices,
+    window_indices_static,
 )
 from dsv4_attention.compressor import Compressor
 from dsv4_attention.indexer import IndexerState, LightningIndexer
@@ -172,11 +174,11 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         """The KV compressor's entries ``[Tc, c]`` and their boundaries (the ``compressor`` recompute region)."""
         return self.compressor(
             x,
-            layout.cu_seqlens,
+            layout.kernel_bounds,
             backend=self.backend,
             position_offset=layout.position_offset,
             max_position=layout.max_rope_position,
-            cu_seqlens_host=layout.bounds_host,
+            cu_seqlens_host=layout.kernel_bounds_host,
         )
 
     def _index(self, x: torch.Tensor, q_latent: torch.Tensor, layout: TokenLayout) -> tuple:
@@ -185,11 +187,11 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
             x,
             q_latent,
             layout.rope_positions,
-            layout.cu_seqlens,
+            layout.kernel_bounds,
             backend=self.backend,
             position_offset=layout.position_offset,
             max_position=layout.max_rope_position,
-            cu_seqlens_host=layout.bounds_host,
+            cu_seqlens_host=layout.kernel_bounds_host,
         )
         return st.q, st.k, st.weights, st.cu_seqlens_c
 
@@ -209,18 +211,21 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         ``want_loss`` is decided by the caller (a recompute region runs without autograd in forward and must still
         compute the same loss value)."""
         t = q.shape[0]
-        cu = layout.cu_seqlens
+        cu = layout.kernel_bounds  # a StaticBounds on a static-shape (CUDA-graph) layout
         # host copies of the boundaries, and indices built here from them: the kernels skip their device-to-host
-        # validation reads (one synchronisation per op otherwise)
-        host = layout.bounds_host
+        # validation reads (one synchronisation per op otherwise); a static layout has none (capacity shapes)
+        host = layout.kernel_bounds_host
         backend = self.backend
-        win = window_indices(cu, self.window, cu_seqlens_host=host)  # [T, W]
+        if layout.is_static:
+            win = window_indices_static(layout.static_bounds, self.window)  # [T, W]
+        else:
+            win = window_indices(cu, self.window, cu_seqlens_host=host)  # [T, W]
         if self.compressor is None:
             o, _ = sparse_attn(
                 q, kv_all, self.attn_sink, win, self.softmax_scale, backend=backend, check_indices=False
             )
             return o, None
-        max_c = layout.max_compressed_entries(self.compress_ratio)  # host int: no device sync
+        max_c = layout.max_compressed_entries(self.compress_ratio)  # host int (a capacity if static): no sync
         dense = self.indexer is None or dense
         topk_scores = None
         if dense:
@@ -264,7 +269,7 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         if dense or not self.cfg.use_sparse_loss:
             loss_set = comp if dense else self._visible(layout, cu_c, max_c)
             student = self.indexer.scores(
-                state, layout.cu_seqlens, max_c, backend=backend, cu_seqlens_host=layout.bounds_host
+                state, layout.kernel_bounds, max_c, backend=backend, cu_seqlens_host=layout.kernel_bounds_host
             )  # [T, max_c]
         else:
             loss_set, student = comp, topk_scores  # [T, k]
@@ -285,6 +290,8 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
     def _visible(self, layout: TokenLayout, cu_c: torch.Tensor, max_c: int) -> torch.Tensor:
         """Every visible compressed entry per query ``[T, max_c]`` (global rows, -1 padded), without a sync."""
         ratio = self.compress_ratio
+        if layout.is_static:
+            return visible_compressed_indices_static(layout.static_bounds, ratio)  # [T, T // ratio]
         return visible_compressed_indices(
             layout.cu_seqlens,
             cu_c,

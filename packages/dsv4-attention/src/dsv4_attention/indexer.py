@@ -23,7 +23,14 @@ from typing import Literal
 
 import torch
 
-from dsv4_attention._kernels import compressed_cu_seqlens_host, indexer_scores, indexer_topk
+from dsv4_attention._kernels import (
+    StaticBounds,
+    compressed_cu_seqlens_host,
+    indexer_scores,
+    indexer_scores_static,
+    indexer_topk,
+    indexer_topk_static,
+)
 from dsv4_attention._linears import linear_out, plain_linear
 from dsv4_attention._rope import rope
 from dsv4_attention.compressor import Compressor, CompressorConfig
@@ -170,6 +177,15 @@ class LightningIndexer(torch.nn.Module):
         The scores are differentiable in the indexer's parameters (the sparse-loss student); the indices are not.
         ``cu_seqlens_host``: host copy of ``cu_seqlens`` (no device sync). Ties follow ``cfg.tie_break``.
         """
+        if isinstance(cu_seqlens, StaticBounds):  # static-shape THD (CUDA graphs): bounds on the device only
+            if self.cfg.tie_break == "torch_topk":
+                raise ValueError(
+                    "tie_break='torch_topk' (HF parity on CPU) reads the boundaries on the host; static-shape "
+                    "(CUDA-graph) packs need tie_break='lower_index'"
+                )
+            return indexer_topk_static(
+                state.q, state.k, state.weights, self.compress_ratio, self.topk, cu_seqlens, backend=backend
+            )
         if self.cfg.tie_break == "torch_topk":
             return self._select_torch_topk(state, cu_seqlens)
         idx, scores = indexer_topk(
@@ -212,7 +228,17 @@ class LightningIndexer(torch.nn.Module):
         cu_seqlens_host: list[int] | None = None,
     ) -> torch.Tensor:
         """Differentiable scores ``[T, max_entries]`` over each token's document entries (column = local entry id,
-        aligned with ``visible_compressed_indices``; ``-inf`` where invisible): the dense-loss student."""
+        aligned with ``visible_compressed_indices``; ``-inf`` where invisible): the dense-loss student. With
+        :class:`csa_kernels.StaticBounds` (static-shape THD) ``max_entries`` must be the capacity ``T // ratio``."""
+        if isinstance(cu_seqlens, StaticBounds):
+            if max_entries != cu_seqlens.entry_capacity(self.compress_ratio):
+                raise ValueError(
+                    f"static-shape scores have T // ratio = {cu_seqlens.entry_capacity(self.compress_ratio)} "
+                    f"columns, got max_entries={max_entries}"
+                )
+            return indexer_scores_static(
+                state.q, state.k, state.weights, self.compress_ratio, cu_seqlens, backend=backend
+            )
         return indexer_scores(
             state.q,
             state.k,

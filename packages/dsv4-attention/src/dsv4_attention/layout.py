@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_attention._kernels import StaticBounds
 from dsv4_primitives import positions_from_cu_seqlens
 from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens_host
 
@@ -40,6 +41,9 @@ class TokenLayout:
             The layer output does not depend on it (oracle R4), only rounding does.
         segment_bounds: host copy of ``cu_seqlens`` (the same ``N+1`` boundaries), so that no kernel launcher has
             to read the device tensor back (a device-to-host synchronisation per op otherwise).
+        static_bounds: set on a static-shape THD layout (the CUDA-graph path, :func:`static_thd_layout`): the
+            boundaries exist on the device only (``segment_bounds`` is ``None`` and the host properties raise),
+            every op runs in csa-kernels' static-bounds mode with capacity shapes.
     """
 
     qkv_format: str
@@ -51,6 +55,23 @@ class TokenLayout:
     max_seqlen: int
     position_offset: int = 0
     segment_bounds: tuple[int, ...] | None = None
+    static_bounds: StaticBounds | None = None
+
+    @property
+    def is_static(self) -> bool:
+        """Static-shape THD (device-only boundaries, capacity shapes: the CUDA-graph path)."""
+        return self.static_bounds is not None
+
+    @property
+    def kernel_bounds(self) -> torch.Tensor | StaticBounds:
+        """What the compressor and the indexer take as ``cu_seqlens``: the :class:`csa_kernels.StaticBounds` of a
+        static layout, else the ``cu_seqlens`` tensor (with :attr:`kernel_bounds_host` as its host copy)."""
+        return self.static_bounds if self.static_bounds is not None else self.cu_seqlens
+
+    @property
+    def kernel_bounds_host(self) -> list[int] | None:
+        """The host copy the ops take beside :attr:`kernel_bounds` (``None`` for a static layout)."""
+        return None if self.static_bounds is not None else self.bounds_host
 
     @property
     def max_rope_position(self) -> int:
@@ -62,7 +83,13 @@ class TokenLayout:
     @property
     def bounds_host(self) -> list[int]:
         """``segment_bounds`` as the host list csa-kernels' trusted-caller options take (``cu_seqlens_host``); a
-        hand-built layout without them reads ``cu_seqlens`` back (one device synchronisation)."""
+        hand-built layout without them reads ``cu_seqlens`` back (one device synchronisation); a static layout has
+        no host copy (``ValueError``: reading it back would bake one pack's boundaries into a CUDA graph)."""
+        if self.static_bounds is not None:
+            raise ValueError(
+                "a static-shape THD layout keeps its boundaries on the device only; use kernel_bounds (static-bounds "
+                "ops) instead of bounds_host"
+            )
         if self.segment_bounds is None:
             return [int(v) for v in self.cu_seqlens.tolist()]
         return list(self.segment_bounds)
@@ -78,9 +105,12 @@ class TokenLayout:
         return compressed_cu_seqlens_host(self.bounds_host, ratio)
 
     def max_compressed_entries(self, ratio: int) -> int:
-        """The largest per-segment compressed entry count ``floor(len / ratio)`` (host int, no device sync)."""
+        """The largest per-segment compressed entry count ``floor(len / ratio)`` (host int, no device sync); on a
+        static layout the capacity ``T // ratio`` (every entry index map and score matrix has that width)."""
         if not ratio:
             return 0
+        if self.static_bounds is not None:
+            return self.static_bounds.entry_capacity(ratio)
         bounds = self.bounds_host
         return max((b - a for a, b in itertools.pairwise(bounds)), default=0) // ratio
 
@@ -253,6 +283,57 @@ def _build_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenL
     )
 
 
+STATIC_BOUNDS_ATTR = "dsv4_static_bounds"
+_STATIC_LAYOUT_ATTR = "_dsv4_static_layout"
+
+
+def mark_static_bounds(packed_seq_params):
+    """Mark megatron ``PackedSeqParams`` (or any THD params object) as a static-shape pack: its layout is built on
+    the device (:func:`static_thd_layout`) and every attention op runs with device-side boundaries and capacity
+    shapes, so a CUDA graph captured on one pack replays correctly on another. Returns the same object."""
+    setattr(packed_seq_params, STATIC_BOUNDS_ATTR, True)
+    return packed_seq_params
+
+
+def static_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenLayout:
+    """The static-shape layout of a THD pack of ``num_tokens`` rows, computed on the device only.
+
+    The same segments as :func:`thd_layout` (each document's real rows, its padding rows up to
+    ``cu_seqlens_q_padded``, the tail up to ``num_tokens``), as ``2 N + 2`` boundaries whatever the pack (empty
+    segments where a document has no padding or the pack no tail), with ``max_seqlen = num_tokens``. No value is read
+    back and nothing is validated (the caller's static buffers are trusted: the Trainer checks each batch on the host
+    before it copies it in). ``N`` = ``len(cu_seqlens_q) - 1`` is the document capacity (unused slots repeat the end).
+    """
+    psp = packed_seq_params
+    cu_q = psp.cu_seqlens_q
+    if cu_q is None:
+        raise ValueError("THD PackedSeqParams needs cu_seqlens_q (int32 [N+1] cumulative document lengths)")
+    cu_q = cu_q.to(device=device, dtype=torch.int64)
+    padded = psp.cu_seqlens_q_padded
+    padded = cu_q if padded is None else padded.to(device=device, dtype=torch.int64)
+    if padded.shape != cu_q.shape:
+        raise ValueError(
+            f"cu_seqlens_q_padded shape {tuple(padded.shape)} differs from cu_seqlens_q {tuple(cu_q.shape)}"
+        )
+    real_end = padded[:-1] + (cu_q[1:] - cu_q[:-1])  # [N] end of each document's real rows
+    inner = torch.stack((real_end, padded[1:]), 1).reshape(-1)  # [2N] real end, padded end per document
+    tail = torch.full((1,), num_tokens, dtype=torch.int64, device=cu_q.device)
+    cu = torch.cat((cu_q[:1] * 0, inner, tail)).to(torch.int32)  # [2N + 2]
+    bounds = StaticBounds(cu, num_tokens)
+    doc = bounds.document_ids()  # [T] segment of every row (even = a document's real rows)
+    real = (doc.remainder(2) == 0) & (doc < cu.numel() - 2)  # [T]: segment 2i = document i, 2N = the tail
+    return TokenLayout(
+        "thd",
+        num_tokens,
+        1,
+        cu,
+        bounds.positions(),
+        real,
+        num_tokens,
+        static_bounds=bounds,
+    )
+
+
 def token_layout(hidden_states: torch.Tensor, packed_seq_params=None) -> TokenLayout:
     """The layout of attention input ``hidden_states`` (``[s, b, h]`` or ``[t, 1, h]`` with THD params).
 
@@ -275,4 +356,15 @@ def token_layout(hidden_states: torch.Tensor, packed_seq_params=None) -> TokenLa
         raise ValueError(
             f"THD activations must be [t, 1, h] (batch dim 1), got shape {tuple(hidden_states.shape)}"
         )
+    if getattr(packed_seq_params, STATIC_BOUNDS_ATTR, False):
+        # built once per PackedSeqParams object (every layer of a micro-batch gets the same one; the Trainer makes a
+        # new object per micro-batch): its derived maps (compressed bounds, document ids, row blocks) are shared
+        key = (s, str(hidden_states.device))
+        cached = getattr(packed_seq_params, _STATIC_LAYOUT_ATTR, None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layout = static_thd_layout(packed_seq_params, s, hidden_states.device)
+        if not torch.is_inference_mode_enabled():  # inference tensors could never be saved for a backward
+            setattr(packed_seq_params, _STATIC_LAYOUT_ATTR, (key, layout))
+        return layout
     return thd_layout(packed_seq_params, s, hidden_states.device)

@@ -77,9 +77,14 @@ def sequence_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> t
     """``[N]`` int64 index of the packed sequence (document) that holds each token of a THD pack.
 
     Validates ``cu_seqlens`` against ``num_tokens`` (one device -> host read), then
-    :func:`dsv4_primitives.varlen.document_ids`.
+    :func:`dsv4_primitives.varlen.document_ids`. While a CUDA graph is being captured the values are not read
+    back (illegal there): static-shape packs are validated on the host before they are copied in.
     """
     cu = cu_seqlens.long()
+    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D [D + 1] with D >= 1, got shape {tuple(cu.shape)}")
+        return document_ids(cu, num_tokens)
     if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
         raise ValueError(
             f"cu_seqlens must be 1-D, start at 0 and end at the token count {num_tokens}; got {cu.tolist()}"

@@ -99,6 +99,15 @@ def _add_data_flags(p) -> None:
         help=d("packed", "packed THD batches instead of [B, S]"),
     )
     p.add_argument(
+        "--max-docs-per-pack",
+        type=int,
+        help=d(
+            "max_docs_per_pack",
+            "--packed: documents per pack at most (the static cu_seqlens capacity); default with --cuda-graph: "
+            "min(seq_len, ceil(seq_len / shortest document)), else 31",
+        ),
+    )
+    p.add_argument(
         "--eval-interval",
         type=int,
         help=d(
@@ -270,10 +279,11 @@ def _train_parser(sub) -> None:
         default=None,
         help=d(
             "cuda_graph",
-            "[B, S] batches, one model-parallel rank (TP = PP = EP = CP = 1), any DP size: capture each step's "
-            "forward+backward in a CUDA graph (megatron's FullCudaGraphWrapper) and replay it; removes the "
-            "kernel-launch overhead of short sequences. With DP > 1 the gradient reduce-scatter runs eagerly "
-            "after each replay (not overlapped with the backward)",
+            "one model-parallel rank (TP = PP = EP = CP = 1): capture each step's forward+backward in a CUDA graph "
+            "(megatron's FullCudaGraphWrapper) and replay it; removes the kernel-launch overhead of short "
+            "sequences. [B, S] batches at any DP size (with DP > 1 the gradient reduce-scatter runs eagerly after "
+            "each replay, not overlapped with the backward); --packed batches on one process (device-side document "
+            "boundaries, capacity --max-docs-per-pack)",
         ),
     )
     p.add_argument(

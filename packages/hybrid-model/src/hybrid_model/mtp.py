@@ -51,7 +51,15 @@ def mtp_roll_left(x: torch.Tensor, packed_seq_params=None, cp_group=None) -> tor
         out = torch.roll(x, shifts=-1, dims=-1)
         out[..., -1] = 0
         return out
-    return roll_left(x, _document_rows(packed_seq_params), shifts=1, fill_value=0, dim=-1)
+    validate = not _is_static(packed_seq_params)  # static packs (CUDA graphs): boundaries stay on the device
+    return roll_left(x, _document_rows(packed_seq_params), shifts=1, fill_value=0, dim=-1, validate=validate)
+
+
+def _is_static(packed_seq_params) -> bool:
+    """A static-shape pack (``--cuda-graph --packed``): its boundaries stay on the device (no host reads)."""
+    from dsv4_attention.layout import STATIC_BOUNDS_ATTR
+
+    return bool(getattr(packed_seq_params, STATIC_BOUNDS_ATTR, False))
 
 
 def _document_rows(packed_seq_params) -> torch.Tensor:
@@ -72,6 +80,9 @@ def router_cu_seqlens(packed_seq_params, num_tokens: int, cp_group=None) -> torc
     document on every rank and the routers can sum their per-document statistics over the CP group."""
     if packed_seq_params is None:
         return None
+    if _is_static(packed_seq_params):  # --cuda-graph --packed: no host read; the tail interval may be empty
+        cu = _document_rows(packed_seq_params)
+        return torch.cat([cu, torch.full((1,), num_tokens, dtype=cu.dtype, device=cu.device)])
     if cp_group is not None:
         size, rank = cp_group.size(), cp_group.rank()
         cu = router_cu_seqlens(packed_seq_params, num_tokens * size)

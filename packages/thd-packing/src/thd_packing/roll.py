@@ -62,6 +62,7 @@ def roll_left(
     shifts: int = 1,
     fill_value: float | int | bool = 0,
     dim: int = 0,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Roll a packed tensor ``shifts`` rows to the left inside each padded document (module docstring).
 
@@ -72,15 +73,21 @@ def roll_left(
         fill_value: value of rows with no source in their document (0 for tokens/labels/loss masks, True for
             padding masks).
         dim: the packed row dimension.
+        validate: check the boundaries' values (reads them back to the host). ``False``: the caller guarantees
+            them (static-shape packs under CUDA graphs, whose boundaries must stay on the device).
 
     Returns:
         A new tensor shaped like ``x``.
     """
     _check_shifts(shifts)
-    cu = padded_boundaries(boundaries)
+    if validate:
+        cu = padded_boundaries(boundaries)
+    else:
+        cu = boundaries.cu_seqlens_padded if isinstance(boundaries, PackedSeqs) else boundaries
+        cu = cu.to(torch.int64)
     xm = x.movedim(dim, 0)  # [T, ...]
     t = xm.size(0)
-    if t < int(cu[-1]):
+    if validate and t < int(cu[-1]):
         raise ValueError(f"x has {t} rows along dim {dim} but cu_seqlens_padded[-1] is {int(cu[-1])}")
     rows = torch.arange(t, dtype=torch.int64, device=x.device)
     valid = roll_valid_rows(rows, cu, shifts)

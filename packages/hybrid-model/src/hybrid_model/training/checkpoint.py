@@ -33,6 +33,7 @@ FIXED_ON_RESUME = {
     "seq_len": "the data stream (the saved position counts global batches of this shape and order)",
     "global_batch_size": "the data stream (the saved position counts global batches of this shape and order)",
     "packed": "the data stream (the saved position counts global batches of this shape and order)",
+    "max_docs_per_pack": "the data stream (the documents of each pack)",
     "data": "the data stream (the saved position counts global batches of this shape and order)",
     "tokenizer": "the data stream (the saved position counts global batches of this shape and order)",
     "long_docs": "the data stream (the saved position counts global batches of this shape and order)",

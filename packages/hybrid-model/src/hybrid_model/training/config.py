@@ -29,12 +29,16 @@ class TrainConfig:
     ``null``) keeps the preset's weight throughout. See :meth:`lr_decay_start` and :meth:`mtp_weight_at`.
     ``cuda_graph``: capture each training step's forward + backward (all micro-batches) in one CUDA graph with
     megatron-core's ``FullCudaGraphWrapper`` after ``cuda_graph_warmup_steps`` eager steps, then replay it (the
-    optimizer step stays eager). Fixed-length ``[B, S]`` batches, one model-parallel rank (TP = PP = EP = CP = 1),
+    optimizer step stays eager). One model-parallel rank (TP = PP = EP = CP = 1); fixed-length ``[B, S]`` batches at
     any number of data-parallel ranks (the DP gradient reduction runs eagerly after each replay:
-    :mod:`hybrid_model.training.graph_data_parallel`); see :mod:`hybrid_model.training.cuda_graph`.
+    :mod:`hybrid_model.training.graph_data_parallel`), or ``packed`` batches on one process (static-shape THD with
+    device-side document boundaries, :mod:`hybrid_model.training.graph_packs`); see
+    :mod:`hybrid_model.training.cuda_graph`.
     ``dist_backend``: the ``torch.distributed`` backend of a multi-process run, ``"nccl"`` or ``"gloo"``; ``None``
     resolves to ``"nccl"`` on CUDA and ``"gloo"`` on CPU. ``"gloo"`` on CUDA runs several processes on one GPU
     (tests; :mod:`hybrid_model.training.gloo_cuda`).
+    ``max_docs_per_pack``: the document capacity of a packed micro-batch (``None``: derived, see
+    :func:`hybrid_model.training.graph_packs.max_docs_per_pack`).
     ``data``: text sources read in order (empty: the embedded default corpus); ``long_docs``: ``"split"`` documents
     longer than ``seq_len`` into several sequences or ``"truncate"`` them; ``skip_bad_records``: skip and count bad
     records instead of stopping at the first (see :mod:`hybrid_model.training.data`).
@@ -71,6 +75,7 @@ class TrainConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 4
     packed: bool = False
+    max_docs_per_pack: int | None = None
     dense_steps: int = 0
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -155,6 +160,10 @@ class TrainConfig:
             from hybrid_model.training.virtual_pipeline import check_vpp_config
 
             check_vpp_config(self)
+        if self.max_docs_per_pack is not None and not self.packed:
+            raise ValueError("--max-docs-per-pack only applies with --packed")
+        if self.max_docs_per_pack is not None and self.max_docs_per_pack < 1:
+            raise ValueError(f"--max-docs-per-pack must be >= 1, got {self.max_docs_per_pack}")
         if self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
         from hybrid_model.training.context_parallel import check_context_parallel_config

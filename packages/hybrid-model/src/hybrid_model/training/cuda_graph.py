@@ -30,13 +30,18 @@ accumulate into the grad buffers); megatron's ``finalize_model_grads`` — the D
 runs eagerly after each replay, before the optimizer step (:mod:`~hybrid_model.training.graph_data_parallel`:
 what it costs, what capturing the collective would need).
 
-Limits (``ValueError`` at configuration time): a CUDA device, bf16, one model-parallel rank (PP = EP = TP = CP = 1;
-any number of data-parallel ranks), fixed-length ``[B, S]`` batches (``--packed`` THD batches move document
-boundaries every step, and those are host-side layout values of the attention kernels).
+**Packed batches** (``--packed``): the pack's boundaries move every step, so they are copied into the static buffers
+with the batch (``cu_seqlens`` at a fixed document capacity) and the attention stack runs in its device-bounds mode
+(:mod:`hybrid_model.training.graph_packs`); the micro-batch count of a step is part of the recapture key.
+
+Limits (``ValueError`` at configuration time): a CUDA device, bf16, one model-parallel rank (PP = EP = TP = CP = 1),
+any number of data-parallel ranks with fixed-length ``[B, S]`` batches, one process with ``--packed`` (the
+dp-balanced scheduler gives DP ranks different micro-batch counts, and every rank must replay the same graph).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 import torch
@@ -65,15 +70,17 @@ def check_cuda_graph_config(tc: GraphRunSettings) -> None:
             "--cuda-graph needs bf16 (the default on CUDA): the fp32 expert GEMMs read their row counts on the "
             "host, which a captured step cannot; drop --no-bf16 or --cuda-graph"
         )
-    if tc.packed:
-        raise ValueError(
-            "--cuda-graph needs fixed-length [B, S] batches: packed THD batches move the document boundaries every "
-            "step, and the attention kernels take them as host-side values; drop --packed or --cuda-graph"
-        )
     if tc.pp > 1 or tc.ep > 1 or tc.tp > 1:
         raise ValueError(
             f"--cuda-graph supports one model-parallel rank (got pp={tc.pp}, ep={tc.ep}, tp={tc.tp}): pipeline "
             "transfers and the expert all-to-all have data-dependent sizes; drop --cuda-graph"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tc.packed and world > 1:
+        raise ValueError(
+            f"--cuda-graph --packed runs on one process (WORLD_SIZE={world}): the dp-balanced scheduler gives the "
+            "data-parallel ranks different micro-batch counts, and every rank must replay the same captured step; "
+            "drop --packed (fixed-length [B, S] batches graph under DP) or --cuda-graph"
         )
     # data parallelism (WORLD_SIZE > 1 at one model-parallel rank): the DP gradient reduction runs eagerly beside
     # the graph (hybrid_model.training.graph_data_parallel); --cp > 1 is refused by the context-parallel checks
@@ -89,8 +96,13 @@ def use_capture_stream() -> torch.cuda.Stream:
     return previous
 
 
-def static_batch(mb: Any) -> dict[str, torch.Tensor]:
-    """A fixed-length micro-batch as the dict of tensors that ``FullCudaGraphWrapper`` copies into its static buffers."""
+def static_batch(mb: Any, *, max_docs: int | None = None, step: int = 0) -> dict[str, torch.Tensor]:
+    """A micro-batch as the dict of tensors that ``FullCudaGraphWrapper`` copies into its static buffers; a packed
+    one (``max_docs``: its document capacity) with its boundaries (:func:`~.graph_packs.static_pack_batch`)."""
+    if max_docs is not None:
+        from hybrid_model.training.graph_packs import static_pack_batch
+
+        return static_pack_batch(mb, max_docs=max_docs, step=step)
     return {name: getattr(mb, name) for name in BATCH_FIELDS}
 
 

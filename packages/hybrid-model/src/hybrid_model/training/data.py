@@ -108,12 +108,24 @@ def build_batches(
             cp_rank=cp_rank if tc.packed else 0,
             too_long="split",
             static_shape=True,
+            max_num_seqs=_max_docs(tc, ds) + 1,  # documents + the dummy tail document
             # --vpp: megatron's interleaved schedule runs micro-batches in groups of --pp (packed: the scheduler
             # makes every step's pack count a multiple of it)
             microbatch_group_size_per_vp_stage=tc.pp if tc.vpp > 1 else 1,
             seed=tc.seed,
         ),
     )
+
+
+def _max_docs(tc, ds) -> int:
+    """The pack's document capacity (:func:`hybrid_model.training.graph_packs.max_docs_per_pack`)."""
+    from hybrid_model.training.graph_packs import max_docs_per_pack
+
+    lengths = getattr(ds, "lengths", None)
+    shortest = (
+        int(lengths.min()) if tc.packed and tc.cuda_graph and lengths is not None and len(lengths) else None
+    )
+    return max_docs_per_pack(tc.max_docs_per_pack, tc.seq_len, tc.cuda_graph and tc.packed, shortest)
 
 
 __all__ = ["SKIP_HINT", "build_batches", "build_text_dataset", "data_summary"]

@@ -93,6 +93,7 @@ class StepRunner:
                 check_no_sync_in_backward(ddp_chunks(model))
                 dp_group = ps.get_data_parallel_group(with_context_parallel=True)
                 self.grad_reduction = GradReductionAfterSchedule(config, dp_group, device)
+        self.max_docs_per_pack: int | None = None  # --cuda-graph --packed: set by the Trainer (data capacity)
         cp = core.context_parallel_group
         self.cp_group = cp
         self.cp_size, self.cp_rank = (1, 0) if cp is None else (cp.size(), cp.rank())
@@ -101,10 +102,11 @@ class StepRunner:
         """megatron's ``forward_step_func``: one micro-batch through ``model``; returns its output and loss function."""
         mb = next(data_iterator)
         unwrapped = self.core
-        if isinstance(mb, dict):  # --cuda-graph: the static device buffers of a fixed-length micro-batch
+        if isinstance(mb, dict):  # --cuda-graph: the static device buffers of a micro-batch
             from hybrid_model.training.cuda_graph import BATCH_FIELDS
+            from hybrid_model.training.graph_packs import static_packed_seq_params
 
-            psp = None
+            psp = static_packed_seq_params(mb) if "cu_seqlens" in mb else None  # --packed: device-side bounds
             tokens, labels, loss_mask, pos, pad = (mb[k] for k in BATCH_FIELDS)
         else:
             lb = self.local_batch(mb)
@@ -202,9 +204,13 @@ class StepRunner:
 
             if self.graphed is None:
                 self.graphed = GraphedForwardBackward(fb, tc.cuda_graph_warmup_steps)
-            schedule["data_iterator"] = iter([static_batch(mb) for mb in batch.microbatches])
-            # host-side values baked into the captured step: a change recaptures
-            fb = functools.partial(self.graphed, key=self.core.step_state)
+            max_docs = self.max_docs_per_pack if tc.packed else None
+            schedule["data_iterator"] = iter(
+                [static_batch(mb, max_docs=max_docs, step=step) for mb in batch.microbatches]
+            )
+            # host-side values baked into the captured step: a change recaptures (packed: the micro-batch count too)
+            key = (self.core.step_state, batch.num_microbatches) if tc.packed else self.core.step_state
+            fb = functools.partial(self.graphed, key=key)
         if self.grad_reduction is not None:
             fb = functools.partial(self.grad_reduction, fb)
         with cuda_as_cpu():  # CPU: the schedules' and optimizer's device="cuda" bookkeeping tensors

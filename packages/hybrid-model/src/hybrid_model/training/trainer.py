@@ -171,6 +171,8 @@ class Trainer:
             device=self.device,
             world=self.world,
         )
+        if tc.packed:  # the packs' document capacity (the static cu_seqlens size of --cuda-graph)
+            self.stepper.max_docs_per_pack = self.batches.config.max_num_seqs - 1
         self.evaluator = None  # --eval-interval: hybrid_model.training.evaluation
         if self.run_data.eval is not None:
             from hybrid_model.training.evaluation import Evaluator

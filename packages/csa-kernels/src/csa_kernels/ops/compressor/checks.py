@@ -11,6 +11,12 @@ from dsv4_primitives import RopeConfig
 
 
 def check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=None):
+    check_pool_shapes(kv, score, ape, ratio, overlap)
+    return check_cu_seqlens(cu_seqlens, total=kv.shape[0], host=cu_seqlens_host)
+
+
+def check_pool_shapes(kv, score, ape, ratio, overlap) -> None:
+    """Shapes, dtypes and ratio of the pooling inputs (no boundary check: the static-bounds form has none)."""
     check_ratio(ratio, overlap)
     check_shape(kv, "kv", (None, None))
     check_float(kv, "kv")
@@ -18,7 +24,6 @@ def check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_hos
     check_shape(ape, "ape", (ratio, kv.shape[1]))
     if overlap and kv.shape[1] % 2:
         raise ValueError(f"overlap=True needs an even channel count Dk = 2c, got Dk = {kv.shape[1]}")
-    return check_cu_seqlens(cu_seqlens, total=kv.shape[0], host=cu_seqlens_host)
 
 
 def check_compressor_params(wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg) -> int:

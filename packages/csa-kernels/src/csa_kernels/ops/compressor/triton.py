@@ -196,9 +196,12 @@ def _compressor_pool_kernel(
     HELD: tl.constexpr,
     UNROLL: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    TC_ON_DEVICE: tl.constexpr = False,
 ):
     e_first = tl.program_id(0) * PER_PROG
     e_stop = tl.minimum(e_first + PER_PROG, TC)
+    if TC_ON_DEVICE:  # static-bounds mode: TC is the capacity, the real entry count is cu_seqlens_c[-1]
+        e_stop = tl.minimum(e_stop, tl.load(CUC + N_DOCS))
     # deterministic mode: each program adds dape into its own partial (stride_dape_prog > 0; only this program's
     # threads, each its own (slot, channel), touch it, in program order), summed in a fixed order on the host side
     DAPE += tl.program_id(0).to(tl.int64) * stride_dape_prog
@@ -388,6 +391,7 @@ def _launch(
     dscore=None,
     dape=None,
     deterministic=False,
+    tc_on_device=False,
 ):
     """One launch of ``cdiv(Tc, PER_PROG)`` x ``cdiv(c, BLOCK_C)`` programs. ``PER_PROG`` (consecutive entries per
     program) is as large as leaves about two waves of the programs the GPU holds at once (from the compiled
@@ -437,6 +441,7 @@ def _launch(
         HELD=held,
         UNROLL=unroll,
         BLOCK_C=block_c,
+        TC_ON_DEVICE=tc_on_device,
         num_warps=warps,
         num_stages=1,
     )
@@ -458,14 +463,18 @@ def _launch(
         dape.copy_(part.sum(0))
 
 
-def compressor_pool_fwd(kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool) -> torch.Tensor:
+def compressor_pool_fwd(
+    kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool, tc_on_device: bool = False
+) -> torch.Tensor:
     """``pooled [Tc, c]`` fp32 (inputs contiguous in the channel dim; ``ape`` fp32; ``cu``, ``cuc`` int32 on the
-    device, ``tc`` their entry count)."""
+    device, ``tc`` their entry count). ``tc_on_device`` (static-bounds mode): ``tc`` is a capacity, the kernel
+    reads the real count ``cuc[-1]`` on the device and the rows past it stay zero."""
     check_triton_device(kv, score, ape)
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
-    out = torch.empty((tc, c), dtype=torch.float32, device=kv.device)
+    alloc = torch.zeros if tc_on_device else torch.empty
+    out = alloc((tc, c), dtype=torch.float32, device=kv.device)
     if tc and c:
-        _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out)
+        _launch(kv, score, ape, cu, cuc, tc, ratio, overlap, out, tc_on_device=tc_on_device)
     return out
 
 
@@ -480,6 +489,7 @@ def compressor_pool_bwd(
     overlap: bool,
     dout: torch.Tensor,
     deterministic: bool = True,
+    tc_on_device: bool = False,
 ):
     """``(dkv [T, Dk] kv.dtype, dscore [T, Dk] score.dtype, dape [ratio, Dk] fp32)``.
 
@@ -488,16 +498,18 @@ def compressor_pool_bwd(
     (``False``, kept for comparison). ``dkv`` / ``dscore`` are plain stores, deterministic either way.
 
     The kernel writes every row of ``dkv`` / ``dscore`` (zeros where no slot reads the row), so they start
-    uninitialised unless there is no entry at all.
+    uninitialised unless there is no entry at all. ``tc_on_device``: as in :func:`compressor_pool_fwd` (the
+    gradient buffers start at zero: with no real entry the kernel writes no row).
     """
     dape = torch.zeros(ape.shape, dtype=torch.float32, device=ape.device)
     if not (tc and kv.shape[1]):
         return torch.zeros_like(kv), torch.zeros_like(score), dape
-    dkv = _grad_buffer(kv)
-    dscore = _grad_buffer(score)
+    dkv = torch.zeros_like(kv) if tc_on_device else _grad_buffer(kv)
+    dscore = torch.zeros_like(score) if tc_on_device else _grad_buffer(score)
     _launch(
-        kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape, deterministic
-    )
+        kv, score, ape, cu, cuc, tc, ratio, overlap, None, dout.contiguous(), dkv, dscore, dape, deterministic,
+        tc_on_device,
+    )  # fmt: skip
     return dkv, dscore, dape
 
 

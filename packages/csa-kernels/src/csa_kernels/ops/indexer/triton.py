@@ -115,11 +115,16 @@ def _config(DI: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
 
 def _prepare_scores(q_idx, k_idx, weights, cu: list[int], cuc: list[int]):
     """Contiguous inputs, launch config and the per-row-block metadata ``[5, nblocks]`` of the score kernel."""
-    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
-    cfg = _config(q_idx.shape[2], q_idx.dtype)
+    q_idx, k_idx, weights, cfg = _prepare_inputs(q_idx, k_idx, weights)
     blocks = _row_blocks(cu, cuc, cfg[0])
     meta = upload_host_ints([list(col) for col in zip(*blocks)], q_idx.device)  # [5, nblocks], non-blocking
-    return q_idx, k_idx.contiguous(), weights.contiguous(), cfg, blocks, meta
+    return q_idx, k_idx, weights, cfg, blocks, meta
+
+
+def _prepare_inputs(q_idx, k_idx, weights):
+    """Contiguous inputs and the launch config of the score kernel (shared with the static-bounds form)."""
+    q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
+    return q_idx, k_idx.contiguous(), weights.contiguous(), _config(q_idx.shape[2], q_idx.dtype)
 
 
 def _launch_scores(

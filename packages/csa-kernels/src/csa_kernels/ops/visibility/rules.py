@@ -38,7 +38,12 @@ def window_indices(
         raise ValueError(f"window must be a positive int, got {window!r}")
     cu_l = check_cu_seqlens(cu_seqlens, host=cu_seqlens_host)
     cu = cu_seqlens.to(torch.int64)
-    doc = document_ids(cu, cu_l[-1])  # [T]
+    return window_rows(cu, document_ids(cu, cu_l[-1]), window)
+
+
+def window_rows(cu: torch.Tensor, doc: torch.Tensor, window: int) -> torch.Tensor:
+    """The math of :func:`window_indices` from int64 ``cu [N+1]`` and the rows' documents ``doc [T]`` (device
+    only; shared by the host-bounds and the static-bounds forms)."""
     t = torch.arange(doc.numel(), device=cu.device)
     rows = t[:, None] - window + 1 + torch.arange(window, device=cu.device)  # [T, W]
     rows = torch.where(rows >= cu[doc][:, None], rows, -1)
@@ -76,11 +81,18 @@ def visible_compressed_indices(
             f"max_entries must be an int >= the largest document's entry count {need}, got {max_entries!r}"
         )
     cu = cu_seqlens.to(torch.int64)
-    doc = document_ids(cu, cu_l[-1])  # [T]
+    return visible_rows(cu, cu_seqlens_c, document_ids(cu, cu_l[-1]), ratio, max_entries)
+
+
+def visible_rows(
+    cu: torch.Tensor, cu_c: torch.Tensor, doc: torch.Tensor, ratio: int, max_entries: int
+) -> torch.Tensor:
+    """The math of :func:`visible_compressed_indices` from int64 ``cu [N+1]``, ``cu_c [N+1]`` and the rows'
+    documents ``doc [T]`` (device only; shared by the host-bounds and the static-bounds forms)."""
     t_rel = torch.arange(doc.numel(), device=cu.device) - cu[doc]
     n_vis = (t_rel + 1) // ratio  # [T]
     j = torch.arange(max_entries, device=cu.device)
-    rows = cu_seqlens_c.to(torch.int64)[doc][:, None] + j  # [T, max_entries]
+    rows = cu_c.to(torch.int64)[doc][:, None] + j  # [T, max_entries]
     rows = torch.where(j < n_vis[:, None], rows, -1)
     return rows.to(torch.int32)
 
