@@ -21,9 +21,15 @@ from __future__ import annotations
 
 import torch
 
+from csa_kernels._triton_utils import interpreting
+from csa_kernels.ops.indexer.topk_select import row_topk
+
 # default tile of entries per merge step and the bound (elements) of one chunk's score tile
 ENTRY_TILE = 4096
 TILE_ELEMENTS = 1 << 24
+# the fused row top-k (:mod:`.topk_select`) on CUDA / in the interpreter; benchmarks may switch it off to time the
+# ``torch.topk`` + composite-key sort merge it replaced
+FUSED_SELECT = True
 
 
 def canonical_order(vals: torch.Tensor, ents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +54,19 @@ def stream_chunk_topk(score_tile, rows: int, width: int, topk: int, entry_tile: 
     """Top-k of one chunk of rows over the local entries ``[0, width)``.
 
     ``score_tile(col0, col1) -> [rows, col1 - col0]`` fp32 (``-inf`` where invisible) computes one tile.
-    Returns ``(values [rows, k], local entry ids [rows, k] int64)`` with ``k = min(topk, width)``, descending.
+    Returns ``(values [rows, k], local entry ids [rows, k] int64)`` with ``k = min(topk, width)``, descending,
+    ties toward the lower entry. On CUDA (and in the Triton interpreter) each merge is the fused row top-k of
+    :mod:`.topk_select`, which returns the canonical order directly; elsewhere ``select_topk`` + ``canonical_order``.
     """
+    fused = FUSED_SELECT and (torch.device(device).type == "cuda" or interpreting())
     best_v = best_i = None
     n_tiles = -(-width // entry_tile)
     for tile in range(n_tiles):
         c0, c1 = tile * entry_tile, min(width, (tile + 1) * entry_tile)
         buf = score_tile(c0, c1)  # [rows, c1 - c0]
+        if fused:
+            best_v, best_i = row_topk(best_v, best_i, buf, topk, c0)
+            continue
         ids = torch.arange(c0, c1, device=device, dtype=torch.int32)
         if best_v is None:
             cand_v, cand_i = buf, None

@@ -104,10 +104,16 @@ def _row_blocks(cu: list[int], cuc: list[int], block_t: int) -> list[tuple[int, 
     return out
 
 
+# Benchmarks may pin the score kernel's (BLOCK_T, BLOCK_N, num_warps, num_stages) here; None = the default below.
+SCORE_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
+
+
 def _config(DI: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_N, num_warps, num_stages); fp32 inputs take smaller tiles (shared memory) and IEEE dots."""
     if interpreting():
         return 16, 16, 4, 1
+    if SCORE_CONFIG_OVERRIDE is not None:
+        return SCORE_CONFIG_OVERRIDE
     if dtype == torch.float32:
         return 64, 64, 4, 2
     return 128, 128, 8, 3
