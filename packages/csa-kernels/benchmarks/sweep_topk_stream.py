@@ -44,6 +44,7 @@ def _peak(fn) -> float:
 
 
 def main(argv=None) -> int:
+    from csa_kernels.ops.indexer import topk_select as TSEL
     from csa_kernels.ops.indexer import topk_streaming as TS
     from csa_kernels.ops.indexer import triton as IT
     from csa_kernels.ops.indexer.reference import indexer_topk_ref
@@ -101,48 +102,57 @@ def main(argv=None) -> int:
         ok = torch.equal(old[0], new[0]) and torch.equal(old[1], new[1])
         gates.append(dict(name=f"S{S} fused == torch.topk merge", ok=ok))
         print(f"gate S{S} fused selection == old merge (indices and values bitwise): {ok}", flush=True)
-        variants = [("fused", {}, None)]
-        for tile in (1536, 2048 - 512 if C > 2048 else 1024, 4096 - 512, 8192 - 512):
-            if tile < C:
-                variants.append((f"fused tile{tile}", dict(entry_tile=tile), None))
-        variants += [("fused 1 chunk", {}, 1 << 26), ("old merge", {}, "old")]
-        for name, kw, mode in variants:
-            saved = IT.TILE_ELEMENTS
-            if isinstance(mode, int):
-                IT.TILE_ELEMENTS = mode
-            TS.FUSED_SELECT = mode != "old"
+        # (name, call kwargs, settings): TILE_ELEMENTS (chunk bound), FUSED_SELECT, score-pass config override
+        before = dict(tile_elements=1 << 24, fused=False, score=(128, 128, 8, 3))
+        variants = [
+            ("fused (default)", {}, {}),
+            ("before (2026-12-01)", dict(entry_tile=4096), before),
+            ("old merge, new tiles", {}, dict(fused=False)),
+            ("fused chunk 2^24", {}, dict(tile_elements=1 << 24)),
+            ("fused tile4096", dict(entry_tile=4096), {}),
+            ("fused score(128,128)", {}, dict(score=(128, 128, 8, 3))),
+            ("fused score(128,32)", {}, dict(score=(128, 32, 8, 3))),
+            ("fused score(64,64,4)", {}, dict(score=(64, 64, 4, 3))),
+        ]
+        for name, kw, st in variants:
+            IT.TILE_ELEMENTS = st.get("tile_elements", 1 << 25)
+            TS.FUSED_SELECT = st.get("fused", True)
+            IT.SCORE_CONFIG_OVERRIDE = st.get("score")
             fn = functools.partial(call, q, k, w, cu, cuc, **kw)
             try:
+                got = fn()
+                same = torch.equal(got[0], new[0]) and torch.equal(got[1], new[1])
                 ms = do_bench(fn, warmup=25, rep=100)
                 mem = _peak(fn)
-                rows.append(dict(S=S, impl=name, ms=ms, extra_gib=mem))
-                print(f"  S{S:6d} {name:18s} {ms:8.3f} ms  +{mem:.3f} GiB", flush=True)
+                rows.append(dict(S=S, impl=name, ms=ms, extra_gib=mem, same_selection=same))
+                print(
+                    f"  S{S:6d} {name:22s} {ms:8.3f} ms  +{mem:.3f} GiB  same selection: {same}", flush=True
+                )
             except Exception as exc:
                 print(f"  S{S} {name} failed: {str(exc)[:300]}", flush=True)
-            IT.TILE_ELEMENTS = saved
-            TS.FUSED_SELECT = True
-        if S <= 8192:  # the parts: score pass into [S, C], the row top-k alone, torch.topk alone
+        IT.TILE_ELEMENTS, TS.FUSED_SELECT, IT.SCORE_CONFIG_OVERRIDE = 1 << 25, True, None
+        if (
+            S <= 8192
+        ):  # the parts: score pass into [S, C], the row top-k alone (per num_warps), torch.topk alone
             sc = IT.indexer_scores_triton(q, k, w, ratio, cu, cuc, C)
-            for name, fn in (
-                ("scores [S,C]", functools.partial(IT.indexer_scores_triton, q, k, w, ratio, cu, cuc, C)),
-                ("row_topk [S,C]", functools.partial(row_topk, None, None, sc, topk, 0)),
-                ("torch.topk [S,C]", functools.partial(sc.topk, topk, dim=1)),
-            ):
+            parts = [
+                (
+                    "scores [S,C]",
+                    functools.partial(IT.indexer_scores_triton, q, k, w, ratio, cu, cuc, C),
+                    None,
+                ),
+                ("torch.topk [S,C]", functools.partial(sc.topk, topk, dim=1), None),
+            ]
+            parts += [
+                (f"row_topk [S,C] w{nw}", functools.partial(row_topk, None, None, sc, topk, 0), nw)
+                for nw in (2, 4, 8)
+            ]
+            for name, fn, nw in parts:
+                TSEL.ROW_TOPK_WARPS_OVERRIDE = nw
                 ms = do_bench(fn, warmup=25, rep=100)
                 rows.append(dict(S=S, impl=name, ms=ms, extra_gib=0.0))
-                print(f"  S{S:6d} {name:18s} {ms:8.3f} ms", flush=True)
-            for cfg in ((128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3), (128, 256, 8, 2), (64, 64, 4, 3)):
-                IT.SCORE_CONFIG_OVERRIDE = cfg  # score-pass tiles (BLOCK_T, BLOCK_N, warps, stages)
-                try:
-                    same = torch.equal(IT.indexer_scores_triton(q, k, w, ratio, cu, cuc, C), sc)
-                    ms = do_bench(functools.partial(call, q, k, w, cu, cuc), warmup=25, rep=100)
-                    rows.append(dict(S=S, impl=f"fused score{cfg}", ms=ms, extra_gib=0.0, same_scores=same))
-                    print(
-                        f"  S{S:6d} fused score{cfg} {ms:8.3f} ms (scores bitwise same: {same})", flush=True
-                    )
-                except Exception as exc:
-                    print(f"  score cfg {cfg} failed: {str(exc)[:300]}", flush=True)
-                IT.SCORE_CONFIG_OVERRIDE = None
+                print(f"  S{S:6d} {name:22s} {ms:8.3f} ms", flush=True)
+            TSEL.ROW_TOPK_WARPS_OVERRIDE = None
         del old, new
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)

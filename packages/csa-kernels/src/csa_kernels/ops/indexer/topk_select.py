@@ -36,6 +36,7 @@ def _row_topk_kernel(
     OUT_V,
     OUT_I,
     SCRATCH,
+    ENTRY0,
     kb,
     n,
     kk,
@@ -47,6 +48,7 @@ def _row_topk_kernel(
     stride_oi,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)  # candidate positions: [0, kb) the running best, [kb, kb + n) the tile
@@ -94,7 +96,15 @@ def _row_topk_kernel(
         id0 + pos - kb,
     )
     tl.store(OUT_V + r * stride_ov + offs_k, val, mask=mk)
-    tl.store(OUT_I + r * stride_oi + offs_k, ids.to(tl.int64), mask=mk)
+    if FINAL:  # global compressed rows, int32, -1 where nothing visible was left (-inf)
+        glob = tl.where(val == -float("inf"), -1, ids + tl.load(ENTRY0 + r))
+        tl.store(OUT_I + r * stride_oi + offs_k, glob.to(tl.int32), mask=mk)
+    else:
+        tl.store(OUT_I + r * stride_oi + offs_k, ids.to(tl.int64), mask=mk)
+
+
+# Benchmarks may pin the row top-k kernel's num_warps here; None = 4 up to 2048 candidates, else 8.
+ROW_TOPK_WARPS_OVERRIDE: int | None = None
 
 
 def row_topk(
@@ -103,17 +113,24 @@ def row_topk(
     tile: torch.Tensor,  # [rows, n] fp32 scores of entries id0 .. id0 + n - 1
     k: int,
     id0: int,
+    final: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``min(k, kb + n)`` of ``cat([best, tile])`` per row in canonical order: ``(values fp32, ids int64)``.
 
     ``best_v`` / ``best_i`` ``None`` means ``kb = 0`` (the first tile). Ties go to the lower position, which is the
-    lower entry id (``best`` holds lower ids, in canonical order).
+    lower entry id (``best`` holds lower ids, in canonical order). ``final = (values [rows, >= kk] fp32, indices
+    [rows, >= kk] int32, entry0 [rows] int64)``: the last merge writes its first ``kk`` columns in place, indices as
+    global rows ``entry0 + id`` (``-1`` where the value is ``-inf``), and returns those two views.
     """
     rows, n = tile.shape
     kb = 0 if best_v is None else best_v.shape[1]
     kk = min(k, kb + n)
-    out_v = torch.empty((rows, kk), dtype=torch.float32, device=tile.device)
-    out_i = torch.empty((rows, kk), dtype=torch.int64, device=tile.device)
+    if final is None:
+        out_v = torch.empty((rows, kk), dtype=torch.float32, device=tile.device)
+        out_i = torch.empty((rows, kk), dtype=torch.int64, device=tile.device)
+        entry0 = out_i  # never read
+    else:
+        out_v, out_i, entry0 = final[0][:, :kk], final[1][:, :kk], final[2]
     if rows == 0 or kk == 0:
         return out_v, out_i
     if best_v is None:
@@ -128,6 +145,7 @@ def row_topk(
         out_v,
         out_i,
         scratch,
+        entry0,
         kb,
         n,
         kk,
@@ -139,6 +157,7 @@ def row_topk(
         out_i.stride(0),
         BLOCK=block,
         BLOCK_K=block_k,
-        num_warps=4 if block <= 2048 else 8,
+        FINAL=final is not None,
+        num_warps=ROW_TOPK_WARPS_OVERRIDE or (4 if block <= 2048 else 8),
     )
     return out_v, out_i
