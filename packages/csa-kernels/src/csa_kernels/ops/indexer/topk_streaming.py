@@ -9,12 +9,13 @@ and one merge buffer, ``O(rows * (topk + entry_tile))``, whatever ``T`` and ``C`
 Selection rule (the reference's, oracle I6): the ``min(topk, visible)`` highest scores in descending order, ties
 toward the LOWER entry index; ``-1`` / ``-inf`` in the trailing slots. Exactness of the merge: every selection is
 made over ``cat([best, tile])``, where ``best`` holds lower entry ids than the tile and is kept in canonical order
-(value descending, entry ascending: on CUDA one int64 sort of a composite key before each further merge; the CPU
-stable sort keeps that order by itself), so "lowest position among ties" is "lowest entry among ties". On CUDA
-``torch.topk`` makes the selection (it keeps the lowest positions among ties; the order of tied values in its
-output is unspecified, which only the final output keeps: the selected set and the value sequence are exact), on CPU
-a stable descending sort does. Rows see only their causal prefix: a chunk stops at the entries
-visible to its last row, and tiles past a row block's last visible entry are skipped by the kernel.
+(value descending, entry ascending), so "lowest position among ties" is "lowest entry among ties". On CUDA and in
+the Triton interpreter each merge is the fused row top-k of :mod:`.topk_select` (radix select + a sort of the
+selected, canonical order directly; the last merge writes the global rows in place). Without it (``FUSED_SELECT``
+off, benchmarks only) ``torch.topk`` selects on CUDA (lowest positions among ties, unspecified order among tied
+values, hence the int64 composite-key reorder ``canonical_order`` after every merge) and a stable descending sort on
+CPU. Rows see only their causal prefix: a chunk stops at the entries visible to its last row, and tiles past a row
+block's last visible entry are skipped by the kernel.
 """
 
 from __future__ import annotations
