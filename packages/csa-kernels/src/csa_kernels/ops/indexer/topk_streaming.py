@@ -9,21 +9,38 @@ and one merge buffer, ``O(rows * (topk + entry_tile))``, whatever ``T`` and ``C`
 Selection rule (the reference's, oracle I6): the ``min(topk, visible)`` highest scores in descending order, ties
 toward the LOWER entry index; ``-1`` / ``-inf`` in the trailing slots. Exactness of the merge: every selection is
 made over ``cat([best, tile])``, where ``best`` holds lower entry ids than the tile and is kept in canonical order
-(value descending, entry ascending: on CUDA one int64 sort of a composite key before each further merge; the CPU
-stable sort keeps that order by itself), so "lowest position among ties" is "lowest entry among ties". On CUDA
-``torch.topk`` makes the selection (it keeps the lowest positions among ties; the order of tied values in its
-output is unspecified, which only the final output keeps: the selected set and the value sequence are exact), on CPU
-a stable descending sort does. Rows see only their causal prefix: a chunk stops at the entries
-visible to its last row, and tiles past a row block's last visible entry are skipped by the kernel.
+(value descending, entry ascending), so "lowest position among ties" is "lowest entry among ties". On CUDA and in
+the Triton interpreter each merge is the fused row top-k of :mod:`.topk_select` (radix select + a sort of the
+selected, canonical order directly; the last merge writes the global rows in place). Without it (``FUSED_SELECT``
+off, benchmarks only) ``torch.topk`` selects on CUDA (lowest positions among ties, unspecified order among tied
+values, hence the int64 composite-key reorder ``canonical_order`` after every merge) and a stable descending sort on
+CPU. Rows see only their causal prefix: a chunk stops at the entries visible to its last row, and tiles past a row
+block's last visible entry are skipped by the kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-# default tile of entries per merge step and the bound (elements) of one chunk's score tile
+from csa_kernels._triton_utils import interpreting
+from csa_kernels.ops.indexer.topk_select import row_topk
+
+# default merge width (running best + one tile of entries: the tile is ENTRY_TILE - topk entries when
+# topk <= ENTRY_TILE / 2, so the fused row top-k works on a power-of-two row) and the bound (elements) of one chunk's
+# score tile (2^25 fp32 = 128 MiB: one chunk at S = 8192, C = 2048)
 ENTRY_TILE = 4096
-TILE_ELEMENTS = 1 << 24
+TILE_ELEMENTS = 1 << 25
+
+
+def default_entry_tile(topk: int) -> int:
+    """Entries per tile when the caller does not choose: ``ENTRY_TILE - topk`` (merge width a power of two; H200,
+    S 65536, top-k 512: 36.9 ms vs 45.5 ms at 4096) unless top-k is more than half of ``ENTRY_TILE``."""
+    return ENTRY_TILE - topk if 2 * topk <= ENTRY_TILE else ENTRY_TILE
+
+
+# the fused row top-k (:mod:`.topk_select`) on CUDA / in the interpreter; benchmarks may switch it off to time the
+# ``torch.topk`` + composite-key sort merge it replaced
+FUSED_SELECT = True
 
 
 def canonical_order(vals: torch.Tensor, ents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,17 +61,29 @@ def select_topk(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return vals[:, :k], pos[:, :k]
 
 
-def stream_chunk_topk(score_tile, rows: int, width: int, topk: int, entry_tile: int, device):
+def stream_chunk_topk(score_tile, rows: int, width: int, topk: int, entry_tile: int, device, final=None):
     """Top-k of one chunk of rows over the local entries ``[0, width)``.
 
     ``score_tile(col0, col1) -> [rows, col1 - col0]`` fp32 (``-inf`` where invisible) computes one tile.
-    Returns ``(values [rows, k], local entry ids [rows, k] int64)`` with ``k = min(topk, width)``, descending.
+    Returns ``(values [rows, k], local entry ids [rows, k] int64)`` with ``k = min(topk, width)``, descending,
+    ties toward the lower entry. On CUDA (and in the Triton interpreter) each merge is the fused row top-k of
+    :mod:`.topk_select`, which returns the canonical order directly; elsewhere ``select_topk`` + ``canonical_order``.
+    ``final = (values, indices int32, entry0 [rows])`` (fused path only, see :func:`.topk_select.row_topk`): the last
+    merge writes global rows and values there in place and returns ``(None, None)``; without the fused path
+    ``final`` is ignored and the caller converts.
     """
+    fused = FUSED_SELECT and (torch.device(device).type == "cuda" or interpreting())
     best_v = best_i = None
     n_tiles = -(-width // entry_tile)
     for tile in range(n_tiles):
         c0, c1 = tile * entry_tile, min(width, (tile + 1) * entry_tile)
         buf = score_tile(c0, c1)  # [rows, c1 - c0]
+        if fused:
+            last = final if tile + 1 == n_tiles else None
+            best_v, best_i = row_topk(best_v, best_i, buf, topk, c0, last)
+            if last is not None:
+                return None, None
+            continue
         ids = torch.arange(c0, c1, device=device, dtype=torch.int32)
         if best_v is None:
             cand_v, cand_i = buf, None

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
-from csa_kernels.ops.indexer.topk_streaming import ENTRY_TILE, TILE_ELEMENTS, stream_chunk_topk
+from csa_kernels.ops.indexer.topk_streaming import TILE_ELEMENTS, default_entry_tile, stream_chunk_topk
 from dsv4_primitives.varlen import upload_host_ints
 
 
@@ -104,13 +104,19 @@ def _row_blocks(cu: list[int], cuc: list[int], block_t: int) -> list[tuple[int, 
     return out
 
 
+# Benchmarks may pin the score kernel's (BLOCK_T, BLOCK_N, num_warps, num_stages) here; None = the default below.
+SCORE_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
+
+
 def _config(DI: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_N, num_warps, num_stages); fp32 inputs take smaller tiles (shared memory) and IEEE dots."""
     if interpreting():
         return 16, 16, 4, 1
+    if SCORE_CONFIG_OVERRIDE is not None:
+        return SCORE_CONFIG_OVERRIDE
     if dtype == torch.float32:
         return 64, 64, 4, 2
-    return 128, 128, 8, 3
+    return 128, 64, 8, 3  # H200, S 8192, C 2048: BLOCK_N 64 1.184 ms vs 128 1.228 ms (whole top-k call)
 
 
 def _prepare_scores(q_idx, k_idx, weights, cu: list[int], cuc: list[int]):
@@ -183,7 +189,8 @@ def indexer_topk_triton(
 
     Scores are not differentiable here (the caller re-attaches a gradient path, see the public ``indexer_topk``).
     ``chunk_size`` bounds the rows of one chunk (default: as many rows as keep one score tile plus the running top-k
-    at ``TILE_ELEMENTS`` fp32); ``entry_tile`` the entries of one tile (default ``ENTRY_TILE``).
+    at ``TILE_ELEMENTS`` fp32); ``entry_tile`` the entries of one tile (default
+    ``topk_streaming.default_entry_tile(topk)``).
     ``cu_host`` / ``cuc_host``: validated host lists of the two ``cu_seqlens`` (read back from the device, one
     sync each, when not given).
     """
@@ -197,7 +204,7 @@ def indexer_topk_triton(
     if T == 0 or c_max == 0:
         return indices, values
     q_idx, k_idx, weights, cfg, blocks, meta = _prepare_scores(q_idx, k_idx, weights, cu, cuc)
-    tile = min(entry_tile or ENTRY_TILE, c_max)
+    tile = min(entry_tile or default_entry_tile(topk), c_max)
     if chunk_size is None:
         chunk_size = max(cfg[0], TILE_ELEMENTS // max(tile + topk, 1))
     # chunks of whole row blocks; per chunk, tiles of entries merged into a running top-k (never [T, C])
@@ -218,14 +225,16 @@ def indexer_topk_triton(
                 _launch_scores(q_idx, k_idx, weights, buf, chunk_meta, r0, ratio, c1, cfg, col0=c0)
                 return buf
 
-            vals, cols = stream_chunk_topk(score_tile, r1 - r0, width, topk, tile, q_idx.device)
-            k = vals.shape[1]
             entry0 = torch.repeat_interleave(
                 meta[3, i:j].long(), (meta[1, i:j] - meta[0, i:j]).long(), output_size=r1 - r0
-            )
-            glob = torch.where(torch.isneginf(vals), -1, cols + entry0[:, None]).to(torch.int32)
-            indices[r0:r1, :k] = glob
-            values[r0:r1, :k] = vals
+            )  # [rows] first global entry of each row's document
+            final = (values[r0:r1], indices[r0:r1], entry0)
+            vals, cols = stream_chunk_topk(score_tile, r1 - r0, width, topk, tile, q_idx.device, final)
+            if vals is not None:  # not the fused path: convert here
+                k = vals.shape[1]
+                glob = torch.where(torch.isneginf(vals), -1, cols + entry0[:, None]).to(torch.int32)
+                indices[r0:r1, :k] = glob
+                values[r0:r1, :k] = vals
         i = j
     return indices, values
 
