@@ -98,15 +98,11 @@ def _add_data_flags(p) -> None:
         default=None,
         help=d("packed", "packed THD batches instead of [B, S]"),
     )
-    p.add_argument(
-        "--max-docs-per-pack",
-        type=int,
-        help=d(
-            "max_docs_per_pack",
-            "--packed: documents per pack at most (the static cu_seqlens capacity); default with --cuda-graph: "
-            "min(seq_len, ceil(seq_len / shortest document)), else 31",
-        ),
+    max_docs_help = (
+        "--packed: documents per pack at most (static cu_seqlens capacity); default: 31, with --cuda-graph"
     )
+    max_docs_help += " min(seq_len, ceil(seq_len / shortest document))"
+    p.add_argument("--max-docs-per-pack", type=int, help=d("max_docs_per_pack", max_docs_help))
     p.add_argument(
         "--eval-interval",
         type=int,
