@@ -64,7 +64,7 @@ from dsv4_primitives.varlen import (
     thd_to_sbhd,
 )
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"
 
 __all__ = [
     "CompressorState",
