@@ -48,7 +48,8 @@ def _toy_cls():
     return Toy
 
 
-def _build(impl, dist_opt, bf16=True, device="cpu"):
+def _build(impl, dist_opt, bf16=True, device="cpu", clip_grad=0.0, **fields):
+    """The toy model in megatron's DDP and our optimizer builder; ``fields``: extra ``OptimizerConfig`` fields."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
@@ -73,7 +74,8 @@ def _build(impl, dist_opt, bf16=True, device="cpu"):
         bf16=bf16,
         params_dtype=dtype,
         use_distributed_optimizer=dist_opt,
-        clip_grad=0.0,
+        clip_grad=clip_grad,
+        **fields,
     )
     return ddp, build_optimizer(ocfg, [ddp], impl=impl)
 

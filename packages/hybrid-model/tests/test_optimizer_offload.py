@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offload_sim import simulated_device
-from test_optimizer_impl import LR, _core, _load, _main_state, _save, _step, _toy_cls
+from test_optimizer_impl import _build as _build_toy
+from test_optimizer_impl import _core, _load, _main_state, _save, _step
 
 from hybrid_model.training.offload import hybrid_optimizers, offload_config_fields, offloaded_numel
 
@@ -29,35 +30,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _build(offload, *, fraction=1.0, bf16=True, dist_opt=True, impl=None, device="cpu", **fields):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer import TransformerConfig
-
-    from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
-    from hybrid_model.training.optimizer import build_optimizer
-
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    cfg = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=1, bf16=bf16, params_dtype=dtype
-    )
-    model = _toy_cls()(cfg).to(device)
-    if bf16:
-        model = Float16ModuleKeepFP32(cfg, model)
-    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True)
-    ddp = DistributedDataParallel(cfg, ddp_cfg, model)
-    ocfg = OptimizerConfig(
-        optimizer="adam",
-        lr=LR,
-        weight_decay=0.1,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        bf16=bf16,
-        params_dtype=dtype,
-        use_distributed_optimizer=dist_opt,
-        clip_grad=1.0,
-        **{**(offload_config_fields(fraction) if offload else {}), **fields},
-    )
-    return ddp, build_optimizer(ocfg, [ddp], impl=impl or ("auto" if offload else "fused"))
+    fields = {**(offload_config_fields(fraction) if offload else {}), **fields}
+    impl = impl or ("auto" if offload else "fused")
+    return _build_toy(impl, dist_opt, bf16=bf16, device=device, clip_grad=1.0, **fields)
 
 
 def _model_params(ddp):

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.params import latent_dims
 from hybrid_model.symbols import ATTENTION, DSA, KIND_NAMES, MLA, MLP, MOE, attention_kind
 
 
@@ -126,14 +127,7 @@ def _standard_layers(cfg: DSv4ModelConfig, symbol: str = ATTENTION) -> list[str]
 
 def _latent_projections(cfg: DSv4ModelConfig) -> int:
     """``+``/``D``: q down/up, kv down/up (or DSA's absorbed equivalents) and output projection, per token."""
-    d, c, r, nh, dc = (
-        cfg.hidden_size,
-        cfg.head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.num_attention_heads,
-        cfg.q_lora_rank,
-    )
-    rank = c - r  # megatron's kv_lora_rank = qk_head_dim (dsv4_attention.megatron.DSv4AttentionConfig)
+    d, c, r, nh, dc, rank = latent_dims(cfg)
     return 2 * (d * dc + dc * nh * c + d * c + rank * nh * (2 * c - r) + nh * c * d)
 
 

@@ -83,16 +83,16 @@ def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, i
     return out
 
 
+def latent_dims(cfg: DSv4ModelConfig) -> tuple[int, int, int, int, int, int]:
+    """``(d, c, r, nh, dc, rank)`` of a ``+``/``D`` layer: hidden, head dim, RoPE dims, heads, q LoRA rank and
+    megatron's ``kv_lora_rank = c - r`` (= qk_head_dim, :class:`dsv4_attention.megatron.DSv4AttentionConfig`)."""
+    d, c, r = cfg.hidden_size, cfg.head_dim, cfg.qk_rope_head_dim
+    return d, c, r, cfg.num_attention_heads, cfg.q_lora_rank, c - r
+
+
 def latent_attention_params(cfg: DSv4ModelConfig, symbol: str) -> dict[str, int]:
     """Attention parameters of a ``+`` (MLA) or ``D`` (DSA) layer by part (megatron's modules; see module doc)."""
-    d, c, r, nh, dc = (
-        cfg.hidden_size,
-        cfg.head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.num_attention_heads,
-        cfg.q_lora_rank,
-    )
-    rank = c - r  # megatron's kv_lora_rank = qk_head_dim (dsv4_attention.megatron.DSv4AttentionConfig)
+    d, c, r, nh, dc, rank = latent_dims(cfg)
     out = {
         "attention.projections": dc * d + nh * c * dc + c * d + nh * (2 * c - r) * rank + d * nh * c,
         "attention.latent_norms": dc + rank,

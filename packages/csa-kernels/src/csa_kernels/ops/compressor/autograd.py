@@ -16,23 +16,27 @@ from dsv4_primitives.varlen import compressed_cu_seqlens_host, upload_host_ints
 
 
 class CompressorPoolTritonFunction(torch.autograd.Function):
-    """pooled = pool(kv, score, ape); saves the inputs and recomputes the softmax weights in backward."""
+    """pooled = pool(kv, score, ape); saves the inputs and recomputes the softmax weights in backward.
+
+    ``tc_on_device``: ``tc`` is a capacity and the real entry count is read on the device from ``cuc`` (the
+    static-bounds / CUDA-graph form, :mod:`csa_kernels.ops.compressor.static`)."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, cu, cuc, tc, ratio, overlap):
+    def forward(ctx, kv, score, ape, cu, cuc, tc, ratio, overlap, tc_on_device=False):
         ape32 = ape.float().contiguous()
-        pooled = compressor_pool_fwd(kv, score, ape32, cu, cuc, tc, ratio, overlap)
+        pooled = compressor_pool_fwd(kv, score, ape32, cu, cuc, tc, ratio, overlap, tc_on_device=tc_on_device)
         ctx.save_for_backward(kv, score, ape32, cu, cuc)
         ctx.tc, ctx.ratio, ctx.overlap, ctx.ape_dtype = tc, ratio, overlap, ape.dtype
+        ctx.tc_on_device = tc_on_device
         return pooled
 
     @staticmethod
     def backward(ctx, dpooled):
         kv, score, ape32, cu, cuc = ctx.saved_tensors
         dkv, dscore, dape = compressor_pool_bwd(
-            kv, score, ape32, cu, cuc, ctx.tc, ctx.ratio, ctx.overlap, dpooled
+            kv, score, ape32, cu, cuc, ctx.tc, ctx.ratio, ctx.overlap, dpooled, tc_on_device=ctx.tc_on_device
         )
-        return dkv, dscore, dape.to(ctx.ape_dtype), None, None, None, None, None
+        return dkv, dscore, dape.to(ctx.ape_dtype), None, None, None, None, None, None
 
 
 def compressor_pool_triton(

@@ -10,33 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from csa_kernels.ops.compressor.autograd import CompressorPoolTritonFunction
 from csa_kernels.ops.compressor.checks import check_pool_shapes
 from csa_kernels.static_bounds import StaticBounds
 from dsv4_primitives.dispatch import resolve_backend
-
-
-class CompressorPoolStaticFunction(torch.autograd.Function):
-    """pooled = pool(kv, score, ape) over ``tc`` capacity entries (real count on the device)."""
-
-    @staticmethod
-    def forward(ctx, kv, score, ape, cu, cuc, tc, ratio, overlap):
-        from csa_kernels.ops.compressor.triton import compressor_pool_fwd
-
-        ape32 = ape.float().contiguous()
-        pooled = compressor_pool_fwd(kv, score, ape32, cu, cuc, tc, ratio, overlap, tc_on_device=True)
-        ctx.save_for_backward(kv, score, ape32, cu, cuc)
-        ctx.tc, ctx.ratio, ctx.overlap, ctx.ape_dtype = tc, ratio, overlap, ape.dtype
-        return pooled
-
-    @staticmethod
-    def backward(ctx, dpooled):
-        from csa_kernels.ops.compressor.triton import compressor_pool_bwd
-
-        kv, score, ape32, cu, cuc = ctx.saved_tensors
-        dkv, dscore, dape = compressor_pool_bwd(
-            kv, score, ape32, cu, cuc, ctx.tc, ctx.ratio, ctx.overlap, dpooled, tc_on_device=True
-        )
-        return dkv, dscore, dape.to(ctx.ape_dtype), None, None, None, None, None
 
 
 def compressor_pool_static(
@@ -64,7 +41,7 @@ def compressor_pool_static(
         cu = bounds.cu_seqlens.to(torch.int32)
         kv = kv if kv.stride(-1) == 1 else kv.contiguous()
         score = score if score.stride(-1) == 1 else score.contiguous()
-        return CompressorPoolStaticFunction.apply(kv, score, ape, cu, cuc, cap, ratio, overlap), cuc
+        return CompressorPoolTritonFunction.apply(kv, score, ape, cu, cuc, cap, ratio, overlap, True), cuc
     from csa_kernels.ops.compressor.reference import compressor_pool_ref
 
     host = [int(v) for v in bounds.cu_seqlens.tolist()]
@@ -72,4 +49,4 @@ def compressor_pool_static(
     return torch.nn.functional.pad(pooled, (0, 0, 0, cap - pooled.shape[0])), cuc
 
 
-__all__ = ["CompressorPoolStaticFunction", "compressor_pool_static"]
+__all__ = ["compressor_pool_static"]
