@@ -127,6 +127,10 @@ class Trainer:
             else determinism.use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs anyway
         )
         self.model_config = model_config_for(tc)
+        if tc.cuda_graph and tc.packed:
+            from hybrid_model.training.graph_packs import check_packed_graph_pattern
+
+            check_packed_graph_pattern(self.model_config.layer_pattern)
         if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
             from hybrid_model.training.cuda_graph import use_capture_stream
 
