@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_common import peak_extra_gib
+
 
 def _inputs(S, HI=64, DI=128, ratio=4, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -30,17 +33,6 @@ def _inputs(S, HI=64, DI=128, ratio=4, seed=0):
     k = torch.randn(S // ratio, DI, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(S, HI, device="cuda", generator=gen) * (HI * DI) ** -0.5).to(torch.bfloat16)
     return q, k, w, [0, S], [0, S // ratio]
-
-
-def _peak(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    del out
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main(argv=None) -> int:
@@ -123,7 +115,7 @@ def main(argv=None) -> int:
                 got = fn()
                 same = torch.equal(got[0], new[0]) and torch.equal(got[1], new[1])
                 ms = do_bench(fn, warmup=25, rep=100)
-                mem = _peak(fn)
+                mem = peak_extra_gib(fn)
                 rows.append(dict(S=S, impl=name, ms=ms, extra_gib=mem, same_selection=same))
                 print(
                     f"  S{S:6d} {name:22s} {ms:8.3f} ms  +{mem:.3f} GiB  same selection: {same}", flush=True

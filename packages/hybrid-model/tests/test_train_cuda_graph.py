@@ -3,14 +3,15 @@
 GPU: the tiny preset trained with and without graphs gives the same losses, the steps after the warm-up are
 replays, and a change of a captured host-side value (the dense -> sparse attention switch) recaptures."""
 
-import json
-import os
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_runs import run_results_script
 
 from hybrid_model.cli import build_parser, train_config_from_args
 from hybrid_model.training.config import TrainConfig
@@ -99,15 +100,7 @@ _RUNNER = textwrap.dedent(
 
 @pytest.mark.gpu
 def test_graphed_training_matches_eager(tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(_RUNNER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900
-    )
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert line, (proc.stdout + proc.stderr)[-4000:]
-    r = json.loads(line[0][len("RESULTS ") :])
+    r = run_results_script(tmp_path, _RUNNER)
     eager, graph, dense = r["eager"], r["graph"], r["graph_dense"]
     # two eager warm-up steps, then the capture step (replayed at once) and replays
     assert graph["replayed"] == [False, False] + [True] * 6 and graph["captures"] == 1
@@ -170,15 +163,7 @@ _RECOMPUTE_RUNNER = textwrap.dedent(
 def test_graphed_recompute_matches_eager(tmp_path):
     """--cuda-graph with selective and with full recompute: the replayed steps (recompute inside the captured
     backward) train exactly like the eager run without recompute (deterministic kernels: same arithmetic)."""
-    script = tmp_path / "run.py"
-    script.write_text(_RECOMPUTE_RUNNER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900
-    )
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert line, (proc.stdout + proc.stderr)[-4000:]
-    r = json.loads(line[0][len("RESULTS ") :])
+    r = run_results_script(tmp_path, _RECOMPUTE_RUNNER)
     for name in ("graph_selective", "graph_full"):
         assert r[name]["replayed"] == [False, False, True, True, True], name
         for key in ("lm", "mtp", "indexer", "grad_norm"):

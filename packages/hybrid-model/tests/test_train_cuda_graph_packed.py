@@ -6,15 +6,16 @@ boundaries (losses and every gradient). GPU: a packed step captured on one pack 
 boundaries equals the eager step on that pack, and a short ``--cuda-graph --packed`` run equals eager ``--packed``.
 """
 
-import json
-import os
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_runs import run_results_script
 
 from hybrid_model.cli import build_parser, train_config_from_args
 from hybrid_model.training.config import TrainConfig
@@ -177,15 +178,7 @@ def test_graphed_packed_training_matches_eager(tmp_path):
     has 8 mantissa bits, 2^-8 = 3.9e-3 per rounding; the graphed and eager steps run the same kernels, but the dense
     indexer scores go through another fp32 summation order, whose last-ulp differences reach the bf16 activations
     of later layers and can flip single roundings: a few bf16 ulps over 8 steps); usually they are bitwise equal."""
-    script = tmp_path / "run.py"
-    script.write_text(_REPLAY_RUNNER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=900
-    )
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert line, (proc.stdout + proc.stderr)[-4000:]
-    r = json.loads(line[0][len("RESULTS ") :])
+    r = run_results_script(tmp_path, _REPLAY_RUNNER)
     eager, graph = r["eager"], r["graph"]
     assert graph["replayed"][:2] == [False, False] and any(graph["replayed"][2:])
     for key in ("lm", "mtp", "indexer", "grad_norm"):
