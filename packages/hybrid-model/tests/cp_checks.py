@@ -95,9 +95,10 @@ def saved_bytes(cp_rank: int, cp_size: int) -> dict[str, int]:
             m.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1))
             m.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
     saved: dict[int, tuple[int, bool]] = {}
-    alive: list[torch.Tensor] = []  # every packed tensor stays referenced until the count is taken, so a storage
-    # freed inside the forward (a discarded branch) cannot hand its address to a later one and hide it (the count
-    # then depended on the allocator: 8 bytes apart between two processes on the CI box)
+    # every packed tensor stays referenced until the count is taken, so a storage freed inside the forward (a
+    # discarded branch) cannot hand its address to a later one and hide it (the count then depended on the
+    # allocator: 8 bytes apart between two processes on the CI box)
+    alive: list[torch.Tensor] = []
 
     def pack(t):
         alive.append(t)
