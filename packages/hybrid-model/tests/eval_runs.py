@@ -14,7 +14,7 @@ def evaluate_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_i
 
     results = {}
     for name, kw in runs:
-        trainer = Trainer(TrainConfig(progress=False, **kw))
+        trainer = Trainer(TrainConfig(progress=False, **({"save_final": False} | kw)))
         try:
             if save_initial:
                 trainer.save_checkpoint()  # iter_0000000: the initial weights every layout starts from

@@ -82,14 +82,15 @@ def capture_first_step_grads(trainer) -> dict:
 
 
 def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_initial: bool = False) -> dict:
-    """Train each ``(name, TrainConfig kwargs)`` in turn; ``{name: {"metrics": [...], "grads": {...}}}``."""
+    """Train each ``(name, TrainConfig kwargs)`` in turn; ``{name: {"metrics": [...], "grads": {...}}}``. No final
+    checkpoint unless a run asks for one (``save_final=True``; ``save_interval`` checkpoints are written as usual)."""
     from dsv4_primitives import is_keep_in_fp32
     from hybrid_model.training.config import TrainConfig
     from hybrid_model.training.trainer import Trainer
 
     results = {}
     for name, kw in runs:
-        trainer = Trainer(TrainConfig(progress=False, **kw))
+        trainer = Trainer(TrainConfig(progress=False, **({"save_final": False} | kw)))
         try:
             if save_initial:
                 trainer.save_checkpoint()  # iter_0000000: the initial weights every layout starts from

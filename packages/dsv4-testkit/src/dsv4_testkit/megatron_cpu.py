@@ -24,14 +24,15 @@ def megatron_cpu_context(
     """Initialise megatron-core's parallel state for the duration of the block.
 
     If no process group exists yet, a world-size-1 group is created (gloo on CPU, NCCL on CUDA) and destroyed on
-    exit; inside :func:`dsv4_testkit.run_distributed` workers the existing group is reused.
+    exit; inside :func:`dsv4_testkit.run_distributed` workers the existing group is reused. The process groups
+    megatron creates are destroyed on exit (``dsv4_primitives.megatron.destroy_model_parallel``).
     """
     from dsv4_primitives.extras import require_megatron
 
     require_megatron("dsv4-testkit[megatron]", "dsv4_testkit.megatron_cpu_context")
     from megatron.core import parallel_state
 
-    from dsv4_primitives.megatron import cpu_shims, init_rng_tracker
+    from dsv4_primitives.megatron import cpu_shims, destroy_model_parallel, init_rng_tracker, process_groups
 
     with cpu_shims():
         own_group = not dist.is_initialized()
@@ -40,6 +41,7 @@ def megatron_cpu_context(
             os.environ["MASTER_PORT"] = str(free_port())
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, rank=0, world_size=1)
+        existing = process_groups()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
@@ -51,6 +53,8 @@ def megatron_cpu_context(
         try:
             yield parallel_state
         finally:
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel(
+                keep=existing
+            )  # megatron's groups too (their gloo threads poll until destroyed)
             if own_group:
                 dist.destroy_process_group()

@@ -3,6 +3,9 @@
 - :mod:`dsv4_primitives.megatron.cpu`: running megatron-core's local path on a machine without CUDA
   (:func:`apply_cpu_shims` / :func:`cpu_shims` / :func:`cuda_as_cpu`, :func:`init_rng_tracker`). Nothing is patched
   at import: the shims are applied by explicit calls only.
+- :mod:`dsv4_primitives.megatron.groups`: :func:`process_groups` / :func:`destroy_model_parallel`, megatron's
+  teardown that also releases the process groups it created (their gloo threads poll for the life of the
+  process), and :func:`release_autograd_graphs` (the reference cycle that keeps a finished model alive).
 - :mod:`dsv4_primitives.megatron.precision`: selective FP32 for megatron-core (``Float16ModuleKeepFP32``, the
   native-FP32 optimizer fixes, ``get_megatron_optimizer_keep_fp32``); imports megatron-core (seconds), so it is
   not imported here.
@@ -22,12 +25,20 @@ from dsv4_primitives.megatron.cpu import (  # noqa: E402
     init_rng_tracker,
     remove_cpu_shims,
 )
+from dsv4_primitives.megatron.groups import (  # noqa: E402
+    destroy_model_parallel,
+    process_groups,
+    release_autograd_graphs,
+)
 
 __all__ = [
     "apply_cpu_shims",
     "cpu_shims",
     "cpu_shims_applied",
     "cuda_as_cpu",
+    "destroy_model_parallel",
     "init_rng_tracker",
+    "process_groups",
+    "release_autograd_graphs",
     "remove_cpu_shims",
 ]

@@ -47,7 +47,7 @@ class Trainer:
     def __init__(self, tc: TrainConfig) -> None:
         from megatron.core import parallel_state as ps
 
-        from dsv4_primitives.megatron import apply_cpu_shims
+        from dsv4_primitives.megatron import apply_cpu_shims, destroy_model_parallel, process_groups
 
         self.tc = tc
         # the run directory rules (rundir.py) before anything is built or initialised: a clear error costs nothing
@@ -73,6 +73,7 @@ class Trainer:
             if self.rank == 0:
                 self.cleared = clear_run(self.out)
         dist.barrier()
+        self._groups_before = process_groups()  # close() destroys the groups created from here on
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tc.tp,
             pipeline_model_parallel_size=tc.pp,
@@ -95,7 +96,7 @@ class Trainer:
                 torch.cuda.set_stream(self._previous_stream)
             if self._unstage is not None:
                 self._unstage()
-            ps.destroy_model_parallel()
+            destroy_model_parallel(keep=self._groups_before)
             raise
         self.step = 0
         self.metrics: list[dict] = []
@@ -345,6 +346,10 @@ class Trainer:
         return self.metrics
 
     def close(self) -> None:
+        """Release everything the run holds: graphs, streams, determinism settings, megatron's parallel state and
+        its process groups (the model is finished afterwards; nothing may run on it)."""
+        from dsv4_primitives.megatron import destroy_model_parallel, release_autograd_graphs
+
         if self.stepper.graphed is not None:
             self.stepper.graphed.close()
             self.stepper.graphed = None
@@ -356,7 +361,8 @@ class Trainer:
         if self._unstage is not None:
             self._unstage()
             self._unstage = None
-        self.ps.destroy_model_parallel()
+        release_autograd_graphs(self.core)  # else the model, its DDP and its groups outlive the trainer
+        destroy_model_parallel(keep=self._groups_before)
 
 
 def train(tc: TrainConfig) -> list[dict]:
