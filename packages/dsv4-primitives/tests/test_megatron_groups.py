@@ -88,7 +88,7 @@ def _model_with_ddp_like_hook():
         assert model.weight.grad is not None
 
     acc.register_hook(hook)
-    model.accumulators = [acc]
+    model.grad_accs = [acc]  # DDP keeps its hooked accumulators
     model(torch.randn(4)).backward()
     return model
 
@@ -111,3 +111,16 @@ def test_a_kept_graph_keeps_the_model_alive_until_released():
     assert release_autograd_graphs(released) == 2
     assert release_autograd_graphs(released) == 0
     assert released.weight.grad is not None  # parameters and their gradients are untouched
+
+
+def test_removing_the_accumulator_hooks_breaks_the_cycle_too():
+    from dsv4_primitives.megatron import remove_grad_accumulator_hooks
+
+    model = _model_with_ddp_like_hook()
+    ref = weakref.ref(model)
+    assert remove_grad_accumulator_hooks(model) == 1
+    assert model.grad_accs == [] and remove_grad_accumulator_hooks(model) == 0
+    assert model.dispatcher.local_probs.grad_fn is not None  # the graph is still there, the hook is not
+    del model
+    gc.collect()
+    assert ref() is None

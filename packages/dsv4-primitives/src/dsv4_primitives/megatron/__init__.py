@@ -5,7 +5,8 @@
   at import: the shims are applied by explicit calls only.
 - :mod:`dsv4_primitives.megatron.groups`: :func:`process_groups` / :func:`destroy_model_parallel`, megatron's
   teardown that also releases the process groups it created (their gloo threads poll for the life of the
-  process), and :func:`release_autograd_graphs` (the reference cycle that keeps a finished model alive).
+  process), :func:`release_autograd_graphs` and :func:`remove_grad_accumulator_hooks` (the reference cycles that
+  keep a finished model, its DDP and its groups alive).
 - :mod:`dsv4_primitives.megatron.precision`: selective FP32 for megatron-core (``Float16ModuleKeepFP32``, the
   native-FP32 optimizer fixes, ``get_megatron_optimizer_keep_fp32``); imports megatron-core (seconds), so it is
   not imported here.
@@ -29,6 +30,7 @@ from dsv4_primitives.megatron.groups import (  # noqa: E402
     destroy_model_parallel,
     process_groups,
     release_autograd_graphs,
+    remove_grad_accumulator_hooks,
 )
 
 __all__ = [
@@ -41,4 +43,5 @@ __all__ = [
     "process_groups",
     "release_autograd_graphs",
     "remove_cpu_shims",
+    "remove_grad_accumulator_hooks",
 ]

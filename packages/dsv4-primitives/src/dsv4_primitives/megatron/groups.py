@@ -16,6 +16,11 @@ accumulators, whose DDP hooks hold the DDP wrapper and through it the model: a r
 nodes, which Python's garbage collector cannot see, so the model, its DDP and every group stay alive for the life
 of the process. :func:`release_autograd_graphs` drops such tensors when the model is finished.
 
+The same kind of cycle runs through megatron's DDP itself: its backward post-hooks, registered on the
+parameters' gradient accumulators, close over the DDP wrapper, and any tensor that still carries a graph reaching
+those accumulators (the distributed optimizer keeps such views of the parameters) closes the loop.
+:func:`remove_grad_accumulator_hooks` removes those hooks when training is over.
+
 :func:`destroy_model_parallel` is megatron's teardown followed by the destruction of every group created since a
 snapshot taken with :func:`process_groups` before ``initialize_model_parallel``; the default group and any group
 that existed at the snapshot are kept. Destroying a group is local (no collective), so ranks may do it at
@@ -85,3 +90,27 @@ def release_autograd_graphs(model: torch.nn.Module) -> int:
                     setattr(holder, name, None)
                     cleared += 1
     return cleared
+
+
+def _no_hook(*_unused) -> None:
+    return None
+
+
+def remove_grad_accumulator_hooks(ddp: torch.nn.Module) -> int:
+    """Remove every backward post-hook from the gradient accumulators megatron's DDP hooked (``ddp.grad_accs``)
+    and forget the accumulators. Call it when training is over (no backward may follow). Returns the number of
+    hooks removed.
+
+    The accumulators are C++ autograd nodes; their hooks live in one dict per node, reached through the handle
+    of a (then removed) hook registered here."""
+    accumulators = getattr(ddp, "grad_accs", None) or []
+    removed = 0
+    for acc in accumulators:
+        hooks = acc.register_hook(
+            _no_hook
+        ).hooks_dict_ref()  # the node's hook dict (megatron's hook included)
+        if hooks is not None:
+            removed += len(hooks) - 1
+            hooks.clear()
+    accumulators.clear()
+    return removed

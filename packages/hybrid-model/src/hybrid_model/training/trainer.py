@@ -348,7 +348,11 @@ class Trainer:
     def close(self) -> None:
         """Release everything the run holds: graphs, streams, determinism settings, megatron's parallel state and
         its process groups (the model is finished afterwards; nothing may run on it)."""
-        from dsv4_primitives.megatron import destroy_model_parallel, release_autograd_graphs
+        from dsv4_primitives.megatron import (
+            destroy_model_parallel,
+            release_autograd_graphs,
+            remove_grad_accumulator_hooks,
+        )
 
         if self.stepper.graphed is not None:
             self.stepper.graphed.close()
@@ -361,7 +365,11 @@ class Trainer:
         if self._unstage is not None:
             self._unstage()
             self._unstage = None
-        release_autograd_graphs(self.core)  # else the model, its DDP and its groups outlive the trainer
+        # break the reference cycles through C++ autograd nodes that keep the model, its DDP and its process groups
+        # (gloo threads polling at 100 Hz) alive after the trainer (dsv4_primitives.megatron.groups)
+        for chunk in ddp_chunks(self.model):
+            remove_grad_accumulator_hooks(chunk)
+        release_autograd_graphs(self.core)
         destroy_model_parallel(keep=self._groups_before)
 
 
