@@ -18,7 +18,7 @@ def _threads() -> int:
 
 
 def _init_and_destroy(rank: int, world: int, cycles: int) -> dict:
-    """``cycles`` times: megatron's parallel state up (CP/EP layouts: more groups) and torn down."""
+    """``cycles`` times: megatron's parallel state up (a CP layout over the world) and torn down."""
     from megatron.core import parallel_state as ps
 
     from dsv4_primitives.megatron import cpu_shims, destroy_model_parallel, process_groups

@@ -9,12 +9,11 @@ EVAL_KEYS = ("step", "eval_lm_loss", "eval_mtp_loss", "eval_ppl", "eval_tokens")
 def evaluate_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_initial: bool = False) -> dict:
     """For each ``(name, TrainConfig kwargs)``: evaluate the initial weights, train (evaluating as configured);
     ``{name: [eval records]}`` (every rank returns the reduced records)."""
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from parallel_runs import run_trainer
 
     results = {}
     for name, kw in runs:
-        trainer = Trainer(TrainConfig(progress=False, **({"save_final": False} | kw)))
+        trainer = run_trainer(kw)
         try:
             if save_initial:
                 trainer.save_checkpoint()  # iter_0000000: the initial weights every layout starts from

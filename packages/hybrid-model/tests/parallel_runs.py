@@ -81,16 +81,23 @@ def capture_first_step_grads(trainer) -> dict:
     return captured
 
 
-def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_initial: bool = False) -> dict:
-    """Train each ``(name, TrainConfig kwargs)`` in turn; ``{name: {"metrics": [...], "grads": {...}}}``. No final
-    checkpoint unless a run asks for one (``save_final=True``; ``save_interval`` checkpoints are written as usual)."""
-    from dsv4_primitives import is_keep_in_fp32
+def run_trainer(kw: dict):
+    """The ``Trainer`` of one test run: ``TrainConfig(**kw)`` without progress output and, unless ``kw`` asks for
+    one (``save_final=True``), without a final checkpoint (``save_interval`` checkpoints are written as usual)."""
     from hybrid_model.training.config import TrainConfig
     from hybrid_model.training.trainer import Trainer
 
+    return Trainer(TrainConfig(progress=False, **({"save_final": False} | kw)))
+
+
+def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_initial: bool = False) -> dict:
+    """Train each ``(name, TrainConfig kwargs)`` in turn (:func:`run_trainer`); ``{name: {"metrics": [...],
+    "grads": {...}}}``."""
+    from dsv4_primitives import is_keep_in_fp32
+
     results = {}
     for name, kw in runs:
-        trainer = Trainer(TrainConfig(progress=False, **({"save_final": False} | kw)))
+        trainer = run_trainer(kw)
         try:
             if save_initial:
                 trainer.save_checkpoint()  # iter_0000000: the initial weights every layout starts from

@@ -53,8 +53,7 @@ def megatron_cpu_context(
         try:
             yield parallel_state
         finally:
-            destroy_model_parallel(
-                keep=existing
-            )  # megatron's groups too (their gloo threads poll until destroyed)
+            # megatron's groups too (their gloo threads poll until destroyed)
+            destroy_model_parallel(keep=existing)
             if own_group:
                 dist.destroy_process_group()

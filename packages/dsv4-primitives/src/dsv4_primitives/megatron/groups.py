@@ -59,8 +59,7 @@ def destroy_model_parallel(keep: Iterable[dist.ProcessGroup]) -> int:
 
     parallel_state.destroy_model_parallel()
     for name in _LEFT_SET_BY_DESTROY:
-        if getattr(parallel_state, name, None) is not None:
-            setattr(parallel_state, name, None)
+        setattr(parallel_state, name, None)
     if not dist.is_initialized():
         return 0
     kept = set(keep)
@@ -103,12 +102,11 @@ def remove_grad_accumulator_hooks(ddp: torch.nn.Module) -> int:
 
     The accumulators are C++ autograd nodes; their hooks live in one dict per node, reached through the handle
     of a (then removed) hook registered here."""
-    accumulators = getattr(ddp, "grad_accs", None) or []
+    accumulators = getattr(ddp, "grad_accs", [])
     removed = 0
     for acc in accumulators:
-        hooks = acc.register_hook(
-            _no_hook
-        ).hooks_dict_ref()  # the node's hook dict (megatron's hook included)
+        # the node's one hook dict: megatron's hooks and the one just registered
+        hooks = acc.register_hook(_no_hook).hooks_dict_ref()
         if hooks is not None:
             removed += len(hooks) - 1
             hooks.clear()
