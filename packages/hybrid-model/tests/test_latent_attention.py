@@ -108,6 +108,33 @@ def test_functional_pattern_builds_and_trains(megatron_cpu):
     assert tracked is not None and tracked[5] > 0 and tracked[0] > 0 and torch.count_nonzero(tracked) == 2
 
 
+def test_local_norms_are_built_in_params_dtype(megatron_cpu):
+    """The local specs' norms (input, q/kv latent, DSA indexer k-norm) take ``params_dtype`` as TE's ``TENorm``
+    does, so a bf16 model built without ``Float16Module`` runs; megatron's ``WrappedTorchNorm`` alone left the
+    indexer's LayerNorm fp32, which CUDA refused ("expected scalar type BFloat16 but found Float" on the H200)."""
+    from hybrid_model.latent_attention import TypedTorchNorm
+    from hybrid_model.model import build_model
+
+    model = build_model(_tiny("W+DE/WE"), params_dtype=torch.bfloat16, bf16=True)
+    norms = {}
+    for i in (1, 2):
+        for name, mod in model.decoder.layers[i].inner_layer.named_modules():
+            if isinstance(mod, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+                norms[f"{i}.{name}"] = {p.dtype for p in mod.parameters()}
+    assert len(norms) == 3 + 4, norms  # '+': input, q, kv; 'D': input, q, kv, indexer k
+    assert all(d == {torch.bfloat16} for d in norms.values()), norms
+    assert all(p.dtype == torch.bfloat16 for i in (1, 2) for p in model.decoder.layers[i].inner_layer.parameters())
+
+    class Cfg:  # the normalization and dtype fields TypedTorchNorm reads
+        normalization, params_dtype = "LayerNorm", torch.float16
+        layernorm_zero_centered_gamma = persist_layer_norm = sequence_parallel = False
+        memory_efficient_layer_norm = False
+
+    ln = TypedTorchNorm(Cfg(), 16, eps=1e-6)
+    assert isinstance(ln, torch.nn.LayerNorm) and ln.weight.dtype == ln.bias.dtype == torch.float16
+    assert ln.eps == 1e-6
+
+
 @pytest.mark.parametrize("symbol", ["+", "D"])
 def test_layer_is_causal_and_packed_equals_each_document(megatron_cpu, symbol):
     """One '+' / 'D' layer: rows before t do not change when later rows do (SBHD), and a packed THD pack of two

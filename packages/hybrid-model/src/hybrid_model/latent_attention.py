@@ -7,9 +7,9 @@ here build the same modules (megatron's ``MLASelfAttention``, ``AbsorbedMLASelfA
 =====================================  ==========================================  ===============================
 TE spec                                local spec                                  same math because
 =====================================  ==========================================  ===============================
-``TENorm`` input norm                  ``WrappedTorchNorm`` (``torch.nn.RMSNorm``)  RMSNorm, ``layernorm_epsilon``
+``TENorm`` input norm                  ``TypedTorchNorm`` (torch ``RMSNorm``)      RMSNorm, ``layernorm_epsilon``
 ``TELinear`` down projections          ``ColumnParallelLinear``                     TP = 1 (DSv4 refuses TP > 1)
-q / kv latent norms fused into         ``WrappedTorchNorm`` ``q_layernorm`` /       RMSNorm then a linear
+q / kv latent norms fused into         ``TypedTorchNorm`` ``q_layernorm`` /        RMSNorm then a linear
 ``TELayerNormColumnParallelLinear``    ``kv_layernorm`` + ``ColumnParallelLinear``
 (MLA; DSA keeps them standalone)
 ``TEColumnParallelLinear`` up proj.    ``ColumnParallelLinear``
@@ -17,7 +17,7 @@ q / kv latent norms fused into         ``WrappedTorchNorm`` ``q_layernorm`` /   
 ``TEDotProductAttention`` (MLA core)   :class:`~hybrid_model.standard_attention.CausalSoftmaxAttention`
                                        (causal softmax, packed THD per document)
 DSA indexer ``TELinear`` (duplicated)  :class:`DuplicatedLinear`                    a full (unsharded) ``x W^T``
-DSA indexer ``TENorm`` k-norm          ``WrappedTorchNorm`` (``LayerNorm``)          megatron sets LayerNorm
+DSA indexer ``TENorm`` k-norm          ``TypedTorchNorm`` (torch ``LayerNorm``)    megatron sets LayerNorm
 =====================================  ==========================================  ===============================
 
 The layer config (:func:`latent_layer_config`, both paths) is the model's with DeepSeek's latent norms on
@@ -95,6 +95,21 @@ def check_local_latent_support(config, pg_collection, symbol: str) -> None:
         )
     if config.tensor_model_parallel_size != 1:
         raise ValueError(f"pattern symbol '{symbol}' runs with tensor_model_parallel_size=1 only")
+
+
+class TypedTorchNorm:
+    """megatron's ``WrappedTorchNorm`` (torch ``LayerNorm`` / ``RMSNorm`` as ``config.normalization`` says) with its
+    parameters in ``config.params_dtype``, as transformer-engine's ``TENorm`` creates them.
+
+    megatron's wrapper leaves them fp32: a model built with ``params_dtype=torch.bfloat16`` outside megatron's
+    ``Float16Module`` then feeds bf16 activations to an fp32 LayerNorm, which CUDA refuses (the DSA indexer's
+    k-norm) and RMSNorm runs on its slow mixed-dtype path.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs) -> torch.nn.Module:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        return WrappedTorchNorm(config, hidden_size, eps, **kwargs).to(dtype=config.params_dtype)
 
 
 class DuplicatedLinear(MegatronModule):
@@ -180,7 +195,6 @@ def local_latent_layer_spec(symbol: str):
     )
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
     from hybrid_model.standard_attention import CausalSoftmaxAttention
@@ -194,8 +208,8 @@ def local_latent_layer_spec(symbol: str):
         linear_kv_down_proj=ColumnParallelLinear,
         linear_kv_up_proj=ColumnParallelLinear,
         linear_proj=RowParallelLinear,
-        q_layernorm=WrappedTorchNorm,
-        kv_layernorm=WrappedTorchNorm,
+        q_layernorm=TypedTorchNorm,
+        kv_layernorm=TypedTorchNorm,
     )
     if symbol == MLA:
         attention = ModuleSpec(
@@ -209,7 +223,7 @@ def local_latent_layer_spec(symbol: str):
             submodules=DSAIndexerSubmodules(
                 linear_wq_b=DuplicatedLinear,
                 linear_wk=DuplicatedLinear,
-                k_norm=WrappedTorchNorm,
+                k_norm=TypedTorchNorm,
                 linear_weights_proj=DuplicatedLinear,
             ),
         )
@@ -227,7 +241,7 @@ def local_latent_layer_spec(symbol: str):
         module=LatentAttentionLayer,
         params={"symbol": symbol, "local": True},
         submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add
+            input_layernorm=TypedTorchNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add
         ),
     )
 
