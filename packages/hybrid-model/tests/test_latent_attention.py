@@ -123,7 +123,9 @@ def test_local_norms_are_built_in_params_dtype(megatron_cpu):
                 norms[f"{i}.{name}"] = {p.dtype for p in mod.parameters()}
     assert len(norms) == 3 + 4, norms  # '+': input, q, kv; 'D': input, q, kv, indexer k
     assert all(d == {torch.bfloat16} for d in norms.values()), norms
-    assert all(p.dtype == torch.bfloat16 for i in (1, 2) for p in model.decoder.layers[i].inner_layer.parameters())
+    assert all(
+        p.dtype == torch.bfloat16 for i in (1, 2) for p in model.decoder.layers[i].inner_layer.parameters()
+    )
 
     class Cfg:  # the normalization and dtype fields TypedTorchNorm reads
         normalization, params_dtype = "LayerNorm", torch.float16

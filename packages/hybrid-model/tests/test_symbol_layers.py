@@ -179,8 +179,8 @@ def test_standard_attention_needs_whole_heads():
 
 
 def test_flops_and_params_refuse_uncounted_symbols():
-    cfg = _tiny("WGE")  # GDN: counted neither analytically (a built model is counted) nor in FLOPs
-    with pytest.raises(ValueError, match=re.escape("'G' (megatron-core's gdn layer) is not counted")):
+    cfg = _tiny("WME")  # Mamba: counted neither analytically (a built model is counted) nor in FLOPs
+    with pytest.raises(ValueError, match=re.escape("'M' (megatron-core's mamba layer) is not counted")):
         forward_flops(cfg, [8])
     with pytest.raises(ValueError, match="count a built model"):
         analytic_param_counts(cfg)
@@ -192,8 +192,7 @@ def test_flops_and_params_refuse_uncounted_symbols():
         ("M", "mamba_ssm", "mamba-ssm"),
         ("M", "causal_conv1d", "causal-conv1d"),
         ("M", "transformer_engine", "hybrid-model[gpu]"),
-        ("G", "fla", "flash-linear-attention"),
-        ("G", "transformer_engine", "hybrid-model[gpu]"),
+        ("G", "fla", "hybrid-model[gdn]"),
     ],
 )
 def test_symbols_with_missing_dependencies_raise_import_error(monkeypatch, symbol, missing, names):

@@ -1,9 +1,10 @@
 """megatron-core's own ``+`` (MLA), ``D`` (DSA), ``G`` (GDN) and ``M`` (Mamba) layers inside a DSv4 model (mHC
-wrapped): build, forward + backward on one GPU, every parameter gets a finite gradient. ``+``/``D`` run with
-transformer-engine's spec where it is installed and with the local spec (``hybrid_model.latent_attention``)
-elsewhere; ``G``/``M`` need transformer-engine and ``fla`` / ``mamba_ssm`` + ``causal_conv1d`` (on CPU their
-missing-dependency ``ImportError`` is tested in ``test_symbol_layers.py``). ``dsv4 train`` trains a ``+``/``D``
-pattern in bf16 on CUDA."""
+wrapped): build, forward + backward on one GPU, every parameter gets a finite gradient, the analytic parameter
+count equals the built model's. ``+``/``D``/``G`` run with transformer-engine's spec where it is installed and with
+the local specs (``hybrid_model.latent_attention``, ``hybrid_model.gated_delta_net``) elsewhere; ``G`` needs
+``fla`` (the ``hybrid-model[gdn]`` extra), ``M`` transformer-engine, ``mamba_ssm`` and ``causal_conv1d`` (on CPU
+their missing-dependency ``ImportError`` is tested in ``test_symbol_layers.py``). ``dsv4 train`` trains a
+``+``/``D`` pattern and a ``G`` pattern (``[B, S]`` and packed THD) in bf16 on CUDA."""
 
 import importlib.util
 import json
@@ -13,7 +14,7 @@ import torch
 
 from hybrid_model.presets import get_preset
 
-NEEDS = {"W+E": [], "WDE": [], "WEGE": ["transformer_engine", "fla"]}
+NEEDS = {"W+E": [], "WDE": [], "WEGE": ["fla"]}
 NEEDS["WEME"] = ["transformer_engine", "mamba_ssm", "causal_conv1d"]
 
 
@@ -24,7 +25,7 @@ def test_megatron_symbol_layers_build_and_train_on_gpu(megatron_cpu, pattern):
     if missing:
         pytest.skip(f"{pattern!r} needs {missing} (the ImportError is tested on CPU)")
     from hybrid_model.model import build_model
-    from hybrid_model.params import count_model_params
+    from hybrid_model.params import analytic_param_counts, count_model_params
 
     cfg = get_preset("tiny").with_pattern(pattern + "/WE")
     model = build_model(cfg, params_dtype=torch.bfloat16, bf16=True).cuda()
@@ -36,9 +37,17 @@ def test_megatron_symbol_layers_build_and_train_on_gpu(megatron_cpu, pattern):
     assert torch.isfinite(loss.float()).all()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad.float()).all(), name
-    assert count_model_params(model, cfg).total == sum(p.numel() for p in model.parameters()) + sum(
+    built = count_model_params(model, cfg).total
+    assert built == sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")
     )
+    if "M" not in pattern:  # Mamba is counted from a built model only
+        assert analytic_param_counts(cfg).total == built
+    if "G" in pattern:  # megatron's torch rule exactly where fla's kernels are not correct
+        from hybrid_model.gated_delta_net_layer import GatedDeltaNetLayer, fla_chunk_kernels_correct
+
+        gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNetLayer)]
+        assert len(gdn) == 1 and gdn[0].torch_delta_rule is not fla_chunk_kernels_correct()[0]
 
 
 @pytest.mark.gpu
@@ -56,3 +65,71 @@ def test_mla_and_dsa_pattern_trains_in_bf16_on_cuda(tmp_path):
     assert len(losses) == 10 and all(x == x and x < 1e3 for x in losses), losses
     assert min(losses[-3:]) < losses[0], losses
     assert all(r.get("indexer_loss") is not None for r in rows if "lm_loss" in r)
+
+
+def _needs_fla():
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("'G' needs fla (the hybrid-model[gdn] extra)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
+def test_gdn_pattern_trains_in_bf16_on_cuda(tmp_path, capsys, packed):
+    """``dsv4 train --pattern WGE-/WE`` on one GPU in bf16: finite losses that decrease. Packed THD needs fla's
+    varlen kernels; where they are not correct (Hopper, Triton < 3.7.1, no tilelang: this H200) the run is refused
+    before training with the reason, as megatron's torch rule would cross documents."""
+    _needs_fla()
+    from hybrid_model.cli import main
+    from hybrid_model.gated_delta_net_layer import fla_chunk_kernels_correct
+
+    run = tmp_path / "run"
+    flags = ["--seq-len", "256", "--global-batch-size", "4", "--warmup-steps", "0"]
+    flags += ["--log-interval", "1", "--lr", "1e-2", "--bf16", "--steps", "10"]
+    flags += ["--packed"] if packed else ["--micro-batch-size", "2"]
+    rc = main(["train", *flags, "--pattern", "WGE-/WE", "--out", str(run)])
+    if packed and not fla_chunk_kernels_correct()[0]:
+        assert rc == 2 and "cannot run packed THD batches here" in capsys.readouterr().err
+        return
+    assert rc == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
+    assert len(losses) == 10 and all(x == x and x < 1e3 for x in losses), losses
+    assert min(losses[-3:]) < losses[0], losses
+
+
+@pytest.mark.gpu
+def test_gdn_torch_rule_matches_fla_forward(megatron_cpu):
+    """The local ``G`` layer on fla's chunked forward kernels against the same layer on megatron's torch gated delta
+    rule (what runs where fla's kernels are not correct), fp32 on [200, 2] tokens (not a multiple of the 64-token
+    chunk). fla's Triton dots run in TF32, so the bound is the guide's: fla's error against the torch rule in full
+    fp32 is at most 2x that of the torch rule itself with TF32 matmuls and convolutions, + 1e-6."""
+    _needs_fla()
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from hybrid_model.gated_delta_net_layer import local_gdn_layer_spec
+    from hybrid_model.spec import transformer_config
+
+    cfg = get_preset("tiny").with_pattern("WGE")
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    layers = []
+    for deterministic in (False, True):
+        torch.manual_seed(0)
+        config = transformer_config(cfg, deterministic_mode=deterministic)
+        spec = local_gdn_layer_spec().submodules
+        layers.append(TransformerLayer(config, spec, layer_number=1, pg_collection=pg).cuda())
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(200, 2, cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        outs = {}
+        for name, layer, tf32 in (("fla", 0, False), ("ref", 1, False), ("peer", 1, True)):
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+            with torch.no_grad():
+                outs[name] = layers[layer](x)[0]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    err = (outs["fla"] - outs["ref"]).abs().max().item()
+    peer = (outs["peer"] - outs["ref"]).abs().max().item()
+    assert torch.isfinite(outs["fla"]).all() and peer > 0
+    assert err <= 2 * peer + 1e-6, (err, peer, outs["ref"].abs().max().item())

@@ -16,6 +16,8 @@ and the compressor's per-channel pooling are below 1% and left out). Per token (
     DSA D        the same projections (the absorbed q·W_UK and ·W_UV einsums cost what the kv up-projection
                  does) + indexer 2·(d_c·n_I·c_I + d·c_I + d·n_I) + 2·n_h·(2c - r) per selected pair
                  (q·k over L + r latent dims, p·v over L) + 2·n_I·c_I + 2·n_I per causal indexer pair
+    GDN G        2·d·(2·Hk·dk + 2·Hv·dv + 2·Hv) + 2·Hv·dv·d (projections) + 6·Hv·dk·dv (gated delta rule,
+                 recurrent form; :mod:`hybrid_model.gated_delta_net`)
     head         2·d·V  (+ HyperHead 2·n·d·n + 2·n·d)
     MTP          2·d·d (e_proj) + n·2·d·d (h_proj per stream) + its block + HyperHead + head
     mHC off      no mHC / HyperHead terms, n = 1
@@ -44,8 +46,9 @@ from dataclasses import asdict, dataclass, field
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.gated_delta_net import GDNSizes, gdn_core_flops, gdn_projection_flops
 from hybrid_model.params import latent_dims
-from hybrid_model.symbols import ATTENTION, DSA, KIND_NAMES, MLA, MLP, MOE, attention_kind
+from hybrid_model.symbols import ATTENTION, DSA, GDN, KIND_NAMES, MLA, MLP, MOE, attention_kind
 
 
 # ----------------------------------------------------------------------------------------- pair counts
@@ -207,13 +210,17 @@ def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) ->
             br.add(prefix + "mlp", _dense_mlp(cfg) * tokens)
         elif symbol == ATTENTION:
             br.add(prefix + "attention.projections", 8 * cfg.hidden_size * cfg.hidden_size * tokens)
+        elif symbol == GDN:
+            sizes = GDNSizes.for_hidden_size(cfg.hidden_size)
+            br.add(prefix + "linear_attention.projections", gdn_projection_flops(sizes) * tokens)
+            br.add(prefix + "linear_attention.delta_rule", gdn_core_flops(sizes) * tokens)
         elif symbol in (MLA, DSA):
             br.add(prefix + "attention.projections", _latent_projections(cfg) * tokens)
             if symbol == DSA:
                 br.add(prefix + "attention.indexer", _dsa_indexer_linear(cfg) * tokens)
         else:
             raise ValueError(
-                f"FLOP accounting covers the symbols C H W E - * + D ; {symbol!r} (megatron-core's "
+                f"FLOP accounting covers the symbols C H W E - * + D G ; {symbol!r} (megatron-core's "
                 f"{KIND_NAMES[symbol]} layer) is not counted: use a pattern without it"
             )
         if cfg.enable_mhc_connections:

@@ -14,16 +14,18 @@ symbol   inner layer                                                     needs
          the local spec (:mod:`hybrid_model.latent_attention`)
 ``D``    megatron's DSA layer (absorbed MLA, ``DSAttention`` + indexer), -- (TE spec: ``transformer_engine``)
          TE or local spec the same way
-``G``    megatron's GDN layer (``hybrid_stack_spec.gdn_layer``)          ``transformer_engine`` + ``fla``
+``G``    megatron's GDN layer: TE spec or the local spec                 ``fla`` (``hybrid-model[gdn]``), CUDA
+         (:mod:`hybrid_model.gated_delta_net`)
 ``M``    megatron's ``MambaLayer`` (``hybrid_stack_spec.mamba_layer``)   ``transformer_engine`` + ``mamba_ssm`` +
                                                                          ``causal_conv1d``
 ======== =============================================================== ==========================================
 
 ``+``/``D`` follow the linear backend (:func:`hybrid_model.spec.select_backend`): megatron-core's TE specs with
 transformer-engine's provider, the local specs (same math, :mod:`hybrid_model.latent_attention`) with the local one,
-which is what a machine without transformer-engine gets. ``G``/``M`` exist only as megatron's TE specs: GDN's
-``in_proj`` is TE's fused norm+linear and its kernels are ``fla``'s (flash-linear-attention, Triton); Mamba's are
-mamba-ssm's and causal-conv1d's compiled CUDA kernels. :func:`require_symbol_dependencies` raises an
+which is what a machine without transformer-engine gets; ``G`` the same way (:mod:`hybrid_model.gated_delta_net`),
+its kernels are ``fla``'s (flash-linear-attention, Triton; fla imports on CUDA machines only). ``M`` exists only as
+megatron's TE spec; its kernels are mamba-ssm's and causal-conv1d's compiled CUDA kernels (mamba-ssm ships no wheel:
+it compiles against the local CUDA toolkit). :func:`require_symbol_dependencies` raises an
 ``ImportError`` naming what is missing before anything is built. Every layer is a pre-norm sub-layer ``f``; the mHC
 wrapper supplies the residual path (``HyperConnectionLayer`` for ``TransformerLayer`` subclasses,
 :class:`HyperConnectionMixer` for the Mamba layer; :class:`~hybrid_model.residual.PlainResidualLayer` with mHC off).
@@ -45,10 +47,9 @@ from mhc.megatron import HyperConnectionLayer
 _TE = ("transformer_engine", "transformer-engine (the `hybrid-model[gpu]` extra; its spec builds the layer)")
 SYMBOL_DEPENDENCIES: dict[str, tuple[tuple[str, str], ...]] = {
     GDN: (
-        _TE,
         (
             "fla",
-            "flash-linear-attention (`pip install flash-linear-attention`: the gated-delta-rule Triton kernels)",
+            "fla-core (the `hybrid-model[gdn]` extra: flash-linear-attention's gated-delta-rule kernels)",
         ),
     ),
     MAMBA: (
@@ -80,13 +81,26 @@ def require_symbol_dependencies(symbols: str) -> None:
         missing = [pip for mod, pip in SYMBOL_DEPENDENCIES[symbol] if not _installed(mod)]
         if missing:
             raise ImportError(
-                f"pattern symbol '{symbol}' builds megatron-core's {_NAMES[symbol]} layer, which exists only as "
-                f"megatron's transformer-engine spec and needs {' and '.join(missing)} (and a CUDA GPU): install "
-                f"them, or use a pattern without '{symbol}' ('+' MLA and 'D' DSA run without transformer-engine)"
+                f"pattern symbol '{symbol}' builds megatron-core's {_NAMES[symbol]} layer, which needs "
+                f"{' and '.join(missing)} (and a CUDA GPU): install them, or use a pattern without '{symbol}' "
+                "('+' MLA and 'D' DSA run without any optional package)"
             )
 
 
-_NAMES = {GDN: "GDN (gated delta net)", MAMBA: "Mamba"}
+def require_symbol_device(symbols: str) -> None:
+    """``ValueError`` when ``symbols`` holds ``G`` and there is no CUDA GPU: fla, whose kernels the GDN layer runs,
+    does not even import without one (checked before megatron's GDN module imports it)."""
+    if GDN in symbols and not torch.cuda.is_available():
+        raise ValueError(
+            "pattern symbol 'G' runs on a CUDA GPU only: megatron's GDN layer runs flash-linear-attention's Triton "
+            "kernels, which need one; use a pattern without 'G' here"
+        )
+
+
+_NAMES = {
+    GDN: "GDN (gated delta net; transformer-engine's spec or the local one)",
+    MAMBA: "Mamba (megatron has only its transformer-engine spec)",
+}
 
 
 def mlp_layer_spec(backend):
@@ -150,9 +164,10 @@ def attention_layer_spec(model_config, backend):
 def megatron_layer_spec(symbol: str, backend=None):
     """``+ D G M``: megatron-core 0.19.2's layer spec of ``symbol``.
 
-    ``+``/``D``: the local spec (:func:`hybrid_model.latent_attention.local_latent_layer_spec`) when ``backend`` is
-    megatron's ``LocalSpecProvider`` (or ``None`` and transformer-engine is not importable), else megatron's TE
-    spec. ``G``/``M``: megatron's TE spec (after :func:`require_symbol_dependencies`).
+    ``+``/``D``/``G``: the local spec (:func:`hybrid_model.latent_attention.local_latent_layer_spec`,
+    :func:`hybrid_model.gated_delta_net_layer.local_gdn_layer_spec`) when ``backend`` is megatron's ``LocalSpecProvider``
+    (or ``None`` and transformer-engine is not importable), else megatron's TE spec. ``M``: megatron's TE spec. ``G``
+    and ``M`` first check their packages (:func:`require_symbol_dependencies`).
     """
     from megatron.core.models.backends import LocalSpecProvider
 
@@ -163,14 +178,17 @@ def megatron_layer_spec(symbol: str, backend=None):
         te_latent_layer_spec,
     )
 
+    local = isinstance(backend, LocalSpecProvider) if backend is not None else not te_available()
     if symbol in LATENT_SYMBOLS:
-        local = isinstance(backend, LocalSpecProvider) if backend is not None else not te_available()
         return local_latent_layer_spec(symbol) if local else te_latent_layer_spec(symbol)
     require_symbol_dependencies(symbol)
+    if symbol == GDN:
+        from hybrid_model.gated_delta_net_layer import local_gdn_layer_spec, te_gdn_layer_spec
+
+        return local_gdn_layer_spec() if local else te_gdn_layer_spec()
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
-    subs = hybrid_stack_spec.submodules
-    return {GDN: subs.gdn_layer, MAMBA: subs.mamba_layer}[symbol]
+    return hybrid_stack_spec.submodules.mamba_layer
 
 
 class HyperConnectionMixer(MegatronModule):

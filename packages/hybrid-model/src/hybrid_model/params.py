@@ -12,6 +12,8 @@ groups/rank, ``n_I``/``c_I`` indexer heads/dim, ``n`` mHC streams, ``E``/``K`` e
     MLA (+)        = d_c·d + n_h·c·d_c + c·d + n_h·(2c - r)·L + d·n_h·c (q down/up, kv down/up, output;
                      L = c - r the kv rank) + d_c + L (q / kv latent norms) + d (input norm)
     DSA (D)        = MLA + n_I·c_I·d_c + c_I·d + 2·c_I + n_I·d (indexer wq_b, wk, LayerNorm k-norm, weights)
+    GDN (G)        = d·(2·Hk·dk + 2·Hv·dv + 2·Hv) + K·(2·Hk·dk + Hv·dv) + 2·Hv + dv + Hv·dv·d + d
+                     (megatron's default sizes; :mod:`hybrid_model.gated_delta_net`)
     model          = 2·V·d (embedding, head; untied) + d (norm) + n·n·d + n + 1 (HyperHead)
     MTP            = 2·d² (e_proj, h_proj) + 3·d (enorm, hnorm, norm) + HyperHead + window block
     mHC off        : no mHC and no HyperHead terms (plain residual, one stream)
@@ -29,7 +31,8 @@ from torch.overrides import TorchFunctionMode
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import ATTENTION, DSA, KIND_NAMES, MLA, MLP, MOE, attention_kind
+from hybrid_model.gated_delta_net import GDNSizes, gdn_layer_params
+from hybrid_model.symbols import ATTENTION, DSA, GDN, KIND_NAMES, MLA, MLP, MOE, attention_kind
 
 
 @dataclass
@@ -172,6 +175,11 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
                 add(prefix + k, v)
             att = sum(v for k, v in parts.items() if k.startswith("attention"))
             total = act = sum(parts.values())
+        elif symbol == GDN:
+            n_gdn = gdn_layer_params(GDNSizes.for_hidden_size(d))
+            add(prefix + "attention.gated_delta_net", n_gdn - d)
+            add(prefix + "norms", d)  # input_layernorm (TE: fused into in_proj)
+            att, total, act = n_gdn - d, n_gdn, n_gdn
         elif symbol in (MLP, ATTENTION):
             # -: SwiGLU MLP d -> 2f -> d; *: QKV d -> 3d and output d -> d (n_h heads of d/n_h dims), no biases
             key, n_lin = (
@@ -183,7 +191,7 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
             total = act = n_lin + d
         else:
             raise ValueError(
-                f"parameter counting covers the symbols C H W E - * + D ; {symbol!r} (megatron-core's "
+                f"parameter counting covers the symbols C H W E - * + D G ; {symbol!r} (megatron-core's "
                 f"{KIND_NAMES[symbol]} layer) is not counted analytically: count a built model "
                 "(count_model_params / build_meta_model)"
             )

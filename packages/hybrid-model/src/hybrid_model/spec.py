@@ -237,11 +237,13 @@ def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = 
         megatron_layer_spec,
         mlp_layer_spec,
         require_symbol_dependencies,
+        require_symbol_device,
     )
     from hybrid_model.symbols import ATTENTION
 
     symbols = set(cfg.parsed_pattern.all_symbols)
     require_symbol_dependencies("".join(symbols))
+    require_symbol_device("".join(symbols))
 
     backend = backend if backend is not None else select_backend()
     hash_spec = None

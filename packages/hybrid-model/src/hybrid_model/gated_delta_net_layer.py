@@ -1,0 +1,116 @@
+"""The ``G`` layer's module and its two specs (transformer-engine's and the local one); what they build, count and
+refuse: :mod:`hybrid_model.gated_delta_net`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from hybrid_model.gated_delta_net import check_gdn_support
+from hybrid_model.layers import require_symbol_device
+
+
+def fla_chunk_kernels_correct() -> tuple[bool, str]:
+    """Whether fla's chunked gated-delta-rule kernels run correctly here, and if not why: fla 0.6 refuses its gated
+    ``chunk_bwd_dqkwg`` Triton kernel on Hopper with Triton in ``[3.4, 3.7.1)`` (wrong results, fla issue #640)
+    unless tilelang supplies that kernel. torch 2.11 pins Triton 3.6, so an H100 / H200 without tilelang is such a
+    machine."""
+    import importlib.util
+
+    import triton
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    broken = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+    if broken and importlib.util.find_spec("tilelang") is None:
+        return False, (
+            f"fla refuses its gated backward kernel on Hopper with Triton {triton.__version__} (wrong results "
+            "below Triton 3.7.1, fla issue #640) and tilelang, which replaces it, is not installed"
+        )
+    return True, ""
+
+
+class GatedDeltaNetLayer(TransformerLayer):
+    """megatron's ``TransformerLayer`` around its ``GatedDeltaNet`` (``module`` of both specs).
+
+    Construction refuses what cannot run (no CUDA, :func:`check_gdn_support`) and picks the gated delta rule:
+    fla's chunked kernels, or megatron's torch chunked rule (its ``deterministic_mode`` path, set on this layer's
+    config copy) with ``--deterministic`` or where fla's kernels are not correct (:func:`fla_chunk_kernels_correct`);
+    ``torch_delta_rule`` says which. The attention forward hands a pack's document boundaries to fla on the
+    activations' device (the trainer keeps a pack's ``cu_seqlens`` on the host, where megatron's other layers read
+    them) and refuses packed batches on the torch rule, which has no per-document boundaries.
+    """
+
+    def __init__(self, config, submodules, *args, **kwargs) -> None:
+        require_symbol_device("G")
+        check_gdn_support(config, kwargs.get("pg_collection"))
+        ok, why = fla_chunk_kernels_correct()
+        if not ok and not config.deterministic_mode:
+            config = copy.copy(config)
+            config.deterministic_mode = True  # megatron's torch conv1d + torch chunked gated delta rule
+        super().__init__(config, submodules, *args, **kwargs)
+        self.torch_delta_rule = bool(config.deterministic_mode)
+        self.torch_delta_rule_reason = why or "--deterministic"
+
+    def _forward_attention(self, hidden_states, *args, packed_seq_params=None, **kwargs):
+        if packed_seq_params is not None:
+            if self.torch_delta_rule:
+                raise ValueError(packed_on_torch_rule_message(self.torch_delta_rule_reason))
+            packed_seq_params = packed_seq_params_on(packed_seq_params, hidden_states.device)
+        return super()._forward_attention(hidden_states, *args, packed_seq_params=packed_seq_params, **kwargs)
+
+
+def packed_on_torch_rule_message(reason: str) -> str:
+    """The refusal of packed THD batches on megatron's torch gated delta rule (``reason``: why that rule runs)."""
+    return (
+        f"pattern symbol 'G' cannot run packed THD batches here: {reason}, so megatron's torch gated delta rule runs, "
+        "and it has no per-document boundaries (its conv1d and recurrence would cross documents); use [B, S] batches "
+        "(drop --packed), or install tilelang (or Triton >= 3.7.1) so fla's kernels run"
+    )
+
+
+def packed_seq_params_on(packed_seq_params, device):
+    """``packed_seq_params`` with its ``cu_seqlens*`` tensors on ``device`` (the same object when they are)."""
+    moved = {
+        f.name: v.to(device)
+        for f in dataclasses.fields(packed_seq_params)
+        if f.name.startswith("cu_seqlens")
+        and isinstance(v := getattr(packed_seq_params, f.name), torch.Tensor)
+        and v.device != device
+    }
+    return dataclasses.replace(packed_seq_params, **moved) if moved else packed_seq_params
+
+
+def local_gdn_layer_spec():
+    """The local (no transformer-engine) spec of ``G``: the table in :mod:`hybrid_model.gated_delta_net`."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from dsv4_primitives import RMSNorm
+    from hybrid_model.latent_attention import TypedTorchNorm
+
+    return ModuleSpec(
+        module=GatedDeltaNetLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=GatedDeltaNet,
+                submodules=GatedDeltaNetSubmodules(
+                    in_proj=ColumnParallelLinear, out_norm=TypedTorchNorm, out_proj=RowParallelLinear
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def te_gdn_layer_spec():
+    """megatron-core's own TE spec of ``G`` (``hybrid_stack_spec.gdn_layer``), built by :class:`GatedDeltaNetLayer`."""
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    return dataclasses.replace(hybrid_stack_spec.submodules.gdn_layer, module=GatedDeltaNetLayer)
