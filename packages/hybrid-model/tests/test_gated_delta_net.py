@@ -121,6 +121,9 @@ def test_refusals():
         ValueError, match=r"--packed with the pattern 'WGE': .*--deterministic, so megatron's torch"
     ):
         check_gdn_training("WGE", packed=True, deterministic=True)
+    check_gdn_training("WCE", packed=False, deterministic=False, cuda_graph=True)
+    with pytest.raises(ValueError, match=re.escape("--cuda-graph cannot run the pattern 'WGE-'")):
+        check_gdn_training("WGE-", packed=False, deterministic=False, cuda_graph=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")

@@ -34,8 +34,9 @@ The gated delta rule is fla's chunked kernels, or megatron's torch chunked rule 
 with ``--deterministic`` and where fla's kernels are not correct: fla 0.6 refuses its gated backward kernel on Hopper
 with Triton below 3.7.1 (wrong results, fla issue #640) unless tilelang is installed, and torch 2.11 pins Triton 3.6
 (:func:`hybrid_model.gated_delta_net_layer.fla_chunk_kernels_correct`). Refused with a reason: context parallelism
-(megatron's GDN all-to-all assumes its zigzag CP layout; DSv4 shards contiguously), tensor parallelism, and packed
-THD batches on the torch rule (no per-document boundaries: its conv1d and recurrence would cross documents).
+(megatron's GDN all-to-all assumes its zigzag CP layout; DSv4 shards contiguously), tensor parallelism, packed THD
+batches on the torch rule (no per-document boundaries: its conv1d and recurrence would cross documents) and
+``--cuda-graph`` (the torch rule copies its initial state from the host in every forward).
 """
 
 from __future__ import annotations
@@ -130,10 +131,21 @@ def check_gdn_support(config, pg_collection) -> None:
         )
 
 
-def check_gdn_training(pattern: str, *, packed: bool, deterministic: bool) -> None:
-    """``ValueError`` for ``--packed`` with a ``G`` layer where megatron's torch gated delta rule would run
+def check_gdn_training(pattern: str, *, packed: bool, deterministic: bool, cuda_graph: bool = False) -> None:
+    """``ValueError`` for what a ``G`` layer cannot train: ``--cuda-graph`` (megatron's torch gated delta rule
+    builds its recurrent state on the host in every forward, a host-to-device copy that a capture forbids, seen on
+    the H200; fla's kernels are not validated under capture), and ``--packed`` where megatron's torch rule would run
     (``--deterministic``, or fla's kernels not correct on this machine): that rule has no per-document boundaries."""
-    if "G" not in pattern or not packed:
+    if "G" not in pattern:
+        return
+    if cuda_graph:
+        raise ValueError(
+            f"--cuda-graph cannot run the pattern {pattern!r}: megatron's torch gated delta rule (the 'G' layer's "
+            "rule with --deterministic and on Hopper without tilelang) builds its state on the host in every forward, "
+            "which a CUDA graph capture forbids, and fla's kernels are not validated under capture; drop --cuda-graph "
+            "or use a pattern without 'G'"
+        )
+    if not packed:
         return
     import torch
 

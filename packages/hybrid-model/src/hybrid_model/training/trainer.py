@@ -130,7 +130,12 @@ class Trainer:
         self.model_config = model_config_for(tc)
         from hybrid_model.gated_delta_net import check_gdn_training
 
-        check_gdn_training(self.model_config.layer_pattern, packed=tc.packed, deterministic=tc.deterministic)
+        check_gdn_training(
+            self.model_config.layer_pattern,
+            packed=tc.packed,
+            deterministic=tc.deterministic,
+            cuda_graph=tc.cuda_graph,
+        )
         if tc.cuda_graph and tc.packed:
             from hybrid_model.training.graph_packs import check_packed_graph_pattern
 
