@@ -102,7 +102,7 @@ def test_params_and_flops_of_a_gdn_pattern_by_hand():
     assert stats.components["linear_attention.delta_rule"] == br.components["linear_attention.delta_rule"]
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     config = types.SimpleNamespace(
         tensor_model_parallel_size=1, linear_num_key_heads=16, linear_num_value_heads=32
     )
@@ -113,6 +113,17 @@ def test_refusals():
         check_gdn_support(types.SimpleNamespace(**{**vars(config), "tensor_model_parallel_size": 2}), _pg(1))
     with pytest.raises(ValueError, match=r"linear_num_value_heads \(24\) must be a multiple"):
         check_gdn_support(types.SimpleNamespace(**{**vars(config), "linear_num_value_heads": 24}), _pg(1))
+    from hybrid_model import layers
+
+    if (
+        importlib.util.find_spec("fla") is None
+    ):  # packed G without fla: the ImportError naming the extra first
+        with pytest.raises(ImportError, match=re.escape("hybrid-model[gdn]")):
+            check_gdn_training("WGE", packed=True, deterministic=True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        layers.importlib.util, "find_spec", lambda n, *a: object() if n == "fla" else real(n, *a)
+    )
     if not torch.cuda.is_available():  # on CUDA it depends on fla's kernels (tested on the H200)
         check_gdn_training("WGE", packed=True, deterministic=False)
     check_gdn_training("WCE", packed=True, deterministic=True)

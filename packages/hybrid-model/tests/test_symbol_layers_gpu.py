@@ -4,7 +4,9 @@ count equals the built model's. ``+``/``D``/``G`` run with transformer-engine's 
 the local specs (``hybrid_model.latent_attention``, ``hybrid_model.gated_delta_net``) elsewhere; ``G`` needs
 ``fla`` (the ``hybrid-model[gdn]`` extra), ``M`` transformer-engine, ``mamba_ssm`` and ``causal_conv1d`` (on CPU
 their missing-dependency ``ImportError`` is tested in ``test_symbol_layers.py``). ``dsv4 train`` trains a
-``+``/``D`` pattern and a ``G`` pattern (``[B, S]`` and packed THD) in bf16 on CUDA."""
+``+``/``D`` pattern and a ``G`` pattern (``[B, S]``) in bf16 on CUDA; packed THD with ``G`` trains on fla's varlen
+kernels where they are trusted and is refused elsewhere (on the H200, Triton 3.6: refused, and ``G`` runs megatron's
+torch rule, whose output is checked against fla's forward kernels)."""
 
 import importlib.util
 import json
@@ -76,7 +78,7 @@ def _needs_fla():
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
 def test_gdn_pattern_trains_in_bf16_on_cuda(tmp_path, capsys, packed):
     """``dsv4 train --pattern WGE-/WE`` on one GPU in bf16: finite losses that decrease. Packed THD needs fla's
-    varlen kernels; where they are not correct (Hopper, Triton < 3.7.1, no tilelang: this H200) the run is refused
+    varlen kernels; where they are not trusted (Hopper with Triton < 3.7.1: this H200) the run is refused
     before training with the reason, as megatron's torch rule would cross documents."""
     _needs_fla()
     from hybrid_model.cli import main

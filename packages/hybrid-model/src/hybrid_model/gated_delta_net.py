@@ -1,4 +1,5 @@
-"""megatron-core's GDN layer (``G``, gated delta net) without transformer-engine: the local layer spec.
+"""megatron-core's GDN layer (``G``, gated delta net) in a DSv4 model: its sizes, parameter and FLOP counts and what
+it refuses; the layer and its specs (TE's and the local one) are in :mod:`hybrid_model.gated_delta_net_layer`.
 
 megatron-core 0.19.2's ``hybrid_stack_spec.gdn_layer`` builds ``G`` from transformer-engine modules. The local spec
 builds the same module (megatron's ``GatedDeltaNet`` in a ``TransformerLayer``) from megatron's local parts, with
@@ -31,9 +32,9 @@ and ``A_log``; ``out_norm``; ``out_proj``; the input norm): :func:`gdn_layer_par
 delta rule, :func:`gdn_core_flops`); the conv, norms and gates are left out as for the other layers.
 
 The gated delta rule is fla's chunked kernels, or megatron's torch chunked rule (its ``deterministic_mode`` path)
-with ``--deterministic`` and where fla's kernels are not correct: fla 0.6 refuses its gated backward kernel on Hopper
-with Triton below 3.7.1 (wrong results, fla issue #640) unless tilelang is installed, and torch 2.11 pins Triton 3.6
-(:func:`hybrid_model.gated_delta_net_layer.fla_chunk_kernels_correct`). Refused with a reason: context parallelism
+with ``--deterministic`` and where fla's kernels are not trusted: fla 0.6 refuses its gated backward kernel on Hopper
+with Triton below 3.7.1 (wrong results, fla issue #640; its per-call tilelang replacement is not validated here), and
+torch 2.11 pins Triton 3.6 (:func:`hybrid_model.gated_delta_net_layer.fla_chunk_kernels_correct`). Refused with a reason: context parallelism
 (megatron's GDN all-to-all assumes its zigzag CP layout; DSv4 shards contiguously), tensor parallelism, packed THD
 batches on the torch rule (no per-document boundaries: its conv1d and recurrence would cross documents) and
 ``--cuda-graph`` (the torch rule copies its initial state from the host in every forward).
@@ -123,11 +124,14 @@ def check_gdn_support(config, pg_collection) -> None:
             "zigzag CP layout, DSv4 shards each pack contiguously; use --cp 1 or a pattern without 'G'"
         )
     if config.tensor_model_parallel_size != 1:
-        raise ValueError("pattern symbol 'G' runs with tensor_model_parallel_size=1 only")
+        raise ValueError(
+            "pattern symbol 'G' runs with tensor_model_parallel_size=1 only (DSv4 refuses TP > 1): use --tp 1"
+        )
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     if hv % hk:
         raise ValueError(
-            f"pattern symbol 'G': linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})"
+            f"pattern symbol 'G': linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk}) "
+            "(each key head serves Hv / Hk value heads): change one of them"
         )
 
 
@@ -141,13 +145,19 @@ def check_gdn_training(pattern: str, *, packed: bool, deterministic: bool, cuda_
     if cuda_graph:
         raise ValueError(
             f"--cuda-graph cannot run the pattern {pattern!r}: megatron's torch gated delta rule (the 'G' layer's "
-            "rule with --deterministic and on Hopper without tilelang) builds its state on the host in every forward, "
+            "rule with --deterministic and on Hopper with Triton < 3.7.1) builds its state on the host in every forward, "
             "which a CUDA graph capture forbids, and fla's kernels are not validated under capture; drop --cuda-graph "
             "or use a pattern without 'G'"
         )
     if not packed:
         return
     import torch
+
+    from hybrid_model.layers import require_symbol_dependencies
+
+    require_symbol_dependencies(
+        pattern
+    )  # fla missing: the ImportError naming the extra, before fla is imported
 
     reason = "--deterministic" if deterministic else ""
     if not reason and torch.cuda.is_available():

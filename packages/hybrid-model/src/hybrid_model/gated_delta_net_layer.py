@@ -14,20 +14,19 @@ from hybrid_model.layers import require_symbol_device
 
 
 def fla_chunk_kernels_correct() -> tuple[bool, str]:
-    """Whether fla's chunked gated-delta-rule kernels run correctly here, and if not why: fla 0.6 refuses its gated
-    ``chunk_bwd_dqkwg`` Triton kernel on Hopper with Triton in ``[3.4, 3.7.1)`` (wrong results, fla issue #640)
-    unless tilelang supplies that kernel. torch 2.11 pins Triton 3.6, so an H100 / H200 without tilelang is such a
-    machine."""
-    import importlib.util
-
+    """Whether fla's chunked gated-delta-rule kernels are trusted here, and if not why. fla 0.6 refuses its gated
+    ``chunk_bwd_dqkwg`` Triton kernel on Hopper with Triton in ``[3.4, 3.7.1)`` (wrong results, fla issue #640) and
+    dispatches to a tilelang kernel instead when tilelang, a usable nvcc and fla's backend switches allow it, per
+    call (a verifier may still send a call back to the refusing Triton kernel). torch 2.11 pins Triton 3.6, so on an
+    H100 / H200 this is not trusted, with or without tilelang (its replacement is not validated here): megatron's
+    torch rule runs."""
     import triton
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
-    broken = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
-    if broken and importlib.util.find_spec("tilelang") is None:
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
         return False, (
-            f"fla refuses its gated backward kernel on Hopper with Triton {triton.__version__} (wrong results "
-            "below Triton 3.7.1, fla issue #640) and tilelang, which replaces it, is not installed"
+            f"fla refuses its gated backward kernel on Hopper with Triton {triton.__version__} (wrong results below "
+            "Triton 3.7.1, fla issue #640; its tilelang replacement is not validated here)"
         )
     return True, ""
 
@@ -67,7 +66,8 @@ def packed_on_torch_rule_message(reason: str) -> str:
     return (
         f"pattern symbol 'G' cannot run packed THD batches here: {reason}, so megatron's torch gated delta rule runs, "
         "and it has no per-document boundaries (its conv1d and recurrence would cross documents); use [B, S] batches "
-        "(drop --packed), or install tilelang (or Triton >= 3.7.1) so fla's kernels run"
+        "(drop --packed), or run where fla's kernels are trusted (Triton >= 3.7.1 on Hopper, or another GPU) and without "
+        "--deterministic"
     )
 
 

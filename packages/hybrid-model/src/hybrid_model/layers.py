@@ -15,14 +15,14 @@ symbol   inner layer                                                     needs
 ``D``    megatron's DSA layer (absorbed MLA, ``DSAttention`` + indexer), -- (TE spec: ``transformer_engine``)
          TE or local spec the same way
 ``G``    megatron's GDN layer: TE spec or the local spec                 ``fla`` (``hybrid-model[gdn]``), CUDA
-         (:mod:`hybrid_model.gated_delta_net`)
+         (:mod:`hybrid_model.gated_delta_net_layer`)
 ``M``    megatron's ``MambaLayer`` (``hybrid_stack_spec.mamba_layer``)   ``transformer_engine`` + ``mamba_ssm`` +
                                                                          ``causal_conv1d``
 ======== =============================================================== ==========================================
 
 ``+``/``D`` follow the linear backend (:func:`hybrid_model.spec.select_backend`): megatron-core's TE specs with
 transformer-engine's provider, the local specs (same math, :mod:`hybrid_model.latent_attention`) with the local one,
-which is what a machine without transformer-engine gets; ``G`` the same way (:mod:`hybrid_model.gated_delta_net`),
+which is what a machine without transformer-engine gets; ``G`` the same way (:mod:`hybrid_model.gated_delta_net_layer`),
 its kernels are ``fla``'s (flash-linear-attention, Triton; fla imports on CUDA machines only). ``M`` exists only as
 megatron's TE spec; its kernels are mamba-ssm's and causal-conv1d's compiled CUDA kernels (mamba-ssm ships no wheel:
 it compiles against the local CUDA toolkit). :func:`require_symbol_dependencies` raises an

@@ -110,7 +110,20 @@ class Trainer:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from dsv4_primitives.megatron import init_rng_tracker
+        from hybrid_model.gated_delta_net import check_gdn_training
 
+        # what the pattern cannot train is refused before the RNG and determinism settings change
+        self.model_config = model_config_for(tc)
+        check_gdn_training(
+            self.model_config.layer_pattern,
+            packed=tc.packed,
+            deterministic=tc.deterministic,
+            cuda_graph=tc.cuda_graph,
+        )
+        if tc.cuda_graph and tc.packed:
+            from hybrid_model.training.graph_packs import check_packed_graph_pattern
+
+            check_packed_graph_pattern(self.model_config.layer_pattern)
         init_rng_tracker(tc.seed, cuda_graph_safe=tc.cuda_graph)
         reset_metric_trackers()
         self.ps = ps
@@ -127,19 +140,6 @@ class Trainer:
             if tc.deterministic
             else determinism.use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs anyway
         )
-        self.model_config = model_config_for(tc)
-        from hybrid_model.gated_delta_net import check_gdn_training
-
-        check_gdn_training(
-            self.model_config.layer_pattern,
-            packed=tc.packed,
-            deterministic=tc.deterministic,
-            cuda_graph=tc.cuda_graph,
-        )
-        if tc.cuda_graph and tc.packed:
-            from hybrid_model.training.graph_packs import check_packed_graph_pattern
-
-            check_packed_graph_pattern(self.model_config.layer_pattern)
         if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
             from hybrid_model.training.cuda_graph import use_capture_stream
 
