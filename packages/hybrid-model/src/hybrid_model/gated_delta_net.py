@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 GDN_SIZE_FIELDS = (
     "linear_num_key_heads",
     "linear_num_value_heads",
@@ -117,16 +119,15 @@ def gdn_core_flops(sizes: GDNSizes) -> int:
 
 def check_gdn_support(config, pg_collection) -> None:
     """Refuse what megatron's GDN layer does not run inside a DSv4 model (module docstring)."""
-    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    if cp is not None and cp.size() > 1:
-        raise ValueError(
-            "pattern symbol 'G' does not support context parallelism here: megatron's GDN all-to-all assumes its "
-            "zigzag CP layout, DSv4 shards each pack contiguously; use --cp 1 or a pattern without 'G'"
-        )
-    if config.tensor_model_parallel_size != 1:
-        raise ValueError(
-            "pattern symbol 'G' runs with tensor_model_parallel_size=1 only (DSv4 refuses TP > 1): use --tp 1"
-        )
+    from hybrid_model.layers import check_single_rank_mixer
+
+    check_single_rank_mixer(
+        config,
+        pg_collection,
+        "G",
+        cp_refusal="does not support context parallelism here: megatron's GDN all-to-all assumes its zigzag CP "
+        "layout, DSv4 shards each pack contiguously; use --cp 1 or a pattern without 'G'",
+    )
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     if hv % hk:
         raise ValueError(
@@ -151,20 +152,14 @@ def check_gdn_training(pattern: str, *, packed: bool, deterministic: bool, cuda_
         )
     if not packed:
         return
-    import torch
-
     from hybrid_model.layers import require_symbol_dependencies
 
-    require_symbol_dependencies(
-        pattern
-    )  # fla missing: the ImportError naming the extra, before fla is imported
+    # fla missing: the ImportError naming the extra, before anything imports fla
+    require_symbol_dependencies(pattern)
+    from hybrid_model.gated_delta_net_layer import fla_chunk_kernels_correct, packed_on_torch_rule_message
 
     reason = "--deterministic" if deterministic else ""
     if not reason and torch.cuda.is_available():
-        from hybrid_model.gated_delta_net_layer import fla_chunk_kernels_correct
-
         reason = fla_chunk_kernels_correct()[1]
     if reason:
-        from hybrid_model.gated_delta_net_layer import packed_on_torch_rule_message
-
         raise ValueError(f"--packed with the pattern {pattern!r}: " + packed_on_torch_rule_message(reason))

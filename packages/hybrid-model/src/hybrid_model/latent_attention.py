@@ -87,14 +87,15 @@ def latent_layer_config(config, symbol: str, *, local: bool):
 
 def check_local_latent_support(config, pg_collection, symbol: str) -> None:
     """Refuse what the local ``+``/``D`` path does not run (context parallelism, tensor parallelism)."""
-    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    if cp is not None and cp.size() > 1:
-        raise ValueError(
-            f"pattern symbol '{symbol}' without transformer-engine does not support context parallelism "
-            "(megatron's MLA context parallelism runs in TE's attention): use CP=1 or C/H/W layers"
-        )
-    if config.tensor_model_parallel_size != 1:
-        raise ValueError(f"pattern symbol '{symbol}' runs with tensor_model_parallel_size=1 only")
+    from hybrid_model.layers import check_single_rank_mixer
+
+    check_single_rank_mixer(
+        config,
+        pg_collection,
+        symbol,
+        cp_refusal="without transformer-engine does not support context parallelism (megatron's MLA context "
+        "parallelism runs in TE's attention): use CP=1 or C/H/W layers",
+    )
 
 
 class TypedTorchNorm:

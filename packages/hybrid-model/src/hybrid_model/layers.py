@@ -97,6 +97,18 @@ def require_symbol_device(symbols: str) -> None:
         )
 
 
+def check_single_rank_mixer(config, pg_collection, symbol: str, *, cp_refusal: str) -> None:
+    """``ValueError`` for context or tensor parallelism around a megatron-core mixer (``+ D G``) that runs with
+    neither inside a DSv4 model; ``cp_refusal`` completes the CP message (why, and what to use instead)."""
+    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if cp is not None and cp.size() > 1:
+        raise ValueError(f"pattern symbol '{symbol}' {cp_refusal}")
+    if config.tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"pattern symbol '{symbol}' runs with tensor_model_parallel_size=1 only (DSv4 refuses TP > 1): use --tp 1"
+        )
+
+
 _NAMES = {
     GDN: "GDN (gated delta net; transformer-engine's spec or the local one)",
     MAMBA: "Mamba (megatron has only its transformer-engine spec)",
