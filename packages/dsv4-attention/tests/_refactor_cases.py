@@ -1,7 +1,8 @@
 """Before/after cases of the core/adapter split (dsv4-attention 0.3): one function computes, per case, the state
 dict and the outputs and every gradient of a tiny layer built through the megatron spec path; the values recorded at
 commit ``784234d`` (before the split) live in ``data/refactor_fixture.pt`` and ``test_refactor_fixture.py``
-compares the current code to them bitwise.
+compares the current code to them with the tolerance rule (fp64 of the same case as the
+accurate value).
 
 Regenerate (only at a commit whose numerics are the reference): ``python packages/dsv4-attention/tests/data/
 make_refactor_fixture.py``.
@@ -37,8 +38,12 @@ def _psp(lengths):
     )
 
 
-def run_case(name: str, pg) -> dict[str, torch.Tensor]:
-    """State dict (default init, then re-drawn), output, input and parameter gradients of case ``name``."""
+def run_case(name: str, pg, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """State dict (default init, then re-drawn), output, input and parameter gradients of case ``name``.
+
+    ``dtype=torch.float64`` evaluates the same layer (built, initialised and re-drawn in fp32 exactly as the
+    fp32 case, then cast) and the same inputs in fp64: the accurate value the fp32 numbers are checked against.
+    """
     from megatron.core.transformer.spec_utils import build_module
 
     from dsv4_attention import IndexerLossAutoScaler, get_indexer_loss_tracker
@@ -58,16 +63,16 @@ def run_case(name: str, pg) -> dict[str, torch.Tensor]:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.2)
-    m.train()
+    m.to(dtype).train()
     gen = torch.Generator().manual_seed(1)
     if lengths is None:
         s = 131 if ratio == 128 else 37
-        x = torch.randn(s, 2, 64, generator=gen).requires_grad_(True)
+        x = torch.randn(s, 2, 64, generator=gen).to(dtype).requires_grad_(True)
         psp = None
     else:
-        x = torch.randn(sum(lengths), 1, 64, generator=gen).requires_grad_(True)
+        x = torch.randn(sum(lengths), 1, 64, generator=gen).to(dtype).requires_grad_(True)
         psp = _psp(lengths)
-    w = torch.randn(x.shape, generator=gen)
+    w = torch.randn(x.shape, generator=gen).to(dtype)
     get_indexer_loss_tracker().reset()
     IndexerLossAutoScaler.set_loss_scale(0.5)
     try:
