@@ -24,6 +24,7 @@ ORDER = [
     "hash-moe",
     "dsv4-attention",
     "hybrid-model",
+    "dsv4-train",
     "dsv4-testkit",
 ]
 TEST_ONLY = {"dsv4-testkit"}

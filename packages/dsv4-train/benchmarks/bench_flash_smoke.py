@@ -1,7 +1,7 @@
 """flash-smoke on one GPU: forward+backward tokens/s, MFU and peak memory vs sequence length, plus a full
 optimizer step; side by side with the Hugging Face transformers eager numbers measured on the same H200.
 
-    PYTHONPATH=<all packages/*/src> python3 packages/hybrid-model/benchmarks/bench_flash_smoke.py --out DIR
+    PYTHONPATH=<all packages/*/src> python3 packages/dsv4-train/benchmarks/bench_flash_smoke.py --out DIR
 
 Correctness first: at initialisation the LM loss must be finite and close to ln(V); the bf16 logits of a short
 sequence must match an fp32 run of the same weights. Then each S in --seq-lens (default 2048 4096 8192, then
@@ -16,7 +16,7 @@ reports live in :mod:`flash_smoke_diagnostics`.
 longest that fits, for full recompute with the optimizer offloaded (F = 1, 0.5), then full / selective / no recompute,
 in a bounded time (:mod:`long_context`)::
 
-    python3 packages/hybrid-model/benchmarks/bench_flash_smoke.py --long-context --iters 2 --max-seq-len 131072 \
+    python3 packages/dsv4-train/benchmarks/bench_flash_smoke.py --long-context --iters 2 --max-seq-len 131072 \
         --budget-s 500 --out DIR
 """
 
@@ -140,7 +140,7 @@ def _packed_batches(model, S: int, n: int, max_docs: int = 64) -> list[tuple[dic
     last document fills the pack), as ``dsv4 train --cuda-graph --packed`` copies them into the static buffers."""
     from types import SimpleNamespace
 
-    from hybrid_model.training.graph_packs import static_pack_batch
+    from dsv4_train.graph_packs import static_pack_batch
     from thd_packing import PackedSeqs
 
     g = torch.Generator().manual_seed(0)
@@ -166,17 +166,17 @@ def _packed_batches(model, S: int, n: int, max_docs: int = 64) -> list[tuple[dic
 
 def _time_fwd_bwd_graphed(model, S: int, iters: int, packed: bool = False) -> dict:
     """forward+backward as ``dsv4 train --cuda-graph`` runs it: megatron's forward-backward schedule behind
-    ``FullCudaGraphWrapper`` (:class:`hybrid_model.training.cuda_graph.GraphedForwardBackward`): two eager warm-up
+    ``FullCudaGraphWrapper`` (:class:`dsv4_train.cuda_graph.GraphedForwardBackward`): two eager warm-up
     steps, then one captured step, then ``iters`` timed replays (each copies the batch into the static buffers).
     The capture starts without gradients, so every replay writes fresh ones (as eager ``zero_grad`` + backward).
 
     ``packed`` (``--cuda-graph --packed``): every step a different static THD pack of ``S`` real tokens (the replays
-    run on document boundaries the capture never saw; device-side bounds, :mod:`hybrid_model.training.graph_packs`)."""
+    run on document boundaries the capture never saw; device-side bounds, :mod:`dsv4_train.graph_packs`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from dsv4_train.cuda_graph import GraphedForwardBackward
+    from dsv4_train.graph_packs import static_packed_seq_params
     from hybrid_model.flops import forward_flops, forward_flops_sbhd
-    from hybrid_model.training.cuda_graph import GraphedForwardBackward
-    from hybrid_model.training.graph_packs import static_packed_seq_params
 
     ids = torch.randint(0, model.model_config.vocab_size, (1, S), device="cuda")
     packs = _packed_batches(model, S, iters + 3) if packed else None
@@ -253,8 +253,8 @@ def _time_fwd_bwd_graphed(model, S: int, iters: int, packed: bool = False) -> di
 def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = False) -> dict:
     """Full training steps through ``dsv4 train``'s loop (DDP + distributed optimizer, Adam, grad clipping) in this
     process; run by :func:`_time_optimizer_step` in a fresh process (the Trainer owns its parallel state)."""
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     # The last `iters` of `iters + 5` steps are timed, in both modes on the same batches (tokens/s counts real tokens,
     # which vary per batch). Graphs: 2 warm-up steps + the capture, again after the MTP weight's decay starts (step 2
@@ -418,7 +418,7 @@ def main() -> None:
         print("OPTIMIZER_STEP " + json.dumps(r), flush=True)
         return
     _init()
-    from hybrid_model.training.cuda_graph import use_capture_stream
+    from dsv4_train.cuda_graph import use_capture_stream
 
     use_capture_stream()  # as dsv4 train --cuda-graph: model and steps on the capture stream (eager rows too)
     model = _model(bf16=True)

@@ -2,7 +2,7 @@
 bit (every loss, every step's gradients, the final weights), eager and ``--cuda-graph``; and what it costs
 (training tokens/s of the deterministic runs against the default kernels, same batches).
 
-    PYTHONPATH=<all packages/*/src> python3 packages/hybrid-model/benchmarks/check_deterministic.py --out DIR
+    PYTHONPATH=<all packages/*/src> python3 packages/dsv4-train/benchmarks/check_deterministic.py --out DIR
 
 Six runs of the Trainer, each in its own process (``--steps`` 20 at ``--seq-len`` 4096, one sequence per step, sparse attention
 from step 0, the MTP-weight recapture at the end of the 10-step warm-up): default eager, deterministic eager twice,
@@ -56,8 +56,8 @@ def _fingerprint(tensors) -> list[int]:
 
 
 def _run(name: str, out: Path, args, *, deterministic: bool, graph: bool) -> dict:
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     tc = TrainConfig(
         preset=args.preset,

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hybrid_model.training.recompute import LONG_CONTEXT_SELECTIVE
+from dsv4_train.recompute import LONG_CONTEXT_SELECTIVE
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 # the settings compared (TrainConfig fields), most informative first (the budget may end before the last ones):
@@ -76,8 +76,8 @@ class _Run:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from dsv4_primitives.megatron import apply_cpu_shims, init_rng_tracker
-        from hybrid_model.training.config import TrainConfig
-        from hybrid_model.training.setup import (
+        from dsv4_train.config import TrainConfig
+        from dsv4_train.setup import (
             attach_schedule_hooks,
             build_model,
             build_optimizer,
@@ -132,7 +132,7 @@ class _Run:
 
     def step(self, s: int, batch) -> float:
         """One full training step at length ``s``; returns its wall time (synchronised)."""
-        from hybrid_model.training.step import StepRunner
+        from dsv4_train.step import StepRunner
 
         runner = StepRunner(
             dataclasses.replace(self.tc, seq_len=s),

@@ -59,8 +59,8 @@ import json, sys
 from pathlib import Path
 import torch
 torch.set_num_threads(int(sys.argv[2]))
-from hybrid_model.cli import main
-from hybrid_model.training.outputs import read_metrics
+from dsv4_train.cli import main
+from dsv4_train.outputs import read_metrics
 
 out, argv = Path(sys.argv[1]), json.loads(sys.argv[3])
 assert main([*argv, "--out", str(out)]) == 0

@@ -20,10 +20,10 @@ def train_variants(rank: int, world: int, runs: list[tuple[str, dict, dict]]) ->
     micro-batch check's message when the two ranks claim different micro-batch counts."""
     import torch.distributed as dist
 
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.gloo_cuda import host_staged_collectives
-    from hybrid_model.training.graph_data_parallel import GradReductionAfterSchedule, check_equal_microbatches
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.gloo_cuda import host_staged_collectives
+    from dsv4_train.graph_data_parallel import GradReductionAfterSchedule, check_equal_microbatches
+    from dsv4_train.trainer import Trainer
 
     results = {}
     try:  # rank 0 claims 3 micro-batches per step, rank 1 claims 2
@@ -56,8 +56,8 @@ def train_variants(rank: int, world: int, runs: list[tuple[str, dict, dict]]) ->
 def graph_vs_eager(rank: int, world: int, runs: list[tuple[str, dict]]) -> dict:
     """GPU: train each ``(name, TrainConfig kwargs)`` (``cuda_graph`` on or off) on this rank's GPU (every rank on
     the current device); per-step metrics and whether each step replayed the graph."""
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     results = {}
     for name, kw in runs:

@@ -93,7 +93,7 @@ def dp_rank_offload_vs_fused(rank: int, world_size: int, fraction: float) -> dic
     from test_optimizer_offload import _build, _model_params
 
     from dsv4_primitives.megatron import apply_cpu_shims, cuda_as_cpu, init_rng_tracker
-    from hybrid_model.training.offload import offloaded_numel
+    from dsv4_train.offload import offloaded_numel
 
     apply_cpu_shims()
     ps.initialize_model_parallel(1, 1)

@@ -23,7 +23,7 @@ def _gather_distributed_optimizer_shards(ddp) -> None:
     distributed optimizer reads only the local shard, so the step is unchanged)."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    from hybrid_model.training.virtual_pipeline import ddp_chunks
+    from dsv4_train.virtual_pipeline import ddp_chunks
 
     groups = [g for c in ddp_chunks(ddp) for g in (*c.bucket_groups, *c.expert_parallel_bucket_groups)]
     for group in groups:
@@ -84,8 +84,8 @@ def capture_first_step_grads(trainer) -> dict:
 def run_trainer(kw: dict):
     """The ``Trainer`` of one test run: ``TrainConfig(**kw)`` without progress output and, unless ``kw`` asks for
     one (``save_final=True``), without a final checkpoint (``save_interval`` checkpoints are written as usual)."""
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     return Trainer(TrainConfig(progress=False, **({"save_final": False} | kw)))
 

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hybrid_model.training.config import TrainConfig
-from hybrid_model.training.context_parallel import local_batch, sbhd_as_thd_pack
+from dsv4_train.config import TrainConfig
+from dsv4_train.context_parallel import local_batch, sbhd_as_thd_pack
 
 
 def test_cp_config_checks():

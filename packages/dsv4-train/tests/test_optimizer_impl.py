@@ -10,9 +10,10 @@ rounding into different gradients).
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4_primitives import mark_keep_in_fp32
-from hybrid_model.training.optimizer import (
+from dsv4_train.optimizer import (
     KernelChoiceAdamW,
     build_optimizer,
     resolve_impl,
@@ -22,9 +23,7 @@ from hybrid_model.training.optimizer import (
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 EPS32 = 2.0**-23
 LR = 1e-2
-C_ROUNDINGS = (
-    32  # fp32 roundings of the update per step allowed (module doc of hybrid_model.training.optimizer)
-)
+C_ROUNDINGS = 32  # fp32 roundings of the update per step allowed (module doc of dsv4_train.optimizer)
 
 
 def _toy_cls():
@@ -85,7 +84,28 @@ def _core(ddp):
     return m.module if hasattr(m, "module") else m
 
 
-def _step(ddp, opt, step):
+class _OpLog(TorchDispatchMode):
+    """Names of the aten ops dispatched inside the block (``_fused_adamw_``, ``_foreach_mul_``, ``lerp_``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _kernel_family(ops: set[str]) -> str:
+    """Which torch Adam kernel ran, read from the dispatched ops (not from how it rounds)."""
+    if any(o.startswith("_fused_adam") for o in ops):
+        return "fused"
+    if any(o.startswith("_foreach_") for o in ops):
+        return "foreach"
+    return "unfused"
+
+
+def _step(ddp, opt, step, log: _OpLog | None = None):
     gen = torch.Generator().manual_seed(100 + step)
     dev = next(ddp.parameters()).device
     scales = [10.0 ** (-4 + (i + step) % 5) for i in range(5)]  # gradients over five decades
@@ -96,7 +116,11 @@ def _step(ddp, opt, step):
     opt.zero_grad()
     ddp(grads).backward()
     ddp.finish_grad_sync()
-    ok, _, _ = opt.step()
+    if log is None:
+        ok, _, _ = opt.step()
+    else:
+        with log:
+            ok, _, _ = opt.step()
     assert ok
 
 
@@ -140,8 +164,8 @@ def test_resolve_impl():
 
 
 def test_cli_flags():
-    from hybrid_model.cli import build_parser, train_config_from_args
-    from hybrid_model.training.config import TrainConfig
+    from dsv4_train.cli import build_parser, train_config_from_args
+    from dsv4_train.config import TrainConfig
 
     tc = train_config_from_args(
         build_parser().parse_args(["train", "--optimizer-impl", "fused", "--no-fused-linear-ce"])
@@ -198,12 +222,17 @@ def test_parity_with_megatron_adam(megatron_cpu, impl, dist_opt, bf16):
     from dsv4_primitives.megatron import cuda_as_cpu
 
     steps = 6
+    ref_ops, ops = _OpLog(), _OpLog()
     with cuda_as_cpu():
         ddp0, ref = _build("unfused", dist_opt, bf16)
         ddp1, opt = _build(impl, dist_opt, bf16)
         for s in range(steps):
-            _step(ddp0, ref, s)
-            _step(ddp1, opt, s)
+            _step(ddp0, ref, s, ref_ops)
+            _step(ddp1, opt, s, ops)
+    # the kernel that ran, seen in the dispatched ops (a rounding difference proves nothing: on some CPUs the
+    # fused and the single-tensor update round identically)
+    assert _kernel_family(ref_ops.ops) == "unfused", sorted(ref_ops.ops)
+    assert _kernel_family(ops.ops) == impl, sorted(ops.ops)
     _assert_within_bound(_main_state(ref), _main_state(opt), steps, f"{impl} dist_opt={dist_opt} bf16={bf16}")
     for (n, p0), p1 in zip(_core(ddp0).named_parameters(), _core(ddp1).parameters(), strict=True):
         assert p0.dtype == p1.dtype and p0.dtype == (
@@ -214,10 +243,6 @@ def test_parity_with_megatron_adam(megatron_cpu, impl, dist_opt, bf16):
         ):  # the rounding of main params that agree to the bound: at most one bf16 ulp
             ulp = 2.0**-7 * p0.float().abs()
             assert ((p1.float() - p0.float()).abs() <= ulp).all(), n
-    assert (
-        not all(torch.equal(a[0], b[0]) for a, b in zip(_main_state(ref), _main_state(opt)))
-        or impl == "foreach"
-    ), "the fused kernel rounds differently: a bitwise match means it did not run"
 
 
 def _save(ddp, opt, path, dist_opt):
@@ -258,7 +283,7 @@ def _find_param_groups(obj):
 )
 def test_checkpoint_round_trip_across_impls(megatron_cpu, tmp_path, dist_opt, save_impl, load_impl):
     from dsv4_primitives.megatron import cuda_as_cpu
-    from hybrid_model.training.checkpoint import sync_saver_queue
+    from dsv4_train.checkpoint import sync_saver_queue
 
     sync_saver_queue()
     with cuda_as_cpu():

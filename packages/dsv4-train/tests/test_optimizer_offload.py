@@ -1,5 +1,5 @@
 """``--optimizer-cpu-offload``: megatron-core's ``HybridDeviceOptimizer`` inside our distributed optimizer
-(:mod:`hybrid_model.training.offload`), on CPU.
+(:mod:`dsv4_train.offload`), on CPU.
 
 Without CUDA, megatron's hybrid optimizer would offload nothing (it splits by ``param.is_cuda``) and then fail, so
 the tests run it under :func:`offload_sim.simulated_device`: CPU tensors play the GPU, pinned copies play the host.
@@ -9,7 +9,7 @@ copy-back hooks into the model's param buffer); the tests check that it did (hos
 Parity: both sides of the hybrid optimizer are torch's ``AdamW(fused=True)``; the non-offloaded reference runs with
 ``--optimizer-impl fused`` (the same kernel on CPU), so updates are bitwise equal. On a GPU the part kept on the
 device runs the CUDA fused kernel and the host part the CPU one: the same AdamW within the rounding bound stated in
-:mod:`hybrid_model.training.optimizer`. Gradients are independent of the params (``test_optimizer_impl``'s toy), so
+:mod:`dsv4_train.optimizer`. Gradients are independent of the params (``test_optimizer_impl``'s toy), so
 the comparison isolates the optimizer.
 """
 
@@ -24,7 +24,7 @@ from offload_sim import simulated_device
 from test_optimizer_impl import _build as _build_toy
 from test_optimizer_impl import _core, _load, _main_state, _save, _step
 
-from hybrid_model.training.offload import hybrid_optimizers, offload_config_fields, offloaded_numel
+from dsv4_train.offload import hybrid_optimizers, offload_config_fields, offloaded_numel
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -106,7 +106,7 @@ def test_checkpoint_round_trip(megatron_cpu, tmp_path, save_offload, load_offloa
     import contextlib
 
     from dsv4_primitives.megatron import cuda_as_cpu
-    from hybrid_model.training.checkpoint import sync_saver_queue
+    from dsv4_train.checkpoint import sync_saver_queue
 
     def state(ddp, opt, offload):
         return _model_params(ddp), (_hybrid_state(opt) if offload else [t[:3] for t in _main_state(opt)])
@@ -197,8 +197,8 @@ def test_refusals(megatron_cpu):
 
 
 def test_cli_flags():
-    from hybrid_model.cli import build_parser, train_config_from_args
-    from hybrid_model.training.config import TrainConfig
+    from dsv4_train.cli import build_parser, train_config_from_args
+    from dsv4_train.config import TrainConfig
 
     def tc_of(*argv):
         return train_config_from_args(build_parser().parse_args(["train", *argv]))
@@ -221,11 +221,11 @@ def test_cli_flags():
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_cuda_offload_parity(megatron_cpu, tmp_path, fraction):
     """On the GPU: host Adam (CPU fused kernel) and device Adam (CUDA fused kernel) against the non-offloaded
-    CUDA fused kernel, within the rounding bound of :mod:`hybrid_model.training.optimizer`; then a checkpoint
+    CUDA fused kernel, within the rounding bound of :mod:`dsv4_train.optimizer`; then a checkpoint
     round trip offloaded -> offloaded keeps the device state on the device and resumes bitwise."""
     from test_optimizer_impl import _assert_within_bound
 
-    from hybrid_model.training.checkpoint import sync_saver_queue
+    from dsv4_train.checkpoint import sync_saver_queue
 
     steps = 4
     ddp0, ref = _build(False, device="cuda")

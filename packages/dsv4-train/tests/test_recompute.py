@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dsv4_primitives.recompute import SELECTIVE_MODULES, RecomputeConfig
+from dsv4_train.recompute import LONG_CONTEXT_SELECTIVE
 from hybrid_model.presets import get_preset
-from hybrid_model.training.recompute import LONG_CONTEXT_SELECTIVE
 
 SETTINGS = {
     **{m: RecomputeConfig("selective", (m,)) for m in SELECTIVE_MODULES},
@@ -51,8 +51,8 @@ def _step(recompute, ids, *, count_saved=False):
 @pytest.fixture(scope="module", autouse=True)
 def _deterministic_cpu_kernels():
     """As ``dsv4 train`` on CPU: the threaded ``index_put_`` accumulation of the reference kernels' backward would
-    change the summation order from run to run (:mod:`hybrid_model.training.determinism`)."""
-    from hybrid_model.training.determinism import use_deterministic_cpu_kernels
+    change the summation order from run to run (:mod:`dsv4_train.determinism`)."""
+    from dsv4_train.determinism import use_deterministic_cpu_kernels
 
     restore = use_deterministic_cpu_kernels(torch.device("cpu"))
     yield
@@ -158,9 +158,9 @@ def test_pp2_recompute_gradients_bitwise(tmp_path):
 
 
 def test_cli_flags_and_errors():
-    from hybrid_model.cli import build_parser, train_config_from_args
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.recompute import recompute_config
+    from dsv4_train.cli import build_parser, train_config_from_args
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.recompute import recompute_config
 
     args = ["train", "--recompute-granularity", "selective", "--recompute-modules", "mhc", "moe_act"]
     tc = train_config_from_args(build_parser().parse_args([*args, "--mhc-recompute-layer-num", "2"]))

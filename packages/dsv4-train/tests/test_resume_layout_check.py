@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid_model.training.checkpoint import check_resume_layout
+from dsv4_train.checkpoint import check_resume_layout
 
 
 def test_resume_only_at_the_saved_model_layout():

@@ -15,8 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from hybrid_model.cli import build_parser
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.cli import build_parser
+from dsv4_train.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,8 @@ _RUNNER = textwrap.dedent(
     import json, sys
     import torch
     from dsv4_primitives import is_keep_in_fp32
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
         out, results = sys.argv[1], []

@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_runs import run_results_script
 
-from hybrid_model.cli import build_parser, train_config_from_args
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.cli import build_parser, train_config_from_args
+from dsv4_train.config import TrainConfig
 
 
 @pytest.fixture
@@ -64,8 +64,8 @@ def test_cli_flags(fake_cuda):
 _RUNNER = textwrap.dedent(
     """
     import json, sys
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
         import torch
@@ -122,8 +122,8 @@ def test_graphed_training_matches_eager(tmp_path):
 _RECOMPUTE_RUNNER = textwrap.dedent(
     """
     import json, sys
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
         import torch

@@ -17,9 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_runs import run_results_script
 
-from hybrid_model.cli import build_parser, train_config_from_args
-from hybrid_model.training.config import TrainConfig
-from hybrid_model.training.graph_packs import (
+from dsv4_train.cli import build_parser, train_config_from_args
+from dsv4_train.config import TrainConfig
+from dsv4_train.graph_packs import (
     EAGER_MAX_DOCS,
     max_docs_per_pack,
     static_pack_batch,
@@ -141,8 +141,8 @@ def test_tiny_model_static_pack_equals_host_pack(megatron_cpu):
 _REPLAY_RUNNER = textwrap.dedent(
     """
     import json, sys
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
         import torch
@@ -250,13 +250,13 @@ def test_packed_step_captured_on_one_pack_replays_another(megatron_cpu):
 @pytest.mark.parametrize("pattern", ["W*E", "WC+E", "WDE/WE", "W-GE", "WME"])
 def test_packed_graph_refuses_host_boundary_symbols(pattern):
     """megatron's own layers read packed boundaries on the host: a packed graph would replay the first pack's."""
-    from hybrid_model.training.graph_packs import check_packed_graph_pattern
+    from dsv4_train.graph_packs import check_packed_graph_pattern
 
     with pytest.raises(ValueError, match="read the packed document boundaries on the host"):
         check_packed_graph_pattern(pattern)
 
 
 def test_packed_graph_accepts_dsv4_symbols():
-    from hybrid_model.training.graph_packs import check_packed_graph_pattern
+    from dsv4_train.graph_packs import check_packed_graph_pattern
 
     check_packed_graph_pattern("WCHE-|W-C/WE")

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from hybrid_model.cli import build_parser, train_config_from_args
-from hybrid_model.training.config import TrainConfig
-from hybrid_model.training.data import build_batches, build_text_dataset, data_summary
+from dsv4_train.cli import build_parser, train_config_from_args
+from dsv4_train.config import TrainConfig
+from dsv4_train.data import build_batches, build_text_dataset, data_summary
 
 
 def _tc(*argv: str) -> TrainConfig:
@@ -92,7 +92,7 @@ def test_bad_record_error_names_the_cli_switch(tmp_path):
 
 def test_dsv4_train_stops_on_bad_data_before_building_the_model(tmp_path):
     a, _ = _sources(tmp_path)
-    code = "import sys; from hybrid_model.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from dsv4_train.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, "train", "--data", str(a), "--out", str(tmp_path / "run")],
         capture_output=True,
@@ -112,7 +112,7 @@ def test_dsv4_train_prints_the_data_summary(tmp_path):
     # no --micro-batch-size: a --packed micro-batch is one pack
     argv += ["--seq-len", "64", "--global-batch-size", "4", "--no-progress"]
     argv += ["--out", str(tmp_path / "run"), "--no-save-final"]
-    code = "import sys; from hybrid_model.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from dsv4_train.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, *argv],
         capture_output=True,

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from hybrid_model.training.determinism import use_deterministic_cpu_kernels
+from dsv4_train.determinism import use_deterministic_cpu_kernels
 
 
 def _gather_grads(reps: int) -> list[torch.Tensor]:
@@ -55,8 +55,8 @@ def test_cpu_gather_backward_is_bit_identical_with_two_threads():
 _RUNNER = textwrap.dedent(
     """
     import json, sys
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import train
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import train
 
     if __name__ == "__main__":
         ms = train(TrainConfig(progress=False, **json.loads(sys.argv[1])))

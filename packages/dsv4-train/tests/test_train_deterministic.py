@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from hybrid_model.cli import build_parser, train_config_from_args
-from hybrid_model.training.determinism import (
+from dsv4_train.cli import build_parser, train_config_from_args
+from dsv4_train.determinism import (
     prepare_deterministic_environment,
     use_deterministic_training,
 )
@@ -93,8 +93,8 @@ def test_cpu_run_is_strict_and_uses_megatron_deterministic_mode(tmp_path, monkey
     the embedding, finite falling-or-not metrics, and the previous settings back after ``close``."""
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("NCCL_ALGO", raising=False)
@@ -129,8 +129,8 @@ _GPU_RUNNER = textwrap.dedent(
     """
     import hashlib, json, sys
     import torch
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
         out, results = sys.argv[1], {}

@@ -14,8 +14,8 @@ _RUNNER = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.trainer import train
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.trainer import train
 
     if __name__ == "__main__":
         keys = ("lm_loss", "mtp_loss", "grad_norm", "lr")
@@ -110,7 +110,7 @@ def test_exact_resume(tmp_path):
 def test_fused_optimizer_exact_resume_and_cross_impl_resume(tmp_path):
     """``--optimizer-impl fused`` (torch's fused AdamW kernel; on CPU here) resumes bit-identically, and a checkpoint
     it wrote resumes under megatron's own optimizer (``unfused``): same format, Adam state and step restored, so
-    the losses stay within the fused/unfused rounding difference (hybrid_model.training.optimizer)."""
+    the losses stay within the fused/unfused rounding difference (dsv4_train.optimizer)."""
     kw = dict(steps=6, warmup_steps=2)
     run = tmp_path / "run"
     full, tail, other = _train_runs(

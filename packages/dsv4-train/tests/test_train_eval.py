@@ -23,9 +23,9 @@ _RUNNER = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.outputs import read_metrics
-    from hybrid_model.training.trainer import Trainer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.outputs import read_metrics
+    from dsv4_train.trainer import Trainer
 
     TRAIN = ("lm_loss", "mtp_loss", "grad_norm", "lr", "balance_loss", "indexer_loss")
     EVAL = ("eval_lm_loss", "eval_mtp_loss", "eval_ppl", "eval_tokens")

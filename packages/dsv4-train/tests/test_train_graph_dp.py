@@ -1,5 +1,5 @@
 """``--cuda-graph`` with data parallelism: the graph holds the forward and backward, the DP gradient reduction
-(megatron's ``finalize_model_grads``) runs eagerly after it (:mod:`hybrid_model.training.graph_data_parallel`).
+(megatron's ``finalize_model_grads``) runs eagerly after it (:mod:`dsv4_train.graph_data_parallel`).
 
 CPU (gloo, 2 processes, fp32): the restructured step — the reduction taken out of the schedule and run after it, the
 code path of a graphed DP step, here run eagerly — equals today's DP2 step bitwise (losses, grad norm and every
@@ -24,7 +24,7 @@ from graph_dp_runs import graph_vs_eager, train_variants
 from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
 
 from dsv4_testkit import run_distributed
-from hybrid_model.training.graph_data_parallel import GradReductionAfterSchedule
+from dsv4_train.graph_data_parallel import GradReductionAfterSchedule
 
 # 2 steps: the second one runs on the parameters the distributed optimizer all-gathered after the first. Every run
 # builds the model from the same seed at PP = EP = 1, so the DP ranks and the single process start from the same
@@ -124,7 +124,7 @@ _GPU_BASE = dict(
 @pytest.mark.gpu
 @pytest.mark.distributed
 def test_graphed_dp2_on_one_gpu_matches_eager(tmp_path):
-    """Two gloo ranks on one GPU (the same as ``torchrun --nproc-per-node 2 -m hybrid_model.cli train --cuda-graph
+    """Two gloo ranks on one GPU (the same as ``torchrun --nproc-per-node 2 -m dsv4_train.cli train --cuda-graph
     --dist-backend gloo``): ``--cuda-graph`` DP2 vs eager DP2 in bf16, per-step losses within ``2·δ``, where
     ``δ = max_step |L_bf16 - L_fp32|`` of the eager DP2 runs (the parallel matrix's bf16 rule: a run that makes the
     same bf16 roundings in another order deviates from fp32 by the same amount; with deterministic kernels the
@@ -164,7 +164,7 @@ def test_overlapped_grad_reduce_is_refused():
 
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from hybrid_model.training.graph_data_parallel import check_no_sync_in_backward
+    from dsv4_train.graph_data_parallel import check_no_sync_in_backward
 
     def chunk(overlap: bool):  # what the check reads of a megatron DDP chunk
         return SimpleNamespace(ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=overlap))
@@ -175,8 +175,8 @@ def test_overlapped_grad_reduce_is_refused():
 
 
 def test_dist_backend_flag():
-    from hybrid_model.cli import build_parser, train_config_from_args
-    from hybrid_model.training.config import TrainConfig
+    from dsv4_train.cli import build_parser, train_config_from_args
+    from dsv4_train.config import TrainConfig
 
     args = build_parser().parse_args(["train", "--dist-backend", "gloo"])
     assert train_config_from_args(args).dist_backend == "gloo"
@@ -193,7 +193,7 @@ def test_host_staging_is_scoped():
     """The staged collectives replace megatron's module-level functions only inside the block."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
-    from hybrid_model.training.gloo_cuda import host_staged_collectives
+    from dsv4_train.gloo_cuda import host_staged_collectives
 
     names = ("dist_reduce_scatter_func", "dist_all_gather_func", "_coalescing_manager")
     before = [getattr(pgb, n) for n in names]

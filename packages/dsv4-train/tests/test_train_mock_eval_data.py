@@ -8,18 +8,18 @@ import re
 import numpy as np
 import pytest
 
-from hybrid_model.cli import build_parser, main, train_config_from_args
-from hybrid_model.training.checkpoint import resume_conflicts
-from hybrid_model.training.config import TrainConfig
-from hybrid_model.training.data import build_batches
-from hybrid_model.training.eval_data import (
+from dsv4_train.checkpoint import resume_conflicts
+from dsv4_train.cli import build_parser, main, train_config_from_args
+from dsv4_train.config import TrainConfig
+from dsv4_train.data import build_batches
+from dsv4_train.eval_data import (
     EVAL_MOCK_STREAM,
     build_run_data,
     heldout_conflict,
     heldout_samples,
     split_heldout,
 )
-from hybrid_model.training.mock_data import parse_mock_spec
+from dsv4_train.mock_data import parse_mock_spec
 
 
 def _tc(*argv: str) -> TrainConfig:

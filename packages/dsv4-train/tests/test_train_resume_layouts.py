@@ -3,7 +3,7 @@ layout: DP2 -> DP1 (``dp_reshardable``, the default format) and PP2 -> PP1 (``--
 
 Each 2-process run trains 4 steps in bf16 and saves at step 2 (bf16 weights, fp32 keep-in-fp32 params, fp32 main
 params and Adam moments). One process then resumes the step-2 checkpoint and trains steps 3 and 4. (Other layout
-changes are refused before loading, see ``hybrid_model.training.checkpoint.check_resume_layout`` and
+changes are refused before loading, see ``dsv4_train.checkpoint.check_resume_layout`` and
 ``test_resume_layout_check.py``.) PP2's first and last stages hold the word embedding (MTP's copy on the last) in a
 bucket of its own: the layout where megatron 0.19.2's ``fully_reshardable`` save shifted the optimizer state
 (fixed in dsv4-primitives' ``DistributedOptimizerWithNativeFP32Params``).

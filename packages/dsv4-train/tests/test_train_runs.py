@@ -33,11 +33,11 @@ _RUNNER = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch
-    from hybrid_model.training import step as step_mod
-    from hybrid_model.training.checkpoint import Checkpointer
-    from hybrid_model.training.config import TrainConfig
-    from hybrid_model.training.outputs import read_metrics
-    from hybrid_model.training.trainer import Trainer, TrainingDiverged
+    from dsv4_train import step as step_mod
+    from dsv4_train.checkpoint import Checkpointer
+    from dsv4_train.config import TrainConfig
+    from dsv4_train.outputs import read_metrics
+    from dsv4_train.trainer import Trainer, TrainingDiverged
 
     POISON, current, saves, snap = set(), {"step": -1}, [], {}
     orig_call, orig_fwd, orig_save = step_mod.StepRunner.__call__, step_mod.StepRunner.forward_step, Checkpointer.save
@@ -147,7 +147,7 @@ def test_nonfinite_steps_checkpoints_and_resume_checks(tmp_path):
 def _cli(args, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run(
-        [sys.executable, "-m", "hybrid_model.cli", "train", *_BASE, *args],
+        [sys.executable, "-m", "dsv4_train.cli", "train", *_BASE, *args],
         capture_output=True,
         text=True,
         timeout=900,
@@ -157,7 +157,7 @@ def _cli(args, **kw):
 
 
 def test_cli_run_directory_exit_codes_and_output(tmp_path, capsys):
-    from hybrid_model.cli import QUIET_LOG_RECORDS, QUIET_WARNINGS, main
+    from dsv4_train.cli import QUIET_LOG_RECORDS, QUIET_WARNINGS, main
 
     run = tmp_path / "run"
     first = _cli(["--steps", "2", "--out", str(run)])
@@ -180,7 +180,7 @@ def test_cli_run_directory_exit_codes_and_output(tmp_path, capsys):
     # --resume auto on a fresh directory starts a new run and says so; SIGTERM saves and exits 143
     run2 = tmp_path / "run2"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "hybrid_model.cli", "train", *_BASE, "--steps", "6", "--out", str(run2)]
+    cmd = [sys.executable, "-m", "dsv4_train.cli", "train", *_BASE, "--steps", "6", "--out", str(run2)]
     proc = subprocess.Popen(
         [*cmd, "--resume", "auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.config import TrainConfig
 
 
 def test_cosine_decay_starts_after_warmup():
@@ -82,7 +82,7 @@ def test_schedule_validation(kw, match):
 
 def test_cli_schedule_and_save_final_flags_reach_the_config():
     """`dsv4 train` flags map 1:1 onto TrainConfig fields (through the function `_cmd_train` uses)."""
-    from hybrid_model.cli import build_parser, train_config_from_args
+    from dsv4_train.cli import build_parser, train_config_from_args
 
     args = build_parser().parse_args(
         [

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from hybrid_model.cli import build_parser, main, train_config_from_args
-from hybrid_model.training.checkpoint import latest_checkpoint, resume_conflicts
-from hybrid_model.training.config import TrainConfig
-from hybrid_model.training.outputs import RunOutputs, read_metrics, strict_json_row
-from hybrid_model.training.rundir import check_writable, clear_run, decide_resume
+from dsv4_train.checkpoint import latest_checkpoint, resume_conflicts
+from dsv4_train.cli import build_parser, main, train_config_from_args
+from dsv4_train.config import TrainConfig
+from dsv4_train.outputs import RunOutputs, read_metrics, strict_json_row
+from dsv4_train.rundir import check_writable, clear_run, decide_resume
 
 
 @pytest.mark.parametrize(

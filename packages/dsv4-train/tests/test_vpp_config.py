@@ -3,9 +3,9 @@ The runs themselves are the PP2xVPP2 cell of ``test_parallel_matrix.py``."""
 
 import pytest
 
-from hybrid_model.training.config import TrainConfig
-from hybrid_model.training.setup import model_config_for
-from hybrid_model.training.virtual_pipeline import check_vpp_microbatches
+from dsv4_train.config import TrainConfig
+from dsv4_train.setup import model_config_for
+from dsv4_train.virtual_pipeline import check_vpp_microbatches
 
 
 def test_vpp_sets_pp_times_vpp_segments_with_the_hash_layers_in_the_first():

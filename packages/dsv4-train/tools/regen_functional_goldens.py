@@ -1,6 +1,6 @@
 """Regenerate the functional E2E goldens (D9) of hybrid-model: ``tests/data/functional_goldens.json``.
 
-    python3 -m uv run --locked python packages/hybrid-model/tools/regen_functional_goldens.py [--reason TEXT]
+    python3 -m uv run --locked python packages/dsv4-train/tools/regen_functional_goldens.py [--reason TEXT]
 
 Runs the case of ``tests/functional_case.py`` twice, with 1 and with 2 intra-op threads (``torch.set_num_threads``;
 the run-to-run variation: another reduction split of the CPU kernels), derives the tolerance from the spread, prints

@@ -248,12 +248,3 @@ def test_sharded_write_and_read(tmp_path):
         read_config(tmp_path / "no_config")
     with pytest.raises(ValueError, match="not a directory"):
         read_tensors(tmp_path / "nowhere")
-
-
-def test_convert_cli_errors(tmp_path, capsys):
-    from hybrid_model.cli import main
-
-    (tmp_path / "empty").mkdir()
-    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
-    assert "neither an HF checkpoint" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2

@@ -1,6 +1,6 @@
 """HF interop (spec §9.2, §10 P1): a tiny random transformers ``DeepseekV4ForCausalLM`` saved with
-``save_pretrained``, loaded by ``hybrid_model.hf.load_hf_checkpoint``, gives the same fp32 logits; ``dsv4 convert``
-HF -> megatron -> HF reproduces every tensor exactly; other spellings, MTP tensors and bad checkpoints."""
+``save_pretrained``, loaded by ``hybrid_model.hf.load_hf_checkpoint``, gives the same fp32 logits; the conversions
+HF -> megatron -> HF (``dsv4 convert``, tested as a command in dsv4-train) reproduce every tensor exactly; other spellings, MTP tensors and bad checkpoints."""
 
 import json
 import shutil
@@ -135,14 +135,18 @@ def _safetensors(path):
 
 
 def test_convert_round_trip_is_exact(megatron_cpu, hf_tiny, tmp_path):
-    from hybrid_model.cli import main
-    from hybrid_model.hf import load_hf_checkpoint, load_megatron_checkpoint
+    from hybrid_model.hf import (
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+        load_hf_checkpoint,
+        load_megatron_checkpoint,
+    )
 
     path, hf_model, ids, _ = hf_tiny
     mg, back = tmp_path / "megatron", tmp_path / "hf"
-    assert main(["convert", str(path), str(mg)]) == 0
+    convert_hf_to_megatron(path, mg)
     assert (mg / "metadata.json").is_file() and (mg / "dsv4_model_config.json").is_file()
-    assert main(["convert", str(mg), str(back)]) == 0
+    convert_megatron_to_hf(mg, back)
     a, b = _safetensors(path), _safetensors(back)
     assert sorted(a) == sorted(b)
     for k in a:
@@ -178,8 +182,12 @@ def _mtp_tensors(path, seed: int) -> dict:
 def test_mtp_tensors_load_and_survive_round_trip(megatron_cpu, hf_tiny, tmp_path):
     from safetensors.torch import save_file
 
-    from hybrid_model.cli import main
-    from hybrid_model.hf import load_hf_checkpoint, official_state_dict
+    from hybrid_model.hf import (
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+        load_hf_checkpoint,
+        official_state_dict,
+    )
 
     path = hf_tiny[0]
     src = tmp_path / "with_mtp"
@@ -200,8 +208,8 @@ def test_mtp_tensors_load_and_survive_round_trip(megatron_cpu, hf_tiny, tmp_path
         load_hf_checkpoint(path, mtp=True)
     assert not hasattr(load_hf_checkpoint(src, mtp=False), "mtp")
     mg, back = tmp_path / "megatron", tmp_path / "back"
-    assert main(["convert", str(src), str(mg)]) == 0
-    assert main(["convert", str(mg), str(back)]) == 0
+    convert_hf_to_megatron(src, mg)
+    convert_megatron_to_hf(mg, back)
     a, b = _safetensors(src), _safetensors(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     # transformers ignores mtp.* and still loads everything else
@@ -209,31 +217,10 @@ def test_mtp_tensors_load_and_survive_round_trip(megatron_cpu, hf_tiny, tmp_path
     assert not info["missing_keys"] and not info["mismatched_keys"]
 
 
-def test_dsv4_convert_in_a_fresh_process(tmp_path):
-    """The console command as users run it: no parallel state beforehand (created by the command itself)."""
-    import subprocess
-    import sys
-
-    torch.manual_seed(3)
-    hf_model = transformers.DeepseekV4ForCausalLM(_hf_config("rope"))
-    _randomize(hf_model, seed=3)
-    hf_model.save_pretrained(tmp_path / "hf")
-    script = (
-        "import sys; from hybrid_model.cli import main; "
-        "sys.exit(main(['convert', sys.argv[1], sys.argv[2]]) or main(['convert', sys.argv[2], sys.argv[3]]))"
-    )
-    args = [str(tmp_path / d) for d in ("hf", "megatron", "back")]
-    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    a, b = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "back")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_our_checkpoint_exports_to_transformers_with_equal_logits(megatron_cpu, tmp_path):
     """Export direction: a ``dsv4 train``-style checkpoint of the ``tiny`` preset (randomly initialised by us, MTP
-    included) -> ``dsv4 convert --preset tiny`` -> transformers computes our logits."""
-    from hybrid_model.cli import main
-    from hybrid_model.hf.convert import MODEL_CONFIG_FILE, save_megatron_checkpoint
+    included) -> ``convert_megatron_to_hf`` with the preset's config (``dsv4 convert --preset tiny``) -> transformers computes our logits."""
+    from hybrid_model.hf.convert import MODEL_CONFIG_FILE, convert_megatron_to_hf, save_megatron_checkpoint
     from hybrid_model.model import build_model
     from hybrid_model.presets import get_preset
 
@@ -246,7 +233,7 @@ def test_our_checkpoint_exports_to_transformers_with_equal_logits(megatron_cpu, 
     save_megatron_checkpoint(model, ck)
     (ck / MODEL_CONFIG_FILE).unlink()  # as dsv4 train writes it: the model config comes from --preset
     (ck.parent / "latest").write_text(ck.name)
-    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--preset", "tiny"]) == 0
+    convert_megatron_to_hf(tmp_path / "run", tmp_path / "hf", model_config=get_preset("tiny"))
     hf_model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
         tmp_path / "hf", output_loading_info=True
     )

@@ -252,26 +252,3 @@ def test_plain_residual_layer_is_x_plus_f(megatron_cpu):
     want, _ = inner(x, None)  # megatron's TransformerLayer: x + mlp(norm(x))
     got, _ = PlainResidualLayer(tc, inner)(x)
     assert_close_to_ref("plain residual", got, want)
-
-
-def test_cli_flags_become_model_overrides_and_resume_refuses_a_switch_change():
-    """--pattern / --no-mhc are model overrides (recorded in the run directory); a resume that flips the mHC switch
-    (or changes the pattern) is refused by the run-directory rules."""
-    from hybrid_model.cli import build_parser, train_config_from_args
-    from hybrid_model.training.checkpoint import resume_conflicts
-    from hybrid_model.training.setup import model_config_for
-
-    parse = lambda *argv: train_config_from_args(build_parser().parse_args(["train", *argv]))
-    tc = parse("--no-mhc", "--pattern", "WECE/WE/WE")
-    assert tc.model_overrides == {"hybrid_layer_pattern": "WECE/WE/WE", "enable_mhc_connections": False}
-    cfg = model_config_for(tc)
-    assert not cfg.enable_mhc_connections and cfg.layer_pattern == "WECE/WE/WE"
-    assert (cfg.num_layers, cfg.num_nextn_predict_layers, cfg.compress_ratios) == (2, 2, (0, 4, 0, 0))
-    with_mhc = parse("--pattern", "WECE/WE/WE")
-    conflicts = resume_conflicts(with_mhc, tc.to_dict(), {})
-    assert (
-        len(conflicts) == 1
-        and conflicts[0].startswith("--model-overrides")
-        and "enable_mhc_connections" in conflicts[0]
-    )
-    assert resume_conflicts(tc, tc.to_dict(), {}) == []

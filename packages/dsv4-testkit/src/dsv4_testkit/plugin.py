@@ -10,6 +10,9 @@
   allocations come back filled with NaN (integers: a sentinel), so a kernel that leaves an output slot unwritten
   fails its comparison with the reference. Opt out per test with ``@pytest.mark.no_nan_poison`` (a test that
   legitimately reads uninitialised memory), or for a run with ``--no-nan-poison``.
+- Every test leaves megatron-core's MoE metrics tracker and dsv4-attention's indexer-loss tracker empty (autouse
+  fixture ``fresh_metric_trackers``): both are process globals sized by the first model that records into them, and
+  a later test with more layers would index past their end.
 """
 
 from __future__ import annotations
@@ -85,6 +88,22 @@ def nan_poison_allocations(request):
 
     with poison_allocations():
         yield True
+
+
+@pytest.fixture(autouse=True)
+def fresh_metric_trackers():
+    """Autouse: after each test, reset megatron-core's MoE metrics tracker and dsv4-attention's indexer-loss tracker
+    (process globals sized by the first model that records into them) where those modules are loaded; nothing is
+    imported for it."""
+    yield
+    import sys
+
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if moe_logging is not None:
+        moe_logging.destroy_moe_metrics_tracker()
+    dsv4_attention = sys.modules.get("dsv4_attention")
+    if dsv4_attention is not None:
+        dsv4_attention.get_indexer_loss_tracker().reset()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_primitives.megatron import cuda_as_cpu
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.config import TrainConfig
 
 DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}  # the default (``--ckpt-format``)
 # the distributed optimizer's checkpoint formats ``dsv4 train --ckpt-format`` offers: ``dp_reshardable`` (flat
@@ -74,7 +74,7 @@ def resume_conflicts(
             if name in saved and saved[name] != getattr(tc, name):
                 flag = "--" + name.replace("_", "-")
                 lines.append(f"{flag} {getattr(tc, name)!r} (checkpoint: {saved[name]!r}; it defines {why})")
-        from hybrid_model.training.eval_data import heldout_conflict
+        from dsv4_train.eval_data import heldout_conflict
 
         heldout = heldout_conflict(tc, saved)
         if heldout:
@@ -302,11 +302,11 @@ class Checkpointer:
 
     def save(self, step: int) -> Path:
         """Write ``checkpoints/iter_{step:07d}`` (all ranks), then point ``checkpoints/latest`` at it (rank 0).
-        Refuses (:class:`~hybrid_model.training.step.TrainingDiverged`) when a weight is not finite: ``latest`` never
+        Refuses (:class:`~dsv4_train.step.TrainingDiverged`) when a weight is not finite: ``latest`` never
         names a NaN model."""
         from megatron.core import dist_checkpointing
 
-        from hybrid_model.training.step import TrainingDiverged
+        from dsv4_train.step import TrainingDiverged
 
         if not params_finite(self.core):
             raise TrainingDiverged(

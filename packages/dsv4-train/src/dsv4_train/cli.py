@@ -1,4 +1,4 @@
-"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``, ``convert`` (:mod:`hybrid_model.hf.cli`).
+"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``, ``convert`` (:mod:`dsv4_train.convert_cli`).
 
 ``dsv4 train`` with no arguments trains the ``tiny`` preset on the embedded default corpus (CPU, or the GPU when
 present); several processes through ``torchrun`` (gloo on CPU, NCCL on GPU) with ``--pp``/``--ep``.
@@ -18,7 +18,7 @@ def _default(name: str) -> str:
     file's value is not overridden by a flag the user did not give)."""
     import dataclasses
 
-    from hybrid_model.training.config import TrainConfig
+    from dsv4_train.config import TrainConfig
 
     f = {f.name: f for f in dataclasses.fields(TrainConfig)}[name]
     value = f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -49,7 +49,7 @@ def _resume_mode(text: str) -> bool | str:
 
 
 def _add_data_flags(p) -> None:
-    """The data flags of ``dsv4 train``: what is read (reading rules: :mod:`hybrid_model.training.data`) and how
+    """The data flags of ``dsv4 train``: what is read (reading rules: :mod:`dsv4_train.data`) and how
     it is batched."""
     d = lambda name, text: f"{text} ({_default(name)})"
     p.add_argument(
@@ -333,7 +333,7 @@ def _train_parser(sub) -> None:
             "cross entropy); --no-fused-linear-ce: output-layer logits, then the fused cross entropy",
         ),
     )
-    from hybrid_model.training.recompute import add_recompute_flags
+    from dsv4_train.recompute import add_recompute_flags
 
     add_recompute_flags(p, d)
     p.add_argument(
@@ -370,8 +370,8 @@ def train_config_from_args(args):
     """The :class:`TrainConfig` of parsed ``dsv4 train`` arguments: the ``--config`` file (if any) with the flags
     given on the command line on top; flags left unset keep the file's or the dataclass's values. Flags that only
     apply in another mode are refused (``ValueError``) instead of being ignored."""
+    from dsv4_train.config import TrainConfig
     from hybrid_model.model_flags import overrides_from_args
-    from hybrid_model.training.config import TrainConfig
 
     model_flags = overrides_from_args(args)  # --pattern / --no-mhc: model_overrides entries
     flags = {k: v for k, v in vars(args).items() if k not in ("cmd", "config", "func") and v is not None}
@@ -380,7 +380,7 @@ def train_config_from_args(args):
     flags = {k: None if v is _NULL else v for k, v in flags.items()}
     tc = TrainConfig.from_file(args.config, **flags) if args.config else TrainConfig(**flags)
     if "hybrid_layer_pattern" in tc.model_overrides:  # the pattern against --pp, before any process starts
-        from hybrid_model.training.setup import model_config_for
+        from dsv4_train.setup import model_config_for
 
         model_config_for(tc)
     if "cuda_graph_warmup_steps" in flags and not tc.cuda_graph:
@@ -440,7 +440,7 @@ def _quiet_known_warnings() -> None:
 
 
 def _cmd_train(args) -> int:
-    from hybrid_model.training.trainer import Trainer, TrainingDiverged, loss_is_falling
+    from dsv4_train.trainer import Trainer, TrainingDiverged, loss_is_falling
 
     tc = train_config_from_args(args)
     trainer = Trainer(tc)
@@ -569,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dense", action="store_true", help="dense-attention phase (CSA attends every visible entry)"
     )
     p.add_argument("--json", action="store_true")
-    from hybrid_model.hf.cli import add_convert_parser
+    from dsv4_train.convert_cli import add_convert_parser
 
     add_convert_parser(sub)
     return parser
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         args = build_parser().parse_args(["train"])
     try:
-        from hybrid_model.hf.cli import run_convert
+        from dsv4_train.convert_cli import run_convert
 
         commands = {"train": _cmd_train, "inspect": _cmd_inspect, "flops": _cmd_flops, "convert": run_convert}
         return commands[cmd](args)

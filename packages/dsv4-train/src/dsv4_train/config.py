@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybrid_model.training.cuda_graph import check_cuda_graph_config
+from dsv4_train.cuda_graph import check_cuda_graph_config
 
 
 @dataclass
@@ -31,22 +31,22 @@ class TrainConfig:
     megatron-core's ``FullCudaGraphWrapper`` after ``cuda_graph_warmup_steps`` eager steps, then replay it (the
     optimizer step stays eager). One model-parallel rank (TP = PP = EP = CP = 1); fixed-length ``[B, S]`` batches at
     any number of data-parallel ranks (the DP gradient reduction runs eagerly after each replay:
-    :mod:`hybrid_model.training.graph_data_parallel`), or ``packed`` batches on one process (static-shape THD with
-    device-side document boundaries, :mod:`hybrid_model.training.graph_packs`); see
-    :mod:`hybrid_model.training.cuda_graph`.
+    :mod:`dsv4_train.graph_data_parallel`), or ``packed`` batches on one process (static-shape THD with
+    device-side document boundaries, :mod:`dsv4_train.graph_packs`); see
+    :mod:`dsv4_train.cuda_graph`.
     ``dist_backend``: the ``torch.distributed`` backend of a multi-process run, ``"nccl"`` or ``"gloo"``; ``None``
     resolves to ``"nccl"`` on CUDA and ``"gloo"`` on CPU. ``"gloo"`` on CUDA runs several processes on one GPU
-    (tests; :mod:`hybrid_model.training.gloo_cuda`).
+    (tests; :mod:`dsv4_train.gloo_cuda`).
     ``max_docs_per_pack``: the document capacity of a packed micro-batch (``None``: derived, see
-    :func:`hybrid_model.training.graph_packs.max_docs_per_pack`).
+    :func:`dsv4_train.graph_packs.max_docs_per_pack`).
     ``data``: text sources read in order (empty: the embedded default corpus); ``long_docs``: ``"split"`` documents
     longer than ``seq_len`` into several sequences or ``"truncate"`` them; ``skip_bad_records``: skip and count bad
-    records instead of stopping at the first (see :mod:`hybrid_model.training.data`).
-    ``optimizer_impl``: the kernel of megatron's torch AdamW (:mod:`hybrid_model.training.optimizer`): ``"auto"``
+    records instead of stopping at the first (see :mod:`dsv4_train.data`).
+    ``optimizer_impl``: the kernel of megatron's torch AdamW (:mod:`dsv4_train.optimizer`): ``"auto"``
     (fused on CUDA, megatron's own choice on CPU), ``"fused"``, ``"foreach"`` or ``"unfused"`` (megatron's
     optimizer as built); checkpoints are the same whichever is used. ``optimizer_cpu_offload``: megatron's
     ``HybridDeviceOptimizer`` keeps the fp32 masters and Adam moments of ``optimizer_offload_fraction`` of the
-    params in host memory and steps them on the CPU (:mod:`hybrid_model.training.offload`; CUDA only; checkpoints
+    params in host memory and steps them on the CPU (:mod:`dsv4_train.offload`; CUDA only; checkpoints
     interchangeable with non-offloaded runs). ``fused_linear_ce``: the main and MTP head
     losses through dsv4-primitives' ``linear_cross_entropy`` (no ``[s, b, V]`` logits); ``False``: the output
     layer's logits, then the fused cross entropy.
@@ -54,18 +54,18 @@ class TrainConfig:
     ``out/checkpoints/latest``, which must exist) or ``"auto"`` (continue when there is a checkpoint, else start
     fresh: job requeues). ``overwrite``: delete the previous run's outputs in ``out`` (metrics, TensorBoard events,
     checkpoints) before a new run. ``max_nonfinite_steps``: a step with a non-finite loss or gradient is skipped
-    (no update); this many in a row stop the run (:class:`~hybrid_model.training.step.TrainingDiverged`).
+    (no update); this many in a row stop the run (:class:`~dsv4_train.step.TrainingDiverged`).
     ``deterministic``: every kernel of a step deterministic, so two runs with the same seed give bitwise-identical
-    losses and gradients (eager and ``--cuda-graph``; see :mod:`hybrid_model.training.determinism`).
+    losses and gradients (eager and ``--cuda-graph``; see :mod:`dsv4_train.determinism`).
     ``vpp``: virtual pipeline stages per pipeline rank (megatron's interleaved schedule; each rank holds ``vpp``
-    model chunks, see :mod:`hybrid_model.training.virtual_pipeline`). ``ckpt_format``: the distributed optimizer's
+    model chunks, see :mod:`dsv4_train.virtual_pipeline`). ``ckpt_format``: the distributed optimizer's
     checkpoint format, ``"dp_reshardable"`` (resumable at another DP size) or ``"fully_reshardable"`` (also at
     another PP size; gathers each stage's optimizer state over DP to write it).
-    ``recompute_*`` / ``mhc_recompute_layer_num``: activation recompute (:mod:`hybrid_model.training.recompute`).
+    ``recompute_*`` / ``mhc_recompute_layer_num``: activation recompute (:mod:`dsv4_train.recompute`).
     ``data`` may instead be ``["mock[:KEY=VALUE,...]"]``, thd-packing's mock variable-length dataset
-    (:mod:`hybrid_model.training.mock_data`). ``eval_interval``: evaluate every N steps and at the end (0: never) on
+    (:mod:`dsv4_train.mock_data`). ``eval_interval``: evaluate every N steps and at the end (0: never) on
     ``eval_iters`` global batches of ``eval_data`` (text sources), else of a held-out split of the training data or a
-    separate mock stream (:mod:`hybrid_model.training.eval_data`, :mod:`hybrid_model.training.evaluation`).
+    separate mock stream (:mod:`dsv4_train.eval_data`, :mod:`dsv4_train.evaluation`).
     """
 
     preset: str = "tiny"
@@ -137,7 +137,7 @@ class TrainConfig:
             import torch
 
             self.bf16 = torch.cuda.is_available()
-        from hybrid_model.training.setup import resolve_dist_backend
+        from dsv4_train.setup import resolve_dist_backend
 
         self.dist_backend = resolve_dist_backend(self.dist_backend)
         for name in (
@@ -157,7 +157,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.vpp > 1:
-            from hybrid_model.training.virtual_pipeline import check_vpp_config
+            from dsv4_train.virtual_pipeline import check_vpp_config
 
             check_vpp_config(self)
         if self.max_docs_per_pack is not None and not self.packed:
@@ -166,7 +166,7 @@ class TrainConfig:
             raise ValueError(f"--max-docs-per-pack must be >= 1, got {self.max_docs_per_pack}")
         if self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {self.cuda_graph_warmup_steps}")
-        from hybrid_model.training.context_parallel import check_context_parallel_config
+        from dsv4_train.context_parallel import check_context_parallel_config
 
         check_context_parallel_config(self)
         if not 0.0 < self.optimizer_offload_fraction <= 1.0:
@@ -186,13 +186,13 @@ class TrainConfig:
             )
         if self.cuda_graph:
             check_cuda_graph_config(self)
-        from hybrid_model.training.optimizer import OPTIMIZER_IMPLS
+        from dsv4_train.optimizer import OPTIMIZER_IMPLS
 
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(
                 f"--optimizer-impl must be one of {OPTIMIZER_IMPLS}, got {self.optimizer_impl!r}"
             )
-        from hybrid_model.training.recompute import recompute_config
+        from dsv4_train.recompute import recompute_config
 
         recompute_config(self)  # the --recompute-* flags
         if self.dense_steps < 0 or self.save_interval < 0 or self.warmup_steps < 0:
@@ -201,7 +201,7 @@ class TrainConfig:
             raise ValueError(
                 "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
             )
-        from hybrid_model.training.checkpoint import DISTOPT_FORMATS
+        from dsv4_train.checkpoint import DISTOPT_FORMATS
 
         if self.ckpt_format not in DISTOPT_FORMATS:
             raise ValueError(f"--ckpt-format must be one of {DISTOPT_FORMATS}, got {self.ckpt_format!r}")
@@ -240,7 +240,7 @@ class TrainConfig:
             raise ValueError(f"--eval-interval must be >= 0 (0: no evaluation), got {self.eval_interval}")
         if self.eval_data and not self.eval_interval:
             raise ValueError("--eval-data only applies with --eval-interval N (N > 0)")
-        from hybrid_model.training.mock_data import check_mock_data, is_mock
+        from dsv4_train.mock_data import check_mock_data, is_mock
 
         if any(is_mock(s) for s in self.eval_data):
             raise ValueError(

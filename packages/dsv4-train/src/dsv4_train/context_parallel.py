@@ -13,7 +13,7 @@ dsv4-attention, ``dsv4_attention.cp``).
 - Only the contiguous layout: zigzag (or any layout that gives a rank non-adjacent rows) would cut DSv4's
   compression groups (4 / 128 consecutive tokens) and its sliding window across non-neighbouring ranks.
 - Losses: per-rank partials over the CP group's token count (:mod:`hybrid_model.context_parallel`); the reported
-  metrics are the global values (:class:`~hybrid_model.training.step.StepRunner`).
+  metrics are the global values (:class:`~dsv4_train.step.StepRunner`).
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ warm-up) whenever one of them changes: the dense / sparse attention phase (``--d
 
 **Data parallelism.** With DP > 1 the graph holds every micro-batch's forward and backward (the DDP hooks only
 accumulate into the grad buffers); megatron's ``finalize_model_grads`` — the DP reduce-scatter of the gradients —
-runs eagerly after each replay, before the optimizer step (:mod:`~hybrid_model.training.graph_data_parallel`:
+runs eagerly after each replay, before the optimizer step (:mod:`~dsv4_train.graph_data_parallel`:
 what it costs, what capturing the collective would need).
 
 **Packed batches** (``--packed``): the pack's boundaries move every step, so they are copied into the static buffers
 with the batch (``cu_seqlens`` at a fixed document capacity) and the attention stack runs in its device-bounds mode
-(:mod:`hybrid_model.training.graph_packs`); the micro-batch count of a step is part of the recapture key.
+(:mod:`dsv4_train.graph_packs`); the micro-batch count of a step is part of the recapture key.
 
 Limits (``ValueError`` at configuration time): a CUDA device, bf16, one model-parallel rank (PP = EP = TP = CP = 1),
 any number of data-parallel ranks with fixed-length ``[B, S]`` batches, one process with ``--packed`` (the
@@ -51,7 +51,7 @@ BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 
 
 class GraphRunSettings(Protocol):
-    """The run settings :func:`check_cuda_graph_config` reads (a :class:`~hybrid_model.training.config.TrainConfig`;
+    """The run settings :func:`check_cuda_graph_config` reads (a :class:`~dsv4_train.config.TrainConfig`;
     a protocol so that this module does not import the config module, which imports it)."""
 
     bf16: bool | None
@@ -83,7 +83,7 @@ def check_cuda_graph_config(tc: GraphRunSettings) -> None:
             "drop --packed (fixed-length [B, S] batches graph under DP) or --cuda-graph"
         )
     # data parallelism (WORLD_SIZE > 1 at one model-parallel rank): the DP gradient reduction runs eagerly beside
-    # the graph (hybrid_model.training.graph_data_parallel); --cp > 1 is refused by the context-parallel checks
+    # the graph (dsv4_train.graph_data_parallel); --cp > 1 is refused by the context-parallel checks
 
 
 def use_capture_stream() -> torch.cuda.Stream:
@@ -100,7 +100,7 @@ def static_batch(mb: Any, *, max_docs: int | None = None, step: int = 0) -> dict
     """A micro-batch as the dict of tensors that ``FullCudaGraphWrapper`` copies into its static buffers; a packed
     one (``max_docs``: its document capacity) with its boundaries (:func:`~.graph_packs.static_pack_batch`)."""
     if max_docs is not None:
-        from hybrid_model.training.graph_packs import static_pack_batch
+        from dsv4_train.graph_packs import static_pack_batch
 
         return static_pack_batch(mb, max_docs=max_docs, step=step)
     return {name: getattr(mb, name) for name in BATCH_FIELDS}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.config import TrainConfig
 
 if TYPE_CHECKING:
     from thd_packing import PackedBatchIterator, RawTextDataset, VarlenDataset
@@ -118,8 +118,8 @@ def build_batches(
 
 
 def _max_docs(tc, ds) -> int:
-    """The pack's document capacity (:func:`hybrid_model.training.graph_packs.max_docs_per_pack`)."""
-    from hybrid_model.training.graph_packs import max_docs_per_pack
+    """The pack's document capacity (:func:`dsv4_train.graph_packs.max_docs_per_pack`)."""
+    from dsv4_train.graph_packs import max_docs_per_pack
 
     lengths = getattr(ds, "lengths", None)
     shortest = (

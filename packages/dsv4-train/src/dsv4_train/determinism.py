@@ -89,7 +89,7 @@ def _check_cublas_took_effect() -> None:
         raise ValueError(
             f"--deterministic: cuBLAS was used in this process before {CUBLAS_VAR} was set, and it reads the "
             f"variable only once; export {CUBLAS_VAR}={CUBLAS_DETERMINISTIC[0]} before starting the process (or "
-            "call hybrid_model.training.determinism.prepare_deterministic_environment() before any CUDA work)"
+            "call dsv4_train.determinism.prepare_deterministic_environment() before any CUDA work)"
         ) from None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.config import TrainConfig
 
 #: mixed with ``--seed`` into the generator that orders the documents of the held-out split ("eval" in ASCII)
 HELDOUT_SEED_TAG = 0x6576616C
@@ -49,7 +49,7 @@ def eval_samples(tc: TrainConfig) -> int:
 def heldout_samples(tc: TrainConfig | dict[str, Any]) -> int:
     """Samples the training data must hold out for ``tc`` (a TrainConfig or a checkpoint's saved dict): ``0``
     unless evaluation is on and reads neither ``--eval-data`` nor mock data."""
-    from hybrid_model.training.mock_data import is_mock
+    from dsv4_train.mock_data import is_mock
 
     get = (lambda k, d: tc.get(k, d)) if isinstance(tc, dict) else (lambda k, d: getattr(tc, k))
     if get("eval_interval", 0) <= 0 or get("eval_data", []) or any(is_mock(s) for s in get("data", [])):
@@ -108,8 +108,8 @@ def _heldout_summary(tc: TrainConfig, ds, heldout: np.ndarray, docs: int) -> str
 def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
     """The training and evaluation datasets of ``tc`` for a model of ``vocab_size`` ids (``ValueError`` with one
     message for unreadable data, too little held-out data or too small ``--eval-data``)."""
-    from hybrid_model.training.data import build_text_dataset, data_summary
-    from hybrid_model.training.mock_data import build_mock_dataset, check_mock_data, mock_summary
+    from dsv4_train.data import build_text_dataset, data_summary
+    from dsv4_train.mock_data import build_mock_dataset, check_mock_data, mock_summary
     from thd_packing import VarlenSubset
 
     spec = check_mock_data(tc)

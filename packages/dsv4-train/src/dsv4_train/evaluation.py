@@ -1,7 +1,7 @@
 """Evaluation of ``dsv4 train`` (``--eval-interval N``, ``--eval-iters K``, ``--eval-data PATH``): every ``N`` steps
-and after the last step, ``K`` global batches of the evaluation data (:mod:`hybrid_model.training.eval_data`) go
+and after the last step, ``K`` global batches of the evaluation data (:mod:`dsv4_train.eval_data`) go
 through megatron's forward-only schedule (the same schedule function and arguments as training,
-:meth:`~hybrid_model.training.step.StepRunner.schedule`: with PP the pipelined one with the mHC stream shapes between
+:meth:`~dsv4_train.step.StepRunner.schedule`: with PP the pipelined one with the mHC stream shapes between
 stages, with ``--vpp`` the interleaved one over every model chunk with the folded streams) with the model in eval
 mode under ``torch.no_grad``. Under ``--cp N`` the evaluation batches are sharded like the training batches: over DP
 only, each CP rank taking its contiguous rows of every pack (``[B, S]`` rows as one THD pack, then sliced).
@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 from dsv4_primitives.megatron import cuda_as_cpu
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.config import TrainConfig
 
 
 class Evaluator:
     """Evaluates the trainer's model on ``eval_dataset`` (see the module docstring); ``stepper``: the run's
-    :class:`~hybrid_model.training.step.StepRunner` (its ``forward_step`` feeds each micro-batch to the model)."""
+    :class:`~dsv4_train.step.StepRunner` (its ``forward_step`` feeds each micro-batch to the model)."""
 
     def __init__(
         self, tc: TrainConfig, model_config, eval_dataset, *, stepper, ps, device, world: int
@@ -55,7 +55,7 @@ class Evaluator:
     def batches(self):
         """A fresh iterator over this rank's share of the evaluation batches (the same ones at every evaluation;
         sharded over DP, each CP rank taking its rows of every pack as in training)."""
-        from hybrid_model.training.data import build_batches
+        from dsv4_train.data import build_batches
 
         return build_batches(
             self.dataset,
@@ -99,7 +99,7 @@ class Evaluator:
         """Evaluate now (after step ``step``); returns the record (module docstring; every rank the same)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from hybrid_model.training.virtual_pipeline import ddp_chunks
+        from dsv4_train.virtual_pipeline import ddp_chunks
 
         tc = self.tc
         t0 = time.perf_counter()

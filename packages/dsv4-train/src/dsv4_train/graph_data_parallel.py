@@ -6,7 +6,7 @@ reduction (``finish_grad_sync``: a reduce-scatter per bucket for the distributed
 otherwise, after scaling by ``1 / DP``). With DP > 1 that collective would be baked into the graph. We keep it out:
 
 * **inside the graph**: every micro-batch's forward and backward. megatron's DDP is built with
-  ``overlap_grad_reduce=False`` (:func:`~hybrid_model.training.setup.build_model`), so its backward hooks only
+  ``overlap_grad_reduce=False`` (:func:`~dsv4_train.setup.build_model`), so its backward hooks only
   accumulate each parameter's gradient into the contiguous fp32 grad buffer (``main_grad``) and launch no
   collective, micro-batch after micro-batch (``no_sync`` only matters with overlap). No rank-to-rank traffic is
   captured: nothing in the forward or backward at TP = CP = EP = PP = 1 talks to another rank.

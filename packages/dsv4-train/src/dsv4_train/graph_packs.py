@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from dsv4_train.cuda_graph import BATCH_FIELDS
 from hybrid_model.symbols import ATTENTION, DSA, GDN, MAMBA, MLA
-from hybrid_model.training.cuda_graph import BATCH_FIELDS
 
 # megatron-core's own layers read THD document boundaries on the host (cu_seqlens.tolist(), max_seqlen from the
 # batch), which a captured step would bake in: their symbols cannot run in a packed graph

@@ -172,7 +172,7 @@ def parse_mock_spec(text: str, seq_len: int) -> MockDataSpec:
 
 
 def check_mock_data(tc) -> MockDataSpec | None:
-    """The parsed mock source of the :class:`~hybrid_model.training.config.TrainConfig` ``tc`` (``None`` when its
+    """The parsed mock source of the :class:`~dsv4_train.config.TrainConfig` ``tc`` (``None`` when its
     data are files or the default corpus); ``ValueError`` for a bad spec or settings that only apply to text."""
     mocks = [s for s in tc.data if is_mock(s)]
     if not mocks:

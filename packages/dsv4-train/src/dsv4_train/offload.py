@@ -74,7 +74,7 @@ import contextlib
 import torch
 
 from dsv4_primitives.megatron.precision import DistributedOptimizerWithNativeFP32Params
-from hybrid_model.training.optimizer import _MEGATRON_FLAGS
+from dsv4_train.optimizer import _MEGATRON_FLAGS
 
 
 def check_cpu_offload(opt_config, *, impl: str, params_on_cuda: bool) -> None:

@@ -151,15 +151,15 @@ def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwa
     """megatron-core's optimizer for ``model_chunks`` (``get_megatron_optimizer`` with the keep-in-FP32 fix-ups of
     dsv4-primitives) on the torch Adam kernel ``impl`` (``"auto"`` resolved from the first param's device).
 
-    With ``opt_config.optimizer_cpu_offload`` (fields from :func:`hybrid_model.training.offload.offload_config_fields`)
-    megatron's ``HybridDeviceOptimizer`` inside :class:`~hybrid_model.training.offload.DistributedOptimizerCpuOffload`
-    (validated by :func:`~hybrid_model.training.offload.check_cpu_offload`; ``impl`` must be auto / unfused)."""
+    With ``opt_config.optimizer_cpu_offload`` (fields from :func:`dsv4_train.offload.offload_config_fields`)
+    megatron's ``HybridDeviceOptimizer`` inside :class:`~dsv4_train.offload.DistributedOptimizerCpuOffload`
+    (validated by :func:`~dsv4_train.offload.check_cpu_offload`; ``impl`` must be auto / unfused)."""
     from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
-    from hybrid_model.training.offload import check_cpu_offload, offload_distributed_optimizer
+    from dsv4_train.offload import check_cpu_offload, offload_distributed_optimizer
 
     first = next((p for m in model_chunks for p in m.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
-    if opt_config.optimizer_cpu_offload:  # megatron's HybridDeviceOptimizer (hybrid_model.training.offload)
+    if opt_config.optimizer_cpu_offload:  # megatron's HybridDeviceOptimizer (dsv4_train.offload)
         check_cpu_offload(opt_config, impl=impl, params_on_cuda=first is not None and first.is_cuda)
         with offload_distributed_optimizer():
             return get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)

@@ -113,11 +113,11 @@ class RunOutputs:
             print(progress_line(m, self.total), flush=True)
 
     def log_eval(self, m: dict) -> None:
-        """Write an evaluation record (:mod:`hybrid_model.training.evaluation`): its ``metrics.jsonl`` row,
+        """Write an evaluation record (:mod:`dsv4_train.evaluation`): its ``metrics.jsonl`` row,
         TensorBoard ``eval/*`` scalars and a progress note."""
         if not self.enabled:
             return
-        from hybrid_model.training.evaluation import eval_line
+        from dsv4_train.evaluation import eval_line
 
         self._file.write(strict_json_row(m) + "\n")
         self._file.flush()

@@ -22,7 +22,7 @@ LONG_CONTEXT_SELECTIVE: dict = {
 
 
 def recompute_config(tc) -> RecomputeConfig:
-    """The :class:`RecomputeConfig` of a :class:`~hybrid_model.training.config.TrainConfig` (``ValueError`` naming
+    """The :class:`RecomputeConfig` of a :class:`~dsv4_train.config.TrainConfig` (``ValueError`` naming
     the flag when the combination is invalid)."""
     try:
         return RecomputeConfig(

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.config import TrainConfig
 
 # what a run writes into --out (``--overwrite`` deletes exactly these)
 RUN_OUTPUTS = ("metrics.jsonl", "loss.png", "tb", "checkpoints")

@@ -1,5 +1,5 @@
 """Construction of a ``dsv4 train`` run: process groups, the model (DDP, bf16 wrapper), the distributed optimizer,
-the LR scheduler and the batch iterator, each from a :class:`~hybrid_model.training.config.TrainConfig`."""
+the LR scheduler and the batch iterator, each from a :class:`~dsv4_train.config.TrainConfig`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from dsv4_primitives.megatron import cuda_as_cpu
+from dsv4_train.config import TrainConfig
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.presets import get_preset
-from hybrid_model.training.config import TrainConfig
 
 DIST_BACKENDS = ("nccl", "gloo")
 
@@ -106,7 +106,7 @@ def params_dtype_of(tc: TrainConfig) -> torch.dtype:
 @dataclass
 class ModelParts:
     """``core``: the :class:`~hybrid_model.model.DSv4Model` itself (with ``--vpp``: the rank's chunks as one
-    :class:`~hybrid_model.training.virtual_pipeline.VirtualPipelineChunks`); ``model``: it under the bf16
+    :class:`~dsv4_train.virtual_pipeline.VirtualPipelineChunks`); ``model``: it under the bf16
     ``Float16Module`` (with ``--bf16``) and megatron's ``DistributedDataParallel`` (with ``--vpp``: a list, one
     per chunk); ``config``: the megatron ``TransformerConfig`` (of the first chunk)."""
 
@@ -120,9 +120,9 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
     bf16 and in DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from dsv4_train.recompute import recompute_config
+    from dsv4_train.virtual_pipeline import VirtualPipelineChunks, chunk_stages
     from hybrid_model.model import build_model as build_dsv4_model
-    from hybrid_model.training.recompute import recompute_config
-    from hybrid_model.training.virtual_pipeline import VirtualPipelineChunks, chunk_stages
 
     torch.manual_seed(tc.seed)
     vpp_kw = {"virtual_pipeline_model_parallel_size": tc.vpp} if tc.vpp > 1 else {}
@@ -175,11 +175,11 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
 
 def build_optimizer(tc: TrainConfig, model) -> Any:
     """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``,
-    on the AdamW kernel ``tc.optimizer_impl`` (:mod:`hybrid_model.training.optimizer`)."""
+    on the AdamW kernel ``tc.optimizer_impl`` (:mod:`dsv4_train.optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from hybrid_model.training.offload import offload_config_fields
-    from hybrid_model.training.optimizer import build_optimizer as build_megatron_optimizer
+    from dsv4_train.offload import offload_config_fields
+    from dsv4_train.optimizer import build_optimizer as build_megatron_optimizer
 
     offload_fields = offload_config_fields(tc.optimizer_offload_fraction) if tc.optimizer_cpu_offload else {}
 
@@ -197,7 +197,7 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
         params_dtype=params_dtype_of(tc),
         **offload_fields,
     )
-    from hybrid_model.training.virtual_pipeline import ddp_chunks
+    from dsv4_train.virtual_pipeline import ddp_chunks
 
     with cuda_as_cpu():
         # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
@@ -232,7 +232,7 @@ def attach_schedule_hooks(config, model) -> None:
     """The megatron schedule's hooks on the model config: gradient finalisation, no loss scaling, DDP's no-sync."""
     from megatron.core.distributed import finalize_model_grads
 
-    from hybrid_model.training.virtual_pipeline import ddp_chunks
+    from dsv4_train.virtual_pipeline import ddp_chunks
 
     chunks = ddp_chunks(model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -247,10 +247,10 @@ def build_data(
     """``(batches, data)``: thd-packing's global-batch iterator over ``--data`` (or the embedded corpus, or mock
     data), this rank's share of every global batch (``[B, S]`` or packed THD, static shapes; every CP rank of a DP
     replica reads the same global batch, packs sliced to its contiguous rows), and the run's
-    :class:`~hybrid_model.training.eval_data.RunData` (training and evaluation datasets); reading rules and the
-    summary (printed when ``announce``) in :mod:`hybrid_model.training.data` / ``eval_data``."""
-    from hybrid_model.training.data import build_batches
-    from hybrid_model.training.eval_data import build_run_data
+    :class:`~dsv4_train.eval_data.RunData` (training and evaluation datasets); reading rules and the
+    summary (printed when ``announce``) in :mod:`dsv4_train.data` / ``eval_data``."""
+    from dsv4_train.data import build_batches
+    from dsv4_train.eval_data import build_run_data
 
     data = build_run_data(tc, model_config.vocab_size)
     if announce:

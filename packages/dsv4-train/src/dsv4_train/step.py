@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4_primitives.megatron import cuda_as_cpu
-from hybrid_model.training.config import TrainConfig
+from dsv4_train.config import TrainConfig
 
 LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
 
@@ -32,7 +32,7 @@ class TrainingDiverged(RuntimeError):
 def grads_finite_local(model) -> bool:
     """Whether this rank's gradient buffers of the DDP ``model`` (or its VPP chunks) hold only finite values (one reduction per buffer:
     a NaN or an infinity anywhere makes its fp32 sum non-finite)."""
-    from hybrid_model.training.virtual_pipeline import ddp_chunks
+    from dsv4_train.virtual_pipeline import ddp_chunks
 
     sums = [
         b.grad_data.sum(dtype=torch.float32)
@@ -82,12 +82,12 @@ class StepRunner:
         # --cuda-graph with DP > 1: the DP gradient reduction runs eagerly after the (captured) schedule
         self.grad_reduction = None
         if tc.cuda_graph:
-            from hybrid_model.training.graph_data_parallel import (
+            from dsv4_train.graph_data_parallel import (
                 GradReductionAfterSchedule,
                 check_no_sync_in_backward,
                 data_parallel_size,
             )
-            from hybrid_model.training.virtual_pipeline import ddp_chunks
+            from dsv4_train.virtual_pipeline import ddp_chunks
 
             if data_parallel_size(ps) > 1:
                 check_no_sync_in_backward(ddp_chunks(model))
@@ -103,8 +103,8 @@ class StepRunner:
         mb = next(data_iterator)
         unwrapped = self.core
         if isinstance(mb, dict):  # --cuda-graph: the static device buffers of a micro-batch
-            from hybrid_model.training.cuda_graph import BATCH_FIELDS
-            from hybrid_model.training.graph_packs import static_packed_seq_params
+            from dsv4_train.cuda_graph import BATCH_FIELDS
+            from dsv4_train.graph_packs import static_packed_seq_params
 
             psp = static_packed_seq_params(mb) if "cu_seqlens" in mb else None  # --packed: device-side bounds
             tokens, labels, loss_mask, pos, pad = (mb[k] for k in BATCH_FIELDS)
@@ -138,8 +138,8 @@ class StepRunner:
 
     def local_batch(self, mb):
         """Micro-batch ``mb`` as this rank feeds it to the model (its CP rows; see
-        :func:`~hybrid_model.training.context_parallel.local_batch`)."""
-        from hybrid_model.training.context_parallel import local_batch
+        :func:`~dsv4_train.context_parallel.local_batch`)."""
+        from dsv4_train.context_parallel import local_batch
 
         return local_batch(
             mb, packed=self.tc.packed, cp_rank=self.cp_rank, cp_size=self.cp_size, device=self.device
@@ -149,7 +149,7 @@ class StepRunner:
         """The keyword arguments of megatron's forward-backward function for ``batch`` (training and evaluation
         alike): the micro-batch shape the schedule sizes its p2p buffers with, one data iterator per VPP chunk, the
         mHC stream-shape hook of the 1F1B schedule."""
-        from hybrid_model.training.virtual_pipeline import ddp_chunks
+        from dsv4_train.virtual_pipeline import ddp_chunks
 
         tc = self.tc
         chunks = ddp_chunks(self.model)
@@ -162,7 +162,7 @@ class StepRunner:
         if tc.vpp > 1:
             # interleaved schedule: no shape hook; the mHC streams travel folded as [s*n, b, d] (mhc P3), and
             # every chunk reads every micro-batch (token ids and positions on every stage; labels on the last)
-            from hybrid_model.training.virtual_pipeline import check_vpp_microbatches
+            from dsv4_train.virtual_pipeline import check_vpp_microbatches
             from mhc.megatron import mhc_folded_seq_length
 
             check_vpp_microbatches(batch.num_microbatches, tc.pp)
@@ -190,8 +190,8 @@ class StepRunner:
         the step's metrics (``step`` is 1-based there)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from dsv4_train.virtual_pipeline import ddp_chunks
         from hash_moe.megatron import update_selection_biases
-        from hybrid_model.training.virtual_pipeline import ddp_chunks
 
         tc = self.tc
         for chunk in ddp_chunks(self.model):
@@ -200,7 +200,7 @@ class StepRunner:
         fb = get_forward_backward_func()
         schedule = self.schedule(batch, self.forward_step, forward_only=False)
         if tc.cuda_graph:
-            from hybrid_model.training.cuda_graph import GraphedForwardBackward, static_batch
+            from dsv4_train.cuda_graph import GraphedForwardBackward, static_batch
 
             if self.graphed is None:
                 self.graphed = GraphedForwardBackward(fb, tc.cuda_graph_warmup_steps)

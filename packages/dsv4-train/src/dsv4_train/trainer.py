@@ -3,12 +3,12 @@ forward-backward schedule, dist-checkpointing with exact resume, and the run's o
 
 One process (CPU or one GPU) or ``torchrun`` (gloo on CPU, NCCL on GPU, ``--dist-backend`` to choose) with
 ``--pp/--ep/--cp`` (DP is the rest;
-context parallelism: :mod:`~hybrid_model.training.context_parallel`).
+context parallelism: :mod:`~dsv4_train.context_parallel`).
 Outputs in ``out``: ``metrics.jsonl`` (one JSON object per step), ``loss.png``, ``tb/`` (TensorBoard),
 ``checkpoints/iter_XXXXXXX`` (megatron dist checkpoints; ``latest`` names the newest).
 
-The parts live in their own modules: :mod:`~hybrid_model.training.setup` (model, optimizer, scheduler, data),
-:mod:`~hybrid_model.training.checkpoint` (save / load / RNG state), :mod:`~hybrid_model.training.step` (one
+The parts live in their own modules: :mod:`~dsv4_train.setup` (model, optimizer, scheduler, data),
+:mod:`~dsv4_train.checkpoint` (save / load / RNG state), :mod:`~dsv4_train.step` (one
 optimizer step and the loss reduction); :class:`Trainer` holds them and runs the loop.
 """
 
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybrid_model.training.checkpoint import DISTOPT_FORMAT, Checkpointer, preflight_resume
-from hybrid_model.training.config import TrainConfig
-from hybrid_model.training.rundir import check_writable, clear_run, decide_resume
-from hybrid_model.training.setup import (
+from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, preflight_resume
+from dsv4_train.config import TrainConfig
+from dsv4_train.rundir import check_writable, clear_run, decide_resume
+from dsv4_train.setup import (
     attach_schedule_hooks,
     build_data,
     build_model,
@@ -37,8 +37,8 @@ from hybrid_model.training.setup import (
     model_config_for,
     reset_metric_trackers,
 )
-from hybrid_model.training.step import StepRunner, TrainingDiverged
-from hybrid_model.training.virtual_pipeline import ddp_chunks
+from dsv4_train.step import StepRunner, TrainingDiverged
+from dsv4_train.virtual_pipeline import ddp_chunks
 
 
 class Trainer:
@@ -58,7 +58,7 @@ class Trainer:
             preflight_resume(tc)
         self.cleared: list[str] = []
         if tc.deterministic:  # cuBLAS / NCCL read their variables at their first use: before any CUDA work
-            from hybrid_model.training.determinism import prepare_deterministic_environment
+            from dsv4_train.determinism import prepare_deterministic_environment
 
             prepare_deterministic_environment()
         apply_cpu_shims()
@@ -83,7 +83,7 @@ class Trainer:
         )
         self._unstage = None  # gloo on CUDA: megatron's coalesced collectives staged through host memory
         if torch.cuda.is_available() and dist.get_backend() == "gloo":
-            from hybrid_model.training.gloo_cuda import host_staged_collectives
+            from dsv4_train.gloo_cuda import host_staged_collectives
 
             staging = host_staged_collectives()
             staging.__enter__()
@@ -121,7 +121,7 @@ class Trainer:
             cuda_graph=tc.cuda_graph,
         )
         if tc.cuda_graph and tc.packed:
-            from hybrid_model.training.graph_packs import check_packed_graph_pattern
+            from dsv4_train.graph_packs import check_packed_graph_pattern
 
             check_packed_graph_pattern(self.model_config.layer_pattern)
         init_rng_tracker(tc.seed, cuda_graph_safe=tc.cuda_graph)
@@ -133,7 +133,7 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        from hybrid_model.training import determinism
+        from dsv4_train import determinism
 
         self._restore_determinism = (
             determinism.use_deterministic_training(self.device, tc.seed)
@@ -141,7 +141,7 @@ class Trainer:
             else determinism.use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs anyway
         )
         if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
-            from hybrid_model.training.cuda_graph import use_capture_stream
+            from dsv4_train.cuda_graph import use_capture_stream
 
             self._previous_stream = use_capture_stream()
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
@@ -152,7 +152,7 @@ class Trainer:
         if (
             tc.vpp > 1 and not tc.packed
         ):  # [B, S] batches: the micro-batch count is known now (packed: per step)
-            from hybrid_model.training.virtual_pipeline import check_vpp_microbatches
+            from dsv4_train.virtual_pipeline import check_vpp_microbatches
 
             dp = ps.get_data_parallel_world_size()
             check_vpp_microbatches(tc.global_batch_size // (dp * tc.micro_batch_size), tc.pp)
@@ -186,9 +186,9 @@ class Trainer:
         )
         if tc.packed:  # the packs' document capacity (the static cu_seqlens size of --cuda-graph)
             self.stepper.max_docs_per_pack = self.batches.config.max_num_seqs - 1
-        self.evaluator = None  # --eval-interval: hybrid_model.training.evaluation
+        self.evaluator = None  # --eval-interval: dsv4_train.evaluation
         if self.run_data.eval is not None:
-            from hybrid_model.training.evaluation import Evaluator
+            from dsv4_train.evaluation import Evaluator
 
             self.evaluator = Evaluator(
                 tc,
@@ -297,8 +297,8 @@ class Trainer:
             )
 
     def run(self) -> list[dict]:
+        from dsv4_train.outputs import RunOutputs
         from hybrid_model.flops import forward_flops_from_stats
-        from hybrid_model.training.outputs import RunOutputs
 
         tc = self.tc
         resumed = self.resuming and self.load_checkpoint()

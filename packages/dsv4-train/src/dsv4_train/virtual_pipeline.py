@@ -34,7 +34,7 @@ def check_vpp_config(tc) -> None:
             f"--vpp {tc.vpp} with --cp {tc.cp} is not supported yet: no parity test covers virtual pipeline stages "
             "with context parallelism (use --pp without --vpp, or --cp 1)"
         )
-    from hybrid_model.training.setup import model_config_for
+    from dsv4_train.setup import model_config_for
 
     cfg = model_config_for(tc)  # P·V segments; hash layers must be in the first (ValueError from the config)
     n_segments = len(cfg.parsed_pattern.segments)

@@ -198,7 +198,7 @@ class DSv4Model(HybridModel):
             raise ValueError(
                 f"context parallelism (CP size {cp.size()}) needs a THD pack: pass this CP rank's rows [1, L] and "
                 "the global packed_seq_params ([B, S] batches run under CP as a THD pack of B documents of S tokens: "
-                "hybrid_model.training.context_parallel.sbhd_as_thd_pack)"
+                "dsv4_train.context_parallel.sbhd_as_thd_pack)"
             )
         router_cu = None
         if input_ids is not None:

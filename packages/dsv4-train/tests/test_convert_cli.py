@@ -1,0 +1,141 @@
+"""``dsv4 convert`` and ``dsv4 train --init-from`` as users run them: exit codes, one-line errors naming the file,
+never writing into a non-empty output or over the source, and a fresh process that creates its own parallel state.
+The conversions themselves are tested at the model floor (hybrid-model's ``test_hf_*``)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dsv4_train.cli import main
+from hybrid_model.hf import load_hf_checkpoint
+from hybrid_model.hf.convert import export_hf_checkpoint
+from hybrid_model.hf.io import read_tensors
+from hybrid_model.model import build_model
+from hybrid_model.presets import get_preset
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The ``tiny`` preset (randomly initialised, MTP included) exported as an HF DeepSeek-V4 directory."""
+    from dsv4_testkit.megatron_cpu import megatron_cpu_context
+
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    with megatron_cpu_context():
+        torch.manual_seed(0)
+        export_hf_checkpoint(build_model(get_preset("tiny")).eval(), path, max_shard_bytes=1 << 40)
+    return path
+
+
+def _truncate(f):
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+def test_convert_cli_errors(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert "neither an HF checkpoint" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+
+
+def test_load_and_convert_of_a_truncated_checkpoint_name_the_file(megatron_cpu, hf_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    _truncate(bad / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"^{bad / 'model.safetensors'}: not a readable safetensors file"):
+        load_hf_checkpoint(bad)
+    assert main(["convert", str(bad), str(tmp_path / "out")]) == 2
+    assert f"dsv4 convert: error: {bad / 'model.safetensors'}: not a readable" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial output left
+
+
+def test_convert_refuses_non_empty_output_and_overwrites_only_when_told(
+    megatron_cpu, hf_dir, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"keep": "me"}')
+    assert main(["convert", str(hf_dir), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"output directory {out} is not empty (holds ['config.json'])" in err and "--overwrite" in err
+    assert json.loads((out / "config.json").read_text()) == {"keep": "me"}  # untouched
+    assert main(["convert", str(hf_dir), str(out), "--overwrite"]) == 0
+    assert (out / "metadata.json").is_file() and not (out / "config.json").exists()  # replaced as a whole
+    back = tmp_path / "back"
+    back.mkdir()  # an empty directory is fine
+    assert main(["convert", str(out), str(back)]) == 0
+    a, b = read_tensors(hf_dir), read_tensors(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["convert", str(out), str(back)]) == 2  # now non-empty
+    assert main(["convert", str(out), str(back), "--overwrite"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "out"]  # no temporary directories left
+    # the source is never an output
+    assert main(["convert", str(out), str(out / "hf")]) == 2
+    assert "overlap" in capsys.readouterr().err
+    assert main(["convert", str(hf_dir), str(hf_dir), "--overwrite"]) == 2
+    assert (hf_dir / "config.json").is_file()
+
+
+def test_init_from_a_corrupt_checkpoint_names_it(megatron_cpu, hf_dir, tmp_path):
+    """``dsv4 train --init-from`` of a checkpoint whose files are truncated: exit 2, one message naming it."""
+    import os
+    import subprocess
+    import sys
+
+    from hybrid_model.hf import convert
+
+    mg = tmp_path / "mg"
+    convert.convert_hf_to_megatron(hf_dir, mg)
+    for f in mg.glob("*.distcp"):
+        _truncate(f)
+    (tmp_path / "a.txt").write_text("some text to train on " * 20)
+    code = "import sys; from dsv4_train.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = [
+        "train",
+        "--init-from",
+        str(mg),
+        "--data",
+        str(tmp_path / "a.txt"),
+        "--steps",
+        "1",
+        "--seq-len",
+        "32",
+    ]
+    argv += [
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"dsv4 train: error: --init-from {mg}: cannot load the model weights (" in proc.stderr
+
+
+def test_dsv4_convert_in_a_fresh_process(hf_dir, tmp_path):
+    """The console command as users run it: no parallel state beforehand (created by the command itself)."""
+    import subprocess
+    import sys
+
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    script = (
+        "import sys; from dsv4_train.cli import main; "
+        "sys.exit(main(['convert', sys.argv[1], sys.argv[2]]) or main(['convert', sys.argv[2], sys.argv[3]]))"
+    )
+    args = [str(tmp_path / d) for d in ("hf", "megatron", "back")]
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    a, b = read_tensors(tmp_path / "hf"), read_tensors(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
