@@ -259,7 +259,7 @@ def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = F
     # The last `iters` of `iters + 5` steps are timed, in both modes on the same batches (tokens/s counts real tokens,
     # which vary per batch). Graphs: 2 warm-up steps + the capture, again after the MTP weight's decay starts (step 2
     # at warmup_steps=0), so steps 4, 5, ... are replays. Eager: step 1 compiles.
-    tc = TrainConfig(
+    tc = TrainConfig.from_flat(
         preset="flash-smoke",
         steps=iters + 5,
         cuda_graph=cuda_graph,

@@ -59,7 +59,7 @@ def _run(name: str, out: Path, args, *, deterministic: bool, graph: bool) -> dic
     from dsv4_train.config import TrainConfig
     from dsv4_train.trainer import Trainer
 
-    tc = TrainConfig(
+    tc = TrainConfig.from_flat(
         preset=args.preset,
         steps=args.steps,
         seq_len=args.seq_len,

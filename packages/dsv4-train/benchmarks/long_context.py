@@ -20,7 +20,6 @@ On a machine without CUDA the child runs the ``tiny`` preset in fp32 (a smoke te
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import json
@@ -83,12 +82,12 @@ class _Run:
             build_optimizer,
             build_scheduler,
             init_distributed,
-            model_config_for,
             reset_metric_trackers,
         )
+        from dsv4_train.model_config import model_config_for
 
         cuda = torch.cuda.is_available()
-        self.tc = TrainConfig(
+        self.tc = TrainConfig.from_flat(
             preset=preset,
             steps=1000,
             seq_len=SEQ_LENS[0],
@@ -104,7 +103,7 @@ class _Run:
         apply_cpu_shims()
         init_distributed()
         ps.initialize_model_parallel(1, 1)
-        init_rng_tracker(self.tc.seed)
+        init_rng_tracker(self.tc.schedule.seed)
         reset_metric_trackers()
         self.ps = ps
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -135,7 +134,7 @@ class _Run:
         from dsv4_train.step import StepRunner
 
         runner = StepRunner(
-            dataclasses.replace(self.tc, seq_len=s),
+            self.tc.replace(seq_len=s),
             self.model_config,
             core=self.parts.core,
             model=self.parts.model,

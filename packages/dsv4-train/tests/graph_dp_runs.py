@@ -33,7 +33,7 @@ def train_variants(rank: int, world: int, runs: list[tuple[str, dict, dict]]) ->
         results["unequal-microbatches"] = str(e)
     for name, kw, variant in runs:
         with host_staged_collectives(cpu_too=True) if variant.get("staged") else contextlib.nullcontext():
-            trainer = Trainer(TrainConfig(progress=False, **kw))
+            trainer = Trainer(TrainConfig.from_flat(progress=False, **kw))
             try:
                 if variant.get("split"):
                     dp_group = trainer.ps.get_data_parallel_group(with_context_parallel=True)
@@ -61,7 +61,7 @@ def graph_vs_eager(rank: int, world: int, runs: list[tuple[str, dict]]) -> dict:
 
     results = {}
     for name, kw in runs:
-        trainer = Trainer(TrainConfig(progress=False, **kw))
+        trainer = Trainer(TrainConfig.from_flat(progress=False, **kw))
         try:
             metrics = trainer.run()
             captures = trainer._graphed.captures if trainer._graphed is not None else 0

@@ -82,12 +82,12 @@ def capture_first_step_grads(trainer) -> dict:
 
 
 def run_trainer(kw: dict):
-    """The ``Trainer`` of one test run: ``TrainConfig(**kw)`` without progress output and, unless ``kw`` asks for
+    """The ``Trainer`` of one test run: ``TrainConfig.from_flat(**kw)`` without progress output and, unless ``kw`` asks for
     one (``save_final=True``), without a final checkpoint (``save_interval`` checkpoints are written as usual)."""
     from dsv4_train.config import TrainConfig
     from dsv4_train.trainer import Trainer
 
-    return Trainer(TrainConfig(progress=False, **({"save_final": False} | kw)))
+    return Trainer(TrainConfig.from_flat(progress=False, **({"save_final": False} | kw)))
 
 
 def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_initial: bool = False) -> dict:

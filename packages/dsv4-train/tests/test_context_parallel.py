@@ -18,15 +18,15 @@ from dsv4_train.context_parallel import local_batch, sbhd_as_thd_pack
 
 
 def test_cp_config_checks():
-    assert TrainConfig(cp=2, seq_len=64).cp == 2
+    assert TrainConfig.from_flat(cp=2, seq_len=64).parallel.cp == 2
     with pytest.raises(ValueError, match=r"--cp-layout 'zigzag' is not supported.*compression groups"):
-        TrainConfig(cp=2, cp_layout="zigzag")
+        TrainConfig.from_flat(cp=2, cp_layout="zigzag")
     with pytest.raises(ValueError, match=r"--seq-len 100 .*multiple of --cp 3.*--seq-len 102"):
-        TrainConfig(cp=3, seq_len=100, packed=True)
+        TrainConfig.from_flat(cp=3, seq_len=100, packed=True)
     with pytest.raises(ValueError, match="--cuda-graph with --cp 2 is not supported"):
-        TrainConfig(cp=2, seq_len=64, cuda_graph=True, bf16=True)
+        TrainConfig.from_flat(cp=2, seq_len=64, cuda_graph=True, bf16=True)
     with pytest.raises(ValueError, match="--cp must be >= 1"):
-        TrainConfig(cp=0)
+        TrainConfig.from_flat(cp=0)
 
 
 def _sbhd_batch(b=2, s=6, cp_size=1):

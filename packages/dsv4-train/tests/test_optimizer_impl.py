@@ -170,13 +170,13 @@ def test_cli_flags():
     tc = train_config_from_args(
         build_parser().parse_args(["train", "--optimizer-impl", "fused", "--no-fused-linear-ce"])
     )
-    assert tc.optimizer_impl == "fused" and tc.fused_linear_ce is False
+    assert tc.optimizer.optimizer_impl == "fused" and tc.precision.fused_linear_ce is False
     tc = train_config_from_args(build_parser().parse_args(["train"]))
-    assert tc.optimizer_impl == "auto" and tc.fused_linear_ce is True
+    assert tc.optimizer.optimizer_impl == "auto" and tc.precision.fused_linear_ce is True
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--optimizer-impl", "apex"])
     with pytest.raises(ValueError, match="--optimizer-impl must be one of"):
-        TrainConfig(optimizer_impl="apex")
+        TrainConfig.from_flat(optimizer_impl="apex")
 
 
 @pytest.mark.parametrize("dist_opt", [True, False])

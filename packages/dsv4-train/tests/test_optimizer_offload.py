@@ -204,17 +204,17 @@ def test_cli_flags():
         return train_config_from_args(build_parser().parse_args(["train", *argv]))
 
     tc = tc_of("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25")
-    assert tc.optimizer_cpu_offload is True and tc.optimizer_offload_fraction == 0.25
+    assert tc.optimizer.optimizer_cpu_offload is True and tc.optimizer.optimizer_offload_fraction == 0.25
     tc = tc_of()
-    assert tc.optimizer_cpu_offload is False and tc.optimizer_offload_fraction == 1.0
+    assert tc.optimizer.optimizer_cpu_offload is False and tc.optimizer.optimizer_offload_fraction == 1.0
     with pytest.raises(ValueError, match="only applies with --optimizer-cpu-offload"):
         tc_of("--optimizer-offload-fraction", "0.5")
     with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
-        TrainConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5)
+        TrainConfig.from_flat(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5)
     with pytest.raises(ValueError, match="--optimizer-impl fused cannot apply"):
-        TrainConfig(optimizer_cpu_offload=True, optimizer_impl="fused")
+        TrainConfig.from_flat(optimizer_cpu_offload=True, optimizer_impl="fused")
     with pytest.raises(ValueError, match="--optimizer-cpu-offload with --cuda-graph"):
-        TrainConfig(optimizer_cpu_offload=True, cuda_graph=True)
+        TrainConfig.from_flat(optimizer_cpu_offload=True, cuda_graph=True)
 
 
 @pytest.mark.gpu

@@ -182,6 +182,6 @@ def test_cli_flags_and_errors():
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "--recompute-modules" in help_text and "--mhc-recompute-layer-num" in help_text
     with pytest.raises(ValueError, match="--recompute-"):
-        TrainConfig(recompute_granularity="full")  # no method / num_layers
+        TrainConfig.from_flat(recompute_granularity="full")  # no method / num_layers
     with pytest.raises(ValueError, match="need granularity 'selective'"):
-        TrainConfig(recompute_modules=["mhc"])
+        TrainConfig.from_flat(recompute_modules=["mhc"])

@@ -31,7 +31,7 @@ _RUNNER = textwrap.dedent(
     if __name__ == "__main__":
         out, results = sys.argv[1], []
         for bf16, packed in ((False, False), (True, False), (True, True)):
-            tc = TrainConfig(
+            tc = TrainConfig.from_flat(
                 preset="tiny", steps=2, seq_len=64, global_batch_size=2, micro_batch_size=2, warmup_steps=0,
                 bf16=bf16, packed=packed, out=f"{out}/run_{int(bf16)}{int(packed)}", progress=False,
             )
@@ -112,5 +112,5 @@ def test_cli_bf16_flag_and_device_default():
     assert parser.parse_args(["train", "--bf16"]).bf16 is True
     assert parser.parse_args(["train", "--no-bf16"]).bf16 is False
     assert parser.parse_args(["train"]).bf16 is None
-    assert TrainConfig().bf16 is torch.cuda.is_available()
-    assert TrainConfig(bf16=True).bf16 is True
+    assert TrainConfig.from_flat().bf16 is torch.cuda.is_available()
+    assert TrainConfig.from_flat(bf16=True).bf16 is True

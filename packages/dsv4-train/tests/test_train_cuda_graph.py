@@ -15,6 +15,7 @@ from graph_runs import run_results_script
 
 from dsv4_train.cli import build_parser, train_config_from_args
 from dsv4_train.config import TrainConfig
+from dsv4_train.setup import check_run
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def fake_cuda(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-device error is a CPU case")
 def test_needs_a_cuda_device():
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        TrainConfig(cuda_graph=True)
+        check_run(TrainConfig.from_flat(cuda_graph=True))
 
 
 @pytest.mark.parametrize(
@@ -39,32 +40,35 @@ def test_needs_a_cuda_device():
 )
 def test_rejects_what_cannot_be_captured(fake_cuda, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**{"cuda_graph": True, "bf16": True, **kwargs})
+        check_run(TrainConfig.from_flat(**{"cuda_graph": True, "bf16": True, **kwargs}))
 
 
 def test_data_parallel_is_accepted_model_parallel_is_not(fake_cuda, monkeypatch):
     """Several processes are data parallel (the DP gradient reduction runs beside the graph:
     test_train_graph_dp.py); PP, EP and CP stay refused with their reasons."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert TrainConfig(cuda_graph=True, bf16=True).cuda_graph
+    assert check_run(TrainConfig.from_flat(cuda_graph=True, bf16=True)).graphs.cuda_graph
     for kwargs, match in (({"pp": 2}, "one model-parallel rank"), ({"ep": 2}, "one model-parallel rank")):
         with pytest.raises(ValueError, match=match):
-            TrainConfig(cuda_graph=True, bf16=True, **kwargs)
+            check_run(TrainConfig.from_flat(cuda_graph=True, bf16=True, **kwargs))
     with pytest.raises(ValueError, match="--cuda-graph with --cp 2"):
-        TrainConfig(cuda_graph=True, bf16=True, cp=2)
+        check_run(TrainConfig.from_flat(cuda_graph=True, bf16=True, cp=2))
+    with pytest.raises(ValueError, match=r"--cuda-graph --packed runs on one process \(DP=2\)"):
+        check_run(TrainConfig.from_flat(cuda_graph=True, bf16=True, packed=True))
 
 
 def test_cli_flags(fake_cuda):
     args = build_parser().parse_args(["train", "--cuda-graph", "--cuda-graph-warmup-steps", "3"])
     tc = train_config_from_args(args)
-    assert tc.cuda_graph and tc.cuda_graph_warmup_steps == 3
-    assert not train_config_from_args(build_parser().parse_args(["train"])).cuda_graph
+    assert tc.graphs.cuda_graph and tc.graphs.cuda_graph_warmup_steps == 3
+    assert not train_config_from_args(build_parser().parse_args(["train"])).graphs.cuda_graph
 
 
 _RUNNER = textwrap.dedent(
     """
     import json, sys
     from dsv4_train.config import TrainConfig
+from dsv4_train.setup import check_run
     from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
@@ -75,7 +79,7 @@ _RUNNER = textwrap.dedent(
         torch.use_deterministic_algorithms(True, warn_only=True)
         out, results = sys.argv[1], {}
         for name, graph, dense in (("eager", False, 0), ("graph", True, 0), ("graph_dense", True, 3)):
-            tc = TrainConfig(
+            tc = TrainConfig.from_flat(
                 preset="tiny", steps=8, seq_len=128, global_batch_size=4, micro_batch_size=2, warmup_steps=0,
                 dense_steps=dense, cuda_graph=graph, out=f"{out}/{name}", progress=False, save_final=graph and not dense,
                 mtp_loss_weight_decay=None,  # a constant MTP weight: no recapture at the LR-decay start
@@ -123,6 +127,7 @@ _RECOMPUTE_RUNNER = textwrap.dedent(
     """
     import json, sys
     from dsv4_train.config import TrainConfig
+from dsv4_train.setup import check_run
     from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
@@ -139,7 +144,7 @@ _RECOMPUTE_RUNNER = textwrap.dedent(
             "graph_full": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), True),
         }
         for name, (kw, graph) in settings.items():
-            tc = TrainConfig(
+            tc = TrainConfig.from_flat(
                 preset="tiny", steps=5, seq_len=256, global_batch_size=2, micro_batch_size=1, warmup_steps=0,
                 cuda_graph=graph, out=f"{out}/{name}", progress=False, save_final=False, mtp_loss_weight_decay=None,
                 **kw,
@@ -173,11 +178,11 @@ def test_graphed_recompute_matches_eager(tmp_path):
 def test_recompute_is_allowed_with_graphs(fake_cuda):
     """megatron allows selective and full recompute with a full-iteration graph (the DSv4 layers draw no random
     numbers): the flags combine."""
-    tc = TrainConfig(
+    tc = TrainConfig.from_flat(
         cuda_graph=True,
         bf16=True,
         recompute_granularity="full",
         recompute_method="block",
         recompute_num_layers=1,
     )
-    assert tc.cuda_graph and tc.recompute_granularity == "full"
+    assert tc.graphs.cuda_graph and tc.memory.recompute_granularity == "full"

@@ -33,10 +33,10 @@ def fake_cuda(monkeypatch):
 
 
 def test_packed_graphs_are_accepted(fake_cuda):
-    tc = TrainConfig(cuda_graph=True, bf16=True, packed=True, max_docs_per_pack=12)
-    assert tc.cuda_graph and tc.packed and tc.max_docs_per_pack == 12
+    tc = TrainConfig.from_flat(cuda_graph=True, bf16=True, packed=True, max_docs_per_pack=12)
+    assert tc.graphs.cuda_graph and tc.data.packed and tc.data.max_docs_per_pack == 12
     args = build_parser().parse_args(["train", "--cuda-graph", "--packed", "--max-docs-per-pack", "7"])
-    assert train_config_from_args(args).max_docs_per_pack == 7
+    assert train_config_from_args(args).data.max_docs_per_pack == 7
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_packed_graphs_are_accepted(fake_cuda):
 )
 def test_max_docs_flag_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs)
+        TrainConfig.from_flat(**kwargs)
 
 
 def test_max_docs_default():
@@ -150,7 +150,7 @@ _REPLAY_RUNNER = textwrap.dedent(
         torch.use_deterministic_algorithms(True, warn_only=True)
         out, results = sys.argv[1], {}
         for name, graph in (("eager", False), ("graph", True)):
-            tc = TrainConfig(
+            tc = TrainConfig.from_flat(
                 preset="tiny", steps=8, seq_len=256, global_batch_size=6, warmup_steps=0, packed=True,
                 cuda_graph=graph, out=f"{out}/{name}", progress=False, save_final=False, mtp_loss_weight_decay=None,
                 data=["mock:mean=60,min=3,max=256,docs=400"],  # several short documents per pack

@@ -39,12 +39,18 @@ def _sources(tmp_path):
 
 def test_data_flags_accumulate_and_default():
     tc = _tc("--data", "a.jsonl", "--data", "dir/", "c.txt", "--long-docs", "truncate", "--skip-bad-records")
-    assert (tc.data, tc.long_docs, tc.skip_bad_records) == (["a.jsonl", "dir/", "c.txt"], "truncate", True)
+    assert (tc.data.sources, tc.data.long_docs, tc.data.skip_bad_records) == (
+        ("a.jsonl", "dir/", "c.txt"),
+        "truncate",
+        True,
+    )
     tc = _tc()
-    assert (tc.data, tc.long_docs, tc.skip_bad_records) == ([], "split", False)
+    assert (tc.data.sources, tc.data.long_docs, tc.data.skip_bad_records) == ([], "split", False)
     with pytest.raises(ValueError, match="--long-docs must be 'split' or 'truncate'"):
-        TrainConfig(long_docs="drop")
-    assert TrainConfig(data="one.jsonl").data == ["one.jsonl"]  # a config file's single path
+        TrainConfig.from_flat(long_docs="drop")
+    assert TrainConfig.from_flat(data="one.jsonl").data.sources == (
+        "one.jsonl",
+    )  # a config file's single path
 
 
 def test_every_source_is_read_split_and_summarised(tmp_path):

@@ -59,7 +59,7 @@ _RUNNER = textwrap.dedent(
     from dsv4_train.trainer import train
 
     if __name__ == "__main__":
-        ms = train(TrainConfig(progress=False, **json.loads(sys.argv[1])))
+        ms = train(TrainConfig.from_flat(progress=False, **json.loads(sys.argv[1])))
         keys = ("lm_loss", "mtp_loss", "grad_norm", "lr")
         print("METRICS " + json.dumps([{k: m.get(k) for k in keys} for m in ms]))
     """

@@ -46,8 +46,8 @@ def test_environment_refusals(env, match):
 
 def test_cli_flag(capsys):
     args = build_parser().parse_args(["train", "--deterministic"])
-    assert train_config_from_args(args).deterministic is True
-    assert train_config_from_args(build_parser().parse_args(["train"])).deterministic is False
+    assert train_config_from_args(args).precision.deterministic is True
+    assert train_config_from_args(build_parser().parse_args(["train"])).precision.deterministic is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     assert "--deterministic" in capsys.readouterr().out
@@ -104,7 +104,7 @@ def test_cpu_run_is_strict_and_uses_megatron_deterministic_mode(tmp_path, monkey
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    tc = TrainConfig(
+    tc = TrainConfig.from_flat(
         steps=2, seq_len=32, global_batch_size=2, micro_batch_size=2, warmup_steps=0, data=[str(data)],
         out=str(tmp_path / "run"), progress=False, save_final=False, deterministic=True,
     )  # fmt: skip
@@ -135,7 +135,7 @@ _GPU_RUNNER = textwrap.dedent(
     if __name__ == "__main__":
         out, results = sys.argv[1], {}
         for name, graph in (("eager_a", False), ("eager_b", False), ("graph_a", True), ("graph_b", True)):
-            tc = TrainConfig(
+            tc = TrainConfig.from_flat(
                 preset="tiny", steps=6, seq_len=128, global_batch_size=4, micro_batch_size=2, warmup_steps=0,
                 cuda_graph=graph, out=f"{out}/{name}", progress=False, save_final=False, deterministic=True,
                 mtp_loss_weight_decay=None,

@@ -23,7 +23,7 @@ _RUNNER = textwrap.dedent(
             latest = run.pop("latest", None)
             if latest is not None:  # resume from this step's checkpoint (not the newest one)
                 (Path(run["out"]) / "checkpoints" / "latest").write_text(latest)
-            ms = train(TrainConfig(progress=False, **run))
+            ms = train(TrainConfig.from_flat(progress=False, **run))
             print("METRICS " + json.dumps([{k: m.get(k) for k in keys} for m in ms]), flush=True)
     """
 )

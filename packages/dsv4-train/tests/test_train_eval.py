@@ -31,7 +31,7 @@ _RUNNER = textwrap.dedent(
     EVAL = ("eval_lm_loss", "eval_mtp_loss", "eval_ppl", "eval_tokens")
 
     def run(pre_eval=False, **kw):
-        t = Trainer(TrainConfig(progress=False, **kw))
+        t = Trainer(TrainConfig.from_flat(progress=False, **kw))
         try:
             before = t.evaluator(0) if pre_eval else None
             ms = t.run()

@@ -124,7 +124,7 @@ _GPU_BASE = dict(
 @pytest.mark.gpu
 @pytest.mark.distributed
 def test_graphed_dp2_on_one_gpu_matches_eager(tmp_path):
-    """Two gloo ranks on one GPU (the same as ``torchrun --nproc-per-node 2 -m dsv4_train.cli train --cuda-graph
+    """Two gloo ranks on one GPU (the same as ``torchrun --nproc-per-node 2 -m dsv4_train train --cuda-graph
     --dist-backend gloo``): ``--cuda-graph`` DP2 vs eager DP2 in bf16, per-step losses within ``2·δ``, where
     ``δ = max_step |L_bf16 - L_fp32|`` of the eager DP2 runs (the parallel matrix's bf16 rule: a run that makes the
     same bf16 roundings in another order deviates from fp32 by the same amount; with deterministic kernels the
@@ -176,17 +176,19 @@ def test_overlapped_grad_reduce_is_refused():
 
 def test_dist_backend_flag():
     from dsv4_train.cli import build_parser, train_config_from_args
-    from dsv4_train.config import TrainConfig
+    from dsv4_train.config import TrainConfig, effective_config
 
     args = build_parser().parse_args(["train", "--dist-backend", "gloo"])
-    assert train_config_from_args(args).dist_backend == "gloo"
-    default = TrainConfig().dist_backend
+    assert train_config_from_args(args).parallel.dist_backend == "gloo"
+    default = effective_config(
+        TrainConfig.from_flat(), cuda_available=torch.cuda.is_available()
+    ).parallel.dist_backend
     assert default == ("nccl" if torch.cuda.is_available() else "gloo")
     with pytest.raises(ValueError, match="--dist-backend must be one of"):
-        TrainConfig(dist_backend="mpi")
+        TrainConfig.from_flat(dist_backend="mpi")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--dist-backend nccl needs CUDA"):
-            TrainConfig(dist_backend="nccl")
+            effective_config(TrainConfig.from_flat(dist_backend="nccl"), cuda_available=False)
 
 
 def test_host_staging_is_scoped():

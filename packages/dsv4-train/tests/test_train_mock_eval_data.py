@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_train.checkpoint import resume_conflicts
 from dsv4_train.cli import build_parser, main, train_config_from_args
-from dsv4_train.config import TrainConfig
+from dsv4_train.config import TrainConfig, flat_settings
 from dsv4_train.data import build_batches
 from dsv4_train.eval_data import (
     EVAL_MOCK_STREAM,
@@ -122,7 +122,7 @@ def _text_config(tmp_path, **kw) -> TrainConfig:
     base = dict(
         data=[str(path)], seq_len=64, global_batch_size=4, micro_batch_size=2, out=str(tmp_path / "r")
     )
-    return TrainConfig(**(base | kw))
+    return TrainConfig.from_flat(**(base | kw))
 
 
 def test_heldout_split_is_whole_documents_by_seed_and_never_trained_on(tmp_path):
@@ -175,13 +175,15 @@ def test_split_counts_samples_of_whole_documents():
 
 
 def test_mock_eval_is_a_separate_stream_and_training_is_unchanged():
-    tc = TrainConfig(
+    tc = TrainConfig.from_flat(
         data=["mock:docs=50,seed=2"], seq_len=64, global_batch_size=4, eval_interval=3, eval_iters=2
     )
     data = build_run_data(tc, vocab_size=512)
     assert len(data.train) == 50 and len(data.eval) == 8  # eval_iters x global batch
     assert data.eval.config.stream == EVAL_MOCK_STREAM and data.train.config.stream == 0
-    plain = build_run_data(TrainConfig(data=["mock:docs=50,seed=2"], seq_len=64), vocab_size=512).train
+    plain = build_run_data(
+        TrainConfig.from_flat(data=["mock:docs=50,seed=2"], seq_len=64), vocab_size=512
+    ).train
     assert np.array_equal(plain.lengths, data.train.lengths)
     for i in range(8):
         assert not np.array_equal(data.eval[i].tokens[:8], data.train[i].tokens[:8])
@@ -189,17 +191,19 @@ def test_mock_eval_is_a_separate_stream_and_training_is_unchanged():
 
 
 def test_resume_refuses_a_changed_heldout_split():
-    saved = TrainConfig(eval_interval=10, eval_iters=4).to_dict()
-    assert heldout_samples(saved) == 4 * 8
+    saved = TrainConfig.from_flat(eval_interval=10, eval_iters=4).to_dict()
+    assert heldout_samples(flat_settings(saved)) == 4 * 8
     assert (
-        heldout_conflict(TrainConfig(eval_interval=20, eval_iters=4), saved) is None
+        heldout_conflict(TrainConfig.from_flat(eval_interval=20, eval_iters=4), saved) is None
     )  # interval: same split
-    assert heldout_conflict(TrainConfig(eval_interval=10, eval_iters=4, eval_data=["e.txt"]), saved)
-    line = heldout_conflict(TrainConfig(), saved)
+    assert heldout_conflict(TrainConfig.from_flat(eval_interval=10, eval_iters=4, eval_data=["e.txt"]), saved)
+    line = heldout_conflict(TrainConfig.from_flat(), saved)
     assert "hold out nothing of the training data for evaluation (checkpoint: 32 samples" in line
-    old = {k: v for k, v in TrainConfig().to_dict().items() if not k.startswith("eval")}  # before evaluation
-    assert heldout_conflict(TrainConfig(eval_interval=5, eval_data=["e.txt"]), old) is None
-    lines = resume_conflicts(TrainConfig(eval_interval=5, eval_iters=2), old, {})
+    old = {
+        k: v for k, v in TrainConfig.from_flat().to_dict().items() if not k.startswith("eval")
+    }  # before evaluation
+    assert heldout_conflict(TrainConfig.from_flat(eval_interval=5, eval_data=["e.txt"]), old) is None
+    lines = resume_conflicts(TrainConfig.from_flat(eval_interval=5, eval_iters=2), old, {})
     assert len(lines) == 1 and "would hold out 16 samples of the training data" in lines[0]
-    mock = TrainConfig(data=["mock"], eval_interval=5).to_dict()
-    assert heldout_samples(mock) == 0  # mock evaluation holds nothing out
+    mock = TrainConfig.from_flat(data=["mock"], eval_interval=5).to_dict()
+    assert heldout_samples(flat_settings(mock)) == 0  # mock evaluation holds nothing out

@@ -69,7 +69,7 @@ _RUNNER = textwrap.dedent(
 
         # one poisoned step (the 2nd) is skipped and counted; the run completes and saves step 3 once
         POISON.add(1)
-        t = Trainer(TrainConfig(steps=3, save_interval=3, out=str(out / "one"), **base))
+        t = Trainer(TrainConfig.from_flat(steps=3, save_interval=3, out=str(out / "one"), **base))
         ms = t.run()
         t.close()
         rows = read_metrics(out / "one" / "metrics.jsonl")
@@ -82,7 +82,7 @@ _RUNNER = textwrap.dedent(
 
         # resume with another LR: refused with the reason, before anything is loaded
         try:
-            Trainer(TrainConfig(steps=3, lr=1e-3, resume=True, out=str(out / "one"), **base))
+            Trainer(TrainConfig.from_flat(steps=3, lr=1e-3, resume=True, out=str(out / "one"), **base))
             res["lr_change"] = "accepted"
         except ValueError as e:
             res["lr_change"] = str(e)
@@ -91,7 +91,7 @@ _RUNNER = textwrap.dedent(
         shard = sorted((out / "one" / "checkpoints" / "iter_0000003").glob("*.distcp"))[0]
         shard.write_bytes(shard.read_bytes()[:100])
         try:
-            Trainer(TrainConfig(steps=3, resume=True, out=str(out / "one"), **base))
+            Trainer(TrainConfig.from_flat(steps=3, resume=True, out=str(out / "one"), **base))
             res["corrupt"] = "loaded"
         except ValueError as e:
             res["corrupt"] = str(e)
@@ -99,7 +99,7 @@ _RUNNER = textwrap.dedent(
         # poisoned from the 2nd step on: stops after 2 in a row, nothing saved after the last finite step
         POISON.update(range(1, 10))
         saves.clear()
-        t = Trainer(TrainConfig(steps=6, save_interval=1, max_nonfinite_steps=2, out=str(out / "two"), **base))
+        t = Trainer(TrainConfig.from_flat(steps=6, save_interval=1, max_nonfinite_steps=2, out=str(out / "two"), **base))
         try:
             t.run()
             res["two"] = "completed"
@@ -157,7 +157,8 @@ def _cli(args, **kw):
 
 
 def test_cli_run_directory_exit_codes_and_output(tmp_path, capsys):
-    from dsv4_train.cli import QUIET_LOG_RECORDS, QUIET_WARNINGS, main
+    from dsv4_train.cli import main
+    from dsv4_train.quiet import QUIET_LOG_RECORDS, QUIET_WARNINGS
 
     run = tmp_path / "run"
     first = _cli(["--steps", "2", "--out", str(run)])

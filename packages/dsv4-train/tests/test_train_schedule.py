@@ -6,25 +6,27 @@ from dsv4_train.config import TrainConfig
 
 
 def test_cosine_decay_starts_after_warmup():
-    tc = TrainConfig(steps=30, warmup_steps=5)
+    tc = TrainConfig.from_flat(steps=30, warmup_steps=5)
     assert tc.lr_decay_start() == 6
     assert [tc.mtp_weight_at(s, 0.3) for s in (0, 5, 6, 29)] == [0.3, 0.3, 0.1, 0.1]
     assert {tc.mtp_weight_at(s, 0.0) for s in range(30)} == {0.0}  # MTP switched off by weight stays off
 
 
 def test_wsd_decay_starts_before_the_anneal():
-    tc = TrainConfig(steps=100, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20)
+    tc = TrainConfig.from_flat(steps=100, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20)
     assert tc.lr_decay_start() == 81
     assert [tc.mtp_weight_at(s, 0.3) for s in (0, 80, 81, 99)] == [0.3, 0.3, 0.1, 0.1]
     # an anneal longer than the run after warm-up still starts after warm-up
     assert (
-        TrainConfig(steps=20, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20).lr_decay_start()
+        TrainConfig.from_flat(
+            steps=20, warmup_steps=10, lr_decay_style="wsd", lr_wsd_decay_steps=20
+        ).lr_decay_start()
         == 11
     )
 
 
 def test_constant_mtp_weight_when_disabled():
-    tc = TrainConfig(steps=10, warmup_steps=2, mtp_loss_weight_decay=None)
+    tc = TrainConfig.from_flat(steps=10, warmup_steps=2, mtp_loss_weight_decay=None)
     assert {tc.mtp_weight_at(s, 0.3) for s in range(10)} == {0.3}
 
 
@@ -40,24 +42,24 @@ def test_megatron_scheduler_agrees_with_lr_decay_start():
         dict(steps=30, warmup_steps=5),
         dict(steps=40, warmup_steps=4, lr_decay_style="wsd", lr_wsd_decay_steps=10),
     ):
-        tc = TrainConfig(**kw)
+        tc = TrainConfig.from_flat(**kw)
         sched = OptimizerParamScheduler(
             _Opt(),
             init_lr=0.0,
             max_lr=1.0,
             min_lr=0.1,
-            lr_warmup_steps=tc.warmup_steps,
-            lr_decay_steps=tc.steps,
-            lr_decay_style="WSD" if tc.lr_decay_style == "wsd" else "cosine",
-            wsd_decay_steps=tc.lr_wsd_decay_steps if tc.lr_decay_style == "wsd" else None,
-            lr_wsd_decay_style="cosine" if tc.lr_decay_style == "wsd" else None,
+            lr_warmup_steps=tc.optimizer.warmup_steps,
+            lr_decay_steps=tc.schedule.steps,
+            lr_decay_style="WSD" if tc.optimizer.lr_decay_style == "wsd" else "cosine",
+            wsd_decay_steps=tc.optimizer.lr_wsd_decay_steps if tc.optimizer.lr_decay_style == "wsd" else None,
+            lr_wsd_decay_style="cosine" if tc.optimizer.lr_decay_style == "wsd" else None,
             start_wd=0.0,
             end_wd=0.0,
-            wd_incr_steps=tc.steps,
+            wd_incr_steps=tc.schedule.steps,
             wd_incr_style="constant",
         )
         lrs = []
-        for s in range(tc.steps):
+        for s in range(tc.schedule.steps):
             sched.num_steps = s
             lrs.append(sched.get_lr(_Opt.param_groups[0]))
         start = tc.lr_decay_start()
@@ -77,7 +79,7 @@ def test_megatron_scheduler_agrees_with_lr_decay_start():
 )
 def test_schedule_validation(kw, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kw)
+        TrainConfig.from_flat(**kw)
 
 
 def test_cli_schedule_and_save_final_flags_reach_the_config():
@@ -99,7 +101,12 @@ def test_cli_schedule_and_save_final_flags_reach_the_config():
         ]
     )
     tc = train_config_from_args(args)
-    assert (tc.lr_decay_style, tc.lr_wsd_decay_steps, tc.mtp_loss_weight_decay, tc.save_final) == (
+    assert (
+        tc.optimizer.lr_decay_style,
+        tc.optimizer.lr_wsd_decay_steps,
+        tc.loss.mtp_loss_weight_decay,
+        tc.checkpoint.save_final,
+    ) == (
         "wsd",
         5,
         0.2,
@@ -110,4 +117,4 @@ def test_cli_schedule_and_save_final_flags_reach_the_config():
     assert (
         defaults.save_final is None and defaults.lr_decay_style is None
     )  # unset flags keep TrainConfig's defaults
-    assert TrainConfig().save_final is True
+    assert TrainConfig.from_flat().checkpoint.save_final is True

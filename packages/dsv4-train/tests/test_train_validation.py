@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_train.checkpoint import latest_checkpoint, resume_conflicts
 from dsv4_train.cli import build_parser, main, train_config_from_args
-from dsv4_train.config import TrainConfig
+from dsv4_train.config import SECTION_TYPES, TrainConfig
 from dsv4_train.outputs import RunOutputs, read_metrics, strict_json_row
 from dsv4_train.rundir import check_writable, clear_run, decide_resume
 
@@ -70,9 +70,10 @@ def test_every_config_field_is_a_flag_with_its_default_in_help():
     parser = build_parser()
     train = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "train")[1]
     dests = {a.dest: a for a in train._actions}
-    for f in dataclasses.fields(TrainConfig):
-        assert f.name in dests, f"TrainConfig.{f.name} has no dsv4 train flag"
-        assert "default" in (dests[f.name].help or ""), f"--{f.name} shows no default"
+    for section in SECTION_TYPES.values():
+        for f in dataclasses.fields(section):
+            assert f.name in dests, f"{section.__name__}.{f.name} has no dsv4 train flag"
+            assert "default" in (dests[f.name].help or ""), f"--{f.name} shows no default"
     text = train.format_help()
     assert "(default: 0.003)" in text and "(default: 5)" in text and "Exit codes" in text
     args = parser.parse_args(
@@ -84,7 +85,7 @@ def test_every_config_field_is_a_flag_with_its_default_in_help():
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--resume", "yes"])
     tc = train_config_from_args(parser.parse_args(["train", "--mtp-loss-weight-decay", "none"]))
-    assert tc.mtp_loss_weight_decay is None
+    assert tc.loss.mtp_loss_weight_decay is None
 
 
 def _run_dir(tmp_path, *, checkpoint: bool, metrics: bool = True):
@@ -102,22 +103,22 @@ def _run_dir(tmp_path, *, checkpoint: bool, metrics: bool = True):
 def test_run_directory_rules(tmp_path):
     missing = tmp_path / "nothing"
     with pytest.raises(ValueError, match=r"does not exist.*--resume auto"):
-        decide_resume(TrainConfig(out=str(missing), resume=True))
-    assert decide_resume(TrainConfig(out=str(missing), resume="auto")) is False
-    assert decide_resume(TrainConfig(out=str(missing))) is False
+        decide_resume(TrainConfig.from_flat(out=str(missing), resume=True))
+    assert decide_resume(TrainConfig.from_flat(out=str(missing), resume="auto")) is False
+    assert decide_resume(TrainConfig.from_flat(out=str(missing))) is False
     out = _run_dir(tmp_path, checkpoint=False)
     with pytest.raises(ValueError, match="holds no checkpoint"):
-        decide_resume(TrainConfig(out=str(out), resume=True))
+        decide_resume(TrainConfig.from_flat(out=str(out), resume=True))
     with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl, tb\).*--resume.*--overwrite"):
-        decide_resume(TrainConfig(out=str(out)))
+        decide_resume(TrainConfig.from_flat(out=str(out)))
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing touched
-    assert decide_resume(TrainConfig(out=str(out), overwrite=True)) is False
+    assert decide_resume(TrainConfig.from_flat(out=str(out), overwrite=True)) is False
     (out / "notes.txt").write_text("mine")
     assert clear_run(out) == ["metrics.jsonl", "tb"]
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # only the run's own outputs are deleted
     out2 = _run_dir(tmp_path / "b", checkpoint=True)
-    assert decide_resume(TrainConfig(out=str(out2), resume=True)) is True
-    assert decide_resume(TrainConfig(out=str(out2), resume="auto")) is True
+    assert decide_resume(TrainConfig.from_flat(out=str(out2), resume=True)) is True
+    assert decide_resume(TrainConfig.from_flat(out=str(out2), resume="auto")) is True
 
 
 def test_unwritable_out_says_so(tmp_path):
@@ -132,17 +133,21 @@ def test_unwritable_out_says_so(tmp_path):
 
 
 def test_resume_conflicts_name_each_setting_and_the_reason():
-    tc = TrainConfig(lr=1e-3, steps=20)
-    saved = {**TrainConfig().to_dict(), "clip_grad": 0.5, "micro_batch_size": 2}  # these two may change
+    tc = TrainConfig.from_flat(lr=1e-3, steps=20)
+    saved = {
+        **TrainConfig.from_flat().to_dict(),
+        "clip_grad": 0.5,
+        "micro_batch_size": 2,
+    }  # these two may change
     lines = resume_conflicts(tc, saved, {})
     assert len(lines) == 2, lines
     assert "--lr 0.001 (checkpoint: 0.003; it defines the LR schedule)" in lines[0]
     assert lines[1].startswith("--steps 20 (checkpoint: 150")
-    assert resume_conflicts(TrainConfig(), saved, {}) == []
+    assert resume_conflicts(TrainConfig.from_flat(), saved, {}) == []
     # checkpoints without the config file: megatron's scheduler state is compared
     sched = {"max_lr": 0.003, "min_lr": 3e-4, "lr_warmup_steps": 10, "lr_decay_steps": 150, "start_wd": 0.1}
-    assert resume_conflicts(TrainConfig(), None, sched) == []
-    (line,) = resume_conflicts(TrainConfig(lr=1e-3), None, sched)
+    assert resume_conflicts(TrainConfig.from_flat(), None, sched) == []
+    (line,) = resume_conflicts(TrainConfig.from_flat(lr=1e-3), None, sched)
     assert line.startswith("--lr")
 
 

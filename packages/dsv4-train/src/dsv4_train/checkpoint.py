@@ -13,14 +13,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_primitives.megatron import cuda_as_cpu
-from dsv4_train.config import TrainConfig
+from dsv4_train.config import TrainConfig, flag_name, flat_settings
 
 DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}  # the default (``--ckpt-format``)
 # the distributed optimizer's checkpoint formats ``dsv4 train --ckpt-format`` offers: ``dp_reshardable`` (flat
 # buffer shards: each rank writes its own, resumable at another DP size) and ``fully_reshardable`` (every
 # param's fp32 main copy and Adam moments under its model key, gathered over DP to write: resumable at another
 # PP and DP size; see :func:`check_resume_layout`)
-DISTOPT_FORMATS = ("dp_reshardable", "fully_reshardable")
 # the run's TrainConfig, written next to megatron's files of every checkpoint (read back for the resume checks)
 TRAIN_CONFIG_FILE = "dsv4_train_config.json"
 
@@ -34,7 +33,7 @@ FIXED_ON_RESUME = {
     "global_batch_size": "the data stream (the saved position counts global batches of this shape and order)",
     "packed": "the data stream (the saved position counts global batches of this shape and order)",
     "max_docs_per_pack": "the data stream (the documents of each pack)",
-    "data": "the data stream (the saved position counts global batches of this shape and order)",
+    "sources": "the data stream (the saved position counts global batches of this shape and order)",
     "tokenizer": "the data stream (the saved position counts global batches of this shape and order)",
     "long_docs": "the data stream (the saved position counts global batches of this shape and order)",
     "skip_bad_records": "the data stream (the saved position counts global batches of this shape and order)",
@@ -70,21 +69,23 @@ def resume_conflicts(
     for checkpoints without one; ``scheduler_state``: megatron's saved LR-scheduler state), one line each."""
     lines = []
     if saved is not None:
+        saved, now = flat_settings(saved), tc.flat()
         for name, why in FIXED_ON_RESUME.items():
-            if name in saved and saved[name] != getattr(tc, name):
-                flag = "--" + name.replace("_", "-")
-                lines.append(f"{flag} {getattr(tc, name)!r} (checkpoint: {saved[name]!r}; it defines {why})")
+            if name in saved and saved[name] != now[name]:
+                lines.append(
+                    f"{flag_name(name)} {now[name]!r} (checkpoint: {saved[name]!r}; it defines {why})"
+                )
         from dsv4_train.eval_data import heldout_conflict
 
         heldout = heldout_conflict(tc, saved)
         if heldout:
             lines.append(heldout)
     expected = {
-        "max_lr": ("--lr", tc.lr),
-        "min_lr": ("--min-lr", tc.min_lr),
-        "lr_warmup_steps": ("--warmup-steps", min(tc.warmup_steps, tc.steps - 1)),
-        "lr_decay_steps": ("--steps", max(tc.steps, 2)),
-        "start_wd": ("--weight-decay", tc.weight_decay),
+        "max_lr": ("--lr", tc.optimizer.lr),
+        "min_lr": ("--min-lr", tc.optimizer.min_lr),
+        "lr_warmup_steps": ("--warmup-steps", min(tc.optimizer.warmup_steps, tc.schedule.steps - 1)),
+        "lr_decay_steps": ("--steps", max(tc.schedule.steps, 2)),
+        "start_wd": ("--weight-decay", tc.optimizer.weight_decay),
     }
     if saved is None:  # older checkpoints: megatron's scheduler state is what can be compared
         for key, (flag, value) in expected.items():
@@ -262,7 +263,7 @@ def check_resumable(tc: TrainConfig, path: Path, common: dict) -> None:
 def preflight_resume(tc: TrainConfig) -> Path:
     """Before anything is built: the checkpoint a resume of ``tc`` will load, its pointer, common state and settings
     checked (``ValueError`` naming the file or the conflicting settings)."""
-    path = latest_checkpoint(Path(tc.out) / "checkpoints")
+    path = latest_checkpoint(Path(tc.checkpoint.out) / "checkpoints")
     check_resumable(tc, path, read_common_state(path))
     return path
 
@@ -281,7 +282,7 @@ class Checkpointer:
     ) -> dict[str, Any]:
         """The sharded state to save, or (``loading``) the template to load into; ``distopt_format``: the
         optimizer format (default ``--ckpt-format``; loading: the checkpoint's, :func:`saved_distopt_format`)."""
-        fmt = distopt_format or self.tc.ckpt_format
+        fmt = distopt_format or self.tc.checkpoint.ckpt_format
         state = {
             "model": self.core.sharded_state_dict(),
             "optimizer": self.optimizer.sharded_state_dict(

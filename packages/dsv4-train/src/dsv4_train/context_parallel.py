@@ -23,33 +23,6 @@ from typing import Any
 
 import torch
 
-#: the row layouts ``--cp-layout`` accepts
-CP_LAYOUTS = ("contiguous",)
-
-
-def check_context_parallel_config(tc: Any) -> None:
-    """``ValueError`` (what, why, how to fix) for a ``TrainConfig`` that cannot run its ``--cp``."""
-    if tc.cp_layout != "contiguous":
-        raise ValueError(
-            f"--cp-layout {tc.cp_layout!r} is not supported: DSv4 needs the contiguous layout (CP rank r holds rows "
-            "[r*L, (r+1)*L) of the pack). Zigzag and other layouts give a rank non-adjacent rows, which cuts the "
-            "compression groups (4 and 128 consecutive tokens) and the sliding window across non-neighbouring "
-            "ranks; use --cp-layout contiguous"
-        )
-    if tc.cp == 1:
-        return
-    if tc.seq_len % tc.cp:
-        what = "pack capacity" if tc.packed else "sequence length"
-        raise ValueError(
-            f"--seq-len {tc.seq_len} (the {what}) must be a multiple of --cp {tc.cp}: every CP rank holds the same "
-            f"number of rows (static shapes); use --seq-len {(tc.seq_len // tc.cp + 1) * tc.cp} or another multiple"
-        )
-    if tc.cuda_graph:
-        raise ValueError(
-            f"--cuda-graph with --cp {tc.cp} is not supported: graph capture is validated on one GPU only and the "
-            "CP attention exchanges document boundaries that change every step; drop --cuda-graph or use --cp 1"
-        )
-
 
 @dataclass(frozen=True)
 class LocalBatch:
@@ -118,4 +91,4 @@ def local_batch(mb, *, packed: bool, cp_rank: int, cp_size: int, device: torch.d
     return LocalBatch(**f, packed_seq_params=pack.to(device).to_packed_seq_params())
 
 
-__all__ = ["CP_LAYOUTS", "LocalBatch", "check_context_parallel_config", "local_batch", "sbhd_as_thd_pack"]
+__all__ = ["LocalBatch", "local_batch", "sbhd_as_thd_pack"]

@@ -41,49 +41,13 @@ dp-balanced scheduler gives DP ranks different micro-batch counts, and every ran
 
 from __future__ import annotations
 
-import os
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from dsv4_train.graph_packs import BATCH_FIELDS, static_pack_batch
+
 # the fields of a fixed-length micro-batch that the forward step reads (copied into static buffers every step)
-BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
-
-
-class GraphRunSettings(Protocol):
-    """The run settings :func:`check_cuda_graph_config` reads (a :class:`~dsv4_train.config.TrainConfig`;
-    a protocol so that this module does not import the config module, which imports it)."""
-
-    bf16: bool | None
-    packed: bool
-    pp: int
-    ep: int
-    tp: int
-
-
-def check_cuda_graph_config(tc: GraphRunSettings) -> None:
-    """Raise ``ValueError`` (what is wrong and what to change) when ``tc`` cannot train with ``--cuda-graph``."""
-    if not torch.cuda.is_available():
-        raise ValueError("--cuda-graph needs a CUDA device (none is visible); drop --cuda-graph on CPU")
-    if not tc.bf16:
-        raise ValueError(
-            "--cuda-graph needs bf16 (the default on CUDA): the fp32 expert GEMMs read their row counts on the "
-            "host, which a captured step cannot; drop --no-bf16 or --cuda-graph"
-        )
-    if tc.pp > 1 or tc.ep > 1 or tc.tp > 1:
-        raise ValueError(
-            f"--cuda-graph supports one model-parallel rank (got pp={tc.pp}, ep={tc.ep}, tp={tc.tp}): pipeline "
-            "transfers and the expert all-to-all have data-dependent sizes; drop --cuda-graph"
-        )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if tc.packed and world > 1:
-        raise ValueError(
-            f"--cuda-graph --packed runs on one process (WORLD_SIZE={world}): the dp-balanced scheduler gives the "
-            "data-parallel ranks different micro-batch counts, and every rank must replay the same captured step; "
-            "drop --packed (fixed-length [B, S] batches graph under DP) or --cuda-graph"
-        )
-    # data parallelism (WORLD_SIZE > 1 at one model-parallel rank): the DP gradient reduction runs eagerly beside
-    # the graph (dsv4_train.graph_data_parallel); --cp > 1 is refused by the context-parallel checks
 
 
 def use_capture_stream() -> torch.cuda.Stream:
@@ -100,8 +64,6 @@ def static_batch(mb: Any, *, max_docs: int | None = None, step: int = 0) -> dict
     """A micro-batch as the dict of tensors that ``FullCudaGraphWrapper`` copies into its static buffers; a packed
     one (``max_docs``: its document capacity) with its boundaries (:func:`~.graph_packs.static_pack_batch`)."""
     if max_docs is not None:
-        from dsv4_train.graph_packs import static_pack_batch
-
         return static_pack_batch(mb, max_docs=max_docs, step=step)
     return {name: getattr(mb, name) for name in BATCH_FIELDS}
 

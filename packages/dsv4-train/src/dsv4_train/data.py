@@ -29,26 +29,28 @@ SUMMARY_LIST_LIMIT = 10
 
 
 def build_text_dataset(tc: TrainConfig, sources: list[str] | None = None) -> RawTextDataset:
-    """The dataset of ``tc.data`` (every source, in order) or the default corpus, ``tc.seq_len`` rows per sample;
-    ``sources`` (e.g. ``tc.eval_data``) are read instead of ``tc.data`` with the same settings.
+    """The dataset of ``tc.data.sources`` (every source, in order) or the default corpus, ``tc.data.seq_len`` rows per sample;
+    ``sources`` (e.g. ``tc.eval.eval_data``) are read instead of ``tc.data.sources`` with the same settings.
 
     Raises ``ValueError`` (a :class:`~thd_packing.TextRecordError` for a bad record, advising
     ``--skip-bad-records``) for unreadable input.
     """
     from thd_packing import RawTextDataset, TextDatasetConfig, TextRecordError, default_corpus_dataset
 
-    sources = tc.data if sources is None else sources
+    sources = tc.data.sources if sources is None else sources
     if not sources:
-        return default_corpus_dataset(tc.seq_len, tokenizer=tc.tokenizer)
+        return default_corpus_dataset(tc.data.seq_len, tokenizer=tc.data.tokenizer)
     config = TextDatasetConfig(
-        tc.seq_len, errors="skip" if tc.skip_bad_records else "raise", long_documents=tc.long_docs
+        tc.data.seq_len,
+        errors="skip" if tc.data.skip_bad_records else "raise",
+        long_documents=tc.data.long_docs,
     )
     try:
         with warnings.catch_warnings():  # the run prints its own summary of skipped and truncated documents
             warnings.filterwarnings(
                 "ignore", message="RawTextDataset (skipped|truncated)", category=UserWarning
             )
-            return RawTextDataset.from_paths(sources, config, tc.tokenizer)
+            return RawTextDataset.from_paths(sources, config, tc.data.tokenizer)
     except TextRecordError as err:
         raise TextRecordError(err.record, skip_hint=SKIP_HINT) from None
 
@@ -58,8 +60,8 @@ def data_summary(ds: RawTextDataset, tc: TrainConfig) -> str:
     the skipped records and ignored directory entries (the first :data:`SUMMARY_LIST_LIMIT` of each)."""
     from thd_packing import format_source_stats
 
-    mode = "split" if not tc.data else tc.long_docs
-    head = f"dsv4 train: data (--seq-len {tc.seq_len}, long documents: {mode}):"
+    mode = "split" if not tc.data.sources else tc.data.long_docs
+    head = f"dsv4 train: data (--seq-len {tc.data.seq_len}, long documents: {mode}):"
     lines = [head, *(f"  {line}" for line in format_source_stats(ds.source_stats()).splitlines())]
     report = ds.report
     for what, items in (("skipped bad record", report.skipped), ("ignored", report.ignored)):
@@ -90,29 +92,31 @@ def build_batches(
     vocab = ds.vocab_size
     if vocab > vocab_size:
         raise ValueError(
-            f"the tokenizer has {vocab} ids but preset {tc.preset!r} has vocab_size={vocab_size}; "
+            f"the tokenizer has {vocab} ids but preset {tc.model.preset!r} has vocab_size={vocab_size}; "
             "choose a larger preset or set model_overrides.vocab_size in the config file"
         )
-    if tc.global_batch_size % dp_size:
-        raise ValueError(f"--global-batch-size {tc.global_batch_size} must be divisible by DP size {dp_size}")
+    if tc.data.global_batch_size % dp_size:
+        raise ValueError(
+            f"--global-batch-size {tc.data.global_batch_size} must be divisible by DP size {dp_size}"
+        )
     return PackedBatchIterator(
         ds,
         BatchConfig(
-            global_batch_size=tc.global_batch_size,
-            max_seqlen_per_dp_cp_rank=tc.seq_len // cp_size if tc.packed else tc.seq_len,
-            layout="thd" if tc.packed else "sbhd",
-            micro_batch_size=tc.micro_batch_size,
+            global_batch_size=tc.data.global_batch_size,
+            max_seqlen_per_dp_cp_rank=tc.data.seq_len // cp_size if tc.data.packed else tc.data.seq_len,
+            layout="thd" if tc.data.packed else "sbhd",
+            micro_batch_size=tc.data.micro_batch_size,
             dp_size=dp_size,
             dp_rank=dp_rank,
-            cp_size=cp_size if tc.packed else 1,
-            cp_rank=cp_rank if tc.packed else 0,
+            cp_size=cp_size if tc.data.packed else 1,
+            cp_rank=cp_rank if tc.data.packed else 0,
             too_long="split",
             static_shape=True,
             max_num_seqs=_max_docs(tc, ds) + 1,  # documents + the dummy tail document
             # --vpp: megatron's interleaved schedule runs micro-batches in groups of --pp (packed: the scheduler
             # makes every step's pack count a multiple of it)
-            microbatch_group_size_per_vp_stage=tc.pp if tc.vpp > 1 else 1,
-            seed=tc.seed,
+            microbatch_group_size_per_vp_stage=tc.parallel.pp if tc.parallel.vpp > 1 else 1,
+            seed=tc.schedule.seed,
         ),
     )
 
@@ -123,9 +127,16 @@ def _max_docs(tc, ds) -> int:
 
     lengths = getattr(ds, "lengths", None)
     shortest = (
-        int(lengths.min()) if tc.packed and tc.cuda_graph and lengths is not None and len(lengths) else None
+        int(lengths.min())
+        if tc.data.packed and tc.graphs.cuda_graph and lengths is not None and len(lengths)
+        else None
     )
-    return max_docs_per_pack(tc.max_docs_per_pack, tc.seq_len, tc.cuda_graph and tc.packed, shortest)
+    return max_docs_per_pack(
+        tc.data.max_docs_per_pack,
+        tc.data.seq_len,
+        tc.graphs.cuda_graph and tc.data.packed,
+        shortest,
+    )
 
 
 __all__ = ["SKIP_HINT", "build_batches", "build_text_dataset", "data_summary"]

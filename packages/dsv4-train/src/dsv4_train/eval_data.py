@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from dsv4_train.config import TrainConfig
+from dsv4_train.config import TrainConfig, flat_settings
+from dsv4_train.mock_data import is_mock
 
 #: mixed with ``--seed`` into the generator that orders the documents of the held-out split ("eval" in ASCII)
 HELDOUT_SEED_TAG = 0x6576616C
@@ -38,21 +39,20 @@ EVAL_MOCK_STREAM = 1
 
 
 def eval_enabled(tc: TrainConfig) -> bool:
-    return tc.eval_interval > 0
+    return tc.eval.eval_interval > 0
 
 
 def eval_samples(tc: TrainConfig) -> int:
     """Samples one evaluation reads: ``--eval-iters x --global-batch-size``."""
-    return tc.eval_iters * tc.global_batch_size
+    return tc.eval.eval_iters * tc.data.global_batch_size
 
 
-def heldout_samples(tc: TrainConfig | dict[str, Any]) -> int:
-    """Samples the training data must hold out for ``tc`` (a TrainConfig or a checkpoint's saved dict): ``0``
-    unless evaluation is on and reads neither ``--eval-data`` nor mock data."""
-    from dsv4_train.mock_data import is_mock
-
-    get = (lambda k, d: tc.get(k, d)) if isinstance(tc, dict) else (lambda k, d: getattr(tc, k))
-    if get("eval_interval", 0) <= 0 or get("eval_data", []) or any(is_mock(s) for s in get("data", [])):
+def heldout_samples(settings: dict[str, Any]) -> int:
+    """Samples the training data must hold out for ``settings`` (flat field names: ``TrainConfig.flat()`` or a
+    checkpoint's saved config through ``flat_settings``): ``0`` unless evaluation is on and reads neither
+    ``--eval-data`` nor mock data."""
+    get = settings.get
+    if get("eval_interval", 0) <= 0 or get("eval_data", []) or any(is_mock(s) for s in get("sources", [])):
         return 0
     return int(get("eval_iters", 0)) * int(get("global_batch_size", 0))
 
@@ -60,7 +60,7 @@ def heldout_samples(tc: TrainConfig | dict[str, Any]) -> int:
 def heldout_conflict(tc: TrainConfig, saved: dict[str, Any]) -> str | None:
     """A line for the resume checks when ``tc`` would hold out other documents than the checkpoint's run ``saved``
     (its TrainConfig as a dict; older checkpoints have no eval settings: no evaluation)."""
-    now, then = heldout_samples(tc), heldout_samples(saved)
+    now, then = heldout_samples(tc.flat()), heldout_samples(flat_settings(saved))
     if now == then:
         return None
     what = lambda n: f"{n} samples" if n else "nothing"
@@ -101,7 +101,7 @@ def _heldout_summary(tc: TrainConfig, ds, heldout: np.ndarray, docs: int) -> str
     tokens, total = int(ds.lengths[heldout].sum()), int(ds.lengths.sum())
     return (
         f"held-out split of the training data: {docs:,} documents, {heldout.size:,} samples, {tokens:,} tokens "
-        f"({100 * tokens / max(total, 1):.2f} % of the tokens; never trained on; --seed {tc.seed})"
+        f"({100 * tokens / max(total, 1):.2f} % of the tokens; never trained on; --seed {tc.schedule.seed})"
     )
 
 
@@ -114,8 +114,8 @@ def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
 
     spec = check_mock_data(tc)
     if spec is not None:
-        ds = build_mock_dataset(spec, tc.seq_len, vocab_size)
-        lines = [mock_summary(spec, ds, tc.seq_len)]
+        ds = build_mock_dataset(spec, tc.data.seq_len, vocab_size)
+        lines = [mock_summary(spec, ds, tc.data.seq_len)]
     else:
         ds = build_text_dataset(tc)
         lines = [data_summary(ds, tc)]
@@ -123,21 +123,23 @@ def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
         return RunData(ds, None, "\n".join(lines))
     need = eval_samples(tc)
     train = ds
-    if tc.eval_data:
-        eval_ds = build_text_dataset(tc, sources=tc.eval_data)
+    if tc.eval.eval_data:
+        eval_ds = build_text_dataset(tc, sources=tc.eval.eval_data)
         if len(eval_ds) < need:
             raise ValueError(
-                f"--eval-data {' '.join(tc.eval_data)} makes {len(eval_ds):,} samples at --seq-len {tc.seq_len}; "
-                f"one evaluation reads --eval-iters {tc.eval_iters} x --global-batch-size {tc.global_batch_size} = "
+                f"--eval-data {' '.join(tc.eval.eval_data)} makes {len(eval_ds):,} samples at --seq-len {tc.data.seq_len}; "
+                f"one evaluation reads --eval-iters {tc.eval.eval_iters} x --global-batch-size {tc.data.global_batch_size} = "
                 f"{need:,}: lower --eval-iters or add evaluation data"
             )
         what = f"--eval-data ({len(eval_ds):,} samples, {int(eval_ds.lengths.sum()):,} tokens)"
     elif spec is not None:
-        eval_ds = build_mock_dataset(spec.with_docs(need), tc.seq_len, vocab_size, stream=EVAL_MOCK_STREAM)
+        eval_ds = build_mock_dataset(
+            spec.with_docs(need), tc.data.seq_len, vocab_size, stream=EVAL_MOCK_STREAM
+        )
         if len(eval_ds) < need:
             raise ValueError(
                 f"--data {spec.text}: the lengths file has {len(eval_ds):,} documents; one evaluation reads "
-                f"--eval-iters {tc.eval_iters} x --global-batch-size {tc.global_batch_size} = {need:,}: lower "
+                f"--eval-iters {tc.eval.eval_iters} x --global-batch-size {tc.data.global_batch_size} = {need:,}: lower "
                 "--eval-iters"
             )
         what = (
@@ -145,18 +147,18 @@ def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
             "of the training stream)"
         )
     else:
-        keep, heldout, docs = split_heldout(ds, need, tc.seed)
-        if keep.size < tc.global_batch_size:
+        keep, heldout, docs = split_heldout(ds, need, tc.schedule.seed)
+        if keep.size < tc.data.global_batch_size:
             raise ValueError(
-                f"the held-out split for evaluation (--eval-iters {tc.eval_iters} x --global-batch-size "
-                f"{tc.global_batch_size} = {need:,} samples, whole documents) leaves {keep.size:,} of {len(ds):,} "
+                f"the held-out split for evaluation (--eval-iters {tc.eval.eval_iters} x --global-batch-size "
+                f"{tc.data.global_batch_size} = {need:,} samples, whole documents) leaves {keep.size:,} of {len(ds):,} "
                 "samples to train on, less than one global batch: lower --eval-iters, add data, or evaluate on "
                 "--eval-data PATH"
             )
         train, eval_ds = VarlenSubset(ds, keep), VarlenSubset(ds, heldout)
         what = _heldout_summary(tc, ds, heldout, docs)
     lines.append(
-        f"dsv4 train: evaluation every {tc.eval_interval} steps and at the end, {tc.eval_iters} global batches "
+        f"dsv4 train: evaluation every {tc.eval.eval_interval} steps and at the end, {tc.eval.eval_iters} global batches "
         f"({need:,} samples) of the {what}"
     )
     return RunData(train, eval_ds, "\n".join(lines))

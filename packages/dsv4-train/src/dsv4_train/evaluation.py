@@ -50,7 +50,7 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         """Whether an evaluation follows step ``step`` (1-based): every ``--eval-interval`` steps and the last."""
-        return step % self.tc.eval_interval == 0 or step == self.tc.steps
+        return step % self.tc.eval.eval_interval == 0 or step == self.tc.schedule.steps
 
     def batches(self):
         """A fresh iterator over this rank's share of the evaluation batches (the same ones at every evaluation;
@@ -113,7 +113,7 @@ class Evaluator:
             chunk.eval()
         try:
             with torch.no_grad():
-                for _ in range(tc.eval_iters):
+                for _ in range(tc.eval.eval_iters):
                     batch = next(batches)
                     with cuda_as_cpu():
                         reports = fb(**self.stepper.schedule(batch, self._forward_step, forward_only=True))
@@ -135,7 +135,9 @@ class Evaluator:
         }
         if self.model_config.num_nextn_predict_layers:
             m["eval_mtp_loss"] = float(sums[2] / sums[3]) if sums[3] > 0 else float("nan")
-        m.update(eval_tokens=int(sums[1]), eval_iters=tc.eval_iters, eval_time_s=time.perf_counter() - t0)
+        m.update(
+            eval_tokens=int(sums[1]), eval_iters=tc.eval.eval_iters, eval_time_s=time.perf_counter() - t0
+        )
         return m
 
 

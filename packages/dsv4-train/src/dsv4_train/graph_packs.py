@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
-from dsv4_train.cuda_graph import BATCH_FIELDS
 from hybrid_model.symbols import ATTENTION, DSA, GDN, MAMBA, MLA
+
+#: the tensors of a micro-batch that a captured step reads from its static buffers
+BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 
 # megatron-core's own layers read THD document boundaries on the host (cu_seqlens.tolist(), max_seqlen from the
 # batch), which a captured step would bake in: their symbols cannot run in a packed graph

@@ -174,19 +174,19 @@ def parse_mock_spec(text: str, seq_len: int) -> MockDataSpec:
 def check_mock_data(tc) -> MockDataSpec | None:
     """The parsed mock source of the :class:`~dsv4_train.config.TrainConfig` ``tc`` (``None`` when its
     data are files or the default corpus); ``ValueError`` for a bad spec or settings that only apply to text."""
-    mocks = [s for s in tc.data if is_mock(s)]
+    mocks = [s for s in tc.data.sources if is_mock(s)]
     if not mocks:
         return None
-    if len(tc.data) > 1:
+    if len(tc.data.sources) > 1:
         raise ValueError(
-            f"--data {mocks[0]} is the mock dataset and cannot be mixed with other sources ({len(tc.data)} given); "
+            f"--data {mocks[0]} is the mock dataset and cannot be mixed with other sources ({len(tc.data.sources)} given); "
             "write ./mock for a file called 'mock'"
         )
-    spec = parse_mock_spec(mocks[0], tc.seq_len)
+    spec = parse_mock_spec(mocks[0], tc.data.seq_len)
     for flag, value, default in (
-        ("--tokenizer", tc.tokenizer, None),
-        ("--long-docs", tc.long_docs, "split"),
-        ("--skip-bad-records", tc.skip_bad_records, False),
+        ("--tokenizer", tc.data.tokenizer, None),
+        ("--long-docs", tc.data.long_docs, "split"),
+        ("--skip-bad-records", tc.data.skip_bad_records, False),
     ):
         if value != default:
             raise ValueError(f"{flag} applies to text data; --data {spec.text} makes its own token ids")

@@ -74,7 +74,9 @@ import contextlib
 import torch
 
 from dsv4_primitives.megatron.precision import DistributedOptimizerWithNativeFP32Params
-from dsv4_train.optimizer import _MEGATRON_FLAGS
+
+#: what megatron's torch Adam carries in its param groups (the kernel flags are runtime configuration)
+MEGATRON_ADAM_FLAGS = {"fused": None, "foreach": None}
 
 
 def check_cpu_offload(opt_config, *, impl: str, params_on_cuda: bool) -> None:
@@ -155,12 +157,13 @@ def _hybrid_device_optimizer_native_fp32():
                     value,
                 ) in sub_defaults.items():  # torch AdamW's own group keys (amsgrad, maximize, ...)
                     group.setdefault(key, value)
-                group.update(_MEGATRON_FLAGS)
+                group.update(MEGATRON_ADAM_FLAGS)
             return sd
 
         def load_state_dict(self, state_dict):
             own = [
-                {k: g[k] for k in (*_HYBRID_ONLY_KEYS, *_MEGATRON_FLAGS) if k in g} for g in self.param_groups
+                {k: g[k] for k in (*_HYBRID_ONLY_KEYS, *MEGATRON_ADAM_FLAGS) if k in g}
+                for g in self.param_groups
             ]
             groups = [{**saved, **mine} for saved, mine in zip(state_dict["param_groups"], own, strict=True)]
             super().load_state_dict({**state_dict, "param_groups": groups})

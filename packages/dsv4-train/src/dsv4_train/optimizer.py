@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import torch
 
-OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "unfused")
+from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
+from dsv4_train.config.sections import OPTIMIZER_IMPLS
+from dsv4_train.offload import MEGATRON_ADAM_FLAGS, check_cpu_offload, offload_distributed_optimizer
+
 _KERNEL_FLAGS = {"fused": {"fused": True, "foreach": False}, "foreach": {"fused": False, "foreach": True}}
-_MEGATRON_FLAGS = {"fused": None, "foreach": None}  # what megatron's torch Adam carries in its param groups
 
 
 class _KernelChoice:
@@ -56,7 +58,7 @@ class _KernelChoice:
     def state_dict(self):
         sd = super().state_dict()
         for group in sd["param_groups"]:  # fresh dicts (torch packs them per call)
-            group.update(_MEGATRON_FLAGS)
+            group.update(MEGATRON_ADAM_FLAGS)
         # the fused kernel keeps Adam's step on the params' device: write it where torch's default keeps it (CPU)
         sd["state"] = {
             i: {**st, "step": st["step"].detach().cpu()} if torch.is_tensor(st.get("step")) else st
@@ -154,9 +156,6 @@ def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwa
     With ``opt_config.optimizer_cpu_offload`` (fields from :func:`dsv4_train.offload.offload_config_fields`)
     megatron's ``HybridDeviceOptimizer`` inside :class:`~dsv4_train.offload.DistributedOptimizerCpuOffload`
     (validated by :func:`~dsv4_train.offload.check_cpu_offload`; ``impl`` must be auto / unfused)."""
-    from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
-    from dsv4_train.offload import check_cpu_offload, offload_distributed_optimizer
-
     first = next((p for m in model_chunks for p in m.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     if opt_config.optimizer_cpu_offload:  # megatron's HybridDeviceOptimizer (dsv4_train.offload)

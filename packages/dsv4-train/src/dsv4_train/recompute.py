@@ -26,11 +26,11 @@ def recompute_config(tc) -> RecomputeConfig:
     the flag when the combination is invalid)."""
     try:
         return RecomputeConfig(
-            granularity=tc.recompute_granularity,
-            modules=tuple(tc.recompute_modules),
-            method=tc.recompute_method,
-            num_layers=tc.recompute_num_layers,
-            mhc_layer_num=tc.mhc_recompute_layer_num,
+            granularity=tc.memory.recompute_granularity,
+            modules=tuple(tc.memory.recompute_modules),
+            method=tc.memory.recompute_method,
+            num_layers=tc.memory.recompute_num_layers,
+            mhc_layer_num=tc.memory.mhc_recompute_layer_num,
         )
     except ValueError as e:
         raise ValueError(f"--recompute-* flags: {e}") from e

@@ -11,7 +11,9 @@ from pathlib import Path
 from dsv4_train.config import TrainConfig
 
 # what a run writes into --out (``--overwrite`` deletes exactly these)
-RUN_OUTPUTS = ("metrics.jsonl", "loss.png", "tb", "checkpoints")
+#: the effective config of the run's last start (``dsv4 train --print-config`` shows it without training)
+CONFIG_FILE = "config.json"
+RUN_OUTPUTS = ("metrics.jsonl", "loss.png", "tb", "checkpoints", CONFIG_FILE)
 
 
 def check_writable(out: Path) -> None:
@@ -41,8 +43,8 @@ def has_checkpoint(out: Path) -> bool:
 def decide_resume(tc: TrainConfig) -> bool:
     """Whether this run continues from ``out/checkpoints/latest`` (``ValueError`` when the request cannot be met;
     nothing is changed on disk). Call :func:`clear_run` afterwards for ``--overwrite`` / a fresh ``--resume auto``."""
-    out = Path(tc.out)
-    if tc.resume is True:
+    out = Path(tc.checkpoint.out)
+    if tc.checkpoint.resume is True:
         if not out.is_dir():
             raise ValueError(
                 f"--resume: the run directory {out} does not exist; check --out, or use --resume auto to start a new "
@@ -54,10 +56,10 @@ def decide_resume(tc: TrainConfig) -> bool:
                 "use --resume auto to start a new run when there is nothing to resume"
             )
         return True
-    if tc.resume == "auto":
+    if tc.checkpoint.resume == "auto":
         return has_checkpoint(out)
     found = existing_outputs(out)
-    if found and not tc.overwrite:
+    if found and not tc.checkpoint.overwrite:
         raise ValueError(
             f"--out {out} already holds a run ({', '.join(found)}): continue it with --resume, replace it with "
             "--overwrite (deletes those outputs), or choose another --out"

@@ -11,11 +11,29 @@ import torch
 import torch.distributed as dist
 
 from dsv4_primitives.megatron import cuda_as_cpu
-from dsv4_train.config import TrainConfig
+from dsv4_train.config import DIST_BACKENDS, TrainConfig, effective_config
+from dsv4_train.support import Machine, check_run_relations
+from dsv4_train.virtual_pipeline import check_vpp_config
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.presets import get_preset
 
-DIST_BACKENDS = ("nccl", "gloo")
+
+def machine_for(tc: TrainConfig) -> Machine:
+    """What the support table needs to know of this machine for ``tc``: the data-parallel size (from the process
+    group, else torchrun's ``WORLD_SIZE``) and whether CUDA is visible."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    p = tc.parallel
+    return Machine(dp=max(1, world // (p.tp * p.pp * p.cp)), cuda=torch.cuda.is_available())
+
+
+def check_run(tc: TrainConfig) -> TrainConfig:
+    """The effective config of ``tc`` on this machine, checked before any work: the values left to the machine
+    resolved (:func:`~dsv4_train.config.effective_config`), the support table's refusals that need the machine,
+    and the rules that need the model (``--vpp`` segments and hash layers). ``ValueError`` with the reason."""
+    tc = effective_config(tc, cuda_available=torch.cuda.is_available())
+    check_run_relations(tc, machine_for(tc))
+    if tc.parallel.vpp > 1:
+        check_vpp_config(tc)
+    return tc
 
 
 def resolve_dist_backend(backend: str | None) -> str:
@@ -58,18 +76,6 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     return 0, 1
 
 
-def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
-    """The preset of ``tc`` with its ``model_overrides`` (and ``pipeline_stages`` = ``--pp`` x ``--vpp`` unless
-    overridden)."""
-    from hybrid_model.model_flags import apply_model_overrides
-
-    cfg = get_preset(tc.preset)
-    changes = dict(tc.model_overrides)
-    if tc.pp > 1 and "hybrid_layer_pattern" not in changes:
-        changes.setdefault("pipeline_stages", tc.pp * tc.vpp)  # VPP: P·V segments (virtual_pipeline.py)
-    return apply_model_overrides(cfg, changes, pp=tc.pp * tc.vpp)
-
-
 def reset_metric_trackers() -> None:
     """Process-wide per-layer loss trackers are sized by the first model that records, and the auxiliary-loss
     auto-scalers keep the backward scale tensor of the first step that set it (class attributes, later updated in
@@ -100,7 +106,7 @@ def default_peak_tflops() -> float:
 
 
 def params_dtype_of(tc: TrainConfig) -> torch.dtype:
-    return torch.bfloat16 if tc.bf16 else torch.float32
+    return torch.bfloat16 if tc.precision.bf16 else torch.float32
 
 
 @dataclass
@@ -116,7 +122,7 @@ class ModelParts:
 
 
 def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: torch.device) -> ModelParts:
-    """The DSv4 model of this rank's pipeline stage (``--vpp``: its chunks), seeded with ``tc.seed``, wrapped for
+    """The DSv4 model of this rank's pipeline stage (``--vpp``: its chunks), seeded with ``tc.schedule.seed``, wrapped for
     bf16 and in DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -124,10 +130,10 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
     from dsv4_train.virtual_pipeline import VirtualPipelineChunks, chunk_stages
     from hybrid_model.model import build_model as build_dsv4_model
 
-    torch.manual_seed(tc.seed)
-    vpp_kw = {"virtual_pipeline_model_parallel_size": tc.vpp} if tc.vpp > 1 else {}
+    torch.manual_seed(tc.schedule.seed)
+    vpp_kw = {"virtual_pipeline_model_parallel_size": tc.parallel.vpp} if tc.parallel.vpp > 1 else {}
     cores, models = [], []
-    for vp_stage, pre, post in chunk_stages(ps, tc.vpp):
+    for vp_stage, pre, post in chunk_stages(ps, tc.parallel.vpp):
         # bf16 as megatron's training loop does it: params (and the pipeline p2p buffers) in bf16, the model
         # wrapped in a Float16Module (bf16 first-stage inputs, fp32 last-stage outputs); the keep-in-fp32 tensors
         # (mHC, sinks, compressor ape, router selection bias) stay fp32. ``config.bf16`` alone makes the mHC
@@ -140,20 +146,20 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
                 post_process=post,
                 pg_collection=pg,
                 vp_stage=vp_stage,
-                pipeline_model_parallel_size=tc.pp,
-                expert_model_parallel_size=tc.ep,
-                context_parallel_size=tc.cp,
-                balance_loss_coeff=tc.balance_loss_coeff,
-                indexer_loss_coeff=tc.indexer_loss_coeff,
-                bf16=tc.bf16,
+                pipeline_model_parallel_size=tc.parallel.pp,
+                expert_model_parallel_size=tc.parallel.ep,
+                context_parallel_size=tc.parallel.cp,
+                balance_loss_coeff=tc.loss.balance_loss_coeff,
+                indexer_loss_coeff=tc.loss.indexer_loss_coeff,
+                bf16=tc.precision.bf16,
                 params_dtype=params_dtype_of(tc),
-                fused_linear_cross_entropy=tc.fused_linear_ce,
-                deterministic_mode=tc.deterministic,  # megatron's embedding: weight[ids] (sort-based backward)
+                fused_linear_cross_entropy=tc.precision.fused_linear_ce,
+                deterministic_mode=tc.precision.deterministic,  # megatron's embedding: weight[ids] (sort-based backward)
                 recompute=recompute_config(tc),
                 **vpp_kw,
             ).to(device)
         model = core
-        if tc.bf16:
+        if tc.precision.bf16:
             from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
 
             model = Float16ModuleKeepFP32(core.config, model)
@@ -168,32 +174,36 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
             model = DistributedDataParallel(core.config, ddp_config, model, disable_bucketing=False)
         cores.append(core)
         models.append(model)
-    if tc.vpp == 1:
+    if tc.parallel.vpp == 1:
         return ModelParts(core=cores[0], model=models[0], config=cores[0].config)
     return ModelParts(core=VirtualPipelineChunks(cores), model=models, config=cores[0].config)
 
 
 def build_optimizer(tc: TrainConfig, model) -> Any:
     """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``,
-    on the AdamW kernel ``tc.optimizer_impl`` (:mod:`dsv4_train.optimizer`)."""
+    on the AdamW kernel ``tc.optimizer.optimizer_impl`` (:mod:`dsv4_train.optimizer`)."""
     from megatron.core.optimizer import OptimizerConfig
 
     from dsv4_train.offload import offload_config_fields
     from dsv4_train.optimizer import build_optimizer as build_megatron_optimizer
 
-    offload_fields = offload_config_fields(tc.optimizer_offload_fraction) if tc.optimizer_cpu_offload else {}
+    offload_fields = (
+        offload_config_fields(tc.optimizer.optimizer_offload_fraction)
+        if tc.optimizer.optimizer_cpu_offload
+        else {}
+    )
 
     opt_config = OptimizerConfig(
         optimizer="adam",
-        lr=tc.lr,
-        min_lr=tc.min_lr,
-        weight_decay=tc.weight_decay,
+        lr=tc.optimizer.lr,
+        min_lr=tc.optimizer.min_lr,
+        weight_decay=tc.optimizer.weight_decay,
         adam_beta1=0.9,
         adam_beta2=0.95,
         adam_eps=1e-8,
-        clip_grad=tc.clip_grad,
+        clip_grad=tc.optimizer.clip_grad,
         use_distributed_optimizer=True,
-        bf16=tc.bf16,
+        bf16=tc.precision.bf16,
         params_dtype=params_dtype_of(tc),
         **offload_fields,
     )
@@ -202,7 +212,7 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
     with cuda_as_cpu():
         # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
         # by the loading template, then shared by all params) — the primitives subclass fixes both
-        return build_megatron_optimizer(opt_config, ddp_chunks(model), impl=tc.optimizer_impl)
+        return build_megatron_optimizer(opt_config, ddp_chunks(model), impl=tc.optimizer.optimizer_impl)
 
 
 def build_scheduler(tc: TrainConfig, optimizer) -> Any:
@@ -210,20 +220,20 @@ def build_scheduler(tc: TrainConfig, optimizer) -> Any:
     cosine anneal over the last ``lr_wsd_decay_steps``); constant weight decay."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    wsd = tc.lr_decay_style == "wsd"
+    wsd = tc.optimizer.lr_decay_style == "wsd"
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=tc.lr,
-        min_lr=tc.min_lr,
-        lr_warmup_steps=min(tc.warmup_steps, tc.steps - 1),
-        lr_decay_steps=max(tc.steps, 2),
+        max_lr=tc.optimizer.lr,
+        min_lr=tc.optimizer.min_lr,
+        lr_warmup_steps=min(tc.optimizer.warmup_steps, tc.schedule.steps - 1),
+        lr_decay_steps=max(tc.schedule.steps, 2),
         lr_decay_style="WSD" if wsd else "cosine",
-        wsd_decay_steps=tc.lr_wsd_decay_steps if wsd else None,
+        wsd_decay_steps=tc.optimizer.lr_wsd_decay_steps if wsd else None,
         lr_wsd_decay_style="cosine" if wsd else None,
-        start_wd=tc.weight_decay,
-        end_wd=tc.weight_decay,
-        wd_incr_steps=tc.steps,
+        start_wd=tc.optimizer.weight_decay,
+        end_wd=tc.optimizer.weight_decay,
+        wd_incr_steps=tc.schedule.steps,
         wd_incr_style="constant",
     )
 

@@ -81,7 +81,7 @@ class StepRunner:
         self.graphed = None  # GraphedForwardBackward once the first --cuda-graph step runs
         # --cuda-graph with DP > 1: the DP gradient reduction runs eagerly after the (captured) schedule
         self.grad_reduction = None
-        if tc.cuda_graph:
+        if tc.graphs.cuda_graph:
             from dsv4_train.graph_data_parallel import (
                 GradReductionAfterSchedule,
                 check_no_sync_in_backward,
@@ -142,7 +142,11 @@ class StepRunner:
         from dsv4_train.context_parallel import local_batch
 
         return local_batch(
-            mb, packed=self.tc.packed, cp_rank=self.cp_rank, cp_size=self.cp_size, device=self.device
+            mb,
+            packed=self.tc.data.packed,
+            cp_rank=self.cp_rank,
+            cp_size=self.cp_size,
+            device=self.device,
         )
 
     def schedule(self, batch, forward_step_func, *, forward_only: bool) -> dict:
@@ -154,21 +158,23 @@ class StepRunner:
         tc = self.tc
         chunks = ddp_chunks(self.model)
         kwargs = {}
-        seq = tc.seq_len  # THD packs are padded to the static capacity seq_len (megatron divides it by CP)
-        mbs = 1 if tc.packed else tc.micro_batch_size
-        if not tc.packed and self.cp_size > 1:  # [B, S] under CP: one THD pack of B*S rows
-            seq, mbs = tc.micro_batch_size * tc.seq_len, 1
+        seq = (
+            tc.data.seq_len
+        )  # THD packs are padded to the static capacity seq_len (megatron divides it by CP)
+        mbs = 1 if tc.data.packed else tc.data.micro_batch_size
+        if not tc.data.packed and self.cp_size > 1:  # [B, S] under CP: one THD pack of B*S rows
+            seq, mbs = tc.data.micro_batch_size * tc.data.seq_len, 1
         data_iterator = iter(batch.microbatches)
-        if tc.vpp > 1:
+        if tc.parallel.vpp > 1:
             # interleaved schedule: no shape hook; the mHC streams travel folded as [s*n, b, d] (mhc P3), and
             # every chunk reads every micro-batch (token ids and positions on every stage; labels on the last)
             from dsv4_train.virtual_pipeline import check_vpp_microbatches
             from mhc.megatron import mhc_folded_seq_length
 
-            check_vpp_microbatches(batch.num_microbatches, tc.pp)
+            check_vpp_microbatches(batch.num_microbatches, tc.parallel.pp)
             seq = mhc_folded_seq_length(seq, self.model_config.num_streams)
             data_iterator = [iter(batch.microbatches) for _ in chunks]
-        elif tc.pp > 1:
+        elif tc.parallel.pp > 1:
             from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
 
             kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(
@@ -199,17 +205,17 @@ class StepRunner:
         self.optimizer.zero_grad()
         fb = get_forward_backward_func()
         schedule = self.schedule(batch, self.forward_step, forward_only=False)
-        if tc.cuda_graph:
+        if tc.graphs.cuda_graph:
             from dsv4_train.cuda_graph import GraphedForwardBackward, static_batch
 
             if self.graphed is None:
-                self.graphed = GraphedForwardBackward(fb, tc.cuda_graph_warmup_steps)
-            max_docs = self.max_docs_per_pack if tc.packed else None
+                self.graphed = GraphedForwardBackward(fb, tc.graphs.cuda_graph_warmup_steps)
+            max_docs = self.max_docs_per_pack if tc.data.packed else None
             schedule["data_iterator"] = iter(
                 [static_batch(mb, max_docs=max_docs, step=step) for mb in batch.microbatches]
             )
             # host-side values baked into the captured step: a change recaptures (packed: the micro-batch count too)
-            key = (self.core.step_state, batch.num_microbatches) if tc.packed else self.core.step_state
+            key = (self.core.step_state, batch.num_microbatches) if tc.data.packed else self.core.step_state
             fb = functools.partial(self.graphed, key=key)
         if self.grad_reduction is not None:
             fb = functools.partial(self.grad_reduction, fb)
@@ -275,7 +281,7 @@ class StepRunner:
         entry = moe_tracker.metrics.get("seq_load_balancing_loss")
         if entry is not None:  # recorded as loss / coeff: report the applied (coefficient-scaled) loss
             values = self._cp_summed(entry.values)
-            vals = values[values != 0].double() * self.tc.balance_loss_coeff / num_microbatches
+            vals = values[values != 0].double() * self.tc.loss.balance_loss_coeff / num_microbatches
             add("balance_loss", vals.tolist())
         moe_tracker.clear()
         tracker = get_indexer_loss_tracker()

@@ -15,6 +15,7 @@ optimizer step and the loss reduction); :class:`Trainer` holds them and runs the
 from __future__ import annotations
 
 import functools
+import json
 import math
 import signal
 import time
@@ -25,16 +26,17 @@ import torch.distributed as dist
 
 from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, preflight_resume
 from dsv4_train.config import TrainConfig
-from dsv4_train.rundir import check_writable, clear_run, decide_resume
+from dsv4_train.model_config import model_config_for
+from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
 from dsv4_train.setup import (
     attach_schedule_hooks,
     build_data,
     build_model,
     build_optimizer,
     build_scheduler,
+    check_run,
     default_peak_tflops,
     init_distributed,
-    model_config_for,
     reset_metric_trackers,
 )
 from dsv4_train.step import StepRunner, TrainingDiverged
@@ -49,37 +51,39 @@ class Trainer:
 
         from dsv4_primitives.megatron import apply_cpu_shims, destroy_model_parallel, process_groups
 
-        self.tc = tc
+        self.tc = tc = check_run(tc)  # the effective config: auto values resolved, the support table's rules
         # the run directory rules (rundir.py) before anything is built or initialised: a clear error costs nothing
-        self.out = Path(tc.out)
+        self.out = Path(tc.checkpoint.out)
         check_writable(self.out)
         self.resuming = decide_resume(tc)
         if self.resuming:
             preflight_resume(tc)
         self.cleared: list[str] = []
-        if tc.deterministic:  # cuBLAS / NCCL read their variables at their first use: before any CUDA work
+        if (
+            tc.precision.deterministic
+        ):  # cuBLAS / NCCL read their variables at their first use: before any CUDA work
             from dsv4_train.determinism import prepare_deterministic_environment
 
             prepare_deterministic_environment()
         apply_cpu_shims()
-        self.rank, self.world = init_distributed(tc.dist_backend)
-        if self.world % (tc.pp * tc.tp * tc.cp):
+        self.rank, self.world = init_distributed(tc.parallel.dist_backend)
+        if self.world % (tc.parallel.pp * tc.parallel.tp * tc.parallel.cp):
             raise ValueError(
-                f"world size {self.world} is not divisible by pp={tc.pp} x tp={tc.tp} x cp={tc.cp} "
+                f"world size {self.world} is not divisible by pp={tc.parallel.pp} x tp={tc.parallel.tp} x cp={tc.parallel.cp} "
                 "(DP = world / (tp*pp*cp)); start torchrun with a multiple of it"
             )
-        if not self.resuming and (tc.overwrite or tc.resume == "auto"):
+        if not self.resuming and (tc.checkpoint.overwrite or tc.checkpoint.resume == "auto"):
             dist.barrier()  # every rank has looked at the directory before rank 0 clears it
             if self.rank == 0:
                 self.cleared = clear_run(self.out)
         dist.barrier()
         self._groups_before = process_groups()  # close() destroys the groups created from here on
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tc.tp,
-            pipeline_model_parallel_size=tc.pp,
-            virtual_pipeline_model_parallel_size=tc.vpp if tc.vpp > 1 else None,
-            expert_model_parallel_size=tc.ep,
-            context_parallel_size=tc.cp,
+            tensor_model_parallel_size=tc.parallel.tp,
+            pipeline_model_parallel_size=tc.parallel.pp,
+            virtual_pipeline_model_parallel_size=tc.parallel.vpp if tc.parallel.vpp > 1 else None,
+            expert_model_parallel_size=tc.parallel.ep,
+            context_parallel_size=tc.parallel.cp,
         )
         self._unstage = None  # gloo on CUDA: megatron's coalesced collectives staged through host memory
         if torch.cuda.is_available() and dist.get_backend() == "gloo":
@@ -116,15 +120,15 @@ class Trainer:
         self.model_config = model_config_for(tc)
         check_gdn_training(
             self.model_config.layer_pattern,
-            packed=tc.packed,
-            deterministic=tc.deterministic,
-            cuda_graph=tc.cuda_graph,
+            packed=tc.data.packed,
+            deterministic=tc.precision.deterministic,
+            cuda_graph=tc.graphs.cuda_graph,
         )
-        if tc.cuda_graph and tc.packed:
+        if tc.graphs.cuda_graph and tc.data.packed:
             from dsv4_train.graph_packs import check_packed_graph_pattern
 
             check_packed_graph_pattern(self.model_config.layer_pattern)
-        init_rng_tracker(tc.seed, cuda_graph_safe=tc.cuda_graph)
+        init_rng_tracker(tc.schedule.seed, cuda_graph_safe=tc.graphs.cuda_graph)
         reset_metric_trackers()
         self.ps = ps
         self.pg = ProcessGroupCollection.use_mpu_process_groups()
@@ -136,11 +140,11 @@ class Trainer:
         from dsv4_train import determinism
 
         self._restore_determinism = (
-            determinism.use_deterministic_training(self.device, tc.seed)
-            if tc.deterministic
+            determinism.use_deterministic_training(self.device, tc.schedule.seed)
+            if tc.precision.deterministic
             else determinism.use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs anyway
         )
-        if tc.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
+        if tc.graphs.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
             from dsv4_train.cuda_graph import use_capture_stream
 
             self._previous_stream = use_capture_stream()
@@ -150,12 +154,14 @@ class Trainer:
         self.batches, self.run_data = build_data(tc, self.model_config, ps, announce=self.is_logger)
         self.dataset = self.run_data.train
         if (
-            tc.vpp > 1 and not tc.packed
+            tc.parallel.vpp > 1 and not tc.data.packed
         ):  # [B, S] batches: the micro-batch count is known now (packed: per step)
             from dsv4_train.virtual_pipeline import check_vpp_microbatches
 
             dp = ps.get_data_parallel_world_size()
-            check_vpp_microbatches(tc.global_batch_size // (dp * tc.micro_batch_size), tc.pp)
+            check_vpp_microbatches(
+                tc.data.global_batch_size // (dp * tc.data.micro_batch_size), tc.parallel.pp
+            )
         parts = build_model(tc, self.model_config, ps, self.pg, self.device)
         self.core = parts.core  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.model, self.config = parts.model, parts.config
@@ -184,7 +190,7 @@ class Trainer:
             device=self.device,
             world=self.world,
         )
-        if tc.packed:  # the packs' document capacity (the static cu_seqlens size of --cuda-graph)
+        if tc.data.packed:  # the packs' document capacity (the static cu_seqlens size of --cuda-graph)
             self.stepper.max_docs_per_pack = self.batches.config.max_num_seqs - 1
         self.evaluator = None  # --eval-interval: dsv4_train.evaluation
         if self.run_data.eval is not None:
@@ -210,7 +216,7 @@ class Trainer:
     def _train_step(self, batch) -> dict:
         tc = self.tc
         self.core.set_step_state(
-            dense_attention=self.step < tc.dense_steps,
+            dense_attention=self.step < tc.schedule.dense_steps,
             mtp_loss_weight=tc.mtp_weight_at(self.step, self.model_config.mtp_loss_weight),
         )
         return self.stepper(batch, self.step)
@@ -243,21 +249,28 @@ class Trainer:
         self.interrupted_by = signum
 
     def _announce_start(self, resumed: bool) -> None:
-        """One line saying whether this run resumed (from where) or started fresh (and what it replaced)."""
+        """One line saying whether this run resumed (from where) or started fresh (and what it replaced); the
+        effective config written to the run directory, and its settings that differ from the defaults."""
         tc = self.tc
         if not self.is_logger:
             return
+        (self.out / CONFIG_FILE).write_text(json.dumps(tc.to_dict(), indent=1) + "\n")
+        default = TrainConfig.from_flat().flat()
+        changed = [f"{k}={v}" for k, v in tc.flat().items() if v != default[k]]
+        print(
+            f"dsv4 train: config {self.out / CONFIG_FILE}: {', '.join(changed) or 'the defaults'}", flush=True
+        )
         if resumed:
             ignored = (
-                f"; --init-from {tc.init_from} is not used (the checkpoint has the weights)"
-                if tc.init_from
+                f"; --init-from {tc.checkpoint.init_from} is not used (the checkpoint has the weights)"
+                if tc.checkpoint.init_from
                 else ""
             )
             print(
                 f"dsv4 train: resuming {self.out / 'checkpoints' / f'iter_{self.step:07d}'} at step {self.step}{ignored}",
                 flush=True,
             )
-        elif tc.resume == "auto":
+        elif tc.checkpoint.resume == "auto":
             replaced = f" (replacing {', '.join(self.cleared)})" if self.cleared else ""
             print(
                 f"dsv4 train: --resume auto: no checkpoint in {self.out}, starting a new run{replaced}",
@@ -275,7 +288,7 @@ class Trainer:
             return
         self.nonfinite_steps += 1
         self._nonfinite_run.append(m["step"])
-        limit = self.tc.max_nonfinite_steps
+        limit = self.tc.schedule.max_nonfinite_steps
         losses = ", ".join(f"{k} {m[k]}" for k in ("lm_loss", "mtp_loss") if k in m)
         outputs.note(
             f"step {m['step']}: non-finite loss or gradient ({losses}, grad_norm {m['grad_norm']}); update "
@@ -302,24 +315,24 @@ class Trainer:
 
         tc = self.tc
         resumed = self.resuming and self.load_checkpoint()
-        if not resumed and tc.init_from:
-            self.load_model_weights(tc.init_from)
+        if not resumed and tc.checkpoint.init_from:
+            self.load_model_weights(tc.checkpoint.init_from)
         self._announce_start(resumed)
         outputs = RunOutputs(
             self.out,
             enabled=self.is_logger,
             append=resumed,
-            total=tc.steps,
-            progress=tc.progress,
-            log_interval=tc.log_interval,
+            total=tc.schedule.steps,
+            progress=tc.logging.progress,
+            log_interval=tc.logging.log_interval,
         )
         old = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        peak = (tc.peak_tflops or default_peak_tflops()) * 1e12
+        peak = (tc.logging.peak_tflops or default_peak_tflops()) * 1e12
         try:
             outputs.start(initial=self.step)
             for chunk in ddp_chunks(self.model):
                 chunk.train()
-            while self.step < tc.steps:
+            while self.step < tc.schedule.steps:
                 batch = next(self.batches)
                 t0 = time.perf_counter()
                 m = self._train_step(batch)
@@ -337,7 +350,7 @@ class Trainer:
                 if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
                     self.eval_metrics.append(self.evaluator(self.step))
                     outputs.log_eval(self.eval_metrics[-1])
-                if tc.save_interval and self.step % tc.save_interval == 0:
+                if tc.checkpoint.save_interval and self.step % tc.checkpoint.save_interval == 0:
                     self.save_checkpoint()
                 if self._stop:
                     name = signal.Signals(self.interrupted_by).name if self.interrupted_by else "signal"
@@ -345,7 +358,7 @@ class Trainer:
                     self.save_checkpoint()
                     break
             else:  # a finished run leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
-                if tc.save_final:
+                if tc.checkpoint.save_final:
                     self.save_checkpoint()
         finally:
             for s, h in old.items():

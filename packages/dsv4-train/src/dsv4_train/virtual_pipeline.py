@@ -22,25 +22,17 @@ from typing import Any
 
 import torch
 
+from dsv4_train.model_config import model_config_for
+
 
 def check_vpp_config(tc) -> None:
-    """``ValueError`` (what and how to fix) when ``tc`` (a ``TrainConfig`` with ``vpp > 1``) cannot run VPP."""
-    if tc.pp < 2:
-        raise ValueError(
-            f"--vpp {tc.vpp} needs pipeline stages to interleave: set --pp >= 2 (got --pp {tc.pp}) or drop --vpp"
-        )
-    if tc.cp > 1:
-        raise ValueError(
-            f"--vpp {tc.vpp} with --cp {tc.cp} is not supported yet: no parity test covers virtual pipeline stages "
-            "with context parallelism (use --pp without --vpp, or --cp 1)"
-        )
-    from dsv4_train.setup import model_config_for
-
+    """``ValueError`` (what and how to fix) when the model of ``tc`` (a ``TrainConfig`` with ``vpp > 1``) cannot be
+    split into its virtual stages (the layouts VPP combines with are the support table's, :mod:`dsv4_train.support`)."""
     cfg = model_config_for(tc)  # P·V segments; hash layers must be in the first (ValueError from the config)
     n_segments = len(cfg.parsed_pattern.segments)
-    if n_segments != tc.pp * tc.vpp:
+    if n_segments != tc.parallel.pp * tc.parallel.vpp:
         raise ValueError(
-            f"--pp {tc.pp} --vpp {tc.vpp} needs {tc.pp * tc.vpp} pipeline segments, but the model's pattern has "
+            f"--pp {tc.parallel.pp} --vpp {tc.parallel.vpp} needs {tc.parallel.pp * tc.parallel.vpp} pipeline segments, but the model's pattern has "
             f"{n_segments} (a model_overrides pipeline_stages or '|' pattern must have pp*vpp segments)"
         )
 

@@ -1,0 +1,273 @@
+"""Which features of ``dsv4 train`` combine: one support table, read by the config, the run's setup and the README.
+
+Each :class:`Feature` says when a run uses it (a predicate of the :class:`~dsv4_train.config.TrainConfig` and the
+:class:`Machine`); each :class:`Relation` says what a set of features does together: ``refused`` (the run stops
+before any work, with the relation's reason) or ``supported`` (and the test that runs it). A refusal that can be
+decided from the config alone (``when="config"``) is raised when the config is built; one that needs the machine
+(the data-parallel size, CUDA, the resolved precision) when the run starts (:func:`check_run_relations`). A new
+feature adds a :class:`Feature` and its rows; ``python3 packages/dsv4-train/tools/support_matrix.py`` rewrites the
+README's matrix from this table, and the tests check that every supported row names a test that exists and every
+refused row raises its reason.
+
+This module reads configs duck-typed (no import of :mod:`dsv4_train.config`), so the config can check itself with
+it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run knows only when it starts: the data-parallel size and whether CUDA is visible."""
+
+    dp: int = 1
+    cuda: bool = False
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature of a run: its name in the table, how a user turns it on, and when a run uses it."""
+
+    name: str
+    flag: str
+    active: Callable[[Any, Machine | None], bool]
+    #: whether ``active`` needs the machine (``None`` at config time)
+    needs_machine: bool = False
+
+
+def _machine(test: Callable[[Machine], bool]) -> Callable[[Any, Machine | None], bool]:
+    return lambda tc, m: m is not None and test(m)
+
+
+FEATURES: dict[str, Feature] = {
+    f.name: f
+    for f in (
+        Feature("dp", "DP > 1 (world / (tp·pp·cp))", _machine(lambda m: m.dp > 1), needs_machine=True),
+        Feature("tp", "--tp > 1", lambda tc, m: tc.parallel.tp > 1),
+        Feature("pp", "--pp > 1", lambda tc, m: tc.parallel.pp > 1),
+        Feature("vpp", "--vpp > 1", lambda tc, m: tc.parallel.vpp > 1),
+        Feature("ep", "--ep > 1", lambda tc, m: tc.parallel.ep > 1),
+        Feature("cp", "--cp > 1", lambda tc, m: tc.parallel.cp > 1),
+        Feature("packed", "--packed", lambda tc, m: tc.data.packed),
+        Feature("cuda_graph", "--cuda-graph", lambda tc, m: tc.graphs.cuda_graph),
+        Feature(
+            "recompute", "--recompute-granularity", lambda tc, m: tc.memory.recompute_granularity is not None
+        ),
+        Feature("offload", "--optimizer-cpu-offload", lambda tc, m: tc.optimizer.optimizer_cpu_offload),
+        Feature("deterministic", "--deterministic", lambda tc, m: tc.precision.deterministic),
+        Feature("eval", "--eval-interval > 0", lambda tc, m: tc.eval.eval_interval > 0),
+        Feature(
+            "fp32",
+            "--no-bf16",
+            lambda tc, m: m is not None and tc.precision.bf16 is False,
+            needs_machine=True,
+        ),
+        Feature("cpu", "no CUDA device", _machine(lambda m: not m.cuda), needs_machine=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Relation:
+    """What ``features`` do together (each active, and each of ``without`` inactive).
+
+    ``reason``: for a refusal, the error message (``str.format`` fields: the config's flat fields and ``dp``);
+    for a supported row, what is checked. ``tested_by``: ``tests/FILE.py::test_name`` of a test that runs the
+    combination (supported) or asserts the refusal.
+    """
+
+    features: tuple[str, ...]
+    verdict: Literal["supported", "refused"]
+    reason: str
+    tested_by: str
+    without: tuple[str, ...] = ()
+
+    @property
+    def when(self) -> str:
+        """``"config"`` when the config alone decides the relation, else ``"run"``."""
+        names = (*self.features, *self.without)
+        return "run" if any(FEATURES[n].needs_machine for n in names) else "config"
+
+    def applies(self, tc: Any, machine: Machine | None) -> bool:
+        return all(FEATURES[n].active(tc, machine) for n in self.features) and not any(
+            FEATURES[n].active(tc, machine) for n in self.without
+        )
+
+    def message(self, tc: Any, machine: Machine | None) -> str:
+        return self.reason.format(**tc.flat(), dp=machine.dp if machine else 1)
+
+
+_GRAPH_ONE_RANK = (
+    "--cuda-graph supports one model-parallel rank (got pp={pp}, ep={ep}, tp={tp}): pipeline transfers and the "
+    "expert all-to-all have data-dependent sizes; drop --cuda-graph"
+)
+_MATRIX = "tests/test_parallel_matrix.py::test_cell_matches_single_process"
+_CP = "tests/test_train_context_parallel.py::"
+_EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
+
+RELATIONS: tuple[Relation, ...] = (
+    # refused: decided by the config
+    Relation(
+        ("tp",),
+        "refused",
+        "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)",
+        "tests/test_support_table.py::test_every_refusal_raises_its_reason",
+    ),
+    Relation(
+        ("vpp",),
+        "refused",
+        "--vpp {vpp} needs pipeline stages to interleave: set --pp >= 2 (got --pp {pp}) or drop --vpp",
+        "tests/test_vpp_config.py::test_vpp_refusals_name_the_fix",
+        without=("pp",),
+    ),
+    Relation(
+        ("vpp", "cp"),
+        "refused",
+        "--vpp {vpp} with --cp {cp} is not supported yet: no parity test covers virtual pipeline stages with "
+        "context parallelism (use --pp without --vpp, or --cp 1)",
+        "tests/test_vpp_config.py::test_vpp_refusal_with_cp_and_evaluation_under_cp_or_vpp",
+    ),
+    Relation(
+        ("cp", "cuda_graph"),
+        "refused",
+        "--cuda-graph with --cp {cp} is not supported: graph capture is validated on one GPU only and the CP "
+        "attention exchanges document boundaries that change every step; drop --cuda-graph or use --cp 1",
+        "tests/test_context_parallel.py::test_cp_config_checks",
+    ),
+    Relation(
+        ("offload", "cuda_graph"),
+        "refused",
+        "--optimizer-cpu-offload with --cuda-graph: not supported (the graphs capture forward+backward; the "
+        "offloaded step and its host copies stay eager, but megatron's hybrid optimizer was not tested with the "
+        "graphed runner); drop one of them",
+        "tests/test_optimizer_offload.py::test_cli_flags",
+    ),
+    Relation(
+        ("cuda_graph", "pp"),
+        "refused",
+        _GRAPH_ONE_RANK,
+        "tests/test_train_cuda_graph.py::test_rejects_what_cannot_be_captured",
+    ),
+    Relation(
+        ("cuda_graph", "ep"),
+        "refused",
+        _GRAPH_ONE_RANK,
+        "tests/test_train_cuda_graph.py::test_rejects_what_cannot_be_captured",
+    ),
+    Relation(
+        ("cuda_graph", "tp"),
+        "refused",
+        _GRAPH_ONE_RANK,
+        "tests/test_support_table.py::test_every_refusal_raises_its_reason",
+    ),
+    # refused: decided when the run starts
+    Relation(
+        ("cuda_graph", "cpu"),
+        "refused",
+        "--cuda-graph needs a CUDA device (none is visible); drop --cuda-graph on CPU",
+        "tests/test_train_cuda_graph.py::test_needs_a_cuda_device",
+    ),
+    Relation(
+        ("cuda_graph", "fp32"),
+        "refused",
+        "--cuda-graph needs bf16 (the default on CUDA): the fp32 expert GEMMs read their row counts on the host, "
+        "which a captured step cannot; drop --no-bf16 or --cuda-graph",
+        "tests/test_train_cuda_graph.py::test_rejects_what_cannot_be_captured",
+    ),
+    Relation(
+        ("cuda_graph", "packed", "dp"),
+        "refused",
+        "--cuda-graph --packed runs on one process (DP={dp}): the dp-balanced scheduler gives the data-parallel "
+        "ranks different micro-batch counts, and every rank must replay the same captured step; drop --packed "
+        "(fixed-length [B, S] batches graph under DP) or --cuda-graph",
+        "tests/test_train_cuda_graph.py::test_data_parallel_is_accepted_model_parallel_is_not",
+    ),
+    # supported, with the test that runs the combination
+    Relation(("dp",), "supported", "DP2 equals one process (fp32, bf16)", _MATRIX),
+    Relation(("pp",), "supported", "PP2 equals one process (fp32, bf16)", _MATRIX),
+    Relation(("ep",), "supported", "EP2 equals one process (fp32, bf16)", _MATRIX),
+    Relation(
+        ("cp",), "supported", "CP2 equals CP1 (packed and [B, S], fp32, bf16)", _CP + "test_cp2_matches_cp1"
+    ),
+    Relation(("pp", "vpp"), "supported", "PP2 x VPP2 equals one process", _MATRIX),
+    Relation(("pp", "packed"), "supported", "PP2 on packed batches equals one process", _MATRIX),
+    Relation(("dp", "ep"), "supported", "DP2 x EP2 equals one process", _MATRIX),
+    Relation(("dp", "pp"), "supported", "DP2 x PP2 equals one process", _MATRIX),
+    Relation(("pp", "ep"), "supported", "PP2 x EP2 equals one process", _MATRIX),
+    Relation(("cp", "packed"), "supported", "CP2 on packs equals CP1", _CP + "test_cp2_matches_cp1"),
+    Relation(("cp", "pp"), "supported", "CP2 x PP2 equals CP1", _CP + "test_cp2_with_pp2_or_ep2_matches_cp1"),
+    Relation(("cp", "ep"), "supported", "CP2 x EP2 equals CP1", _CP + "test_cp2_with_pp2_or_ep2_matches_cp1"),
+    Relation(("cp", "dp"), "supported", "CP2 x DP2 equals CP1", _CP + "test_cp2_with_dp2_matches_cp1"),
+    Relation(("eval", "dp"), "supported", "evaluation under DP2 equals one process", _EVAL),
+    Relation(("eval", "pp"), "supported", "evaluation under PP2 equals one process", _EVAL),
+    Relation(("eval", "vpp"), "supported", "evaluation under PP2 x VPP2 equals one process", _EVAL),
+    Relation(("eval", "cp"), "supported", "evaluation under CP2 equals one process", _EVAL),
+    Relation(
+        ("cuda_graph", "dp"),
+        "supported",
+        "the DP reduction after the graphed step equals eager DP2 (CPU); graphed DP2 = eager DP2 bitwise (GPU)",
+        "tests/test_train_graph_dp.py::test_split_step_equals_dp2_and_single_process",
+    ),
+    Relation(
+        ("cuda_graph", "packed"),
+        "supported",
+        "a packed step captured on one pack replays another (CPU) and trains like eager (GPU)",
+        "tests/test_train_cuda_graph_packed.py::test_packed_step_captured_on_one_pack_replays_another",
+    ),
+    Relation(
+        ("cuda_graph", "recompute"),
+        "supported",
+        "graphed recompute trains like eager (GPU)",
+        "tests/test_train_cuda_graph.py::test_graphed_recompute_matches_eager",
+    ),
+    Relation(
+        ("recompute", "pp"),
+        "supported",
+        "PP2 with recompute: gradients bitwise those without",
+        "tests/test_recompute.py::test_pp2_recompute_gradients_bitwise",
+    ),
+    Relation(
+        ("offload", "dp"),
+        "supported",
+        "the offloaded optimizer under DP2",
+        "tests/test_optimizer_offload.py::test_dp2_offload",
+    ),
+    Relation(
+        ("deterministic", "cuda_graph"),
+        "supported",
+        "deterministic runs are bitwise identical, eager and graphed (GPU)",
+        "tests/test_train_deterministic.py::test_deterministic_runs_are_bitwise_identical_on_gpu",
+    ),
+)
+
+
+def _refusals(tc: Any, machine: Machine | None, when: tuple[str, ...]) -> None:
+    for rel in RELATIONS:
+        if rel.verdict == "refused" and rel.when in when and rel.applies(tc, machine):
+            raise ValueError(rel.message(tc, machine))
+
+
+def check_config_relations(tc: Any) -> None:
+    """``ValueError`` with the reason of the first refused relation that the config alone decides."""
+    _refusals(tc, None, ("config",))
+
+
+def check_run_relations(tc: Any, machine: Machine) -> None:
+    """``ValueError`` with the reason of the first refused relation of ``tc`` (resolved: bf16 decided) on
+    ``machine``."""
+    _refusals(tc, machine, ("config", "run"))
+
+
+__all__ = [
+    "FEATURES",
+    "RELATIONS",
+    "Feature",
+    "Machine",
+    "Relation",
+    "check_config_relations",
+    "check_run_relations",
+]
