@@ -76,6 +76,7 @@ class _Run:
 
         from dsv4_primitives.megatron import apply_cpu_shims, init_rng_tracker
         from dsv4_train.config import TrainConfig
+        from dsv4_train.model_config import model_config_for
         from dsv4_train.setup import (
             attach_schedule_hooks,
             build_model,
@@ -84,7 +85,6 @@ class _Run:
             init_distributed,
             reset_metric_trackers,
         )
-        from dsv4_train.model_config import model_config_for
 
         cuda = torch.cuda.is_available()
         self.tc = TrainConfig.from_flat(

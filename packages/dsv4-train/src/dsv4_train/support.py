@@ -5,7 +5,7 @@ Each :class:`Feature` says when a run uses it (a predicate of the :class:`~dsv4_
 before any work, with the relation's reason) or ``supported`` (and the test that runs it). A refusal that can be
 decided from the config alone (``when="config"``) is raised when the config is built; one that needs the machine
 (the data-parallel size, CUDA, the resolved precision) when the run starts (:func:`check_run_relations`). A new
-feature adds a :class:`Feature` and its rows; ``python3 packages/dsv4-train/tools/support_matrix.py`` rewrites the
+feature adds a :class:`Feature` and its rows; ``python3 packages/dsv4-train/tools/readme_tables.py`` rewrites the
 README's matrix from this table, and the tests check that every supported row names a test that exists and every
 refused row raises its reason.
 
@@ -158,12 +158,6 @@ RELATIONS: tuple[Relation, ...] = (
         _GRAPH_ONE_RANK,
         "tests/test_train_cuda_graph.py::test_rejects_what_cannot_be_captured",
     ),
-    Relation(
-        ("cuda_graph", "tp"),
-        "refused",
-        _GRAPH_ONE_RANK,
-        "tests/test_support_table.py::test_every_refusal_raises_its_reason",
-    ),
     # refused: decided when the run starts
     Relation(
         ("cuda_graph", "cpu"),
@@ -243,6 +237,42 @@ RELATIONS: tuple[Relation, ...] = (
         "tests/test_train_deterministic.py::test_deterministic_runs_are_bitwise_identical_on_gpu",
     ),
 )
+
+
+def _cell(verdicts: set[str]) -> str:
+    return "refused" if verdicts == {"refused"} else "yes" if verdicts == {"supported"} else "partly"
+
+
+def render_matrix() -> str:
+    """The README's support matrix (markdown): the pairwise grid, then every relation with its reason and test."""
+    names = [n for n in FEATURES if n not in ("cpu", "fp32")]
+    pairs: dict[frozenset, set[str]] = {}
+    for rel in RELATIONS:
+        if len(rel.features) <= 2 and not rel.without:
+            key = frozenset(rel.features)
+            pairs.setdefault(key, set()).add(rel.verdict)
+    lines = [
+        "Pairs of features (`yes`: run by a test; `refused`: stops before any work with the reason below; blank: "
+        "no test combines them yet). Generated from `dsv4_train.support` by "
+        "`python3 packages/dsv4-train/tools/readme_tables.py`.",
+        "",
+        "| | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for a in names:
+        row = [_cell(pairs[frozenset({a, b})]) if frozenset({a, b}) in pairs else "" for b in names]
+        lines.append(f"| `{a}` | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "| features | flags | verdict | reason or what is checked | test |",
+        "|---|---|---|---|---|",
+    ]
+    for rel in RELATIONS:
+        feats = " + ".join(f"`{n}`" for n in rel.features) + "".join(f" without `{n}`" for n in rel.without)
+        flags = ", ".join(FEATURES[n].flag for n in (*rel.features, *rel.without))
+        reason = rel.reason.replace("|", "\\|")
+        lines.append(f"| {feats} | {flags} | {rel.verdict} ({rel.when}) | {reason} | `{rel.tested_by}` |")
+    return "\n".join(lines)
 
 
 def _refusals(tc: Any, machine: Machine | None, when: tuple[str, ...]) -> None:

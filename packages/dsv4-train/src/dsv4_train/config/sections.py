@@ -218,7 +218,7 @@ class LossSection:
 class ParallelSection:
     """The parallel layout (DP is the rest of the world) and the process-group backend."""
 
-    tp: int = field(default=1, metadata=option("tensor parallel size (must be 1)"))
+    tp: int = field(default=1, metadata=option("tensor parallel size (must be 1: see the support table)"))
     pp: int = field(default=1, metadata=option("pipeline stages"))
     vpp: int = field(
         default=1,
