@@ -139,3 +139,25 @@ def test_dsv4_convert_in_a_fresh_process(hf_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     a, b = read_tensors(tmp_path / "hf"), read_tensors(tmp_path / "back")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_convert_of_a_train_run_reads_its_model_from_the_saved_run_config(megatron_cpu, tmp_path, capsys):
+    """A ``dsv4 train`` checkpoint carries its run config (preset + overrides): no --preset needed; without it,
+    the refusal says to pass --preset."""
+    from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
+    from dsv4_train.config import TrainConfig
+    from hybrid_model.hf.convert import MODEL_CONFIG_FILE, save_megatron_checkpoint
+
+    torch.manual_seed(5)
+    model = build_model(get_preset("tiny")).eval()
+    ck = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    save_megatron_checkpoint(model, ck)
+    (ck / MODEL_CONFIG_FILE).unlink()  # as dsv4 train writes it
+    (ck.parent / "latest").write_text(ck.name)
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "no_config")]) == 2
+    assert "--preset" in capsys.readouterr().err
+    (ck / TRAIN_CONFIG_FILE).write_text(json.dumps(TrainConfig.from_flat(preset="tiny").to_dict()))
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    back = load_hf_checkpoint(tmp_path / "hf")
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(back.compute_logits(ids), model.compute_logits(ids))

@@ -28,6 +28,15 @@ from dsv4_train.rundir import check_writable, clear_run, decide_resume
         (["--max-nonfinite-steps", "0"], "--max-nonfinite-steps must be >= 1"),
         (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
         (["--log-interval", "0"], "--log-interval must be >= 1"),
+        (["--model-overrides", '{"nope": 1}'], "--model-overrides: .*'nope'.*DSv4ModelConfig fields"),
+        (
+            ["--pp", "2", "--vpp", "8"],
+            r"--pp 2 --vpp 8 with --preset tiny: pipeline_stages must be in \[1, 6\]",
+        ),
+        (
+            ["--data", "a.txt", "--eval-data", "a.txt", "--eval-interval", "2"],
+            "a.txt is also a --data source",
+        ),
         (["--cuda-graph-warmup-steps", "3"], "only applies with --cuda-graph"),
         (["--packed", "--micro-batch-size", "2"], "--micro-batch-size only applies to"),
         (["--resume", "--overwrite"], "contradict"),

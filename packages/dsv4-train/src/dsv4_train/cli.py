@@ -18,7 +18,7 @@ from dsv4_train.flags import add_config_flags, config_from_flags, given_flags
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
 from dsv4_train.setup import check_run
-from dsv4_train.trainer import Trainer, TrainingDiverged, loss_is_falling
+from dsv4_train.trainer import Trainer, TrainingDiverged, loss_trend
 from hybrid_model.flops import forward_flops_sbhd, summarize_by_kind
 from hybrid_model.model_flags import add_model_flags, apply_model_overrides, overrides_from_args
 from hybrid_model.params import analytic_param_counts
@@ -99,7 +99,7 @@ def _cmd_train(args) -> int:
     lm = [m for m in metrics if m.get("lm_loss") is not None]
     if lm and trainer.is_logger:
         first, last = lm[0]["lm_loss"], lm[-1]["lm_loss"]
-        trend = "falling" if loss_is_falling(metrics) else "NOT falling"
+        trend = loss_trend(metrics)
         skipped = f", {trainer.nonfinite_steps} non-finite steps skipped" if trainer.nonfinite_steps else ""
         print(
             f"dsv4 train: {len(metrics)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
@@ -186,19 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 on megatron-core")
     sub = parser.add_subparsers(dest="cmd")
     _train_parser(sub)
+    presets = "tiny | v4-flash | v4-pro | flash-smoke"
     p = sub.add_parser("inspect", help="layer pattern, per-layer kinds and parameter counts of a preset")
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", help=f"{presets} (default: tiny)")
     add_model_flags(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("flops", help="FLOP breakdown of a preset at a sequence length")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--preset", default="tiny", help=f"{presets} (default: tiny)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default: 1)")
     add_model_flags(p)
     p.add_argument(
         "--dense", action="store_true", help="dense-attention phase (CSA attends every visible entry)"
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_convert_parser(sub)
     return parser
 

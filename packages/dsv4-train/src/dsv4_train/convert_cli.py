@@ -2,13 +2,22 @@
 
 The direction follows ``SRC`` (``--to`` overrides): a directory with ``config.json`` + safetensors converts to a
 megatron checkpoint; a megatron dist checkpoint (``metadata.json``; or a ``dsv4 train`` run directory, whose
-``checkpoints/latest`` is used, with ``--preset``) converts to an HF checkpoint directory. ``OUT`` must be new or
+``checkpoints/latest`` is used) converts to an HF checkpoint directory. The model of a ``dsv4 train`` checkpoint is
+the one its saved run config names (preset + overrides); ``--preset`` replaces it. ``OUT`` must be new or
 empty unless ``--overwrite``; it is written in a temporary directory and renamed into place once complete.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
+from dsv4_train.config import TrainConfig
+from dsv4_train.model_config import model_config_for
+from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.hf.convert import convert_hf_to_megatron, convert_megatron_to_hf
+from hybrid_model.presets import get_preset
 
 
 def add_convert_parser(sub) -> None:
@@ -33,7 +42,8 @@ def add_convert_parser(sub) -> None:
     )
     p.add_argument(
         "--preset",
-        help="megatron -> HF: model preset of a dsv4 train checkpoint (convert outputs carry theirs)",
+        help="megatron -> HF: model preset of the checkpoint (default: the preset and overrides its dsv4 train run "
+        "saved; convert outputs carry their model config)",
     )
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="megatron -> HF: safetensors shard size")
 
@@ -50,9 +60,24 @@ def _direction(src: Path) -> str:
     )
 
 
-def run_convert(args) -> int:
-    from hybrid_model.hf.convert import convert_hf_to_megatron, convert_megatron_to_hf
+def run_model_config(src: Path) -> DSv4ModelConfig | None:
+    """The model of a ``dsv4 train`` run directory or checkpoint ``src`` from the run config saved with the
+    checkpoint (``None`` when it holds none: a convert output carries its own model config)."""
+    for latest in (src / "checkpoints" / "latest", src / "latest"):
+        if latest.is_file():
+            src = latest.parent / latest.read_text().strip()
+            break
+    saved = src / TRAIN_CONFIG_FILE
+    if not saved.is_file():
+        return None
+    try:
+        tc = TrainConfig.from_dict(json.loads(saved.read_text()), where=str(saved))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{saved} is not valid JSON ({e}); pass --preset") from e
+    return model_config_for(tc)
 
+
+def run_convert(args) -> int:
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
         raise ValueError(f"{src} is not a directory")
@@ -64,9 +89,9 @@ def run_convert(args) -> int:
         return 0
     cfg = None
     if args.preset:
-        from hybrid_model.presets import get_preset
-
         cfg = get_preset(args.preset)
+    else:
+        cfg = run_model_config(src)
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     files = convert_megatron_to_hf(

@@ -17,4 +17,12 @@ def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
         changes.setdefault(
             "pipeline_stages", tc.parallel.pp * tc.parallel.vpp
         )  # VPP: P·V segments (virtual_pipeline.py)
-    return apply_model_overrides(cfg, changes, pp=tc.parallel.pp * tc.parallel.vpp)
+    try:
+        return apply_model_overrides(cfg, changes, pp=tc.parallel.pp * tc.parallel.vpp)
+    except TypeError as e:  # dataclasses.replace: a key that is not a DSv4ModelConfig field
+        raise ValueError(f"--model-overrides: {e} (the keys are DSv4ModelConfig fields)") from e
+    except ValueError as e:
+        if tc.parallel.pp == 1:
+            raise
+        layout = f"--pp {tc.parallel.pp}" + (f" --vpp {tc.parallel.vpp}" if tc.parallel.vpp > 1 else "")
+        raise ValueError(f"{layout} with --preset {tc.model.preset}: {e}") from e

@@ -10,7 +10,7 @@ import warnings
 # What every default run printed that a user can do nothing about, matched exactly by message (anything else still
 # shows): megatron-core without Transformer Engine / apex (torch kernels by design), its experimental-API and
 # deprecated-default notices, the DDP layout hint and the non-leaf ``.grad`` probe inside its optimizer's
-# zero_grad, the deprecation of the async saver (our saves are synchronous), invalid escape sequences in its docstrings, and torch's CUDA_HOME note on a machine without a GPU.
+# zero_grad, the deprecation of the async saver (our saves are synchronous), invalid escape sequences in its docstrings, torch's CUDA_HOME note on a machine without a GPU, and torch's single-process and argument-order notes on every checkpoint load.
 QUIET_WARNINGS = (
     (UserWarning, r"Transformer Engine and Apex are not installed"),
     (UserWarning, r"Apex is not installed\. Falling back to Torch Norm"),
@@ -18,6 +18,11 @@ QUIET_WARNINGS = (
     (UserWarning, r"MimoModelConfig is experimental"),
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
     (SyntaxWarning, r"invalid escape sequence"),
+    (
+        UserWarning,
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load",
+    ),
+    (UserWarning, r"The argument order of load has been changed"),
 )
 QUIET_LOG_RECORDS = (
     (

@@ -12,7 +12,7 @@ from dsv4_train.config import TrainConfig
 
 # what a run writes into --out (``--overwrite`` deletes exactly these)
 #: the effective config of the run's last start (``dsv4 train --print-config`` shows it without training)
-CONFIG_FILE = "config.json"
+CONFIG_FILE = "dsv4_train_config.json"  # not config.json: that names an HF checkpoint directory
 RUN_OUTPUTS = ("metrics.jsonl", "loss.png", "tb", "checkpoints", CONFIG_FILE)
 
 

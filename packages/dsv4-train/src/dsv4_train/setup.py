@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import DIST_BACKENDS, TrainConfig, effective_config
+from dsv4_train.model_config import model_config_for
 from dsv4_train.support import Machine, check_run_relations
 from dsv4_train.virtual_pipeline import check_vpp_config
 from hybrid_model.config import DSv4ModelConfig
@@ -31,6 +32,9 @@ def check_run(tc: TrainConfig) -> TrainConfig:
     and the rules that need the model (``--vpp`` segments and hash layers). ``ValueError`` with the reason."""
     tc = effective_config(tc, cuda_available=torch.cuda.is_available())
     check_run_relations(tc, machine_for(tc))
+    model_config_for(
+        tc
+    )  # the preset with the overrides and the pipeline layout (ValueError naming the flags)
     if tc.parallel.vpp > 1:
         check_vpp_config(tc)
     return tc

@@ -403,12 +403,30 @@ def train(tc: TrainConfig) -> list[dict]:
         trainer.close()
 
 
-def loss_is_falling(metrics: list[dict], key: str = "lm_loss") -> bool:
+#: finite losses a run needs before its trend is reported
+MIN_STEPS_FOR_TREND = 4
+
+
+def loss_trend(metrics: list[dict], key: str = "lm_loss") -> str:
+    """``"falling"`` / ``"NOT falling"`` (the mean of the last fifth of the finite losses against the first), or
+    ``"too few steps to tell"`` below :data:`MIN_STEPS_FOR_TREND` finite losses."""
     vals = [m[key] for m in metrics if key in m and m[key] is not None and math.isfinite(m[key])]
-    if len(vals) < 4:
-        return False
+    if len(vals) < MIN_STEPS_FOR_TREND:
+        return "too few steps to tell"
     k = max(1, len(vals) // 5)
-    return sum(vals[-k:]) / k < sum(vals[:k]) / k
+    return "falling" if sum(vals[-k:]) / k < sum(vals[:k]) / k else "NOT falling"
 
 
-__all__ = ["DISTOPT_FORMAT", "Trainer", "TrainingDiverged", "loss_is_falling", "model_config_for", "train"]
+def loss_is_falling(metrics: list[dict], key: str = "lm_loss") -> bool:
+    return loss_trend(metrics, key) == "falling"
+
+
+__all__ = [
+    "DISTOPT_FORMAT",
+    "Trainer",
+    "TrainingDiverged",
+    "loss_is_falling",
+    "loss_trend",
+    "model_config_for",
+    "train",
+]
