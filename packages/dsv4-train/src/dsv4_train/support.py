@@ -234,7 +234,7 @@ RELATIONS: tuple[Relation, ...] = (
         ("deterministic", "cuda_graph"),
         "supported",
         "deterministic runs are bitwise identical, eager and graphed (GPU)",
-        "tests/test_train_deterministic.py::test_deterministic_runs_are_bitwise_identical_on_gpu",
+        "tests/test_train_deterministic_flag.py::test_deterministic_runs_are_bitwise_identical_on_gpu",
     ),
 )
 
