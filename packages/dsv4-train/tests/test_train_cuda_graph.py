@@ -68,7 +68,6 @@ _RUNNER = textwrap.dedent(
     """
     import json, sys
     from dsv4_train.config import TrainConfig
-from dsv4_train.setup import check_run
     from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
@@ -127,7 +126,6 @@ _RECOMPUTE_RUNNER = textwrap.dedent(
     """
     import json, sys
     from dsv4_train.config import TrainConfig
-from dsv4_train.setup import check_run
     from dsv4_train.trainer import Trainer
 
     if __name__ == "__main__":
