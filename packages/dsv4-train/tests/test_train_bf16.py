@@ -17,6 +17,7 @@ import torch
 
 from dsv4_train.cli import build_parser
 from dsv4_train.config import TrainConfig
+from dsv4_train.setup import check_run
 
 pytestmark = pytest.mark.slow
 
@@ -112,5 +113,6 @@ def test_cli_bf16_flag_and_device_default():
     assert parser.parse_args(["train", "--bf16"]).bf16 is True
     assert parser.parse_args(["train", "--no-bf16"]).bf16 is False
     assert parser.parse_args(["train"]).bf16 is None
-    assert TrainConfig.from_flat().bf16 is torch.cuda.is_available()
-    assert TrainConfig.from_flat(bf16=True).bf16 is True
+    assert TrainConfig.from_flat().precision.bf16 is None  # resolved when the run starts:
+    assert check_run(TrainConfig.from_flat()).precision.bf16 is torch.cuda.is_available()
+    assert check_run(TrainConfig.from_flat(bf16=True)).precision.bf16 is True

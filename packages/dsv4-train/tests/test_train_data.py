@@ -45,8 +45,8 @@ def test_data_flags_accumulate_and_default():
         True,
     )
     tc = _tc()
-    assert (tc.data.sources, tc.data.long_docs, tc.data.skip_bad_records) == ([], "split", False)
-    with pytest.raises(ValueError, match="--long-docs must be 'split' or 'truncate'"):
+    assert (tc.data.sources, tc.data.long_docs, tc.data.skip_bad_records) == ((), "split", False)
+    with pytest.raises(ValueError, match=r"--long-docs must be one of \['split', 'truncate'\]"):
         TrainConfig.from_flat(long_docs="drop")
     assert TrainConfig.from_flat(data="one.jsonl").data.sources == (
         "one.jsonl",
@@ -132,3 +132,25 @@ def test_dsv4_train_prints_the_data_summary(tmp_path):
     assert f"  {a}: 1 file, 2 documents, 1,002 tokens -> 17 samples; 1 split" in out
     assert f"  {d}: 3 files, 3 documents, 228 tokens -> 6 samples; 2 split" in out
     assert "dsv4 train: 1 steps" in out
+
+
+def test_eval_data_that_is_also_training_data_is_noted(tmp_path, monkeypatch):
+    """Evaluating on a --data source is allowed (e.g. to compare with the training forward) but said in the start
+    summary; a relative and an absolute spelling of the same file are the same source."""
+    from dsv4_train.eval_data import build_run_data
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text(
+        "".join(f'{{"text": "document {i} " }}\n'.replace("document", "word " * 40) for i in range(20))
+    )
+    tc = TrainConfig.from_flat(
+        data=["a.jsonl"],
+        eval_data=[str(tmp_path / "a.jsonl")],
+        eval_interval=1,
+        eval_iters=1,
+        seq_len=32,
+        global_batch_size=2,
+    )
+    assert "is also a --data source" in build_run_data(tc, 512).summary
+    (tmp_path / "b.jsonl").write_text((tmp_path / "a.jsonl").read_text())
+    assert "is also a --data source" not in build_run_data(tc.replace(eval_data=["b.jsonl"]), 512).summary

@@ -33,10 +33,6 @@ from dsv4_train.rundir import check_writable, clear_run, decide_resume
             ["--pp", "2", "--vpp", "8"],
             r"--pp 2 --vpp 8 with --preset tiny: pipeline_stages must be in \[1, 6\]",
         ),
-        (
-            ["--data", "a.txt", "--eval-data", "a.txt", "--eval-interval", "2"],
-            "a.txt is also a --data source",
-        ),
         (["--cuda-graph-warmup-steps", "3"], "only applies with --cuda-graph"),
         (["--packed", "--micro-batch-size", "2"], "--micro-batch-size only applies to"),
         (["--resume", "--overwrite"], "contradict"),

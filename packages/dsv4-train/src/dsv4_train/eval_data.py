@@ -25,6 +25,7 @@ training, this rank's DP share). ``--eval-data`` must hold at least that many sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,12 @@ def _heldout_summary(tc: TrainConfig, ds, heldout: np.ndarray, docs: int) -> str
     )
 
 
+def trained_on(tc: TrainConfig) -> list[str]:
+    """The ``--eval-data`` sources that are ``--data`` sources too (compared as resolved paths)."""
+    train = {Path(s).resolve() for s in tc.data.sources}
+    return [s for s in tc.eval.eval_data if Path(s).resolve() in train]
+
+
 def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
     """The training and evaluation datasets of ``tc`` for a model of ``vocab_size`` ids (``ValueError`` with one
     message for unreadable data, too little held-out data or too small ``--eval-data``)."""
@@ -132,6 +139,12 @@ def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
                 f"{need:,}: lower --eval-iters or add evaluation data"
             )
         what = f"--eval-data ({len(eval_ds):,} samples, {int(eval_ds.lengths.sum()):,} tokens)"
+        trained = trained_on(tc)
+        if trained:
+            lines.append(
+                f"  note: --eval-data {' '.join(trained)} is also a --data source: the evaluation measures text the "
+                "run trains on (drop --eval-data for a held-out split of the training data)"
+            )
     elif spec is not None:
         eval_ds = build_mock_dataset(
             spec.with_docs(need), tc.data.seq_len, vocab_size, stream=EVAL_MOCK_STREAM

@@ -82,12 +82,6 @@ class TrainConfig:
                 f"--seq-len {seq_len} (the {what}) must be a multiple of --cp {cp}: every CP rank holds the same "
                 f"number of rows (static shapes); use --seq-len {(seq_len // cp + 1) * cp} or another multiple"
             )
-        same = sorted(set(self.eval.eval_data) & set(self.data.sources))
-        if same:
-            raise ValueError(
-                f"--eval-data {same[0]} is also a --data source: the evaluation would measure text the run trains on; "
-                "evaluate on other files, or drop --eval-data for a held-out split of the training data"
-            )
         if any(is_mock(s) for s in self.eval.eval_data):
             raise ValueError(
                 "--eval-data takes text sources; with --data mock[:...] the evaluation reads a separate mock stream "
