@@ -10,10 +10,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import TrainConfig, flag_name, flat_settings
+from dsv4_train.eval_data import heldout_conflict
+from dsv4_train.step import TrainingDiverged
+from hybrid_model.hf.convert import describe_load_error
 
 DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}  # the default (``--ckpt-format``)
 # the distributed optimizer's checkpoint formats ``dsv4 train --ckpt-format`` offers: ``dp_reshardable`` (flat
@@ -75,7 +82,6 @@ def resume_conflicts(
                 lines.append(
                     f"{flag_name(name)} {now[name]!r} (checkpoint: {saved[name]!r}; it defines {why})"
                 )
-        from dsv4_train.eval_data import heldout_conflict
 
         heldout = heldout_conflict(tc, saved)
         if heldout:
@@ -160,8 +166,6 @@ def check_resume_layout(common: dict, path: Path | str, layout: tuple[int, int, 
 def rng_state(ps):
     """This rank's RNG state (CPU generator, CUDA generator + megatron's tracker on GPU) as one ShardedObject
     at (pp rank, tp rank, dp rank): every rank keeps its own stream across a resume."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     state = {"cpu": torch.get_rng_state(), "cuda": None, "tracker": None}
     if torch.cuda.is_available():
@@ -181,7 +185,6 @@ def rng_state(ps):
 
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` saved (into the live generators of a graph-safe tracker)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(state["cpu"])
     if torch.cuda.is_available() and state.get("cuda") is not None:
@@ -201,8 +204,6 @@ def set_rng_state(state: dict) -> None:
 def sync_saver_queue() -> None:
     """Single-process (sync) saves collect their write results in-process instead of through a spawned manager."""
     import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = queue.Queue()
@@ -229,7 +230,6 @@ def latest_checkpoint(checkpoints: Path) -> Path:
 
 def read_common_state(path: Path) -> dict:
     """The common (non-sharded) state of the dist checkpoint ``path`` (``ValueError`` naming it when unreadable)."""
-    from megatron.core import dist_checkpointing
 
     try:
         return dist_checkpointing.load_common_state_dict(str(path))
@@ -305,9 +305,6 @@ class Checkpointer:
         """Write ``checkpoints/iter_{step:07d}`` (all ranks), then point ``checkpoints/latest`` at it (rank 0).
         Refuses (:class:`~dsv4_train.step.TrainingDiverged`) when a weight is not finite: ``latest`` never
         names a NaN model."""
-        from megatron.core import dist_checkpointing
-
-        from dsv4_train.step import TrainingDiverged
 
         if not params_finite(self.core):
             raise TrainingDiverged(
@@ -333,7 +330,6 @@ class Checkpointer:
         saved one, PP/TP/EP may not (:func:`check_resume_layout`); the RNG streams are restored only when the
         parallel layout (PP, TP, DP) is the saved one. Unreadable files and settings a resume cannot change
         (:func:`check_resumable`) raise ``ValueError`` naming them."""
-        from megatron.core import dist_checkpointing
 
         latest = self.dir / "latest"
         if not latest.exists():
@@ -364,7 +360,6 @@ class Checkpointer:
         """Initialise the model (weights and buffers only) from the dist checkpoint ``path``: an ``iter_XXXXXXX``
         directory, or a run directory (its ``checkpoints/latest``). Any PP/EP/DP layout can read a checkpoint
         written by another (megatron resharding); optimizer, scheduler, data and RNG state start fresh."""
-        from megatron.core import dist_checkpointing
 
         p = Path(path)
         if (p / "checkpoints" / "latest").exists():
@@ -375,8 +370,6 @@ class Checkpointer:
                 "directory with checkpoints/latest)"
             )
         from torch.distributed.checkpoint.api import CheckpointException
-
-        from hybrid_model.hf.convert import describe_load_error
 
         with cuda_as_cpu():
             try:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from thd_packing import PackedSeqs, shard_contiguous_cp
+
 
 @dataclass(frozen=True)
 class LocalBatch:
@@ -42,7 +44,6 @@ def sbhd_as_thd_pack(mb) -> tuple[dict[str, torch.Tensor], Any]:
     is document ``b`` of ``S`` tokens (``cu_seqlens = cu_seqlens_padded = [0, S, 2S, ..., B·S]``; a row's padding
     tail stays inside its document, masked by the loss mask and the padding mask exactly as in ``[B, S]``).
     Returns ``({field: [B·S] tensor}, PackedSeqs)``."""
-    from thd_packing import PackedSeqs
 
     b, s = mb.tokens.shape
     if getattr(mb, "cp_size", 1) != 1:
@@ -67,7 +68,6 @@ def local_batch(mb, *, packed: bool, cp_rank: int, cp_size: int, device: torch.d
     global ``PackedSeqParams``. ``[B, S]`` at CP = 1: unchanged. ``[B, S]`` at CP > 1: :func:`sbhd_as_thd_pack`, then
     this rank's contiguous rows (``shard_contiguous_cp``) and the pack's global ``PackedSeqParams``.
     """
-    from thd_packing import shard_contiguous_cp
 
     if packed:
         if mb.cp_size != cp_size or mb.cp_rank != cp_rank:

@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader, get_shared_capture_stream
 
 from dsv4_train.graph_packs import BATCH_FIELDS, static_pack_batch
 
@@ -53,7 +54,6 @@ from dsv4_train.graph_packs import BATCH_FIELDS, static_pack_batch
 def use_capture_stream() -> torch.cuda.Stream:
     """Make megatron's shared graph-capture stream the current stream and return the previous one (see the module
     docstring: the model, its DDP gradient hooks and every step must live on the stream the graph is captured on)."""
-    from megatron.core.full_cuda_graph import get_shared_capture_stream
 
     previous = torch.cuda.current_stream()
     torch.cuda.set_stream(get_shared_capture_stream())
@@ -76,7 +76,6 @@ class GraphedForwardBackward:
     """
 
     def __init__(self, forward_backward_func, warmup_steps: int) -> None:
-        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 
         self.wrapper = FullCudaGraphWrapper(forward_backward_func, cuda_graph_warmup_steps=warmup_steps)
         self.close()  # megatron keeps the graphs and the static input buffers at class level: start clean
@@ -99,7 +98,6 @@ class GraphedForwardBackward:
 
     def close(self) -> None:
         """Drop the graph, its memory pool's tensors and the static input buffers (shaped for this run's batches)."""
-        from megatron.core.full_cuda_graph import StaticBufferLoader
 
         self.wrapper.reset_cuda_graph()
         for stage in StaticBufferLoader.static_buffers:

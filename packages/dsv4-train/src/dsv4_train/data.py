@@ -18,6 +18,16 @@ import warnings
 from typing import TYPE_CHECKING
 
 from dsv4_train.config import TrainConfig
+from dsv4_train.graph_packs import max_docs_per_pack
+from thd_packing import (
+    BatchConfig,
+    PackedBatchIterator,
+    RawTextDataset,
+    TextDatasetConfig,
+    TextRecordError,
+    default_corpus_dataset,
+    format_source_stats,
+)
 
 if TYPE_CHECKING:
     from thd_packing import PackedBatchIterator, RawTextDataset, VarlenDataset
@@ -35,7 +45,6 @@ def build_text_dataset(tc: TrainConfig, sources: list[str] | None = None) -> Raw
     Raises ``ValueError`` (a :class:`~thd_packing.TextRecordError` for a bad record, advising
     ``--skip-bad-records``) for unreadable input.
     """
-    from thd_packing import RawTextDataset, TextDatasetConfig, TextRecordError, default_corpus_dataset
 
     sources = tc.data.sources if sources is None else sources
     if not sources:
@@ -58,7 +67,6 @@ def build_text_dataset(tc: TrainConfig, sources: list[str] | None = None) -> Raw
 def data_summary(ds: RawTextDataset, tc: TrainConfig) -> str:
     """What the run read, per source: documents, tokens, samples, documents split / truncated / skipped, and
     the skipped records and ignored directory entries (the first :data:`SUMMARY_LIST_LIMIT` of each)."""
-    from thd_packing import format_source_stats
 
     mode = "split" if not tc.data.sources else tc.data.long_docs
     head = f"dsv4 train: data (--seq-len {tc.data.seq_len}, long documents: {mode}):"
@@ -87,7 +95,6 @@ def build_batches(
     Context parallelism (``cp_size`` > 1): the data are sharded over DP only. A THD pack keeps its capacity
     ``--seq-len`` (the scheduler packs for DP x CP with ``seq_len / cp_size`` rows per CP rank) and this CP rank gets
     its contiguous rows; ``[B, S]`` rows are loaded whole (the step runs them as one THD pack and slices it)."""
-    from thd_packing import BatchConfig, PackedBatchIterator
 
     vocab = ds.vocab_size
     if vocab > vocab_size:
@@ -123,7 +130,6 @@ def build_batches(
 
 def _max_docs(tc, ds) -> int:
     """The pack's document capacity (:func:`dsv4_train.graph_packs.max_docs_per_pack`)."""
-    from dsv4_train.graph_packs import max_docs_per_pack
 
     lengths = getattr(ds, "lengths", None)
     shortest = (

@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 
 from dsv4_train.config import TrainConfig, flat_settings
-from dsv4_train.mock_data import is_mock
+from dsv4_train.data import build_text_dataset, data_summary
+from dsv4_train.mock_data import build_mock_dataset, check_mock_data, is_mock, mock_summary
+from thd_packing import VarlenSubset
 
 #: mixed with ``--seed`` into the generator that orders the documents of the held-out split ("eval" in ASCII)
 HELDOUT_SEED_TAG = 0x6576616C
@@ -115,9 +117,6 @@ def trained_on(tc: TrainConfig) -> list[str]:
 def build_run_data(tc: TrainConfig, vocab_size: int) -> RunData:
     """The training and evaluation datasets of ``tc`` for a model of ``vocab_size`` ids (``ValueError`` with one
     message for unreadable data, too little held-out data or too small ``--eval-data``)."""
-    from dsv4_train.data import build_text_dataset, data_summary
-    from dsv4_train.mock_data import build_mock_dataset, check_mock_data, mock_summary
-    from thd_packing import VarlenSubset
 
     spec = check_mock_data(tc)
     if spec is not None:

@@ -33,9 +33,14 @@ import time
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import TrainConfig
+from dsv4_train.data import build_batches
+from dsv4_train.virtual_pipeline import ddp_chunks
+from hybrid_model.context_parallel import cp_token_count
+from hybrid_model.mtp import mtp_roll_left
 
 
 class Evaluator:
@@ -55,7 +60,6 @@ class Evaluator:
     def batches(self):
         """A fresh iterator over this rank's share of the evaluation batches (the same ones at every evaluation;
         sharded over DP, each CP rank taking its rows of every pack as in training)."""
-        from dsv4_train.data import build_batches
 
         return build_batches(
             self.dataset,
@@ -70,8 +74,6 @@ class Evaluator:
     def _forward_step(self, data_iterator, model):
         """megatron's ``forward_step_func`` of the evaluation: the training forward of one micro-batch, with a
         loss function that reports per-token sums (module docstring)."""
-        from hybrid_model.context_parallel import cp_token_count
-        from hybrid_model.mtp import mtp_roll_left
 
         mb = next(data_iterator)
         out, _ = self.stepper.forward_step(iter([mb]), model)
@@ -97,9 +99,6 @@ class Evaluator:
 
     def __call__(self, step: int) -> dict:
         """Evaluate now (after step ``step``); returns the record (module docstring; every rank the same)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from dsv4_train.virtual_pipeline import ddp_chunks
 
         tc = self.tc
         t0 = time.perf_counter()

@@ -23,6 +23,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import param_and_grad_buffer as pgb
 
 
 def _staged(tensor: torch.Tensor, group, cpu_too: bool) -> bool:
@@ -69,7 +70,6 @@ def host_staged_collectives(*, cpu_too: bool = False):
     """Route megatron's distributed-optimizer collectives over gloo groups through host memory (see the module
     docstring) for the duration of the block; restored on exit. ``cpu_too``: stage CPU tensors as well (tests: the
     staged arithmetic checked on a machine without CUDA)."""
-    from megatron.core.distributed import param_and_grad_buffer as pgb
 
     names = ("dist_reduce_scatter_func", "dist_all_gather_func", "_coalescing_manager")
     saved = {name: getattr(pgb, name) for name in names}

@@ -20,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
+from dsv4_attention.layout import STATIC_BOUNDS_ATTR, mark_static_bounds
 from hybrid_model.symbols import ATTENTION, DSA, GDN, MAMBA, MLA
 
 #: the tensors of a micro-batch that a captured step reads from its static buffers
@@ -94,9 +96,6 @@ def static_pack_batch(mb: Any, *, max_docs: int, step: int) -> dict[str, torch.T
 
 def static_packed_seq_params(buffers: dict[str, torch.Tensor]):
     """megatron ``PackedSeqParams`` (THD, marked static) over the static buffers of :func:`static_pack_batch`."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    from dsv4_attention.layout import mark_static_bounds
 
     cu, cu_pad = buffers["cu_seqlens"], buffers["cu_seqlens_padded"]
     t = buffers["tokens"].shape[-1]
@@ -114,7 +113,6 @@ def static_packed_seq_params(buffers: dict[str, torch.Tensor]):
 
 def is_static_pack(packed_seq_params) -> bool:
     """Whether ``packed_seq_params`` describes a static pack (device-only boundaries: no host reads allowed)."""
-    from dsv4_attention.layout import STATIC_BOUNDS_ATTR
 
     return bool(getattr(packed_seq_params, STATIC_BOUNDS_ATTR, False))
 

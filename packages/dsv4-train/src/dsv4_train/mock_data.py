@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from thd_packing import MockVarlenConfig, MockVarlenDataset
+
 #: a ``--data`` source that selects the mock dataset: exactly this, or this followed by ``:KEY=VALUE,...``
 MOCK = "mock"
 MOCK_KEYS = ("mean", "sigma", "min", "max", "docs", "seed", "vocab", "lengths")
@@ -67,7 +69,6 @@ class MockDataSpec:
     def to_config(self, seq_len: int, vocab_size: int, *, stream: int = 0):
         """thd-packing's :class:`~thd_packing.MockVarlenConfig` of this spec at ``--seq-len`` ``seq_len`` for a
         model of ``vocab_size`` ids; ``stream`` > 0 is an independent stream of documents (held-out evaluation)."""
-        from thd_packing import MockVarlenConfig
 
         vocab = vocab_size if self.vocab is None else self.vocab
         if vocab > vocab_size:
@@ -196,7 +197,6 @@ def check_mock_data(tc) -> MockDataSpec | None:
 def build_mock_dataset(spec: MockDataSpec, seq_len: int, vocab_size: int, *, stream: int = 0):
     """thd-packing's :class:`~thd_packing.MockVarlenDataset` of ``spec`` (``stream``: see
     :meth:`MockDataSpec.to_config`)."""
-    from thd_packing import MockVarlenDataset
 
     return MockVarlenDataset(spec.to_config(seq_len, vocab_size, stream=stream))
 

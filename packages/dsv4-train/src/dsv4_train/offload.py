@@ -71,7 +71,10 @@ from __future__ import annotations
 
 import contextlib
 
+import megatron.core.optimizer as mcore_optimizer
 import torch
+from megatron.core.optimizer import ChainedOptimizer
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from dsv4_primitives.megatron.precision import DistributedOptimizerWithNativeFP32Params
 
@@ -141,7 +144,6 @@ _HYBRID_ONLY_KEYS = (
 
 
 def _hybrid_device_optimizer_native_fp32():
-    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     class HybridDeviceOptimizerNativeFP32(HybridDeviceOptimizer):
         """megatron's hybrid optimizer with fixes 3, 4 and 5 of the module doc (no new state: a class swap)."""
@@ -252,7 +254,6 @@ class DistributedOptimizerCpuOffload(DistributedOptimizerWithNativeFP32Params):
 def offload_distributed_optimizer():
     """While active, megatron's ``get_megatron_optimizer`` builds :class:`DistributedOptimizerCpuOffload` where
     it would build ``DistributedOptimizer`` (it looks the class up in its module's namespace)."""
-    import megatron.core.optimizer as mcore_optimizer
 
     saved = mcore_optimizer.DistributedOptimizer
     mcore_optimizer.DistributedOptimizer = DistributedOptimizerCpuOffload
@@ -264,8 +265,6 @@ def offload_distributed_optimizer():
 
 def hybrid_optimizers(optimizer) -> list:
     """The ``HybridDeviceOptimizer`` inside each (chained) wrapper of ``optimizer`` (empty without the offload)."""
-    from megatron.core.optimizer import ChainedOptimizer
-    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     wrappers = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     return [w.optimizer for w in wrappers if isinstance(getattr(w, "optimizer", None), HybridDeviceOptimizer)]

@@ -42,6 +42,7 @@ rounding of those fp32 main params and may differ by one bf16 ulp where the main
 from __future__ import annotations
 
 import torch
+from megatron.core.optimizer import ChainedOptimizer
 
 from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
 from dsv4_train.config.sections import OPTIMIZER_IMPLS
@@ -89,7 +90,6 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def _inner_wrappers(optimizer) -> list:
-    from megatron.core.optimizer import ChainedOptimizer
 
     return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 

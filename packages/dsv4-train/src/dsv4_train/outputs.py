@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+from dsv4_train.evaluation import eval_line
+
 
 def strict_json_row(m: dict) -> str:
     """``m`` as one line of strict JSON: non-finite floats (NaN, ±inf) become ``null``."""
@@ -117,7 +119,6 @@ class RunOutputs:
         TensorBoard ``eval/*`` scalars and a progress note."""
         if not self.enabled:
             return
-        from dsv4_train.evaluation import eval_line
 
         self._file.write(strict_json_row(m) + "\n")
         self._file.flush()

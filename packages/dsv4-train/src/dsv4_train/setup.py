@@ -9,13 +9,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from dsv4_attention import get_indexer_loss_tracker
+from dsv4_attention.indexer_loss import IndexerLossAutoScaler
 from dsv4_primitives.megatron import cuda_as_cpu
+from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
 from dsv4_train.config import DIST_BACKENDS, TrainConfig, effective_config
+from dsv4_train.data import build_batches
+from dsv4_train.eval_data import build_run_data
 from dsv4_train.model_config import model_config_for
+from dsv4_train.offload import offload_config_fields
+from dsv4_train.optimizer import build_optimizer as build_megatron_optimizer
+from dsv4_train.recompute import recompute_config
 from dsv4_train.support import Machine, check_run_relations
-from dsv4_train.virtual_pipeline import check_vpp_config
+from dsv4_train.virtual_pipeline import VirtualPipelineChunks, check_vpp_config, chunk_stages, ddp_chunks
 from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.latent_attention import reset_dsa_indexer_loss_state
+from hybrid_model.model import build_model as build_dsv4_model
 
 
 def machine_for(tc: TrainConfig) -> Machine:
@@ -84,17 +103,11 @@ def reset_metric_trackers() -> None:
     """Process-wide per-layer loss trackers are sized by the first model that records, and the auxiliary-loss
     auto-scalers keep the backward scale tensor of the first step that set it (class attributes, later updated in
     place with ``copy_``, so a previous run's tensor would fix this run's shape and device): start each run fresh."""
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from dsv4_attention import get_indexer_loss_tracker
-    from dsv4_attention.indexer_loss import IndexerLossAutoScaler
 
     destroy_moe_metrics_tracker()
     get_indexer_loss_tracker().reset()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     IndexerLossAutoScaler.main_loss_backward_scale = None
-    from hybrid_model.latent_attention import reset_dsa_indexer_loss_state
 
     reset_dsa_indexer_loss_state()  # megatron's DSA ('D') scaler and tracker
 
@@ -128,11 +141,6 @@ class ModelParts:
 def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: torch.device) -> ModelParts:
     """The DSv4 model of this rank's pipeline stage (``--vpp``: its chunks), seeded with ``tc.schedule.seed``, wrapped for
     bf16 and in DDP."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from dsv4_train.recompute import recompute_config
-    from dsv4_train.virtual_pipeline import VirtualPipelineChunks, chunk_stages
-    from hybrid_model.model import build_model as build_dsv4_model
 
     torch.manual_seed(tc.schedule.seed)
     vpp_kw = {"virtual_pipeline_model_parallel_size": tc.parallel.vpp} if tc.parallel.vpp > 1 else {}
@@ -164,8 +172,6 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
             ).to(device)
         model = core
         if tc.precision.bf16:
-            from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
-
             model = Float16ModuleKeepFP32(core.config, model)
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
@@ -186,10 +192,6 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
 def build_optimizer(tc: TrainConfig, model) -> Any:
     """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``,
     on the AdamW kernel ``tc.optimizer.optimizer_impl`` (:mod:`dsv4_train.optimizer`)."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    from dsv4_train.offload import offload_config_fields
-    from dsv4_train.optimizer import build_optimizer as build_megatron_optimizer
 
     offload_fields = (
         offload_config_fields(tc.optimizer.optimizer_offload_fraction)
@@ -211,7 +213,6 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
         params_dtype=params_dtype_of(tc),
         **offload_fields,
     )
-    from dsv4_train.virtual_pipeline import ddp_chunks
 
     with cuda_as_cpu():
         # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
@@ -222,7 +223,6 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
 def build_scheduler(tc: TrainConfig, optimizer) -> Any:
     """megatron's ``OptimizerParamScheduler``: linear warm-up, then cosine to ``min_lr`` or WSD (constant, then a
     cosine anneal over the last ``lr_wsd_decay_steps``); constant weight decay."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     wsd = tc.optimizer.lr_decay_style == "wsd"
     return OptimizerParamScheduler(
@@ -244,9 +244,6 @@ def build_scheduler(tc: TrainConfig, optimizer) -> Any:
 
 def attach_schedule_hooks(config, model) -> None:
     """The megatron schedule's hooks on the model config: gradient finalisation, no loss scaling, DDP's no-sync."""
-    from megatron.core.distributed import finalize_model_grads
-
-    from dsv4_train.virtual_pipeline import ddp_chunks
 
     chunks = ddp_chunks(model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -263,8 +260,6 @@ def build_data(
     replica reads the same global batch, packs sliced to its contiguous rows), and the run's
     :class:`~dsv4_train.eval_data.RunData` (training and evaluation datasets); reading rules and the
     summary (printed when ``announce``) in :mod:`dsv4_train.data` / ``eval_data``."""
-    from dsv4_train.data import build_batches
-    from dsv4_train.eval_data import build_run_data
 
     data = build_run_data(tc, model_config.vocab_size)
     if announce:

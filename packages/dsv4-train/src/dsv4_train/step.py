@@ -9,9 +9,25 @@ import math
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
+from dsv4_attention import get_indexer_loss_tracker
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import TrainConfig
+from dsv4_train.context_parallel import local_batch
+from dsv4_train.cuda_graph import BATCH_FIELDS, GraphedForwardBackward, static_batch
+from dsv4_train.graph_data_parallel import (
+    GradReductionAfterSchedule,
+    check_no_sync_in_backward,
+    data_parallel_size,
+)
+from dsv4_train.graph_packs import static_packed_seq_params
+from dsv4_train.virtual_pipeline import check_vpp_microbatches, ddp_chunks
+from hash_moe.megatron import update_selection_biases
+from hybrid_model.context_parallel import cp_partial_mean
+from hybrid_model.latent_attention import drain_dsa_indexer_losses
+from mhc.megatron import make_mhc_adjust_tensor_shapes_fn, mhc_folded_seq_length
 
 LOSS_KEYS = ("lm_loss", "mtp_loss", "balance_loss", "indexer_loss")
 
@@ -32,7 +48,6 @@ class TrainingDiverged(RuntimeError):
 def grads_finite_local(model) -> bool:
     """Whether this rank's gradient buffers of the DDP ``model`` (or its VPP chunks) hold only finite values (one reduction per buffer:
     a NaN or an infinity anywhere makes its fp32 sum non-finite)."""
-    from dsv4_train.virtual_pipeline import ddp_chunks
 
     sums = [
         b.grad_data.sum(dtype=torch.float32)
@@ -81,18 +96,10 @@ class StepRunner:
         self.graphed = None  # GraphedForwardBackward once the first --cuda-graph step runs
         # --cuda-graph with DP > 1: the DP gradient reduction runs eagerly after the (captured) schedule
         self.grad_reduction = None
-        if tc.graphs.cuda_graph:
-            from dsv4_train.graph_data_parallel import (
-                GradReductionAfterSchedule,
-                check_no_sync_in_backward,
-                data_parallel_size,
-            )
-            from dsv4_train.virtual_pipeline import ddp_chunks
-
-            if data_parallel_size(ps) > 1:
-                check_no_sync_in_backward(ddp_chunks(model))
-                dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-                self.grad_reduction = GradReductionAfterSchedule(config, dp_group, device)
+        if tc.graphs.cuda_graph and data_parallel_size(ps) > 1:
+            check_no_sync_in_backward(ddp_chunks(model))
+            dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+            self.grad_reduction = GradReductionAfterSchedule(config, dp_group, device)
         self.max_docs_per_pack: int | None = None  # --cuda-graph --packed: set by the Trainer (data capacity)
         cp = core.context_parallel_group
         self.cp_group = cp
@@ -103,9 +110,6 @@ class StepRunner:
         mb = next(data_iterator)
         unwrapped = self.core
         if isinstance(mb, dict):  # --cuda-graph: the static device buffers of a micro-batch
-            from dsv4_train.cuda_graph import BATCH_FIELDS
-            from dsv4_train.graph_packs import static_packed_seq_params
-
             psp = static_packed_seq_params(mb) if "cu_seqlens" in mb else None  # --packed: device-side bounds
             tokens, labels, loss_mask, pos, pad = (mb[k] for k in BATCH_FIELDS)
         else:
@@ -121,7 +125,6 @@ class StepRunner:
         cp_group = unwrapped.context_parallel_group
 
         def loss_func(output):
-            from hybrid_model.context_parallel import cp_partial_mean
 
             # under CP this rank's partial over the CP group's token count (megatron multiplies it by the CP size,
             # its DDP averages over DP x CP: the gradients equal CP=1's); reduced_losses sums the partials
@@ -139,7 +142,6 @@ class StepRunner:
     def local_batch(self, mb):
         """Micro-batch ``mb`` as this rank feeds it to the model (its CP rows; see
         :func:`~dsv4_train.context_parallel.local_batch`)."""
-        from dsv4_train.context_parallel import local_batch
 
         return local_batch(
             mb,
@@ -153,7 +155,6 @@ class StepRunner:
         """The keyword arguments of megatron's forward-backward function for ``batch`` (training and evaluation
         alike): the micro-batch shape the schedule sizes its p2p buffers with, one data iterator per VPP chunk, the
         mHC stream-shape hook of the 1F1B schedule."""
-        from dsv4_train.virtual_pipeline import ddp_chunks
 
         tc = self.tc
         chunks = ddp_chunks(self.model)
@@ -168,15 +169,11 @@ class StepRunner:
         if tc.parallel.vpp > 1:
             # interleaved schedule: no shape hook; the mHC streams travel folded as [s*n, b, d] (mhc P3), and
             # every chunk reads every micro-batch (token ids and positions on every stage; labels on the last)
-            from dsv4_train.virtual_pipeline import check_vpp_microbatches
-            from mhc.megatron import mhc_folded_seq_length
 
             check_vpp_microbatches(batch.num_microbatches, tc.parallel.pp)
             seq = mhc_folded_seq_length(seq, self.model_config.num_streams)
             data_iterator = [iter(batch.microbatches) for _ in chunks]
         elif tc.parallel.pp > 1:
-            from mhc.megatron import make_mhc_adjust_tensor_shapes_fn
-
             kwargs["adjust_tensor_shapes_fn"] = make_mhc_adjust_tensor_shapes_fn(
                 self.model_config.num_streams
             )
@@ -194,10 +191,6 @@ class StepRunner:
     def __call__(self, batch, step: int) -> dict:
         """Train on ``batch`` (one global batch's share of this rank) as optimizer step ``step`` (0-based); returns
         the step's metrics (``step`` is 1-based there)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from dsv4_train.virtual_pipeline import ddp_chunks
-        from hash_moe.megatron import update_selection_biases
 
         tc = self.tc
         for chunk in ddp_chunks(self.model):
@@ -206,8 +199,6 @@ class StepRunner:
         fb = get_forward_backward_func()
         schedule = self.schedule(batch, self.forward_step, forward_only=False)
         if tc.graphs.cuda_graph:
-            from dsv4_train.cuda_graph import GraphedForwardBackward, static_batch
-
             if self.graphed is None:
                 self.graphed = GraphedForwardBackward(fb, tc.graphs.cuda_graph_warmup_steps)
             max_docs = self.max_docs_per_pack if tc.data.packed else None
@@ -273,9 +264,6 @@ class StepRunner:
             # CP partials: the CP values sum to one replica's loss
             add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r], 1.0 / self.cp_size)
         # per-layer trackers accumulate one value per micro-batch; layers of other stages stay 0
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-        from dsv4_attention import get_indexer_loss_tracker
 
         moe_tracker = get_moe_metrics_tracker()
         entry = moe_tracker.metrics.get("seq_load_balancing_loss")
@@ -290,7 +278,6 @@ class StepRunner:
             vals = self._cp_summed(vals)
             add("indexer_loss", (vals[vals != 0].double() / num_microbatches).tolist())
             tracker.clean()
-        from hybrid_model.latent_attention import drain_dsa_indexer_losses
 
         dsa = drain_dsa_indexer_losses()  # megatron's DSA indexers ('D' layers; CP is refused for them)
         if dsa is not None:

@@ -23,10 +23,27 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.process_groups_config import ProcessGroupCollection
 
+from dsv4_primitives.megatron import (
+    apply_cpu_shims,
+    destroy_model_parallel,
+    init_rng_tracker,
+    process_groups,
+    release_autograd_graphs,
+    remove_grad_accumulator_hooks,
+)
+from dsv4_train import determinism
 from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, preflight_resume
 from dsv4_train.config import TrainConfig
+from dsv4_train.cuda_graph import use_capture_stream
+from dsv4_train.determinism import prepare_deterministic_environment
+from dsv4_train.evaluation import Evaluator
+from dsv4_train.gloo_cuda import host_staged_collectives
+from dsv4_train.graph_packs import check_packed_graph_pattern
 from dsv4_train.model_config import model_config_for
+from dsv4_train.outputs import RunOutputs
 from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
 from dsv4_train.setup import (
     attach_schedule_hooks,
@@ -40,16 +57,15 @@ from dsv4_train.setup import (
     reset_metric_trackers,
 )
 from dsv4_train.step import StepRunner, TrainingDiverged
-from dsv4_train.virtual_pipeline import ddp_chunks
+from dsv4_train.virtual_pipeline import check_vpp_microbatches, ddp_chunks
+from hybrid_model.flops import forward_flops_from_stats
+from hybrid_model.gated_delta_net import check_gdn_training
 
 
 class Trainer:
     """Builds everything from a :class:`TrainConfig`; :meth:`run` trains and returns the per-step metrics."""
 
     def __init__(self, tc: TrainConfig) -> None:
-        from megatron.core import parallel_state as ps
-
-        from dsv4_primitives.megatron import apply_cpu_shims, destroy_model_parallel, process_groups
 
         self.tc = tc = check_run(tc)  # the effective config: auto values resolved, the support table's rules
         # the run directory rules (rundir.py) before anything is built or initialised: a clear error costs nothing
@@ -62,8 +78,6 @@ class Trainer:
         if (
             tc.precision.deterministic
         ):  # cuBLAS / NCCL read their variables at their first use: before any CUDA work
-            from dsv4_train.determinism import prepare_deterministic_environment
-
             prepare_deterministic_environment()
         apply_cpu_shims()
         self.rank, self.world = init_distributed(tc.parallel.dist_backend)
@@ -87,8 +101,6 @@ class Trainer:
         )
         self._unstage = None  # gloo on CUDA: megatron's coalesced collectives staged through host memory
         if torch.cuda.is_available() and dist.get_backend() == "gloo":
-            from dsv4_train.gloo_cuda import host_staged_collectives
-
             staging = host_staged_collectives()
             staging.__enter__()
             self._unstage = functools.partial(staging.__exit__, None, None, None)
@@ -111,10 +123,6 @@ class Trainer:
 
     def _build(self, tc: TrainConfig, ps) -> None:
         """Model, optimizer, scheduler, data, checkpointer and step runner of this rank (after the parallel state)."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        from dsv4_primitives.megatron import init_rng_tracker
-        from hybrid_model.gated_delta_net import check_gdn_training
 
         # what the pattern cannot train is refused before the RNG and determinism settings change
         self.model_config = model_config_for(tc)
@@ -125,8 +133,6 @@ class Trainer:
             cuda_graph=tc.graphs.cuda_graph,
         )
         if tc.graphs.cuda_graph and tc.data.packed:
-            from dsv4_train.graph_packs import check_packed_graph_pattern
-
             check_packed_graph_pattern(self.model_config.layer_pattern)
         init_rng_tracker(tc.schedule.seed, cuda_graph_safe=tc.graphs.cuda_graph)
         reset_metric_trackers()
@@ -137,7 +143,6 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        from dsv4_train import determinism
 
         self._restore_determinism = (
             determinism.use_deterministic_training(self.device, tc.schedule.seed)
@@ -145,8 +150,6 @@ class Trainer:
             else determinism.use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs anyway
         )
         if tc.graphs.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
-            from dsv4_train.cuda_graph import use_capture_stream
-
             self._previous_stream = use_capture_stream()
         self.is_logger = self.rank == self.world - 1  # the last stage sees the loss
         self._stop = False
@@ -156,8 +159,6 @@ class Trainer:
         if (
             tc.parallel.vpp > 1 and not tc.data.packed
         ):  # [B, S] batches: the micro-batch count is known now (packed: per step)
-            from dsv4_train.virtual_pipeline import check_vpp_microbatches
-
             dp = ps.get_data_parallel_world_size()
             check_vpp_microbatches(
                 tc.data.global_batch_size // (dp * tc.data.micro_batch_size), tc.parallel.pp
@@ -194,8 +195,6 @@ class Trainer:
             self.stepper.max_docs_per_pack = self.batches.config.max_num_seqs - 1
         self.evaluator = None  # --eval-interval: dsv4_train.evaluation
         if self.run_data.eval is not None:
-            from dsv4_train.evaluation import Evaluator
-
             self.evaluator = Evaluator(
                 tc,
                 self.model_config,
@@ -310,8 +309,6 @@ class Trainer:
             )
 
     def run(self) -> list[dict]:
-        from dsv4_train.outputs import RunOutputs
-        from hybrid_model.flops import forward_flops_from_stats
 
         tc = self.tc
         resumed = self.resuming and self.load_checkpoint()
@@ -369,11 +366,6 @@ class Trainer:
     def close(self) -> None:
         """Release everything the run holds: graphs, streams, determinism settings, megatron's parallel state and
         its process groups (the model is finished afterwards; nothing may run on it)."""
-        from dsv4_primitives.megatron import (
-            destroy_model_parallel,
-            release_autograd_graphs,
-            remove_grad_accumulator_hooks,
-        )
 
         if self.stepper.graphed is not None:
             self.stepper.graphed.close()
