@@ -1,5 +1,7 @@
 """Activation recompute on the GPU (bf16, deterministic kernels): every recompute setting gives the gradients of a
-step without recompute bit for bit, and the layers compute the same values whether autograd records or not.
+step without recompute bit for bit, and the layers compute the same values whether autograd records or not. Through
+the trainer (megatron's DDP, fp32 ``main_grad``), full recompute that covers the MTP depth changes one gradient by
+at most one bf16 rounding per micro-batch: the word embedding's, which the main model and the MTP depth share.
 
 Why the second check: megatron's full recompute runs each checkpointed chunk's first forward under ``no_grad`` and
 feeds its output to the rest of the step, then recomputes it with autograd on in the backward. If a kernel takes
@@ -7,14 +9,22 @@ another path without autograd (a fused inference kernel, another chunking), the 
 from one arithmetic and the chunk's backward from another: the step's gradients are no longer the plain step's.
 The failure names the first module (in execution order) whose output differs."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
 from dsv4_primitives.recompute import RecomputeConfig
+from dsv4_train.config import TrainConfig
+from dsv4_train.trainer import Trainer
 from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_runs import capture_first_step_grads
 
 SETTINGS = {
     "selective-all": RecomputeConfig(
@@ -102,3 +112,42 @@ def test_recompute_gradients_equal_no_recompute_bitwise_on_gpu(megatron_cpu, det
         if not torch.equal(grads[n], ref_grads[n])
     ]
     assert differ == [], (name, len(differ), differ[:12])
+
+
+@pytest.mark.gpu
+def test_full_recompute_changes_only_the_shared_embedding_gradient(tmp_path):
+    """Without recompute autograd sums the word embedding's two bf16 gradient contributions (the embedding lookup
+    and MTP's copy) before megatron's hook adds them to the fp32 ``main_grad``; with MTP inside the full recompute
+    they arrive in two backward passes and are added to ``main_grad`` one by one. Every other gradient is bitwise
+    the plain step's, and without MTP all are."""
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    no_mtp = dict(model_overrides={"hybrid_layer_pattern": get_preset("tiny").layer_pattern.split("/")[0]})
+    runs = {}
+    for name, kw in {
+        "eager": {},
+        "full": full,
+        "eager_no_mtp": no_mtp,
+        "full_no_mtp": {**full, **no_mtp},
+    }.items():
+        tc = TrainConfig.from_flat(
+            steps=1,
+            seq_len=256,
+            global_batch_size=2,
+            micro_batch_size=1,
+            warmup_steps=0,
+            out=str(tmp_path / name),
+            progress=False,
+            save_final=False,
+            **kw,
+        )
+        trainer = Trainer(tc)
+        runs[name] = capture_first_step_grads(trainer)
+        trainer.run()
+        trainer.close()
+    for plain, recomputed, shared in (("eager", "full", True), ("eager_no_mtp", "full_no_mtp", False)):
+        a, b = runs[plain], runs[recomputed]
+        differ = sorted(k[0] for k in a if not torch.equal(a[k], b[k]))
+        assert differ == (["embedding.word_embeddings.weight"] if shared else []), differ
+        for k in a:
+            bound = 2 * 2.0**-8 * float(a[k].abs().max())  # one bf16 rounding per micro-batch (2)
+            assert float((a[k] - b[k]).abs().max()) <= bound, k

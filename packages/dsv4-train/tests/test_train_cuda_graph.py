@@ -139,6 +139,7 @@ _RECOMPUTE_RUNNER = textwrap.dedent(
                 recompute_granularity="selective", mhc_recompute_layer_num=2,
                 recompute_modules=["mhc", "layernorm", "mla_up_proj", "compressor", "indexer", "core_attn", "moe_act"],
             ), True),
+            "eager_full": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), False),
             "graph_full": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), True),
         }
         for name, (kw, graph) in settings.items():
@@ -165,12 +166,18 @@ _RECOMPUTE_RUNNER = textwrap.dedent(
 @pytest.mark.gpu
 def test_graphed_recompute_matches_eager(tmp_path):
     """--cuda-graph with selective and with full recompute: the replayed steps (recompute inside the captured
-    backward) train exactly like the eager run without recompute (deterministic kernels: same arithmetic)."""
+    backward) train exactly like the eager run of the same recompute setting (deterministic kernels: same
+    arithmetic). Selective recompute is also the plain eager run bit for bit; full recompute that covers the MTP
+    depth is not, by one bf16 rounding of the word-embedding gradient per micro-batch (its main and MTP
+    contributions reach the fp32 main_grad separately instead of summed in bf16 first:
+    test_recompute_gpu.py::test_full_recompute_changes_only_the_shared_embedding_gradient), so the losses part after
+    step 1."""
     r = run_results_script(tmp_path, _RECOMPUTE_RUNNER)
-    for name in ("graph_selective", "graph_full"):
+    for name, eager in (("graph_selective", "eager"), ("graph_full", "eager_full")):
         assert r[name]["replayed"] == [False, False, True, True, True], name
         for key in ("lm", "mtp", "indexer", "grad_norm"):
-            assert r[name][key] == r["eager"][key], (name, key, r[name][key], r["eager"][key])
+            assert r[name][key] == r[eager][key], (name, key, r[name][key], r[eager][key])
+    assert r["eager_full"]["lm"][0] == r["eager"]["lm"][0]  # the first forward: the same arithmetic
 
 
 def test_recompute_is_allowed_with_graphs(fake_cuda):
