@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from dsv4_primitives import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_ref
-from dsv4_primitives._dispatch import ENV_VAR
 from dsv4_testkit import assert_close_to_ref, interpreting, max_abs_err
 
 needs_triton = pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1"
 )
+ENV_VAR = "DSV4_PRIMITIVES_BACKEND"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["triton", "torch"]
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dsv4_primitives._dispatch import resolve_backend
+from dsv4_primitives.dispatch import resolve_backend
 
 _TILE_FWD_CUDA = 8192  # elements of one forward program's [BLOCK_R, BLOCK_V] chunk
 _TILE_BWD_CUDA = 8192  # elements of one backward program's tile
@@ -353,7 +353,12 @@ def vocab_parallel_cross_entropy(
     """
     world, start = _check_inputs(logits, target, tp_group, vocab_start, label_smoothing, inplace_backward)
     impl = (
-        "triton" if resolve_backend(backend, logits, "vocab_parallel_cross_entropy") == "triton" else "torch"
+        "triton"
+        if resolve_backend(
+            backend, logits, op="dsv4_primitives.vocab_parallel_cross_entropy", allow_torch_alias=True
+        )
+        == "triton"
+        else "torch"
     )
     if logits.dtype == torch.float64:
         impl = "torch"
