@@ -10,7 +10,6 @@ from __future__ import annotations
 from csa_kernels import (
     StaticBounds,
     attention_indices,
-    compressed_cu_seqlens_host,
     compressed_positions,
     compressor_pool,
     compressor_pool_static,
@@ -26,6 +25,7 @@ from csa_kernels import (
     window_indices,
     window_indices_static,
 )
+from dsv4_primitives.varlen import compressed_cu_seqlens_host
 
 __all__ = [
     "StaticBounds",
