@@ -9,7 +9,8 @@ One rule for the whole workspace:
 - otherwise ``"auto"`` is the fused Triton kernel when every input lives on CUDA (and, for ops that declare
   ``triton_dtypes``, has one of those dtypes) and the eager reference otherwise (so CPU runs the reference);
 - ``"triton"`` on CPU tensors runs the kernel in the Triton interpreter and therefore needs ``TRITON_INTERPRET=1``
-  set before the kernel modules are imported (the testkit's pytest plugin sets it on machines without CUDA);
+  set before the kernel modules are imported, i.e. before the package that owns the op (the testkit's pytest plugin
+  sets it on machines without CUDA);
   without it, and for any other unknown name, a ``ValueError`` says which op, which source (argument or variable)
   and how to fix it.
 

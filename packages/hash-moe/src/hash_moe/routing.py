@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_primitives.dispatch import resolve_backend
+from hash_moe.kernels.routing_triton import fused_topk_route
 from hash_moe.scores import ScoreFunction, check_score_function, routing_scores
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the fused router's logits (fp32 math)
@@ -133,8 +134,6 @@ def topk_route(
         backend, logits, op="hash_moe.topk_route", triton_dtypes=_TRITON_DTYPES, allow_torch_alias=True
     )
     if backend == "triton":
-        from hash_moe.kernels.routing_triton import fused_topk_route
-
         weights, experts, scores = fused_topk_route(
             logits,
             topk=cfg.topk,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_primitives.dispatch import resolve_backend
+from hash_moe.kernels.swiglu_triton import fused_clamped_swiglu
 
 
 def check_swiglu_limit(limit: float | None) -> None:
@@ -124,7 +125,6 @@ def clamped_swiglu(
                 "backend='triton' computes in fp32; fp64 gate_up takes the PyTorch path (backend='reference' or "
                 "'auto')"
             )
-        from hash_moe.kernels.swiglu_triton import fused_clamped_swiglu
 
         return fused_clamped_swiglu(gate_up, limit, probs)
     return _ClampedSwiGLU.apply(gate_up, probs, limit)

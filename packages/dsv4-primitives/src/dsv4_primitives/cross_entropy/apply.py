@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from dsv4_primitives.cross_entropy.kernel import ce_bwd_kernel, ce_fwd_stats_kernel
 from dsv4_primitives.dispatch import resolve_backend
 
 _TILE_FWD_CUDA = 8192  # elements of one forward program's [BLOCK_R, BLOCK_V] chunk
@@ -104,8 +105,6 @@ def _launch_cfg(rows: int, v: int, is_cuda: bool, tile: int) -> tuple[int, int, 
 
 
 def _stats_triton(x, layout, t, vocab_start, need_sum):
-    from dsv4_primitives.cross_entropy.kernel import ce_fwd_stats_kernel
-
     rows, v = t.numel(), x.shape[-1]
     stats = torch.empty((4 if need_sum else 3, rows), dtype=torch.float32, device=x.device)  # m, s, z_t, zsum
     if rows:
@@ -146,8 +145,6 @@ def _stats_torch(x, layout, t, vocab_start, need_sum):
 
 
 def _grad_triton(x, layout, out, out_layout, t, lse, g, vocab_start, target_coef, uniform):
-    from dsv4_primitives.cross_entropy.kernel import ce_bwd_kernel
-
     rows, v = t.numel(), x.shape[-1]
     if rows == 0:
         return

@@ -22,6 +22,7 @@ import torch
 
 from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.rope.frequencies import RopeConfig, rope_cos_sin
+from dsv4_primitives.rope.kernel import rope_rotate_kernel
 
 
 def _rotate_torch(
@@ -147,8 +148,6 @@ def _launch_triton(
     inverse: bool,
 ) -> None:
     """Rotate ``x3 [N, H, D]`` into ``y3`` (``y3`` aliasing ``x3``: in place, rope channels only; else one pass)."""
-    from dsv4_primitives.rope.kernel import rope_rotate_kernel
-
     n, h, d = x3.shape
     rope = 2 * cos.shape[-1]
     assert d == nope + rope and x3.stride(2) == 1 and y3.stride(2) == 1
