@@ -119,7 +119,7 @@ def topk_route(
         cfg: routing hyper-parameters.
         selection_bias: ``[E]`` fp32 bias added for selection only (no gradient flows into it).
         valid: ``[N]`` bool, False marks padding tokens (zero weights).
-        backend: ``"reference"`` (this function's PyTorch ops; ``"torch"`` is a deprecated synonym), ``"triton"``
+        backend: ``"reference"`` (this function's PyTorch ops), ``"triton"``
             (the fused kernel of :mod:`hash_moe.kernels.routing_triton`, fp32 scores) or ``"auto"`` (Triton on CUDA
             for fp32/bf16/fp16 logits, PyTorch otherwise; ``HASH_MOE_BACKEND`` / ``DSV4_BACKEND`` override it, see
             :mod:`dsv4_primitives.dispatch`).
@@ -130,9 +130,7 @@ def topk_route(
         raise ValueError(
             f"selection_bias must be [num_experts={cfg.num_experts}], got {tuple(selection_bias.shape)}"
         )
-    backend = resolve_backend(
-        backend, logits, op="hash_moe.topk_route", triton_dtypes=_TRITON_DTYPES, allow_torch_alias=True
-    )
+    backend = resolve_backend(backend, logits, op="hash_moe.topk_route", triton_dtypes=_TRITON_DTYPES)
     if backend == "triton":
         weights, experts, scores = fused_topk_route(
             logits,

@@ -32,13 +32,13 @@ from torch.autograd.function import once_differentiable
 from dsv4_primitives.dispatch import resolve_backend
 from hash_moe.kernels.permute_triton import gather_rows_triton, gather_sum_rows_triton
 
-RowBackend = Literal["auto", "triton", "reference", "torch"]  # "torch": deprecated synonym of "reference"
+RowBackend = Literal["auto", "triton", "reference"]
 
 
 def resolve_row_backend(backend: RowBackend, src: torch.Tensor, op: str = "hash_moe.gather_rows") -> str:
     """``"triton"`` or ``"reference"`` (:func:`dsv4_primitives.dispatch.resolve_backend`): ``"auto"`` is Triton on
     CUDA tensors, PyTorch elsewhere (``HASH_MOE_BACKEND`` / ``DSV4_BACKEND`` override it)."""
-    return resolve_backend(backend, src, op=op, allow_torch_alias=True)
+    return resolve_backend(backend, src, op=op)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

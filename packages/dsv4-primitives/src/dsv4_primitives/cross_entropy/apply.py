@@ -6,7 +6,7 @@ this rank's vocabulary shard, the row max is all-reduced (MAX), the target logit
 target, the sum of exponentials is all-reduced (SUM). The process group is passed explicitly.
 
 Forward: per row ``(max, sum_exp, target_logit[, sum_logits])`` in fp32, computed in one read of the logits (Triton
-kernel, or eager PyTorch for ``backend="torch"``); with a tensor-parallel group the local sums are rescaled to the
+kernel, or eager PyTorch for ``backend="reference"``); with a tensor-parallel group the local sums are rescaled to the
 global max and summed in one all-reduce (two collectives in all). Saved for the backward: the logits tensor itself
 (no copy unless it had to be made contiguous), the targets and ``lse`` (fp32, 4 bytes per row); no fp32 ``[*, V]``
 tensor lives between forward and backward.
@@ -344,17 +344,14 @@ def vocab_parallel_cross_entropy(
             only when nothing reads the logits after the backward; leaves are refused). Module doc: safety rules.
         backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise; the environment variable
             ``DSV4_PRIMITIVES_BACKEND`` overrides it), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
-            ``"torch"`` / ``"reference"`` (eager PyTorch with fp32 temporaries, same autograd Function).
+            ``"reference"`` (eager PyTorch with fp32 temporaries, same autograd Function).
     Returns:
         ``loss [*]`` fp32 (fp64 for fp64 logits); the logits gradient comes back in the logits dtype.
     """
     world, start = _check_inputs(logits, target, tp_group, vocab_start, label_smoothing, inplace_backward)
     impl = (
         "triton"
-        if resolve_backend(
-            backend, logits, op="dsv4_primitives.vocab_parallel_cross_entropy", allow_torch_alias=True
-        )
-        == "triton"
+        if resolve_backend(backend, logits, op="dsv4_primitives.vocab_parallel_cross_entropy") == "triton"
         else "torch"
     )
     if logits.dtype == torch.float64:

@@ -181,14 +181,13 @@ def rms_norm(
         eps: added to the mean square.
         backend: ``"auto"`` (Triton for CUDA tensors, the reference otherwise; the environment variables
             ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override it, see :mod:`dsv4_primitives.dispatch`),
-            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"reference"`` (:func:`rms_norm_ref`;
-            ``"torch"`` is a deprecated synonym).
+            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"reference"`` (:func:`rms_norm_ref`).
     Returns:
         ``[..., D]`` in ``x.dtype``; math in fp32; the weight gradient is accumulated in fp32 and returned in
         ``weight.dtype``.
     """
     _check_inputs(x, weight)
-    resolved = resolve_backend(backend, x, op="dsv4_primitives.rms_norm", allow_torch_alias=True)
+    resolved = resolve_backend(backend, x, op="dsv4_primitives.rms_norm")
     if resolved == "reference" or x.dtype == torch.float64 or x.shape[-1] == 0:
         return rms_norm_ref(x, weight, eps)
     return _RMSNormFunction.apply(x, weight, float(eps))

@@ -268,14 +268,14 @@ def apply_rope(
         inplace: write into ``x`` and return it (``x`` must not be a leaf requiring grad nor saved by another op).
         backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise; the environment variables
             ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override it, see :mod:`dsv4_primitives.dispatch`),
-            ``"triton"`` or ``"reference"`` (eager; ``"torch"`` is a deprecated synonym).
+            ``"triton"`` or ``"reference"`` (eager).
         max_position: an upper bound of ``|positions|`` to size the cached table without a device sync (CUDA
             graphs); computed from ``positions`` when ``None``.
     Returns:
         ``x`` rotated, same shape and dtype (``x`` itself when ``inplace``).
     """
     _check_inputs(x, positions, cfg)
-    resolved = resolve_backend(backend, x, op="dsv4_primitives.apply_rope", allow_torch_alias=True)
+    resolved = resolve_backend(backend, x, op="dsv4_primitives.apply_rope")
     backend = "triton" if resolved == "triton" else "torch"
     n_pos = math.prod(positions.shape)
     pos = positions.reshape(-1).to(torch.int64).contiguous()  # [N]
