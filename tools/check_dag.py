@@ -1,8 +1,8 @@
 """Check the workspace's package dependency rules (run by `nox -s dag`).
 
-Rules (README.md "Packages"): a package may depend only on packages listed above it in ORDER; dsv4-testkit is a test-only
-dependency; every cross-package import must be declared in the importer's pyproject; nobody imports another
-package's private (``_``-prefixed) module; megatron-core is imported only where it is declared: a package with
+Rules (README.md "Packages"): a package may depend only on packages listed above it in ORDER; dsv4-testkit is a
+test-only dependency; every cross-package import must be declared in the importer's pyproject; nobody imports
+another package's private (``_``-prefixed) module; megatron-core is imported only where it is declared: a package with
 megatron-core as a base dependency may import it anywhere, a package with it only in its ``[megatron]`` extra (directly
 or through another member's ``[megatron]``) only inside functions or in its ``megatron/`` subpackage (whose
 ``__init__`` raises an ``ImportError`` naming the extra); no import circle between the files of one package
