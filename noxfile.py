@@ -5,7 +5,7 @@ Sessions:
   test_isolated(package=...) import smoke without extras, then the tests with them, in a venv holding only
                              that package's declared closure
   lint                       ruff format --check + ruff check
-  dag                        package dependency rules (tools/check_dag.py)
+  dag                        package dependency rules and import circles (tools/check_dag.py, its tests)
   gpu                        gpu-marked tests (says so and exits 0 without CUDA)
   bench                      benchmark scripts (says so and exits 0 without CUDA)
 """
@@ -166,7 +166,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def dag(session: nox.Session) -> None:
-    """Fail on undeclared, upward or private cross-package imports."""
+    """Fail on undeclared, upward or private cross-package imports and on import circles between the files of one
+    package (the rule's own tests in tools/tests run first); lists first-party imports inside functions."""
+    session.run("python", "-m", "pytest", "tools/tests", "-q", external=True)
     session.run("python", "tools/check_dag.py", external=True)
 
 

@@ -1,11 +1,16 @@
 """Check the workspace's package dependency rules (run by `nox -s dag`).
 
-Rules (DEVELOPERS.md): a package may depend only on packages listed above it in ORDER; dsv4-testkit is a test-only
-dependency; every cross-package import must be declared in the importer's pyproject; nobody imports another
-package's private (``_``-prefixed) module; megatron-core is imported only where it is declared: a package with
+Rules (README.md "Packages"): a package may depend only on packages listed above it in ORDER; dsv4-testkit is a
+test-only dependency; every cross-package import must be declared in the importer's pyproject; nobody imports
+another package's private (``_``-prefixed) module; megatron-core is imported only where it is declared: a package with
 megatron-core as a base dependency may import it anywhere, a package with it only in its ``[megatron]`` extra (directly
 or through another member's ``[megatron]``) only inside functions or in its ``megatron/`` subpackage (whose
-``__init__`` raises an ``ImportError`` naming the extra). Exit status 1 with one line per violation.
+``__init__`` raises an ``ImportError`` naming the extra); no import circle between the files of one package
+(``tools/import_graph.py``). Exit status 1 with one line per violation.
+
+It also lists, without failing, every first-party import made inside a function of a package's sources (imports
+belong at module top; one inside a function is kept only for an optional dependency or an import-order constraint,
+with a comment saying why).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import ast
 import sys
 import tomllib
 from pathlib import Path
+
+from import_graph import function_level_imports, import_circles
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = [
@@ -93,6 +100,30 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def circle_errors(dist: str, package_dir: Path) -> list[str]:
+    """One line per file-level import circle of the package whose import directory is ``package_dir``."""
+    return [
+        f"{dist}: import circle between files: {' <-> '.join(circle)} (break it: move what they share into a "
+        "module of its own, or merge them)"
+        for circle in import_circles(package_dir)
+    ]
+
+
+def inner_imports(dists: list[str]) -> list[str]:
+    """One line per first-party import inside a function in the sources of ``dists``."""
+    first_party = set(IMPORT_NAME.values())
+    lines = []
+    for dist in dists:
+        src = ROOT / "packages" / dist / "src"
+        for path in sorted(src.rglob("*.py")) if src.is_dir() else []:
+            rel = path.relative_to(ROOT)
+            lines += [
+                f"{rel}:{n}: imports {mod} inside a function"
+                for n, mod in function_level_imports(path, first_party)
+            ]
+    return lines
+
+
 def check() -> list[str]:
     errors: list[str] = []
     present = [d for d in ORDER if (ROOT / "packages" / d / "pyproject.toml").is_file()]
@@ -129,6 +160,8 @@ def check() -> list[str]:
                         errors.append(f"{where}: imports private module {mod} of {target}")
         megatron = megatron_declared(dist)
         src = ROOT / "packages" / dist / "src"
+        if (src / IMPORT_NAME[dist]).is_dir():
+            errors += circle_errors(dist, src / IMPORT_NAME[dist])
         for path in sorted(src.rglob("*.py")) if src.is_dir() else []:
             rel = path.relative_to(ROOT)
             in_subpackage = "megatron" in path.relative_to(src).parts[1:-1]
@@ -147,10 +180,17 @@ def check() -> list[str]:
 
 
 def main() -> int:
+    inner = inner_imports(ORDER)
+    for line in inner:
+        print(line)
     errors = check()
     for e in errors:
         print(e)
-    print(f"dag: {len(errors)} violation(s) in {len(ORDER)} packages")
+    print(
+        f"dag: {len(errors)} violation(s) in {len(ORDER)} packages; {len(inner)} first-party import(s) inside "
+        "functions (listed, not failed: keep one only for an optional dependency or an import-order constraint, "
+        "with a comment saying why)"
+    )
     return 1 if errors else 0
 
 

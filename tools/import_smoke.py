@@ -5,8 +5,8 @@
 Checks, in the current environment:
 
 1. megatron-core is absent when the package does not need it at runtime (the environment really lacks the extra);
-2. every module of the package imports, except the megatron-only ones (a ``megatron`` subpackage and the deprecated
-   aliases of dsv4-primitives), which must raise an ``ImportError`` naming the extra (``pip install '<pkg>[megatron]'``);
+2. every module of the package imports, except the megatron-only ones (a ``megatron`` subpackage), which must raise
+   an ``ImportError`` naming the extra (``pip install '<pkg>[megatron]'``);
 3. the megatron-only entry points that are functions (``PackedSeqs.to_packed_seq_params``,
    ``megatron_cpu_context``) raise that ``ImportError`` too.
 
@@ -65,9 +65,7 @@ def smoke(dist: str) -> list[str]:
         if not parts:
             continue
         mod = ".".join((name, *parts))
-        megatron_only = "megatron" in mod.split(".")[1:] or mod.endswith(
-            ("megatron_cpu", "precision.megatron")
-        )
+        megatron_only = "megatron" in mod.split(".")[1:]
         try:
             importlib.import_module(mod)
         except Exception as exc:

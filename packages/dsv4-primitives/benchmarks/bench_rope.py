@@ -11,7 +11,7 @@ Cases (head 512 = [448 nope | 64 rope], YaRN base 160000, THD positions from cu_
 Implementations: ours (``apply_rope(backend="triton")``: out of place one fused pass that copies the nope channels
 and rotates the rope channels), "ours copy_+in-place" (the previous out-of-place strategy, kept as a row to justify
 the choice: ``x.clone()`` then the in-place kernel on the rope channels), the same API on the eager backend
-(``backend="torch"``), and the fp32 reference ``apply_rope_ref`` run eagerly on the bf16 tensor.
+(``backend="reference"``), and the fp32 reference ``apply_rope_ref`` run eagerly on the bf16 tensor.
 
 ``--sweep`` also times the kernel's launch geometry (``RopeKernelConfig``: bytes per program x warps) on the q
 (in place, out of place) and kv (in place) cases and prints a second table (in the JSON under ``"sweep"``).
@@ -200,7 +200,7 @@ def run(
                 x.clone(), pos, cfg, inverse=inv, inplace=True, backend="triton", max_position=mp
             ),
             "eager torch backend": lambda x=x, pos=pos, inv=inverse, mp=maxp: apply_rope(
-                x, pos, cfg, inverse=inv, backend="torch", max_position=mp
+                x, pos, cfg, inverse=inv, backend="reference", max_position=mp
             ),
             "eager fp32 reference": lambda x=x, pos=pos, inv=inverse: apply_rope_ref(
                 x, pos, cfg, inverse=inv
@@ -217,7 +217,7 @@ def run(
                             xi, pos, cfg, inplace=True, backend="triton", max_position=mp
                         ),
                         "eager torch backend": lambda xi=xi, pos=pos, mp=maxp: apply_rope(
-                            xi, pos, cfg, inplace=True, backend="torch", max_position=mp
+                            xi, pos, cfg, inplace=True, backend="reference", max_position=mp
                         ),
                     },
                     rope_bytes,
@@ -239,7 +239,7 @@ def run(
                     "fwd+bwd",
                     {
                         "ours triton": lambda: fb("triton"),
-                        "eager torch backend": lambda: fb("torch"),
+                        "eager torch backend": lambda: fb("reference"),
                         "eager fp32 reference": fb_ref,
                     },
                     2 * full_bytes,

@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from dsv4_primitives import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_ref
-from dsv4_primitives._dispatch import ENV_VAR
 from dsv4_testkit import assert_close_to_ref, interpreting, max_abs_err
 
 needs_triton = pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1"
 )
+ENV_VAR = "DSV4_PRIMITIVES_BACKEND"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "reference"]
 
 
 def _loss_and_grad(fn, x, g):
@@ -104,7 +104,7 @@ def test_reference_is_torch_cross_entropy():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize(
-    "backend", ["reference", "torch"] + (["triton"] if interpreting() or DEV == "cuda" else [])
+    "backend", ["ref", "reference"] + (["triton"] if interpreting() or DEV == "cuda" else [])
 )
 def test_matches_megatron_single_process(megatron_cpu, dtype, label_smoothing, backend):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as megatron_ce
@@ -114,7 +114,7 @@ def test_matches_megatron_single_process(megatron_cpu, dtype, label_smoothing, b
     g = torch.randn(6, 2, device=DEV)
     # megatron works in place on fp32 logits (its .float() is a no-op there): give it its own non-leaf copy
     want = _loss_and_grad(lambda a: megatron_ce(a, t, label_smoothing, group), x, g)
-    if backend == "reference":
+    if backend == "ref":  # the fp32 reference function itself; the others dispatch
         got = _loss_and_grad(
             lambda a: vocab_parallel_cross_entropy_ref(a, t, label_smoothing=label_smoothing), x, g
         )
@@ -263,9 +263,12 @@ def test_gradcheck_fp64():
     t = torch.tensor([[0, 6], [3, 5], [1, 2]], device=DEV)  # in range: megatron's out-of-range loss has a max
     for ls in (0.0, 0.3):
         torch.autograd.gradcheck(
-            lambda a, ls=ls: vocab_parallel_cross_entropy(a * 1, t, label_smoothing=ls, backend="torch"), (x,)
+            lambda a, ls=ls: vocab_parallel_cross_entropy(a * 1, t, label_smoothing=ls, backend="reference"),
+            (x,),
         )
-    out = vocab_parallel_cross_entropy(x, t, backend="triton" if interpreting() or DEV == "cuda" else "torch")
+    out = vocab_parallel_cross_entropy(
+        x, t, backend="triton" if interpreting() or DEV == "cuda" else "reference"
+    )
     assert out.dtype == torch.float64  # fp64 always runs the eager path in fp64
 
 
@@ -296,7 +299,7 @@ def test_dispatch_auto_env_and_errors(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     vocab_parallel_cross_entropy(x, t)
     assert seen[-1] == ("triton" if DEV == "cuda" else "torch")
-    for env, want in (("reference", "torch"), ("torch", "torch")):
+    for env, want in (("reference", "torch"),):
         monkeypatch.setenv(ENV_VAR, env)
         vocab_parallel_cross_entropy(x, t)
         assert seen[-1] == want
@@ -304,7 +307,7 @@ def test_dispatch_auto_env_and_errors(monkeypatch):
         monkeypatch.setenv(ENV_VAR, "triton")
         vocab_parallel_cross_entropy(x, t)
         assert seen[-1] == "triton"
-        vocab_parallel_cross_entropy(x, t, backend="torch")  # explicit argument wins
+        vocab_parallel_cross_entropy(x, t, backend="reference")  # explicit argument wins
         assert seen[-1] == "torch"
     monkeypatch.setenv(ENV_VAR, "bogus")
     with pytest.raises(ValueError, match=ENV_VAR):
@@ -377,9 +380,9 @@ def test_inplace_backward_refuses_rows_sharing_memory():
     logits = (base * 2).expand(6, 50)  # non-leaf, rows alias one row
     target = torch.randint(0, 50, (6,))
     with pytest.raises(ValueError, match="do not share memory"):
-        vocab_parallel_cross_entropy(logits, target, inplace_backward=True, backend="torch")
+        vocab_parallel_cross_entropy(logits, target, inplace_backward=True, backend="reference")
     # the default (a new gradient tensor) is fine
-    loss = vocab_parallel_cross_entropy(logits, target, backend="torch")
+    loss = vocab_parallel_cross_entropy(logits, target, backend="reference")
     loss.sum().backward()
     ref = vocab_parallel_cross_entropy_ref(logits.detach().contiguous().requires_grad_(), target)
     assert torch.allclose(loss, ref, atol=1e-5)

@@ -57,7 +57,7 @@ def test_errors_name_the_op_and_the_fix(monkeypatch):
     ):
         resolve_backend("cuda", cpu, op=OP)
     with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("torch", cpu, op=OP)  # only where the op allows the alias
+        resolve_backend("torch", cpu, op=OP)  # the former alias of "reference" is gone
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(
         ValueError, match=r"some_pkg\.op: backend=.triton. needs a CUDA tensor.*TRITON_INTERPRET=1"
@@ -68,18 +68,11 @@ def test_errors_name_the_op_and_the_fix(monkeypatch):
         resolve_backend("auto", cpu, op=OP)
 
 
-def test_torch_alias_warns_and_means_reference():
-    with pytest.warns(DeprecationWarning, match="backend='torch' is deprecated, use backend='reference'"):
-        assert resolve_backend("torch", torch.zeros(2), op=OP, allow_torch_alias=True) == "reference"
-
-
 def test_normalize_backend_custom_names():
     names = ("auto", "fast", "loop")
     assert normalize_backend("reference", OP, names, aliases={"reference": "loop"}) == "loop"
-    with pytest.warns(DeprecationWarning):
-        assert normalize_backend("old", OP, names, aliases={"old": "fast"}, deprecated=("old",)) == "fast"
     with pytest.raises(ValueError, match=r"\('auto', 'fast', 'loop', 'reference'\)"):
-        normalize_backend("x", OP, names, aliases={"reference": "loop", "old": "fast"}, deprecated=("old",))
+        normalize_backend("x", OP, names, aliases={"reference": "loop"})
 
 
 @pytest.mark.gpu

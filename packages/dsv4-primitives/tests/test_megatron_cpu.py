@@ -123,20 +123,12 @@ def test_current_device_shim_is_explicit_and_reversible():
             torch.cuda.current_device = real
 
 
-def test_imports_patch_nothing_and_old_paths_warn():
-    """Importing dsv4_primitives and its megatron subpackage patches nothing; the old module paths still work, warn
-    with a DeprecationWarning and give the same objects."""
+def test_imports_patch_nothing():
+    """Importing dsv4_primitives and its megatron subpackage (precision included) patches nothing."""
     code = (
-        "import warnings, torch\n"
+        "import torch\n"
         "real = torch.cuda.current_device\n"
-        "import dsv4_primitives, dsv4_primitives.megatron, dsv4_primitives.megatron.precision as new_p\n"
-        "assert torch.cuda.current_device is real\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import dsv4_primitives.megatron_cpu as old_c, dsv4_primitives.precision.megatron as old_p\n"
-        "assert sum(issubclass(x.category, DeprecationWarning) for x in w) == 2, [str(x.message) for x in w]\n"
-        "assert old_c.cuda_as_cpu is dsv4_primitives.megatron.cuda_as_cpu\n"
-        "assert old_p.Float16ModuleKeepFP32 is new_p.Float16ModuleKeepFP32\n"
+        "import dsv4_primitives, dsv4_primitives.megatron, dsv4_primitives.megatron.precision\n"
         "assert torch.cuda.current_device is real\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

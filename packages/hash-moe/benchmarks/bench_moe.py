@@ -165,7 +165,7 @@ def bench_routing(args, hbm: float, emit) -> None:
         logits = torch.randn(tokens, cfg.num_experts, device=DEVICE)
         bias = torch.randn(cfg.num_experts, device=DEVICE) * 1e-2
         fused = topk_route(logits, cfg, selection_bias=bias, backend="triton")
-        ref = topk_route(logits.double(), cfg, selection_bias=bias, backend="torch")
+        ref = topk_route(logits.double(), cfg, selection_bias=bias, backend="reference")
         ok = (
             bool((fused.experts == ref.experts).float().mean() > 0.999)
             and max_err(fused.weights, ref.weights) < 1e-4
@@ -173,7 +173,7 @@ def bench_routing(args, hbm: float, emit) -> None:
         print(f"  check routing T={tokens} triton vs torch {'ok' if ok else 'FAIL'}")
         # logits read, bias read, scores + weights + expert ids written
         nbytes = logits.numel() * 4 * 2 + bias.numel() * 4 + tokens * args.topk * (4 + 8)
-        for backend in ("triton", "torch"):
+        for backend in ("triton", "reference"):
             ms, n = bench(
                 lambda b=backend, z=logits, sb=bias: topk_route(z, cfg, selection_bias=sb, backend=b),
                 args.warmup,

@@ -115,7 +115,7 @@ def map_correctness(args, rm, n: int) -> list[dict]:
     rows = []
     for num_out in (n, n - n // 3, n + 1000):
         want = sorted_permute_map_ref(rm, num_out, args.topk)
-        for backend in ("triton", "torch"):
+        for backend in ("triton", "reference"):
             pmap = build_permute_map(rm, num_out, max_routes_per_token=args.topk, backend=backend)
             got = (pmap.token_of_row, pmap.pair_of_row, pmap.row_of_pair, pmap.rows_of_token)
             ok = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
@@ -299,7 +299,10 @@ def bench_permute_rows(args, hbm: float, emit) -> None:
 
     map_fns = (
         ("hash-moe", lambda: build_permute_map(rm, n, max_routes_per_token=k, backend="triton")),
-        ("hash-moe torch path", lambda: build_permute_map(rm, n, max_routes_per_token=k, backend="torch")),
+        (
+            "hash-moe torch path",
+            lambda: build_permute_map(rm, n, max_routes_per_token=k, backend="reference"),
+        ),
         ("sorted (0.3.0 before)", lambda: sorted_permute_map_ref(rm, n, k)),
     )
     map_bytes = rm.numel() * (1 + 8) + n * 16 + t * k * 8  # routing map read; int64 maps written

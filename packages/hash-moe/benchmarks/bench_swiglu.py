@@ -3,7 +3,7 @@
 One run, one table: ``clamped_swiglu(gate_up [M, 2F], limit, probs [M])`` in bf16 (fp32 probs, as megatron's
 permuted routing weights), forward and forward+backward (gradients of ``gate_up`` and ``probs``), at ``--rows``
 (default 4096 tokens x top-6 = 24576) and each ``--ffn`` width (default 2048 and 3072), for
-``backend="triton"`` (the fused kernels, default on CUDA) and ``backend="torch"`` (the unfused fp32 PyTorch ops).
+``backend="triton"`` (the fused kernels, default on CUDA) and ``backend="reference"`` (the unfused fp32 PyTorch ops).
 Columns: median ms and GB/s of the compulsory traffic (forward: read ``gate_up`` + ``probs``, write ``h``;
 backward: read ``gate_up`` + ``probs`` + ``dh``, write ``d gate_up`` + ``d probs``) and its share of the HBM
 bandwidth (4.8 TB/s on an H200).
@@ -69,7 +69,7 @@ def correctness(ffn: int, args) -> list[dict]:
     ref64 = run(x, p, dh, args.limit, "ref", torch.float64)
     ref_bf = run(x, p, dh, args.limit, "ref", torch.bfloat16)
     rows = []
-    for backend in ("triton", "torch"):
+    for backend in ("triton", "reference"):
         got = run(x, p, dh, args.limit, backend)
         for name, out, r, s in zip(("h", "dgate_up", "dprobs"), got, ref64, ref_bf):
             err, base = max_err(out, r), max_err(s, r)
@@ -99,7 +99,7 @@ def bench_width(ffn: int, args, hbm: float, emit) -> None:
     x, p, dh = make_inputs(args.rows, ffn)
     nbytes = traffic_bytes(args.rows, ffn)
     for mode in ("fwd", "fwd_bwd"):
-        for backend in ("triton", "torch"):
+        for backend in ("triton", "reference"):
             xl, pl = (
                 x.detach().requires_grad_(mode == "fwd_bwd"),
                 p.detach().requires_grad_(mode == "fwd_bwd"),
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         results.add("rows", row)
         key = (row["ffn"], row["mode"])
         speedup = ""
-        if row["backend"] == "torch" and key in pending:
+        if row["backend"] == "reference" and key in pending:
             speedup = f"triton {row['ms'] / pending[key]['ms']:.2f}x"
         pending[key] = row
         print(

@@ -273,14 +273,13 @@ def test_cuda_count_tensor_filler_rows_on_the_loop_backend():
     assert torch.equal(out[:8], ref) and not out[8:].any()
 
 
-def test_backend_names_and_deprecated_torch_spelling():
-    """``"grouped_mm"`` is the fast path's name; the former ``"torch"`` still works with a DeprecationWarning, and
-    ``"reference"`` is the loop."""
+def test_backend_names():
+    """``"grouped_mm"`` is the fast path's name (its former name ``"torch"`` is refused), and ``"reference"`` is the
+    loop."""
     torch.manual_seed(3)
     x, w, counts = torch.randn(6, 8), torch.randn(2, 16, 8), [2, 4]
     fast = grouped_mm(x, w, counts, backend="grouped_mm")
-    with pytest.warns(DeprecationWarning, match="'grouped_mm'"):
-        old = grouped_mm(x, w, counts, backend="torch")
-    assert torch.equal(old, fast)
+    with pytest.raises(ValueError, match=r"\('auto', 'grouped_mm', 'loop', 'reference'\)"):
+        grouped_mm(x, w, counts, backend="torch")
     assert resolve_backend("reference", x, w) == "loop"
     torch.testing.assert_close(grouped_mm(x, w, counts, backend="reference"), fast)

@@ -196,16 +196,15 @@ def test_model_expert_paths_run_the_fused_kernel_on_gpu(monkeypatch):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_torch_backend_name_is_a_deprecated_reference_synonym(monkeypatch):
-    """hash-moe's kernels resolve through ``dsv4_primitives.dispatch``: ``"torch"`` = ``"reference"`` with a
-    DeprecationWarning, ``HASH_MOE_BACKEND`` (then ``DSV4_BACKEND``) overrides ``auto``."""
+def test_backend_names_resolve_through_the_shared_rule(monkeypatch):
+    """hash-moe's kernels resolve through ``dsv4_primitives.dispatch``: the former ``"torch"`` name of the reference
+    is refused, ``HASH_MOE_BACKEND`` (then ``DSV4_BACKEND``) overrides ``auto``."""
     from hash_moe.row_gather import gather_rows
 
     x = torch.randn(3, 8)
-    with pytest.warns(DeprecationWarning, match="'reference'"):
-        old = clamped_swiglu(x, 1.0, backend="torch")
-    assert torch.equal(old, clamped_swiglu(x, 1.0, backend="reference"))
-    with pytest.warns(DeprecationWarning):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        clamped_swiglu(x, 1.0, backend="torch")
+    with pytest.raises(ValueError, match="backend must be one of"):
         gather_rows(x, torch.tensor([2, -1]), backend="torch")
     monkeypatch.delenv("DSV4_BACKEND", raising=False)
     monkeypatch.setenv("HASH_MOE_BACKEND", "bogus")

@@ -54,15 +54,6 @@ from csa_kernels.static_bounds import (
     visible_compressed_indices_static,
     window_indices_static,
 )
-from dsv4_primitives.varlen import (
-    compressed_cu_seqlens,
-    compressed_cu_seqlens_host,
-    cu_seqlens_from_lengths,
-    sbhd_cu_seqlens,
-    sbhd_cu_seqlens_host,
-    sbhd_to_thd,
-    thd_to_sbhd,
-)
 
 __version__ = "0.4.0"
 
@@ -74,15 +65,12 @@ __all__ = [
     "compress",
     "compress_ref",
     "compress_sbhd",
-    "compressed_cu_seqlens",
-    "compressed_cu_seqlens_host",
     "compressed_positions",
     "compressor_pool",
     "compressor_pool_ref",
     "compressor_pool_sbhd",
     "compressor_pool_static",
     "csa_dense_mask",
-    "cu_seqlens_from_lengths",
     "indexer_loss",
     "indexer_loss_ref",
     "indexer_loss_sbhd",
@@ -99,14 +87,10 @@ __all__ = [
     "indexer_topk_static",
     "indices_to_mask",
     "local_to_global_rows",
-    "sbhd_cu_seqlens",
-    "sbhd_cu_seqlens_host",
-    "sbhd_to_thd",
     "sparse_attn",
     "sparse_attn_dense_ref",
     "sparse_attn_ref",
     "sparse_attn_sbhd",
-    "thd_to_sbhd",
     "visible_compressed_indices",
     "visible_compressed_indices_sbhd",
     "visible_compressed_indices_static",

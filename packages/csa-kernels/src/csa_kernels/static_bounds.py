@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from csa_kernels._checks import check_ratio
+from csa_kernels.ops.visibility.rules import visible_rows, window_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,8 +123,6 @@ def _doc_ids(cu64: torch.Tensor, total: int) -> torch.Tensor:
 
 def window_indices_static(bounds: StaticBounds, window: int) -> torch.Tensor:
     """``[T, W]`` int32: :func:`csa_kernels.window_indices` of the bounds (same values), without a host read."""
-    from csa_kernels.ops.visibility.rules import window_rows
-
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
     return bounds._memo(("win", window), lambda: window_rows(bounds.cu64, bounds.document_ids(), window))
@@ -132,8 +131,6 @@ def window_indices_static(bounds: StaticBounds, window: int) -> torch.Tensor:
 def visible_compressed_indices_static(bounds: StaticBounds, ratio: int) -> torch.Tensor:
     """``[T, T // ratio]`` int32: :func:`csa_kernels.visible_compressed_indices` of the bounds at the entry
     capacity width (same values in the first ``max_entries`` columns, ``-1`` after), without a host read."""
-    from csa_kernels.ops.visibility.rules import visible_rows
-
     cap = bounds.entry_capacity(ratio)
     return bounds._memo(
         ("vis", ratio),

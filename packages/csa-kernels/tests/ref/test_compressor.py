@@ -10,9 +10,9 @@ from csa_kernels import (
     compress_sbhd,
     compressor_pool,
     compressor_pool_ref,
-    cu_seqlens_from_lengths,
 )
 from dsv4_primitives import RopeConfig, YarnConfig, apply_rope_ref, rms_norm_ref
+from dsv4_primitives.varlen import cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 16, 37, 64, 100]
 ROPE = RopeConfig(rope_dim=4, base=160000.0, yarn=YarnConfig(factor=4, original_max_position_embeddings=32))

@@ -8,8 +8,6 @@ import torch
 
 from csa_kernels import (
     attention_indices,
-    compressed_cu_seqlens,
-    cu_seqlens_from_lengths,
     indexer_loss,
     indexer_loss_ref,
     indexer_loss_sbhd,
@@ -20,6 +18,7 @@ from csa_kernels import (
     visible_compressed_indices,
     window_indices,
 )
+from dsv4_primitives.varlen import compressed_cu_seqlens, cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 0, 16, 37]
 

@@ -8,9 +8,7 @@ import torch
 
 from csa_kernels import (
     attention_indices,
-    compressed_cu_seqlens,
     csa_dense_mask,
-    cu_seqlens_from_lengths,
     indices_to_mask,
     sparse_attn,
     sparse_attn_dense_ref,
@@ -19,6 +17,7 @@ from csa_kernels import (
     visible_compressed_indices,
     window_indices,
 )
+from dsv4_primitives.varlen import compressed_cu_seqlens, cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 0, 16, 37, 64, 100]
 

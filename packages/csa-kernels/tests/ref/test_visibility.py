@@ -5,15 +5,14 @@ import torch
 
 from csa_kernels import (
     attention_indices,
-    compressed_cu_seqlens,
     csa_dense_mask,
-    cu_seqlens_from_lengths,
     indices_to_mask,
     visible_compressed_indices,
     visible_compressed_indices_sbhd,
     window_indices,
     window_indices_sbhd,
 )
+from dsv4_primitives.varlen import compressed_cu_seqlens, cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 0, 16, 37, 64, 100]
 

@@ -12,6 +12,7 @@ from _nosync import HostReadError, no_host_reads
 
 import csa_kernels as ck
 from dsv4_primitives import RopeConfig
+from dsv4_primitives.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host
 from dsv4_testkit import interpreting
 
 interpreter_only = pytest.mark.skipif(not interpreting(), reason="CPU interpreter case (gpu cases cover it)")
@@ -30,7 +31,7 @@ class Case:
         self.cu_l = [0]
         for n in LENGTHS:
             self.cu_l.append(self.cu_l[-1] + n)
-        self.cuc_l = ck.compressed_cu_seqlens_host(self.cu_l, RATIO)
+        self.cuc_l = compressed_cu_seqlens_host(self.cu_l, RATIO)
         self.T, self.Tc = self.cu_l[-1], self.cuc_l[-1]
         self.cu = torch.tensor(self.cu_l, dtype=torch.int32).to(device)
         self.cuc = torch.tensor(self.cuc_l, dtype=torch.int32).to(device)
@@ -112,7 +113,7 @@ def op_calls(c: Case, backend: str):
         ck.local_to_global_rows(idx, kv.shape[0])
 
     def layout():
-        ck.compressed_cu_seqlens(c.cu, RATIO, cu_seqlens_host=c.cu_l)
+        compressed_cu_seqlens(c.cu, RATIO, cu_seqlens_host=c.cu_l)
         ck.compressed_positions(c.cuc, RATIO, cu_seqlens_c_host=c.cuc_l)
 
     return dict(

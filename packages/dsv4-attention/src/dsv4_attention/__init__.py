@@ -13,14 +13,10 @@ Core (no megatron; see the package README):
 - :func:`parameter_table`: analytic parameter counts per layer kind.
 
 megatron adapter (extra ``[megatron]``): :mod:`dsv4_attention.megatron` (``DSv4AttentionConfig``,
-``DSv4HybridAttention``, the spec builders, ``DSv4TransformerLayer``). Their 0.2 names at this top level still
-resolve (with a ``DeprecationWarning``).
+``DSv4HybridAttention``, the spec builders, ``DSv4TransformerLayer``).
 """
 
 from __future__ import annotations
-
-import importlib
-import warnings
 
 from dsv4_attention.attention import (
     AttentionConfig,
@@ -83,35 +79,3 @@ __all__ = [
     "thd_layout",
     "token_layout",
 ]
-
-#: 0.2 top-level names that moved to :mod:`dsv4_attention.megatron` (resolved lazily, with a DeprecationWarning)
-MOVED_TO_MEGATRON = frozenset(
-    {
-        "CompressedSparseAttentionSubmodules",
-        "CompressorSubmodules",
-        "DSv4AttentionConfig",
-        "DSv4HybridAttention",
-        "DSv4HybridAttentionSubmodules",
-        "DSv4TransformerLayer",
-        "LightningIndexerSubmodules",
-        "csa_attention_spec",
-        "default_backend",
-        "get_core_attention_spec",
-        "get_dsv4_attention_spec",
-        "get_dsv4_layer_spec",
-        "hca_attention_spec",
-        "te_backend",
-        "window_attention_spec",
-    }
-)
-
-
-def __getattr__(name: str):
-    if name in MOVED_TO_MEGATRON:
-        warnings.warn(
-            f"dsv4_attention.{name} moved to dsv4_attention.megatron.{name} (extra `dsv4-attention[megatron]`)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module("dsv4_attention.megatron"), name)
-    raise AttributeError(f"module 'dsv4_attention' has no attribute {name!r}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from csa_kernels import (
     StaticBounds,
     attention_indices,
-    compressed_cu_seqlens_host,
     compressed_positions,
     compressor_pool,
     compressor_pool_static,
@@ -19,6 +18,7 @@ from csa_kernels import (
     indexer_scores_at,
     indexer_scores_static,
     indexer_topk,
+    indexer_topk_ref,
     indexer_topk_static,
     sparse_attn,
     visible_compressed_indices,
@@ -26,6 +26,7 @@ from csa_kernels import (
     window_indices,
     window_indices_static,
 )
+from dsv4_primitives.varlen import compressed_cu_seqlens_host
 
 __all__ = [
     "StaticBounds",
@@ -39,6 +40,7 @@ __all__ = [
     "indexer_scores_at",
     "indexer_scores_static",
     "indexer_topk",
+    "indexer_topk_ref",
     "indexer_topk_static",
     "sparse_attn",
     "visible_compressed_indices",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_primitives import RMSNorm
+
 
 def linear_out(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``, unwrapping a ``(output, bias)`` pair (the bias is always ``None`` here: no linear has one)."""
@@ -22,7 +24,5 @@ def plain_linear(in_features: int, out_features: int, *, device=None, dtype=None
 
 def default_norm(hidden_size: int, eps: float, device=None) -> torch.nn.Module:
     """A weighted :class:`dsv4_primitives.RMSNorm` (fp32 math, weight 1) on ``device``."""
-    from dsv4_primitives import RMSNorm
-
     norm = RMSNorm(hidden_size, eps=eps)
     return norm if device is None else norm.to(device)

@@ -29,6 +29,7 @@ from dsv4_attention._linears import default_norm, linear_out, plain_linear
 from dsv4_attention._rope import rope
 from dsv4_attention.compressor import Compressor, CompressorConfig
 from dsv4_attention.core import CompressedSparseAttention, CoreAttentionConfig
+from dsv4_attention.cp.attention import forward_cp
 from dsv4_attention.cp.layout import ContextParallelLayout
 from dsv4_attention.grouped_projection import GroupedOutputProjection
 from dsv4_attention.indexer import IndexerConfig, LightningIndexer
@@ -222,8 +223,6 @@ class DSv4Attention(torch.nn.Module):
         """
         if isinstance(layout, ContextParallelLayout):
             if layout.is_parallel:
-                from dsv4_attention.cp.attention import forward_cp
-
                 return forward_cp(self, x, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff)
             layout = layout.global_layout
         return self.forward_tokens(x, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff)

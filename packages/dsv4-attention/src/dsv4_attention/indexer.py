@@ -29,6 +29,7 @@ from dsv4_attention._kernels import (
     indexer_scores,
     indexer_scores_static,
     indexer_topk,
+    indexer_topk_ref,
     indexer_topk_static,
 )
 from dsv4_attention._linears import linear_out, plain_linear
@@ -204,8 +205,6 @@ class LightningIndexer(torch.nn.Module):
     def _select_torch_topk(self, state: IndexerState, cu_seqlens: torch.Tensor):
         """Spec §4.2 rule 1: CPU ``torch.topk`` over each query's full masked row (the CPU reference reads the
         boundaries itself), results moved back to the state's device."""
-        from csa_kernels import indexer_topk_ref
-
         dev = state.q.device
         idx, scores = indexer_topk_ref(
             state.q.cpu(),

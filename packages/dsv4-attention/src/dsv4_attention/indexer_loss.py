@@ -4,7 +4,7 @@ The lightning indexer is trained only by its KL loss (spec §5; inputs detached,
 to the returned LM loss; instead :class:`IndexerLossAutoScaler` attaches it to the attention output (identity in
 forward) and injects ``d(loss) = scale`` in backward, like megatron's MoE aux loss. megatron-core's pipeline
 schedule sets ``scale`` every micro-batch through ``config.experimental_attention_variant_loss_scale_func``
-(which :class:`~dsv4_attention.config.DSv4AttentionConfig` points at :meth:`IndexerLossAutoScaler.set_loss_scale`):
+(which :class:`~dsv4_attention.megatron.config.DSv4AttentionConfig` points at :meth:`IndexerLossAutoScaler.set_loss_scale`):
 
     scale = grad_scale_func(1)                                  if calculate_per_token_loss
     scale = grad_scale_func(1) * cp_size / num_microbatches     otherwise   (gradient accumulation)

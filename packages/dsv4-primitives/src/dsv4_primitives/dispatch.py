@@ -9,18 +9,15 @@ One rule for the whole workspace:
 - otherwise ``"auto"`` is the fused Triton kernel when every input lives on CUDA (and, for ops that declare
   ``triton_dtypes``, has one of those dtypes) and the eager reference otherwise (so CPU runs the reference);
 - ``"triton"`` on CPU tensors runs the kernel in the Triton interpreter and therefore needs ``TRITON_INTERPRET=1``
-  set before the kernel modules are imported (the testkit's pytest plugin sets it on machines without CUDA);
+  set before the kernel modules are imported, i.e. before the package that owns the op (the testkit's pytest plugin
+  sets it on machines without CUDA);
   without it, and for any other unknown name, a ``ValueError`` says which op, which source (argument or variable)
   and how to fix it.
-
-``"torch"`` is accepted as a deprecated synonym of ``"reference"`` by the ops whose eager path was called that
-(``allow_torch_alias=True``: ``apply_rope``, and hash-moe's ``topk_route`` / ``clamped_swiglu`` / row gathers).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Collection
 from typing import Literal
 
@@ -37,17 +34,13 @@ def package_env_var(op: str) -> str:
     return op.split(".", 1)[0].upper() + "_BACKEND"
 
 
-def env_backend(op: str, allow_torch_alias: bool = False) -> tuple[str, str] | None:
+def env_backend(op: str) -> tuple[str, str] | None:
     """``(backend, variable)`` set in the environment for ``op`` (package variable first, then
-    :data:`GLOBAL_ENV_VAR`), or ``None`` when both are unset, empty or ``auto`` (``torch`` = ``reference``, deprecated,
-    when ``allow_torch_alias``)."""
+    :data:`GLOBAL_ENV_VAR`), or ``None`` when both are unset, empty or ``auto``."""
     for var in (package_env_var(op), GLOBAL_ENV_VAR):
         value = os.environ.get(var, "").strip().lower()
         if not value or value == "auto":
             continue
-        if value == "torch" and allow_torch_alias:
-            warnings.warn(f"{var}=torch is deprecated, use {var}=reference", DeprecationWarning, stacklevel=3)
-            value = "reference"
         if value not in BACKENDS:
             raise ValueError(f"environment variable {var}={value!r} must be one of {BACKENDS} (read by {op})")
         return value, var
@@ -59,22 +52,12 @@ def normalize_backend(
     op: str,
     choices: Collection[str] = BACKENDS,
     aliases: dict[str, str] | None = None,
-    deprecated: Collection[str] = (),
 ) -> str:
-    """Validate a ``backend=`` argument against ``choices`` (after mapping ``aliases``; names in ``deprecated`` warn
-    with a ``DeprecationWarning`` naming the replacement)."""
+    """Validate a ``backend=`` argument against ``choices`` (after mapping ``aliases``)."""
     aliases = aliases or {}
-    if backend in aliases:
-        target = aliases[backend]
-        if backend in deprecated:
-            warnings.warn(
-                f"{op}: backend={backend!r} is deprecated, use backend={target!r}",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-        backend = target
+    backend = aliases.get(backend, backend)
     if backend not in choices:
-        accepted = tuple(choices) + tuple(a for a in aliases if a not in deprecated)
+        accepted = tuple(choices) + tuple(aliases)
         raise ValueError(f"{op}: backend must be one of {accepted}, got {backend!r}")
     return backend
 
@@ -89,28 +72,25 @@ def resolve_backend(
     *tensors: torch.Tensor | None,
     op: str,
     triton_dtypes: Collection[torch.dtype] | None = None,
-    allow_torch_alias: bool = False,
 ) -> Literal["triton", "reference"]:
     """Return ``"triton"`` or ``"reference"`` for ``op`` called with ``backend`` on ``tensors`` (module docstring).
 
     Args:
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (``"torch"`` too when ``allow_torch_alias``).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
         tensors: the op's inputs (entries that are not tensors, e.g. ``None``, are ignored).
         op: ``"<package>.<name>"``, e.g. ``"csa_kernels.sparse_attn"``: names the op in errors and picks the
             package's environment variable.
         triton_dtypes: dtypes the kernel handles; ``"auto"`` takes the reference for other dtypes.
-        allow_torch_alias: accept ``"torch"`` as a deprecated synonym of ``"reference"``.
 
     Raises:
         ValueError: unknown backend name (argument or variable), or ``"triton"`` for tensors that are neither on
             CUDA nor on the CPU under ``TRITON_INTERPRET=1``.
     """
-    aliases = {"torch": "reference"} if allow_torch_alias else None
-    backend = normalize_backend(backend, op, BACKENDS, aliases, deprecated=("torch",))
+    backend = normalize_backend(backend, op, BACKENDS)
     present = [t for t in tensors if isinstance(t, torch.Tensor)]
     source = f"backend={backend!r}"
     if backend == "auto":
-        env = env_backend(op, allow_torch_alias)
+        env = env_backend(op)
         if env is None:
             on_cuda = bool(present) and all(t.is_cuda for t in present)
             dtypes_ok = triton_dtypes is None or all(t.dtype in triton_dtypes for t in present)

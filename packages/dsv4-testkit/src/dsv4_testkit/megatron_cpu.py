@@ -27,6 +27,8 @@ def megatron_cpu_context(
     exit; inside :func:`dsv4_testkit.run_distributed` workers the existing group is reused. The process groups
     megatron creates are destroyed on exit (``dsv4_primitives.megatron.destroy_model_parallel``).
     """
+    # here, not at module top: dsv4_primitives.megatron needs the [megatron] extra, and the pytest plugin imports
+    # dsv4_testkit before it sets TRITON_INTERPRET (importing dsv4_primitives creates its Triton kernels, which read it)
     from dsv4_primitives.extras import require_megatron
 
     require_megatron("dsv4-testkit[megatron]", "dsv4_testkit.megatron_cpu_context")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pytest
 
+from dsv4_testkit.megatron_cpu import megatron_cpu_context
+from dsv4_testkit.poison import poison_allocations
 from dsv4_testkit.triton_env import (
     ensure_interpreter_if_no_cuda,
     interpreting,
@@ -84,7 +86,6 @@ def nan_poison_allocations(request):
     if request.node.get_closest_marker("no_nan_poison") or request.config.getoption("--no-nan-poison"):
         yield False
         return
-    from dsv4_testkit.poison import poison_allocations
 
     with poison_allocations():
         yield True
@@ -109,8 +110,6 @@ def fresh_metric_trackers():
 @pytest.fixture
 def megatron_cpu():
     """megatron-core parallel state with TP=PP=EP=CP=1 (gloo on CPU); yields ``parallel_state``."""
-    from dsv4_testkit.megatron_cpu import megatron_cpu_context
-
     with megatron_cpu_context() as ps:
         yield ps
 

@@ -8,7 +8,6 @@ Backends (forward and backward give the same results):
 
 - ``"grouped_mm"``: ``torch._grouped_mm`` (CUTLASS grouped GEMM on Hopper; bf16 with 16-byte aligned ``K``/``N``;
   on CPU it also runs in fp32). Groups whose row counts are not 16-byte multiples are padded with zero rows.
-  (``"torch"`` is its deprecated former name.)
 - ``"loop"``: ``torch.split`` + one matmul per group (any device and dtype), the reference (``"reference"`` is a
   synonym).
 - ``"auto"``: ``"grouped_mm"`` on CUDA when the dtype is bf16 and ``K``, ``N`` are multiples of 8, else ``"loop"``.
@@ -34,7 +33,7 @@ from dsv4_primitives.dispatch import normalize_backend
 from dsv4_primitives.recompute import discard_derived
 from hash_moe.row_gather import row_gather
 
-GroupedBackend = Literal["auto", "grouped_mm", "loop", "reference", "torch"]  # "torch": deprecated name
+GroupedBackend = Literal["auto", "grouped_mm", "loop", "reference"]
 GROUPED_BACKENDS = ("auto", "grouped_mm", "loop")
 
 
@@ -50,8 +49,7 @@ def resolve_backend(backend: GroupedBackend, x: torch.Tensor, w: torch.Tensor) -
         backend,
         "hash_moe.grouped_mm",
         GROUPED_BACKENDS,
-        aliases={"torch": "grouped_mm", "reference": "loop"},
-        deprecated=("torch",),
+        aliases={"reference": "loop"},
     )
     if backend != "auto":
         return backend

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hash_moe.kernels.permute_triton import permute_map_triton
 from hash_moe.row_gather import RowBackend, resolve_row_backend, row_gather, row_gather_sum
 
 # widest routing map the Triton map kernels take (one row of E pairs per tile; sm_90: 223 registers, no spills, at
@@ -122,8 +123,6 @@ def build_permute_map(
     # the kernels count rows in int32 and take one row of experts per tile
     fits = t * e > 0 and e <= _TRITON_MAP_MAX_EXPERTS and t * (e + 1) + num_out < 2**31
     if resolve_row_backend(backend, routing_map, "hash_moe.build_permute_map") == "triton" and fits:
-        from hash_moe.kernels.permute_triton import permute_map_triton
-
         maps = permute_map_triton(routing_map, num_out, k)
     else:
         maps = permute_map_torch(routing_map, num_out, k)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_primitives.dispatch import resolve_backend
+from hash_moe.kernels.routing_triton import fused_topk_route
 from hash_moe.scores import ScoreFunction, check_score_function, routing_scores
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the fused router's logits (fp32 math)
@@ -118,7 +119,7 @@ def topk_route(
         cfg: routing hyper-parameters.
         selection_bias: ``[E]`` fp32 bias added for selection only (no gradient flows into it).
         valid: ``[N]`` bool, False marks padding tokens (zero weights).
-        backend: ``"reference"`` (this function's PyTorch ops; ``"torch"`` is a deprecated synonym), ``"triton"``
+        backend: ``"reference"`` (this function's PyTorch ops), ``"triton"``
             (the fused kernel of :mod:`hash_moe.kernels.routing_triton`, fp32 scores) or ``"auto"`` (Triton on CUDA
             for fp32/bf16/fp16 logits, PyTorch otherwise; ``HASH_MOE_BACKEND`` / ``DSV4_BACKEND`` override it, see
             :mod:`dsv4_primitives.dispatch`).
@@ -129,12 +130,8 @@ def topk_route(
         raise ValueError(
             f"selection_bias must be [num_experts={cfg.num_experts}], got {tuple(selection_bias.shape)}"
         )
-    backend = resolve_backend(
-        backend, logits, op="hash_moe.topk_route", triton_dtypes=_TRITON_DTYPES, allow_torch_alias=True
-    )
+    backend = resolve_backend(backend, logits, op="hash_moe.topk_route", triton_dtypes=_TRITON_DTYPES)
     if backend == "triton":
-        from hash_moe.kernels.routing_triton import fused_topk_route
-
         weights, experts, scores = fused_topk_route(
             logits,
             topk=cfg.topk,

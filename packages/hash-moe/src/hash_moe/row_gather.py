@@ -30,14 +30,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from dsv4_primitives.dispatch import resolve_backend
+from hash_moe.kernels.permute_triton import gather_rows_triton, gather_sum_rows_triton
 
-RowBackend = Literal["auto", "triton", "reference", "torch"]  # "torch": deprecated synonym of "reference"
+RowBackend = Literal["auto", "triton", "reference"]
 
 
 def resolve_row_backend(backend: RowBackend, src: torch.Tensor, op: str = "hash_moe.gather_rows") -> str:
     """``"triton"`` or ``"reference"`` (:func:`dsv4_primitives.dispatch.resolve_backend`): ``"auto"`` is Triton on
     CUDA tensors, PyTorch elsewhere (``HASH_MOE_BACKEND`` / ``DSV4_BACKEND`` override it)."""
-    return resolve_backend(backend, src, op=op, allow_torch_alias=True)
+    return resolve_backend(backend, src, op=op)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -71,7 +72,6 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, *, backend: RowBackend = "
     src = _as_rows(src)
     if resolve_row_backend(backend, src) == "reference":
         return gather_rows_torch(src, idx)
-    from hash_moe.kernels.permute_triton import gather_rows_triton
 
     return gather_rows_triton(src, idx.contiguous())
 
@@ -86,7 +86,6 @@ def gather_sum_rows(src: torch.Tensor, idx: torch.Tensor, *, backend: RowBackend
         return gather_rows(src, idx[:, 0], backend=backend)
     if resolve_row_backend(backend, src) == "reference":
         return gather_sum_rows_torch(src, idx)
-    from hash_moe.kernels.permute_triton import gather_sum_rows_triton
 
     return gather_sum_rows_triton(src, idx.contiguous())
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_primitives.dispatch import resolve_backend
+from hash_moe.kernels.swiglu_triton import fused_clamped_swiglu
 
 
 def check_swiglu_limit(limit: float | None) -> None:
@@ -85,7 +86,7 @@ class _ClampedSwiGLU(torch.autograd.Function):
         return grad_gate_up, grad_probs, None
 
 
-SwiGLUBackend = Literal["auto", "triton", "reference", "torch"]  # "torch": deprecated synonym of "reference"
+SwiGLUBackend = Literal["auto", "triton", "reference"]
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -105,7 +106,7 @@ def clamped_swiglu(
         gate_up: ``[..., 2F]`` fc1 output, gate half first.
         limit: the clamp ``L`` (``None`` = plain SwiGLU).
         probs: ``[...]`` per-row routing weight multiplied into ``h`` in fp32, or ``None``.
-        backend: ``"reference"`` (the PyTorch ops of :class:`_ClampedSwiGLU`; ``"torch"`` is a deprecated synonym),
+        backend: ``"reference"`` (the PyTorch ops of :class:`_ClampedSwiGLU`),
             ``"triton"`` (the fused one-pass kernels
             of :mod:`hash_moe.kernels.swiglu_triton`; not for fp64) or ``"auto"`` (Triton on CUDA unless
             ``gate_up`` is fp64, PyTorch otherwise).
@@ -115,16 +116,13 @@ def clamped_swiglu(
         raise ValueError(f"gate_up's last dim must be even ([gate | up]), got {gate_up.shape[-1]}")
     if probs is not None and probs.shape != gate_up.shape[:-1]:
         raise ValueError(f"probs must be {tuple(gate_up.shape[:-1])}, got {tuple(probs.shape)}")
-    backend = resolve_backend(
-        backend, gate_up, op="hash_moe.clamped_swiglu", triton_dtypes=_TRITON_DTYPES, allow_torch_alias=True
-    )
+    backend = resolve_backend(backend, gate_up, op="hash_moe.clamped_swiglu", triton_dtypes=_TRITON_DTYPES)
     if backend == "triton":
         if gate_up.dtype == torch.float64:
             raise ValueError(
                 "backend='triton' computes in fp32; fp64 gate_up takes the PyTorch path (backend='reference' or "
                 "'auto')"
             )
-        from hash_moe.kernels.swiglu_triton import fused_clamped_swiglu
 
         return fused_clamped_swiglu(gate_up, limit, probs)
     return _ClampedSwiGLU.apply(gate_up, probs, limit)

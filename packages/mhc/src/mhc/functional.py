@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_primitives.dispatch import resolve_backend
+from mhc.ops.autograd import MHCCoefficientsFunction, MHCCollapseFunction, MHCPostFunction
 from mhc.reference import (
     expand_streams_ref,
     hyper_head_ref,
@@ -61,8 +62,6 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 def _coefficients_triton(x, fn, scale, base, iters, norm_eps, hc_eps, head, apply, out_dtype):
-    from mhc.ops.autograd import MHCCoefficientsFunction
-
     lead = x.shape[:-2]
     n, d = x.shape[-2], x.shape[-1]
     pre, post, comb, out = MHCCoefficientsFunction.apply(
@@ -151,7 +150,6 @@ def mhc_collapse(
     out_dtype = out_dtype or x.dtype
     if resolve_backend(backend, x, pre, op="mhc.mhc_collapse") == "reference":
         return mhc_collapse_ref(x, pre).to(out_dtype)
-    from mhc.ops.autograd import MHCCollapseFunction
 
     out = MHCCollapseFunction.apply(_tokens(x), pre.float().reshape(-1, n).contiguous(), out_dtype)
     return out.reshape(*x.shape[:-2], d)
@@ -174,7 +172,6 @@ def mhc_post(
         )
     if resolve_backend(backend, x, f, op="mhc.mhc_post") == "reference":
         return mhc_post_ref(f, x, post, comb)
-    from mhc.ops.autograd import MHCPostFunction
 
     out = MHCPostFunction.apply(
         f.reshape(-1, d).contiguous(),

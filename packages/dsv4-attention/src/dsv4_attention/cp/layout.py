@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dsv4_attention.cp.plan import build_kind_plan
 from dsv4_attention.layout import TokenLayout, thd_layout
 
 
@@ -78,8 +79,6 @@ class ContextParallelLayout:
 
     def plan(self, window: int, ratio: int, overlap: bool):
         """The cached :class:`~dsv4_attention.cp.plan.KindPlan` of one attention kind on this rank."""
-        from dsv4_attention.cp.plan import build_kind_plan
-
         key = (window, ratio, overlap)
         hit = self._plans.get(key)
         if hit is None:

@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from dsv4_attention.attention import AttentionConfig, rope_config_for_kind
 from dsv4_attention.core import CoreAttentionConfig
 from dsv4_attention.indexer import IndexerConfig
+from dsv4_attention.indexer_loss import IndexerLossAutoScaler
 from dsv4_attention.kind import LAYER_KINDS, VALID_COMPRESS_RATIOS, LayerKind, check_compress_ratio
 from dsv4_primitives import RopeConfig, YarnConfig
 from dsv4_primitives.recompute import RecomputeConfig
@@ -42,8 +43,6 @@ __all__ = ["LAYER_KINDS", "VALID_COMPRESS_RATIOS", "DSv4AttentionConfig", "check
 
 
 def _default_loss_scale_func():
-    from dsv4_attention.indexer_loss import IndexerLossAutoScaler
-
     return IndexerLossAutoScaler.set_loss_scale
 
 

@@ -6,7 +6,7 @@ this rank's vocabulary shard, the row max is all-reduced (MAX), the target logit
 target, the sum of exponentials is all-reduced (SUM). The process group is passed explicitly.
 
 Forward: per row ``(max, sum_exp, target_logit[, sum_logits])`` in fp32, computed in one read of the logits (Triton
-kernel, or eager PyTorch for ``backend="torch"``); with a tensor-parallel group the local sums are rescaled to the
+kernel, or eager PyTorch for ``backend="reference"``); with a tensor-parallel group the local sums are rescaled to the
 global max and summed in one all-reduce (two collectives in all). Saved for the backward: the logits tensor itself
 (no copy unless it had to be made contiguous), the targets and ``lse`` (fp32, 4 bytes per row); no fp32 ``[*, V]``
 tensor lives between forward and backward.
@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dsv4_primitives._dispatch import resolve_backend
+from dsv4_primitives.cross_entropy.kernel import ce_bwd_kernel, ce_fwd_stats_kernel
+from dsv4_primitives.dispatch import resolve_backend
 
 _TILE_FWD_CUDA = 8192  # elements of one forward program's [BLOCK_R, BLOCK_V] chunk
 _TILE_BWD_CUDA = 8192  # elements of one backward program's tile
@@ -104,8 +105,6 @@ def _launch_cfg(rows: int, v: int, is_cuda: bool, tile: int) -> tuple[int, int, 
 
 
 def _stats_triton(x, layout, t, vocab_start, need_sum):
-    from dsv4_primitives.cross_entropy.kernel import ce_fwd_stats_kernel
-
     rows, v = t.numel(), x.shape[-1]
     stats = torch.empty((4 if need_sum else 3, rows), dtype=torch.float32, device=x.device)  # m, s, z_t, zsum
     if rows:
@@ -146,8 +145,6 @@ def _stats_torch(x, layout, t, vocab_start, need_sum):
 
 
 def _grad_triton(x, layout, out, out_layout, t, lse, g, vocab_start, target_coef, uniform):
-    from dsv4_primitives.cross_entropy.kernel import ce_bwd_kernel
-
     rows, v = t.numel(), x.shape[-1]
     if rows == 0:
         return
@@ -347,13 +344,15 @@ def vocab_parallel_cross_entropy(
             only when nothing reads the logits after the backward; leaves are refused). Module doc: safety rules.
         backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise; the environment variable
             ``DSV4_PRIMITIVES_BACKEND`` overrides it), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
-            ``"torch"`` / ``"reference"`` (eager PyTorch with fp32 temporaries, same autograd Function).
+            ``"reference"`` (eager PyTorch with fp32 temporaries, same autograd Function).
     Returns:
         ``loss [*]`` fp32 (fp64 for fp64 logits); the logits gradient comes back in the logits dtype.
     """
     world, start = _check_inputs(logits, target, tp_group, vocab_start, label_smoothing, inplace_backward)
     impl = (
-        "triton" if resolve_backend(backend, logits, "vocab_parallel_cross_entropy") == "triton" else "torch"
+        "triton"
+        if resolve_backend(backend, logits, op="dsv4_primitives.vocab_parallel_cross_entropy") == "triton"
+        else "torch"
     )
     if logits.dtype == torch.float64:
         impl = "torch"

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from dsv4_primitives.dispatch import resolve_backend
+from dsv4_primitives.rmsnorm.kernel import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 from dsv4_primitives.rmsnorm.reference import rms_norm_ref
 
 MAX_TILE_D = 8192  # widest row held in registers as one tile (one read of x); wider rows loop over chunks
@@ -52,8 +53,6 @@ def rms_norm_fwd_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on a contiguous ``x2 [R, D]``: returns ``y [R, D]`` (``x2.dtype``; written into the contiguous
     ``out [R, D]`` when given) and ``rstd [R]`` (fp32)."""
-    from dsv4_primitives.rmsnorm.kernel import rms_norm_fwd_kernel
-
     rows, d = x2.shape
     y = torch.empty_like(x2) if out is None else out
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
@@ -86,8 +85,6 @@ def rms_norm_bwd_triton(
     compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward on contiguous ``x2, dy2 [R, D]``: ``dx [R, D]`` (``x2.dtype``) and ``dw [D]`` (weight dtype) or None."""
-    from dsv4_primitives.rmsnorm.kernel import rms_norm_bwd_kernel
-
     rows, d = x2.shape
     dx = torch.empty_like(x2)
     compute_dw = compute_dw and weight is not None
@@ -184,14 +181,13 @@ def rms_norm(
         eps: added to the mean square.
         backend: ``"auto"`` (Triton for CUDA tensors, the reference otherwise; the environment variables
             ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override it, see :mod:`dsv4_primitives.dispatch`),
-            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"reference"`` (:func:`rms_norm_ref`;
-            ``"torch"`` is a deprecated synonym).
+            ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"reference"`` (:func:`rms_norm_ref`).
     Returns:
         ``[..., D]`` in ``x.dtype``; math in fp32; the weight gradient is accumulated in fp32 and returned in
         ``weight.dtype``.
     """
     _check_inputs(x, weight)
-    resolved = resolve_backend(backend, x, op="dsv4_primitives.rms_norm", allow_torch_alias=True)
+    resolved = resolve_backend(backend, x, op="dsv4_primitives.rms_norm")
     if resolved == "reference" or x.dtype == torch.float64 or x.shape[-1] == 0:
         return rms_norm_ref(x, weight, eps)
     return _RMSNormFunction.apply(x, weight, float(eps))

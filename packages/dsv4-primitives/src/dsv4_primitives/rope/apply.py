@@ -22,6 +22,7 @@ import torch
 
 from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.rope.frequencies import RopeConfig, rope_cos_sin
+from dsv4_primitives.rope.kernel import rope_rotate_kernel
 
 
 def _rotate_torch(
@@ -147,8 +148,6 @@ def _launch_triton(
     inverse: bool,
 ) -> None:
     """Rotate ``x3 [N, H, D]`` into ``y3`` (``y3`` aliasing ``x3``: in place, rope channels only; else one pass)."""
-    from dsv4_primitives.rope.kernel import rope_rotate_kernel
-
     n, h, d = x3.shape
     rope = 2 * cos.shape[-1]
     assert d == nope + rope and x3.stride(2) == 1 and y3.stride(2) == 1
@@ -269,14 +268,14 @@ def apply_rope(
         inplace: write into ``x`` and return it (``x`` must not be a leaf requiring grad nor saved by another op).
         backend: ``"auto"`` (Triton for CUDA tensors, eager PyTorch otherwise; the environment variables
             ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override it, see :mod:`dsv4_primitives.dispatch`),
-            ``"triton"`` or ``"reference"`` (eager; ``"torch"`` is a deprecated synonym).
+            ``"triton"`` or ``"reference"`` (eager).
         max_position: an upper bound of ``|positions|`` to size the cached table without a device sync (CUDA
             graphs); computed from ``positions`` when ``None``.
     Returns:
         ``x`` rotated, same shape and dtype (``x`` itself when ``inplace``).
     """
     _check_inputs(x, positions, cfg)
-    resolved = resolve_backend(backend, x, op="dsv4_primitives.apply_rope", allow_torch_alias=True)
+    resolved = resolve_backend(backend, x, op="dsv4_primitives.apply_rope")
     backend = "triton" if resolved == "triton" else "torch"
     n_pos = math.prod(positions.shape)
     pos = positions.reshape(-1).to(torch.int64).contiguous()  # [N]

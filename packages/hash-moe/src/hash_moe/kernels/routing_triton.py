@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hash_moe.scores import routing_scores
+
 _SCORE_IDS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
@@ -147,8 +149,6 @@ class _FusedTopKRoute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_weights, _g_experts, g_scores):
-        from hash_moe.scores import routing_scores
-
         logits, experts, valid = ctx.saved_tensors
         score_function, scale, normalize = ctx.cfg
         with torch.enable_grad():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_shape
+from csa_kernels.ops.compressor.autograd import compress_triton, compressor_pool_triton
 from csa_kernels.ops.compressor.reference import compress_ref, compressor_pool_ref
 from dsv4_primitives import RopeConfig
 from dsv4_primitives.dispatch import resolve_backend
@@ -28,8 +29,6 @@ def compressor_pool(
     the device tensor); with it the call does no device -> host sync.
     """
     if resolve_backend(backend, kv, score, op="csa_kernels.compressor_pool") == "triton":
-        from csa_kernels.ops.compressor.autograd import compressor_pool_triton
-
         return compressor_pool_triton(
             kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu_seqlens_host
         )
@@ -57,8 +56,6 @@ def compress(
     """
     args = (x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
     if resolve_backend(backend, x, op="csa_kernels.compress") == "triton":
-        from csa_kernels.ops.compressor.autograd import compress_triton
-
         return compress_triton(*args, cu_seqlens_host=cu_seqlens_host)
     return compress_ref(*args, cu_seqlens_host=cu_seqlens_host)
 

@@ -79,7 +79,7 @@ def _norm_rope_cached(pooled, norm_weight, eps, positions, rope_cfg, max_positio
     ``cos``/``sin`` tables (the same float64-computed values as the reference's angles, uploaded once per table
     size; ``apply_rope_ref`` uploads its inverse frequencies on every call) with the host-known ``max_position``."""
     normed = rms_norm_ref(pooled, norm_weight.to(pooled.dtype), eps)
-    return apply_rope(normed, positions, rope_cfg, backend="torch", max_position=max_position)
+    return apply_rope(normed, positions, rope_cfg, backend="reference", max_position=max_position)
 
 
 def max_entry_position(cuc: list[int], ratio: int) -> int:

@@ -12,6 +12,7 @@ import torch
 
 from csa_kernels.ops.compressor.autograd import CompressorPoolTritonFunction
 from csa_kernels.ops.compressor.checks import check_pool_shapes
+from csa_kernels.ops.compressor.reference import compressor_pool_ref
 from csa_kernels.static_bounds import StaticBounds
 from dsv4_primitives.dispatch import resolve_backend
 
@@ -42,7 +43,6 @@ def compressor_pool_static(
         kv = kv if kv.stride(-1) == 1 else kv.contiguous()
         score = score if score.stride(-1) == 1 else score.contiguous()
         return CompressorPoolTritonFunction.apply(kv, score, ape, cu, cuc, cap, ratio, overlap, True), cuc
-    from csa_kernels.ops.compressor.reference import compressor_pool_ref
 
     host = [int(v) for v in bounds.cu_seqlens.tolist()]
     pooled, _ = compressor_pool_ref(kv, score, ape, ratio, overlap, bounds.cu_seqlens, cu_seqlens_host=host)

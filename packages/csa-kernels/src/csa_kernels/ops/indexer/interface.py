@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_shape
+from csa_kernels.ops.indexer import scores_at_autograd  # looked up per call: tests wrap its entry point
+from csa_kernels.ops.indexer.checks import check_scores_at_inputs
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref, indexer_scores_ref, indexer_topk_ref
+from csa_kernels.ops.indexer.scores_autograd import indexer_scores_triton_checked
+from csa_kernels.ops.indexer.triton import indexer_topk_checked
 from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.varlen import (
     compressed_cu_seqlens_host,
@@ -39,8 +43,6 @@ def indexer_scores(
     args = (q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, chunk_size)
     hosts = dict(cu_seqlens_host=cu_seqlens_host, cu_seqlens_c_host=cu_seqlens_c_host)
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_scores") == "triton":
-        from csa_kernels.ops.indexer.scores_autograd import indexer_scores_triton_checked
-
         return indexer_scores_triton_checked(*args, **hosts)
     return indexer_scores_ref(*args, **hosts)
 
@@ -69,11 +71,8 @@ def indexer_scores_at(
     ``torch.are_deterministic_algorithms_enabled()``.
     """
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_scores_at") == "triton":
-        from csa_kernels.ops.indexer.checks import check_scores_at_inputs
-        from csa_kernels.ops.indexer.scores_at_autograd import indexer_scores_at_triton
-
         check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices)
-        return indexer_scores_at_triton(q_idx, k_idx, weights, indices, deterministic)
+        return scores_at_autograd.indexer_scores_at_triton(q_idx, k_idx, weights, indices, deterministic)
     return indexer_scores_at_ref(q_idx, k_idx, weights, indices, chunk_size, check_indices=check_indices)
 
 
@@ -100,8 +99,6 @@ def indexer_topk(
     args = (q_idx, k_idx, weights, ratio, topk, cu_seqlens, cu_seqlens_c, chunk_size)
     hosts = dict(cu_seqlens_host=cu_seqlens_host, cu_seqlens_c_host=cu_seqlens_c_host)
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_topk") == "triton":
-        from csa_kernels.ops.indexer.triton import indexer_topk_checked
-
         return indexer_topk_checked(*args, **hosts, deterministic=deterministic)
     return indexer_topk_ref(*args, **hosts)
 

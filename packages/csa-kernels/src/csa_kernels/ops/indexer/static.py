@@ -16,6 +16,13 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_topk
+from csa_kernels._triton_utils import check_triton_device
+from csa_kernels.ops.indexer.checks import check_scores_at_inputs
+from csa_kernels.ops.indexer.interface import indexer_scores_at
+from csa_kernels.ops.indexer.reference import indexer_topk_ref
+from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
+from csa_kernels.ops.indexer.topk_streaming import ENTRY_TILE, TILE_ELEMENTS, stream_chunk_topk
+from csa_kernels.ops.indexer.triton import _launch_scores, _prepare_inputs
 from csa_kernels.static_bounds import StaticBounds, row_block_table, visible_compressed_indices_static
 from dsv4_primitives.dispatch import resolve_backend
 
@@ -36,13 +43,10 @@ def indexer_topk_static(
     scores [T, topk])``, same selection and tie rule, scores differentiable in the inputs (Triton: the fused
     ``indexer_scores_at`` backward, as in the host-bounds form). ``k_idx`` holds the capacity ``T // ratio`` rows
     (padding rows are never selected). Reference backend (CPU; never captured): reads the bounds back."""
-    from csa_kernels.ops.indexer.checks import check_scores_at_inputs
-
     check_topk(topk)
     _check_rows(q_idx, k_idx, bounds, ratio)
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_topk") != "triton":
         return _topk_reference(q_idx, k_idx, weights, ratio, topk, bounds, chunk_size)
-    from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
 
     no_indices = torch.empty(q_idx.shape[0], 0, dtype=torch.int32)  # shape-only: the checks read no values
     check_scores_at_inputs(q_idx, k_idx, weights, no_indices, False)
@@ -61,10 +65,6 @@ def _check_rows(q_idx, k_idx, bounds: StaticBounds, ratio: int) -> None:
 
 
 def _topk_triton(q_idx, k_idx, weights, ratio, topk, bounds: StaticBounds, chunk_size, entry_tile=None):
-    from csa_kernels._triton_utils import check_triton_device
-    from csa_kernels.ops.indexer.topk_streaming import ENTRY_TILE, TILE_ELEMENTS, stream_chunk_topk
-    from csa_kernels.ops.indexer.triton import _launch_scores, _prepare_inputs
-
     check_triton_device(q_idx, k_idx, weights)
     t, cap = bounds.total, bounds.entry_capacity(ratio)
     indices = torch.full((t, topk), -1, dtype=torch.int32, device=q_idx.device)
@@ -100,8 +100,6 @@ def _topk_triton(q_idx, k_idx, weights, ratio, topk, bounds: StaticBounds, chunk
 
 
 def _topk_reference(q_idx, k_idx, weights, ratio, topk, bounds: StaticBounds, chunk_size):
-    from csa_kernels.ops.indexer.reference import indexer_topk_ref
-
     cu = [int(v) for v in bounds.cu_seqlens.tolist()]
     cuc_t = bounds.compressed(ratio)
     cuc = [int(v) for v in cuc_t.tolist()]
@@ -131,8 +129,6 @@ def indexer_scores_static(
 ) -> torch.Tensor:
     """Dense index scores ``[T, T // ratio]`` of a static-shape pack (column = local entry, ``-inf`` where not
     visible): :func:`~csa_kernels.indexer_scores` at the capacity width, differentiable, no host read."""
-    from csa_kernels.ops.indexer.interface import indexer_scores_at
-
     _check_rows(q_idx, k_idx, bounds, ratio)
     visible = visible_compressed_indices_static(bounds, ratio)  # [T, T // ratio] global entry rows, -1 padded
     return indexer_scores_at(

@@ -19,6 +19,8 @@ import triton.language as tl
 
 from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+from csa_kernels.ops.indexer.checks import check_inputs
+from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
 from csa_kernels.ops.indexer.topk_streaming import TILE_ELEMENTS, default_entry_tile, stream_chunk_topk
 from dsv4_primitives.varlen import upload_host_ints
 
@@ -257,9 +259,6 @@ def indexer_topk_checked(
     requires grad, attaches the gradient of the scores at the selected entries (forward value unchanged, no
     recomputation: :func:`csa_kernels.ops.indexer.scores_at_autograd.attach_scores_at_grad`). With both host lists
     the call (and its backward) does no device -> host sync."""
-    from csa_kernels.ops.indexer.checks import check_inputs
-    from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
-
     cu, cuc = check_inputs(
         q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_seqlens_host, cu_seqlens_c_host
     )

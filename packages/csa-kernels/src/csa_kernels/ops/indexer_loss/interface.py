@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_index_range, check_shape
+from csa_kernels.ops.indexer_loss.autograd import indexer_loss_triton
 from csa_kernels.ops.indexer_loss.reference import indexer_loss_ref
 from csa_kernels.ops.sparse_attn.interface import local_to_global_rows
 from dsv4_primitives.dispatch import resolve_backend
@@ -30,8 +31,6 @@ def indexer_loss(
     """
     args = (q, kv_all, attn_sink, lse, comp_indices, index_scores, softmax_scale)
     if resolve_backend(backend, q, kv_all, op="csa_kernels.indexer_loss") == "triton":
-        from csa_kernels.ops.indexer_loss.autograd import indexer_loss_triton
-
         return indexer_loss_triton(*args, check_indices=check_indices)
     return indexer_loss_ref(*args, check_indices=check_indices)
 

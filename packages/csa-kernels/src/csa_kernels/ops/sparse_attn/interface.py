@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._checks import check_index_range, check_shape
+from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
 from dsv4_primitives.dispatch import resolve_backend
 from dsv4_primitives.varlen import sbhd_to_thd, thd_to_sbhd
@@ -31,8 +32,6 @@ def sparse_attn(
     under ``torch.use_deterministic_algorithms(True)``.
     """
     if resolve_backend(backend, q, kv, op="csa_kernels.sparse_attn") == "triton":
-        from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
-
         return sparse_attn_triton(
             q, kv, attn_sink, indices, softmax_scale, check_indices=check_indices, deterministic=deterministic
         )
