@@ -110,7 +110,7 @@ class Trainer:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from dsv4_primitives.megatron import init_rng_tracker
-        from hybrid_model.gated_delta_net import check_gdn_training
+        from hybrid_model.mixers.gdn import check_gdn_training
 
         # what the pattern cannot train is refused before the RNG and determinism settings change
         self.model_config = model_config_for(tc)
