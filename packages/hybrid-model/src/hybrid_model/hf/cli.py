@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybrid_model.presets import get_preset
+
 
 def add_convert_parser(sub) -> None:
     p = sub.add_parser(
@@ -51,6 +53,7 @@ def _direction(src: Path) -> str:
 
 
 def run_convert(args) -> int:
+    # the converters import megatron-core (seconds): only when converting, not for `dsv4 --help`
     from hybrid_model.hf.convert import convert_hf_to_megatron, convert_megatron_to_hf
 
     src, out = Path(args.src), Path(args.out)
@@ -64,8 +67,6 @@ def run_convert(args) -> int:
         return 0
     cfg = None
     if args.preset:
-        from hybrid_model.presets import get_preset
-
         cfg = get_preset(args.preset)
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")

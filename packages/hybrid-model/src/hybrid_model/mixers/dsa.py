@@ -11,14 +11,8 @@ from __future__ import annotations
 
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.mixers.dsv4_kinds import index_per_pair
-from hybrid_model.mixers.latent import (
-    LATENT_BUILD_KEYWORDS,
-    LATENT_REFUSALS,
-    latent_params,
-    latent_projection_flops,
-    latent_spec,
-)
-from hybrid_model.mixers.record import LayerParams, Pairs, SymbolRecord
+from hybrid_model.mixers.latent import latent_params, latent_projection_flops, latent_record
+from hybrid_model.mixers.record import LayerParams, Pairs
 from hybrid_model.symbols import DSA
 
 
@@ -58,14 +52,4 @@ def _core_flops(cfg: DSv4ModelConfig, pairs: Pairs) -> dict[str, float]:
     }
 
 
-RECORD = SymbolRecord(
-    symbol=DSA,
-    layer="DSA",
-    spec=lambda cfg, backend, is_mtp: latent_spec(RECORD, backend),
-    build_keywords=LATENT_BUILD_KEYWORDS,
-    refusals=LATENT_REFUSALS,
-    params=_params,
-    flops=_flops,
-    core_flops=_core_flops,
-    core_pass=2,
-)
+RECORD = latent_record(DSA, "DSA", params=_params, flops=_flops, core_flops=_core_flops, core_pass=2)

@@ -10,9 +10,20 @@ and refusals (the layers and their local specs: :mod:`hybrid_model.latent_attent
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.latent_attention import local_latent_layer_spec, te_latent_layer_spec
-from hybrid_model.mixers.record import HOST_BOUNDARIES, TP_REASON, Layout, Refusal, SymbolRecord, is_local
+from hybrid_model.mixers.record import (
+    HOST_BOUNDARIES,
+    TP_REASON,
+    LayerParams,
+    Layout,
+    Pairs,
+    Refusal,
+    SymbolRecord,
+    is_local,
+)
 
 #: the local path's refusals (megatron's TE specs refuse nothing here)
 LATENT_REFUSALS = (
@@ -25,8 +36,6 @@ LATENT_REFUSALS = (
     Refusal(Layout.TP, TP_REASON, condition="the local spec (without transformer-engine)"),
     HOST_BOUNDARIES,
 )
-#: megatron's own layer keywords (MLA / DSA take the MTP flag and the pipeline offset)
-LATENT_BUILD_KEYWORDS = frozenset({"is_mtp_layer", "pp_layer_offset", "add_layer_offset"})
 
 
 def latent_dims(cfg: DSv4ModelConfig) -> tuple[int, int, int, int, int, int]:
@@ -55,3 +64,28 @@ def latent_spec(record: SymbolRecord, backend):
     """``record``'s layer spec: the local one (:func:`hybrid_model.latent_attention.local_latent_layer_spec`) for
     megatron's ``LocalSpecProvider`` (or no backend and no transformer-engine), else megatron's TE spec."""
     return local_latent_layer_spec(record) if is_local(backend) else te_latent_layer_spec(record)
+
+
+def latent_record(
+    symbol: str,
+    layer: str,
+    *,
+    params: Callable[[DSv4ModelConfig, bool], LayerParams],
+    flops: Callable[[DSv4ModelConfig], dict[str, int]],
+    core_flops: Callable[[DSv4ModelConfig, Pairs], dict[str, float]],
+    core_pass: int,
+) -> SymbolRecord:
+    """The record of ``+`` or ``D``: :func:`latent_spec`, megatron's layer keywords (the MTP flag and the pipeline
+    offset), the local path's refusals and the symbol's counts."""
+    record = SymbolRecord(
+        symbol=symbol,
+        layer=layer,
+        spec=lambda cfg, backend, is_mtp: latent_spec(record, backend),
+        build_keywords=frozenset({"is_mtp_layer", "pp_layer_offset", "add_layer_offset"}),
+        refusals=LATENT_REFUSALS,
+        params=params,
+        flops=flops,
+        core_flops=core_flops,
+        core_pass=core_pass,
+    )
+    return record

@@ -6,14 +6,8 @@ from __future__ import annotations
 
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.mixers.dsv4_kinds import core_per_pair
-from hybrid_model.mixers.latent import (
-    LATENT_BUILD_KEYWORDS,
-    LATENT_REFUSALS,
-    latent_params,
-    latent_projection_flops,
-    latent_spec,
-)
-from hybrid_model.mixers.record import LayerParams, Pairs, SymbolRecord
+from hybrid_model.mixers.latent import latent_params, latent_projection_flops, latent_record
+from hybrid_model.mixers.record import LayerParams, Pairs
 from hybrid_model.symbols import MLA
 
 
@@ -25,12 +19,9 @@ def _core_flops(cfg: DSv4ModelConfig, pairs: Pairs) -> dict[str, float]:
     return {"attention.causal_core": core_per_pair(cfg) * pairs.causal}
 
 
-RECORD = SymbolRecord(
-    symbol=MLA,
-    layer="MLA",
-    spec=lambda cfg, backend, is_mtp: latent_spec(RECORD, backend),
-    build_keywords=LATENT_BUILD_KEYWORDS,
-    refusals=LATENT_REFUSALS,
+RECORD = latent_record(
+    MLA,
+    "MLA",
     params=_params,
     flops=lambda cfg: {"attention.projections": latent_projection_flops(cfg)},
     core_flops=_core_flops,
