@@ -25,13 +25,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_model.flops import (
-    _core_per_pair,
-    _index_per_pair,
     forward_flops_sbhd,
     selected_entries_sum,
     visible_entries_sum,
     window_pairs,
 )
+from hybrid_model.mixers.dsa import dsa_core_per_pair
+from hybrid_model.mixers.dsv4_kinds import core_per_pair, index_per_pair, projection_flops
 from hybrid_model.presets import get_preset
 from hybrid_model.symbols import CSA, HCA, WINDOW, parse_pattern
 
@@ -176,14 +176,14 @@ def test_attention_cores_and_indexer_scores(counted):
     }
     for prefix, symbols in (("", p.main), ("mtp.", p.mtp_pattern * p.mtp_num_depths)):
         attn = [s for s in symbols if s in slots]
-        assert got[prefix + "attention.core"] == _core_per_pair(cfg) * B * T * sum(slots[s] for s in attn)
+        assert got[prefix + "attention.core"] == core_per_pair(cfg) * B * T * sum(slots[s] for s in attn)
         formula = sum(c.get(prefix + f"attention.{x}_core", 0.0) for x in ("window", "csa", "hca"))
-        assert formula == _core_per_pair(cfg) * B * sum(visible[s] for s in attn)
+        assert formula == core_per_pair(cfg) * B * sum(visible[s] for s in attn)
         assert formula < got[prefix + "attention.core"]  # masked slots are not work
         n_csa = attn.count(CSA)
-        assert got[prefix + "attention.indexer_scores"] == _index_per_pair(cfg) * B * T * (T // m) * n_csa
+        assert got[prefix + "attention.indexer_scores"] == index_per_pair(cfg) * B * T * (T // m) * n_csa
         assert c.get(prefix + "attention.indexer_scores", 0.0) == (
-            _index_per_pair(cfg) * B * visible_entries_sum(T, m) * n_csa
+            index_per_pair(cfg) * B * visible_entries_sum(T, m) * n_csa
         )
 
 
@@ -227,7 +227,6 @@ def test_mla_and_dsa_match_the_brute_force_count():
     causal ones, the formula counts ``Σ_t min(t+1, k)``; indexer scores: every (query, key) pair in the reference
     (``2·n_I·c_I``; the ReLU-weighted head sum ``2·n_I`` is elementwise), the causal pairs in the formula."""
     from dsv4_testkit.megatron_cpu import megatron_cpu_context
-    from hybrid_model.flops import _dsa_core_per_pair, _proj_attention
 
     b, t = 2, 40
     with megatron_cpu_context():
@@ -285,13 +284,13 @@ def test_mla_and_dsa_match_the_brute_force_count():
     assert got["mtp.attention.projections"] == per_latent
     assert got["attention.projections"] == per_latent  # the main '+'
     assert got["attention.projections.dsa"] == per_latent  # 'D': absorbed einsums cost the same
-    assert c_["attention.projections"] == 2 * per_latent + _proj_attention(cfg) * b * t  # + W's projections
+    assert c_["attention.projections"] == 2 * per_latent + projection_flops(cfg) * b * t  # + W's projections
     assert got["attention.indexer"] == c_["attention.indexer"]
     causal, square = b * t * (t + 1) // 2, b * t * t
-    assert got["attention.causal_core"] == _core_per_pair(cfg) * square
-    assert c_["attention.causal_core"] == _core_per_pair(cfg) * causal
-    assert got["mtp.attention.causal_core"] == _core_per_pair(cfg) * square
-    assert got["attention.dsa_core"] == _dsa_core_per_pair(cfg) * square
-    assert c_["attention.dsa_core"] == _dsa_core_per_pair(cfg) * b * window_pairs(t, k)
+    assert got["attention.causal_core"] == core_per_pair(cfg) * square
+    assert c_["attention.causal_core"] == core_per_pair(cfg) * causal
+    assert got["mtp.attention.causal_core"] == core_per_pair(cfg) * square
+    assert got["attention.dsa_core"] == dsa_core_per_pair(cfg) * square
+    assert c_["attention.dsa_core"] == dsa_core_per_pair(cfg) * b * window_pairs(t, k)
     assert got["attention.indexer_scores"] == 2 * cfg.index_n_heads * cfg.index_head_dim * square
-    assert c_["attention.indexer_scores"] == _index_per_pair(cfg) * causal
+    assert c_["attention.indexer_scores"] == index_per_pair(cfg) * causal

@@ -15,13 +15,14 @@ import torch
 from hybrid_model.flops import forward_flops, forward_flops_from_stats
 from hybrid_model.gated_delta_net import (
     GDNSizes,
-    check_gdn_support,
-    check_gdn_training,
+    check_gdn_heads,
     gdn_core_flops,
     gdn_layer_params,
     gdn_projection_flops,
 )
-from hybrid_model.gated_delta_net_layer import GatedDeltaNetLayer, local_gdn_layer_spec, packed_seq_params_on
+from hybrid_model.gated_delta_net_layer import GatedDeltaNetLayer, packed_seq_params_on
+from hybrid_model.mixers.gdn import RECORD as GDN_RECORD
+from hybrid_model.mixers.gdn import check_gdn_training, local_gdn_layer_spec
 from hybrid_model.params import analytic_param_counts
 from hybrid_model.presets import get_preset
 
@@ -106,24 +107,23 @@ def test_refusals(monkeypatch):
     config = types.SimpleNamespace(
         tensor_model_parallel_size=1, linear_num_key_heads=16, linear_num_value_heads=32
     )
-    check_gdn_support(config, _pg(1))
+    GDN_RECORD.check_single_rank(config, _pg(1))
+    check_gdn_heads(config)
     with pytest.raises(ValueError, match=r"does not support context parallelism.*use --cp 1"):
-        check_gdn_support(config, _pg(2))
+        GDN_RECORD.check_single_rank(config, _pg(2))
     with pytest.raises(ValueError, match="tensor_model_parallel_size=1 only"):
-        check_gdn_support(types.SimpleNamespace(**{**vars(config), "tensor_model_parallel_size": 2}), _pg(1))
+        GDN_RECORD.check_single_rank(
+            types.SimpleNamespace(**{**vars(config), "tensor_model_parallel_size": 2}), _pg(1)
+        )
     with pytest.raises(ValueError, match=r"linear_num_value_heads \(24\) must be a multiple"):
-        check_gdn_support(types.SimpleNamespace(**{**vars(config), "linear_num_value_heads": 24}), _pg(1))
-    from hybrid_model import layers
-
+        check_gdn_heads(types.SimpleNamespace(**{**vars(config), "linear_num_value_heads": 24}))
     if (
         importlib.util.find_spec("fla") is None
     ):  # packed G without fla: the ImportError naming the extra first
         with pytest.raises(ImportError, match=re.escape("hybrid-model[gdn]")):
             check_gdn_training("WGE", packed=True, deterministic=True)
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        layers.importlib.util, "find_spec", lambda n, *a: object() if n == "fla" else real(n, *a)
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "fla" else real(n, *a))
     if not torch.cuda.is_available():  # on CUDA it depends on fla's kernels (tested on the H200)
         check_gdn_training("WGE", packed=True, deterministic=False)
     check_gdn_training("WCE", packed=True, deterministic=True)
@@ -141,17 +141,14 @@ def test_refusals(monkeypatch):
 def test_a_gdn_model_refuses_to_build_without_cuda(megatron_cpu, monkeypatch):
     """With fla present (as the extra would install it) a ``G`` model on CPU stops with the reason before megatron's
     GDN module imports fla (which raises a Triton driver error without a GPU); the layer refuses on its own too."""
-    from hybrid_model import layers
     from hybrid_model.model import build_model
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        layers.importlib.util, "find_spec", lambda n, *a: object() if n == "fla" else real(n, *a)
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "fla" else real(n, *a))
     with pytest.raises(ValueError, match="runs on a CUDA GPU only"):
         build_model(_tiny("WGE/WE"))
     with pytest.raises(ValueError, match="runs on a CUDA GPU only"):
-        GatedDeltaNetLayer(object(), object(), pg_collection=_pg(1))
+        GatedDeltaNetLayer(object(), object(), record=GDN_RECORD, pg_collection=_pg(1))
 
 
 def test_spec_follows_the_backend(monkeypatch):
@@ -160,24 +157,30 @@ def test_spec_follows_the_backend(monkeypatch):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
-    from hybrid_model import latent_attention as la
-    from hybrid_model import layers
-
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        layers.importlib.util, "find_spec", lambda n, *a: object() if n == "fla" else real(n, *a)
-    )
-    monkeypatch.setattr(la, "te_available", lambda: False)
-    local = layers.megatron_layer_spec("G")
+    cfg = _tiny("WGE")
+
+    def installed(*modules):
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda n, *a: (
+                object() if n in modules else None if n in ("fla", "transformer_engine") else real(n, *a)
+            ),
+        )
+
+    installed("fla")
+    local = GDN_RECORD.spec(cfg, None, False)
     assert local.module is GatedDeltaNetLayer and local.submodules.input_layernorm is not None
-    monkeypatch.setattr(la, "te_available", lambda: True)
-    te = layers.megatron_layer_spec("G")
-    assert te.module is GatedDeltaNetLayer
+    assert local.params == {"record": GDN_RECORD}
+    installed("fla", "transformer_engine")
+    te = GDN_RECORD.spec(cfg, None, False)
+    assert te.module is GatedDeltaNetLayer and te.params == {"record": GDN_RECORD}
     assert te.submodules is hybrid_stack_spec.submodules.gdn_layer.submodules
-    assert layers.megatron_layer_spec("G", LocalSpecProvider()).submodules == local.submodules
-    monkeypatch.setattr(layers.importlib.util, "find_spec", lambda n, *a: None if n == "fla" else real(n, *a))
+    assert GDN_RECORD.spec(cfg, LocalSpecProvider(), False).submodules == local.submodules
+    installed()
     with pytest.raises(ImportError, match=re.escape("hybrid-model[gdn]")):
-        layers.megatron_layer_spec("G")
+        GDN_RECORD.spec(cfg, None, False)
 
 
 def test_packed_seq_params_move_to_the_activations_device():

@@ -2,6 +2,7 @@
 (``hybrid_model.latent_attention``), chosen automatically without TE; causal, packed-THD aware, mHC wrapped, exact
 parameter counts, trained from the CLI and under ``--pp 2`` (fp32, equal to PP = 1)."""
 
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -12,6 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from hybrid_model.flops import forward_flops, forward_flops_from_stats
+from hybrid_model.mixers.dsa import dsa_core_per_pair
+from hybrid_model.mixers.registry import REGISTRY
 from hybrid_model.presets import get_preset
 
 FUNCTIONAL = "WE+-|HDC-/D-"  # upstream's functional pattern 'WEC-|H-C-/W-' with MLA and DSA mixed in
@@ -21,28 +24,36 @@ def _tiny(pattern):
     return get_preset("tiny").with_pattern(pattern)
 
 
+def _te_installed(monkeypatch, installed: bool) -> None:
+    real = importlib.util.find_spec
+    te = object() if installed else None
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: te if n == "transformer_engine" else real(n, *a)
+    )
+
+
 def test_local_specs_are_chosen_without_transformer_engine(monkeypatch):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
-    from hybrid_model import latent_attention as la
-    from hybrid_model.layers import megatron_layer_spec
-
-    monkeypatch.setattr(la, "te_available", lambda: False)
+    cfg = _tiny("W+DE")
+    _te_installed(monkeypatch, False)
     for symbol in "+D":
-        assert megatron_layer_spec(symbol).params == {"symbol": symbol, "local": True}
-    monkeypatch.setattr(la, "te_available", lambda: True)
+        assert REGISTRY[symbol].spec(cfg, None, False).params == {"record": REGISTRY[symbol], "local": True}
+    _te_installed(monkeypatch, True)
     # transformer-engine importable: megatron's own TE spec, built with the same per-layer config
-    te = megatron_layer_spec("+")
-    assert te.params == {"symbol": "+", "local": False}
+    te = REGISTRY["+"].spec(cfg, None, False)
+    assert te.params == {"record": REGISTRY["+"], "local": False}
     assert te.submodules is hybrid_stack_spec.submodules.mla_layer.submodules
-    assert megatron_layer_spec("D").submodules is hybrid_stack_spec.submodules.dsa_layer.submodules
+    assert (
+        REGISTRY["D"].spec(cfg, None, False).submodules is hybrid_stack_spec.submodules.dsa_layer.submodules
+    )
     # selectable: an explicit local backend (what select_backend gives without TE or CUDA) picks the local spec
-    assert megatron_layer_spec("D", LocalSpecProvider()).params["local"] is True
+    assert REGISTRY["D"].spec(cfg, LocalSpecProvider(), False).params["local"] is True
 
 
 def test_layer_config_and_refusals(megatron_cpu):
-    from hybrid_model.latent_attention import check_local_latent_support, latent_layer_config
+    from hybrid_model.latent_attention import latent_layer_config
     from hybrid_model.spec import transformer_config
 
     tc = transformer_config(_tiny("W+DE"))
@@ -58,7 +69,7 @@ def test_layer_config_and_refusals(megatron_cpu):
     with pytest.raises(
         ValueError, match="pattern symbol 'D' without transformer-engine does not support context"
     ):
-        check_local_latent_support(tc, cp2, "D")
+        REGISTRY["D"].check_single_rank(tc, cp2)
 
 
 def test_functional_pattern_builds_and_trains(megatron_cpu):
@@ -147,7 +158,7 @@ def test_layer_is_causal_and_packed_equals_each_document(megatron_cpu, symbol):
     cfg = _tiny(f"W{symbol}E")
     tc = transformer_config(cfg)
     torch.manual_seed(0)
-    layer = build_module(local_latent_layer_spec(symbol), config=tc, layer_number=2).eval()
+    layer = build_module(local_latent_layer_spec(REGISTRY[symbol]), config=tc, layer_number=2).eval()
     x = torch.randn(15, 1, cfg.hidden_size)
     with torch.no_grad():
         out, _ = layer(x, None)
@@ -189,10 +200,8 @@ def test_flops_closed_forms():
     short = sum(
         k * (k - 1) // 2 if x >= k else k * x - x * (x + 1) // 2 for x in lengths
     )  # Σ (k - min(t+1, k))
-    from hybrid_model.flops import _dsa_core_per_pair
-
     gap = bound.components["attention.dsa_core"] - exact.components["attention.dsa_core"]
-    assert gap == _dsa_core_per_pair(dsa) * short
+    assert gap == dsa_core_per_pair(dsa) * short
 
 
 _BASE = ["--seq-len", "32", "--global-batch-size", "2", "--micro-batch-size", "2", "--warmup-steps", "0"]

@@ -71,7 +71,7 @@ def test_packed_layer_equals_each_document_alone(megatron_cpu):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.spec_utils import build_module
 
-    from hybrid_model.layers import attention_layer_spec
+    from hybrid_model.mixers.attention import attention_layer_spec
     from hybrid_model.presets import get_preset
     from hybrid_model.spec import select_backend, transformer_config
 

@@ -9,6 +9,7 @@ import torch
 
 from dsv4_testkit import assert_close_to_ref
 from hybrid_model.flops import forward_flops, forward_flops_from_stats
+from hybrid_model.mixers.registry import require_symbol_dependencies
 from hybrid_model.params import analytic_param_counts, build_meta_model, count_model_params
 from hybrid_model.presets import get_preset
 
@@ -196,22 +197,18 @@ def test_flops_and_params_refuse_uncounted_symbols():
     ],
 )
 def test_symbols_with_missing_dependencies_raise_import_error(monkeypatch, symbol, missing, names):
-    from hybrid_model import layers
-
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        layers.importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a)
     )
     with pytest.raises(ImportError, match=re.escape(f"pattern symbol '{symbol}'") + ".*" + re.escape(names)):
-        layers.require_symbol_dependencies("WE" + symbol)
+        require_symbol_dependencies("WE" + symbol)
 
 
 def test_mla_and_dsa_need_no_optional_package(monkeypatch):
     """'+' and 'D' build from megatron's local modules when transformer-engine is missing: nothing is required."""
-    from hybrid_model import layers
-
-    monkeypatch.setattr(layers.importlib.util, "find_spec", lambda name, *a: None)
-    layers.require_symbol_dependencies("W+D-E")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    require_symbol_dependencies("W+D-E")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="mamba_ssm is installed here")
@@ -240,7 +237,7 @@ def test_plain_residual_layer_is_x_plus_f(megatron_cpu):
     """A plain layer computes x + attn(x), then + mlp(·): compare with the inner layer's own (residual) forward."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from hybrid_model.layers import mlp_layer_spec
+    from hybrid_model.mixers.mlp import mlp_layer_spec
     from hybrid_model.residual import PlainResidualLayer
     from hybrid_model.spec import select_backend, transformer_config
 

@@ -66,7 +66,7 @@ def test_gdn_torch_rule_matches_fla_forward(megatron_cpu):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from hybrid_model.gated_delta_net_layer import local_gdn_layer_spec
+    from hybrid_model.mixers.gdn import local_gdn_layer_spec
     from hybrid_model.spec import transformer_config
 
     cfg = get_preset("tiny").with_pattern("WGE")

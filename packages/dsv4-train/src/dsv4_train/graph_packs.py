@@ -23,28 +23,9 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from dsv4_attention.layout import STATIC_BOUNDS_ATTR, mark_static_bounds
-from hybrid_model.symbols import ATTENTION, DSA, GDN, MAMBA, MLA
 
 #: the tensors of a micro-batch that a captured step reads from its static buffers
 BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
-
-# megatron-core's own layers read THD document boundaries on the host (cu_seqlens.tolist(), max_seqlen from the
-# batch), which a captured step would bake in: their symbols cannot run in a packed graph
-HOST_BOUNDARY_SYMBOLS = (ATTENTION, MLA, DSA, GDN, MAMBA)
-
-
-def check_packed_graph_pattern(pattern: str) -> None:
-    """``ValueError`` when ``pattern`` has a symbol whose layer reads packed document boundaries on the host (only
-    the DSv4 symbols ``W C H`` and the MLP / MoE symbols take device-side boundaries)."""
-    bad = sorted({c for c in pattern if c in HOST_BOUNDARY_SYMBOLS})
-    if bad:
-        raise ValueError(
-            f"--cuda-graph --packed cannot run the pattern {pattern!r}: its layer(s) {', '.join(map(repr, bad))} "
-            "(megatron-core's attention / MLA / DSA / GDN / Mamba) read the packed document boundaries on the host, "
-            "so a captured step would replay the first pack's boundaries; use a pattern of W C H E - only, or drop "
-            "--packed (fixed-length [B, S] batches graph with every symbol) or --cuda-graph"
-        )
-
 
 PACK_FIELDS = (
     "cu_seqlens",

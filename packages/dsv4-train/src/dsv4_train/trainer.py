@@ -41,7 +41,6 @@ from dsv4_train.cuda_graph import use_capture_stream
 from dsv4_train.determinism import prepare_deterministic_environment
 from dsv4_train.evaluation import Evaluator
 from dsv4_train.gloo_cuda import host_staged_collectives
-from dsv4_train.graph_packs import check_packed_graph_pattern
 from dsv4_train.model_config import model_config_for
 from dsv4_train.outputs import RunOutputs
 from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
@@ -59,7 +58,8 @@ from dsv4_train.setup import (
 from dsv4_train.step import StepRunner, TrainingDiverged
 from dsv4_train.virtual_pipeline import check_vpp_microbatches, ddp_chunks
 from hybrid_model.flops import forward_flops_from_stats
-from hybrid_model.gated_delta_net import check_gdn_training
+from hybrid_model.mixers.gdn import check_gdn_training
+from hybrid_model.mixers.registry import check_packed_graph_pattern
 
 
 class Trainer:

@@ -37,6 +37,9 @@ per (query, visible compressed entry) pair. For a document of length ``L`` (quer
 knows (as in upstream D9): window ``n_win`` keys per token, CSA ``k`` entries per token, HCA ``Σ len²/(2m')`` and
 indexer ``Σ len²/(2m)`` pairs (``D``: ``k`` selected keys per token) — an upper bound that is within a few percent for ``len ≫ m·k``.
 Training = 3 × forward (backward is twice the forward). MFU = achieved FLOP/s ÷ peak.
+
+Each layer's terms are its record's (``flops`` per token and ``core_flops`` per visited pair, :mod:`hybrid_model.mixers`);
+this module adds mHC, the heads, the MTP projections and the pair counts (:class:`~hybrid_model.mixers.record.Pairs`).
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ from dataclasses import asdict, dataclass, field
 
 from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.gated_delta_net import GDNSizes, gdn_core_flops, gdn_projection_flops
-from hybrid_model.params import latent_dims
-from hybrid_model.symbols import ATTENTION, DSA, GDN, KIND_NAMES, MLA, MLP, MOE, attention_kind
+from hybrid_model.mixers.record import Pairs
+from hybrid_model.mixers.registry import REGISTRY, counted_symbols
+from hybrid_model.symbols import KIND_NAMES
 
 
 # ----------------------------------------------------------------------------------------- pair counts
@@ -76,23 +79,6 @@ def selected_entries_sum(length: int, ratio: int, topk: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------- per-token terms
-def _proj_attention(cfg: DSv4ModelConfig) -> int:
-    d, c, nh, dc = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank
-    return 2 * (d * dc + dc * nh * c + d * c + nh * c * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d)
-
-
-def _compressor(cfg: DSv4ModelConfig, kind: LayerKind) -> int:
-    if not kind.has_compressor:
-        return 0
-    coff = 2 if kind.overlap else 1  # CSA pools two overlapping series
-    return 2 * 2 * (coff * cfg.head_dim) * cfg.hidden_size
-
-
-def _indexer_linear(cfg: DSv4ModelConfig) -> int:
-    d, nI, cI = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
-    return 2 * (cfg.q_lora_rank * nI * cI + d * nI) + 2 * 2 * (2 * cI) * d
-
-
 def _mhc(cfg: DSv4ModelConfig) -> int:
     if not cfg.enable_mhc_connections:  # plain residual: an add (not a matrix product)
         return 0
@@ -107,52 +93,10 @@ def _hyper_head(cfg: DSv4ModelConfig) -> int:
     return 2 * n * d * n + 2 * n * d
 
 
-def _moe(cfg: DSv4ModelConfig) -> int:
-    d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    return 2 * d * cfg.n_routed_experts + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 2 * 3 * d * f
-
-
-def _dense_mlp(cfg: DSv4ModelConfig) -> int:
-    """``-``: SwiGLU MLP of width ``f = moe_intermediate_size`` (fc1 ``d -> 2f``, fc2 ``f -> d``)."""
-    return 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-
-
-def _standard_core_per_pair(cfg: DSv4ModelConfig) -> int:
-    """``*``: ``q·k`` and ``p·v`` over ``n_h`` heads of ``d / n_h`` dims = ``4·d`` per (query, key) pair."""
-    return 4 * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
-
-
-def _standard_layers(cfg: DSv4ModelConfig, symbol: str = ATTENTION) -> list[str]:
-    """The component prefix of every ``symbol`` layer (main, then each MTP depth)."""
+def _layers(cfg: DSv4ModelConfig) -> list[tuple[str, str]]:
+    """``(symbol, component prefix)`` of every layer, main then each MTP depth."""
     p = cfg.parsed_pattern
-    return [""] * p.main.count(symbol) + ["mtp."] * (p.mtp_pattern.count(symbol) * p.mtp_num_depths)
-
-
-def _latent_projections(cfg: DSv4ModelConfig) -> int:
-    """``+``/``D``: q down/up, kv down/up (or DSA's absorbed equivalents) and output projection, per token."""
-    d, c, r, nh, dc, rank = latent_dims(cfg)
-    return 2 * (d * dc + dc * nh * c + d * c + rank * nh * (2 * c - r) + nh * c * d)
-
-
-def _dsa_indexer_linear(cfg: DSv4ModelConfig) -> int:
-    """``D``: megatron's DSA indexer ``linear_wq_b`` (d_c -> n_I·c_I), ``linear_wk`` (d -> c_I), weights (d -> n_I)."""
-    d, nI, cI = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
-    return 2 * (cfg.q_lora_rank * nI * cI + d * cI + d * nI)
-
-
-def _dsa_core_per_pair(cfg: DSv4ModelConfig) -> int:
-    """``D`` (absorbed MLA): ``q·k`` over ``L + r = c`` latent dims and ``p·v`` over ``L = c - r``, ``n_h`` heads."""
-    c, r = cfg.head_dim, cfg.qk_rope_head_dim
-    return 2 * cfg.num_attention_heads * (2 * c - r)
-
-
-def _add_latent_cores(br: FlopBreakdown, cfg: DSv4ModelConfig, causal: float, selected: float) -> None:
-    """Cores of every ``+``/``D`` layer given the causal pair count and DSA's selected pair count."""
-    for prefix in _standard_layers(cfg, MLA):
-        br.add(prefix + "attention.causal_core", _core_per_pair(cfg) * causal)
-    for prefix in _standard_layers(cfg, DSA):
-        br.add(prefix + "attention.dsa_core", _dsa_core_per_pair(cfg) * selected)
-        br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * causal)
+    return [(s, "") for s in p.main] + [(s, "mtp.") for _ in range(p.mtp_num_depths) for s in p.mtp_pattern]
 
 
 @dataclass
@@ -185,44 +129,18 @@ class FlopBreakdown:
         return d
 
 
-def _core_per_pair(cfg: DSv4ModelConfig) -> int:
-    return 4 * cfg.num_attention_heads * cfg.head_dim
-
-
-def _index_per_pair(cfg: DSv4ModelConfig) -> int:
-    return 2 * cfg.index_n_heads * cfg.index_head_dim + 2 * cfg.index_n_heads
-
-
 def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) -> None:
     p = cfg.parsed_pattern
 
     def layer(symbol: str, prefix: str) -> None:
-        kind = attention_kind(symbol)
-        if kind is not None:
-            br.add(prefix + "attention.projections", _proj_attention(cfg) * tokens)
-            if kind.has_compressor:
-                br.add(prefix + "attention.compressor", _compressor(cfg, kind) * tokens)
-            if kind.has_indexer:
-                br.add(prefix + "attention.indexer", _indexer_linear(cfg) * tokens)
-        elif symbol == MOE:
-            br.add(prefix + "moe", _moe(cfg) * tokens)
-        elif symbol == MLP:
-            br.add(prefix + "mlp", _dense_mlp(cfg) * tokens)
-        elif symbol == ATTENTION:
-            br.add(prefix + "attention.projections", 8 * cfg.hidden_size * cfg.hidden_size * tokens)
-        elif symbol == GDN:
-            sizes = GDNSizes.for_hidden_size(cfg.hidden_size)
-            br.add(prefix + "linear_attention.projections", gdn_projection_flops(sizes) * tokens)
-            br.add(prefix + "linear_attention.delta_rule", gdn_core_flops(sizes) * tokens)
-        elif symbol in (MLA, DSA):
-            br.add(prefix + "attention.projections", _latent_projections(cfg) * tokens)
-            if symbol == DSA:
-                br.add(prefix + "attention.indexer", _dsa_indexer_linear(cfg) * tokens)
-        else:
+        flops = REGISTRY[symbol].flops
+        if flops is None:
             raise ValueError(
-                f"FLOP accounting covers the symbols C H W E - * + D G ; {symbol!r} (megatron-core's "
+                f"FLOP accounting covers the symbols {counted_symbols('flops')} ; {symbol!r} (megatron-core's "
                 f"{KIND_NAMES[symbol]} layer) is not counted: use a pattern without it"
             )
+        for key, per_token in flops(cfg).items():
+            br.add(prefix + key, per_token * tokens)
         if cfg.enable_mhc_connections:
             br.add(prefix + "mhc", _mhc(cfg) * tokens)
 
@@ -237,11 +155,13 @@ def _add_linear_terms(br: FlopBreakdown, cfg: DSv4ModelConfig, tokens: float) ->
         br.add("mtp.head", (2 * d * cfg.vocab_size + _hyper_head(cfg)) * tokens)
 
 
-def _kinds_with_prefix(cfg: DSv4ModelConfig) -> list[tuple[LayerKind, str]]:
-    """The attention kind of every attention layer (main, then each MTP depth) with its component prefix."""
-    p = cfg.parsed_pattern
-    layers = [(s, "") for s in p.main] + [(s, "mtp.") for _ in range(p.mtp_num_depths) for s in p.mtp_pattern]
-    return [(attention_kind(s), prefix) for s, prefix in layers if attention_kind(s) is not None]
+def _add_cores(br: FlopBreakdown, cfg: DSv4ModelConfig, pairs: Pairs) -> None:
+    """The attention cores of every layer, pass by pass (:attr:`~hybrid_model.mixers.record.SymbolRecord.core_pass`;
+    pattern order within a pass)."""
+    layers = [(REGISTRY[s], prefix) for s, prefix in _layers(cfg) if REGISTRY[s].core_flops is not None]
+    for record, prefix in sorted(layers, key=lambda layer: layer[0].core_pass):
+        for key, value in record.core_flops(cfg, pairs).items():
+            br.add(prefix + key, value)
 
 
 def forward_flops(cfg: DSv4ModelConfig, lengths: Sequence[int], *, dense: bool = False) -> FlopBreakdown:
@@ -265,16 +185,8 @@ def forward_flops(cfg: DSv4ModelConfig, lengths: Sequence[int], *, dense: bool =
     hca = sum(visible_entries_sum(L, mh) for L in lengths)
     idx = sum(visible_entries_sum(L, m) for L in lengths)
     causal = sum(L * (L + 1) // 2 for L in lengths)
-    for prefix in _standard_layers(cfg):
-        br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * causal)
-    _add_latent_cores(br, cfg, causal, sum(window_pairs(L, k) for L in lengths))
-    for kind, prefix in _kinds_with_prefix(cfg):
-        br.add(prefix + "attention.window_core", _core_per_pair(cfg) * win)
-        if kind is LayerKind.CSA:
-            br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * csa)
-            br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * idx)
-        elif kind is LayerKind.HCA:
-            br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * hca)
+    dsa = sum(window_pairs(L, k) for L in lengths)
+    _add_cores(br, cfg, Pairs(causal=causal, dsa=dsa, window=win, csa=csa, hca=hca, indexer=idx))
     return br
 
 
@@ -300,17 +212,15 @@ def forward_flops_from_stats(
         LayerKind.HCA.compress_ratio,
     )  # = cfg.csa/hca_compress_ratio (validated)
     k, W = cfg.index_topk, cfg.sliding_window
-    for prefix in _standard_layers(cfg):  # Σ_t (t + 1) = (Σ len² + Σ len) / 2, exact
-        br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * (sum_len_sq + sum_len) / 2)
-    _add_latent_cores(br, cfg, (sum_len_sq + sum_len) / 2, k * sum_len)  # DSA: k keys per token, upper bound
-    for kind, prefix in _kinds_with_prefix(cfg):
-        br.add(prefix + "attention.window_core", _core_per_pair(cfg) * W * sum_len)
-        if kind is LayerKind.CSA:
-            csa_pairs = sum_len_sq / (2 * m) if dense else k * sum_len
-            br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * csa_pairs)
-            br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * sum_len_sq / (2 * m))
-        elif kind is LayerKind.HCA:
-            br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * sum_len_sq / (2 * mh))
+    pairs = Pairs(
+        causal=(sum_len_sq + sum_len) / 2,  # Σ_t (t + 1) = (Σ len² + Σ len) / 2, exact
+        dsa=k * sum_len,  # DSA: k keys per token, upper bound
+        window=W * sum_len,
+        csa=sum_len_sq / (2 * m) if dense else k * sum_len,
+        hca=sum_len_sq / (2 * mh),
+        indexer=sum_len_sq / (2 * m),
+    )
+    _add_cores(br, cfg, pairs)
     return br
 
 
@@ -372,16 +282,18 @@ def forward_flops_cp_rank(
         offset += int(padded)
     br = FlopBreakdown(tokens=tokens)
     _add_linear_terms(br, cfg, tokens)
-    for prefix in _standard_layers(cfg):
-        br.add(prefix + "attention.causal_core", _standard_core_per_pair(cfg) * pairs["causal"])
-    _add_latent_cores(br, cfg, pairs["causal"], pairs["dsa"])
-    for kind, prefix in _kinds_with_prefix(cfg):
-        br.add(prefix + "attention.window_core", _core_per_pair(cfg) * pairs["win"])
-        if kind is LayerKind.CSA:
-            br.add(prefix + "attention.csa_core", _core_per_pair(cfg) * pairs["csa"])
-            br.add(prefix + "attention.indexer_scores", _index_per_pair(cfg) * pairs["idx"])
-        elif kind is LayerKind.HCA:
-            br.add(prefix + "attention.hca_core", _core_per_pair(cfg) * pairs["hca"])
+    _add_cores(
+        br,
+        cfg,
+        Pairs(
+            causal=pairs["causal"],
+            dsa=pairs["dsa"],
+            window=pairs["win"],
+            csa=pairs["csa"],
+            hca=pairs["hca"],
+            indexer=pairs["idx"],
+        ),
+    )
     return br
 
 

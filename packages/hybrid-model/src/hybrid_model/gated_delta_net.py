@@ -1,5 +1,5 @@
-"""megatron-core's GDN layer (``G``, gated delta net) in a DSv4 model: its sizes, parameter and FLOP counts and what
-it refuses; the layer and its specs (TE's and the local one) are in :mod:`hybrid_model.gated_delta_net_layer`.
+"""megatron-core's GDN layer (``G``, gated delta net) in a DSv4 model: its sizes and parameter and FLOP counts; the
+layer is :mod:`hybrid_model.gated_delta_net_layer`, its record (specs, refusals) :mod:`hybrid_model.mixers.gdn`.
 
 megatron-core 0.19.2's ``hybrid_stack_spec.gdn_layer`` builds ``G`` from transformer-engine modules. The local spec
 builds the same module (megatron's ``GatedDeltaNet`` in a ``TransformerLayer``) from megatron's local parts, with
@@ -34,7 +34,8 @@ delta rule, :func:`gdn_core_flops`); the conv, norms and gates are left out as f
 The gated delta rule is fla's chunked kernels, or megatron's torch chunked rule (its ``deterministic_mode`` path)
 with ``--deterministic`` and where fla's kernels are not trusted: fla 0.6 refuses its gated backward kernel on Hopper
 with Triton below 3.7.1 (wrong results, fla issue #640; its per-call tilelang replacement is not validated here), and
-torch 2.11 pins Triton 3.6 (:func:`hybrid_model.gated_delta_net_layer.fla_chunk_kernels_correct`). Refused with a reason: context parallelism
+torch 2.11 pins Triton 3.6 (:func:`hybrid_model.gated_delta_net_layer.fla_chunk_kernels_correct`). Refused with a
+reason (:data:`hybrid_model.mixers.gdn.RECORD`): context parallelism
 (megatron's GDN all-to-all assumes its zigzag CP layout; DSv4 shards contiguously), tensor parallelism, packed THD
 batches on the torch rule (no per-document boundaries: its conv1d and recurrence would cross documents) and
 ``--cuda-graph`` (the torch rule copies its initial state from the host in every forward).
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 GDN_SIZE_FIELDS = (
     "linear_num_key_heads",
@@ -76,8 +77,6 @@ class GDNSizes:
     def for_hidden_size(cls, hidden_size: int) -> GDNSizes:
         """The sizes of a DSv4 model's ``G`` layers: megatron's ``TransformerConfig`` defaults (the model config
         sets none of the ``linear_*`` fields)."""
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
         fields = TransformerConfig.__dataclass_fields__
         return cls(hidden_size, *(fields[f].default for f in GDN_SIZE_FIELDS))
 
@@ -117,49 +116,11 @@ def gdn_core_flops(sizes: GDNSizes) -> int:
     return 6 * sizes.linear_num_value_heads * sizes.linear_key_head_dim * sizes.linear_value_head_dim
 
 
-def check_gdn_support(config, pg_collection) -> None:
-    """Refuse what megatron's GDN layer does not run inside a DSv4 model (module docstring)."""
-    from hybrid_model.layers import check_single_rank_mixer
-
-    check_single_rank_mixer(
-        config,
-        pg_collection,
-        "G",
-        cp_refusal="does not support context parallelism here: megatron's GDN all-to-all assumes its zigzag CP "
-        "layout, DSv4 shards each pack contiguously; use --cp 1 or a pattern without 'G'",
-    )
+def check_gdn_heads(config) -> None:
+    """``ValueError`` unless the value heads are a multiple of the key heads (megatron's GDN layout)."""
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     if hv % hk:
         raise ValueError(
             f"pattern symbol 'G': linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk}) "
             "(each key head serves Hv / Hk value heads): change one of them"
         )
-
-
-def check_gdn_training(pattern: str, *, packed: bool, deterministic: bool, cuda_graph: bool = False) -> None:
-    """``ValueError`` for what a ``G`` layer cannot train: ``--cuda-graph`` (megatron's torch gated delta rule
-    builds its recurrent state on the host in every forward, a host-to-device copy that a capture forbids, seen on
-    the H200; fla's kernels are not validated under capture), and ``--packed`` where megatron's torch rule would run
-    (``--deterministic``, or fla's kernels not correct on this machine): that rule has no per-document boundaries."""
-    if "G" not in pattern:
-        return
-    if cuda_graph:
-        raise ValueError(
-            f"--cuda-graph cannot run the pattern {pattern!r}: megatron's torch gated delta rule (the 'G' layer's "
-            "rule with --deterministic and on Hopper with Triton < 3.7.1) builds its state on the host in every forward, "
-            "which a CUDA graph capture forbids, and fla's kernels are not validated under capture; drop --cuda-graph "
-            "or use a pattern without 'G'"
-        )
-    if not packed:
-        return
-    from hybrid_model.layers import require_symbol_dependencies
-
-    # fla missing: the ImportError naming the extra, before anything imports fla
-    require_symbol_dependencies(pattern)
-    from hybrid_model.gated_delta_net_layer import fla_chunk_kernels_correct, packed_on_torch_rule_message
-
-    reason = "--deterministic" if deterministic else ""
-    if not reason and torch.cuda.is_available():
-        reason = fla_chunk_kernels_correct()[1]
-    if reason:
-        raise ValueError(f"--packed with the pattern {pattern!r}: " + packed_on_torch_rule_message(reason))

@@ -1,5 +1,6 @@
-"""The ``G`` layer's module and its two specs (transformer-engine's and the local one); what they build, count and
-refuse: :mod:`hybrid_model.gated_delta_net`."""
+"""The ``G`` layer's module: megatron's ``GatedDeltaNet`` in a ``TransformerLayer`` that refuses what its record
+(:mod:`hybrid_model.mixers.gdn`: specs, refusals) refuses and picks the gated delta rule; sizes and counts are
+:mod:`hybrid_model.gated_delta_net`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import dataclasses
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from hybrid_model.gated_delta_net import check_gdn_support
-from hybrid_model.layers import require_symbol_device
+from hybrid_model.gated_delta_net import check_gdn_heads
+from hybrid_model.mixers.record import Layout, SymbolRecord
 
 
 def fla_chunk_kernels_correct() -> tuple[bool, str]:
@@ -32,43 +33,38 @@ def fla_chunk_kernels_correct() -> tuple[bool, str]:
 
 
 class GatedDeltaNetLayer(TransformerLayer):
-    """megatron's ``TransformerLayer`` around its ``GatedDeltaNet`` (``module`` of both specs).
+    """megatron's ``TransformerLayer`` around its ``GatedDeltaNet`` (``module`` of both specs; ``record``: the ``G``
+    record, a spec parameter).
 
-    Construction refuses what cannot run (no CUDA, :func:`check_gdn_support`) and picks the gated delta rule:
-    fla's chunked kernels, or megatron's torch chunked rule (its ``deterministic_mode`` path, set on this layer's
-    config copy) with ``--deterministic`` or where fla's kernels are not correct (:func:`fla_chunk_kernels_correct`);
-    ``torch_delta_rule`` says which. The attention forward hands a pack's document boundaries to fla on the
-    activations' device (the trainer keeps a pack's ``cu_seqlens`` on the host, where megatron's other layers read
-    them) and refuses packed batches on the torch rule, which has no per-document boundaries.
+    Construction refuses what ``record`` refuses (no CUDA, context / tensor parallelism; and value heads that are
+    not a multiple of the key heads) and picks the gated delta rule: fla's chunked kernels, or megatron's torch
+    chunked rule (its ``deterministic_mode`` path, set on this layer's config copy) with ``--deterministic`` or
+    where fla's kernels are not correct (:func:`fla_chunk_kernels_correct`); ``torch_delta_rule`` says which. The
+    attention forward hands a pack's document boundaries to fla on the activations' device (the trainer keeps a
+    pack's ``cu_seqlens`` on the host, where megatron's other layers read them) and refuses packed batches on the
+    torch rule, which has no per-document boundaries.
     """
 
-    def __init__(self, config, submodules, *args, **kwargs) -> None:
-        require_symbol_device("G")
-        check_gdn_support(config, kwargs.get("pg_collection"))
+    def __init__(self, config, submodules, *args, record: SymbolRecord, **kwargs) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError(record.message(Layout.CPU))
+        record.check_single_rank(config, kwargs.get("pg_collection"))
+        check_gdn_heads(config)
         ok, why = fla_chunk_kernels_correct()
         if not ok and not config.deterministic_mode:
             config = copy.copy(config)
             config.deterministic_mode = True  # megatron's torch conv1d + torch chunked gated delta rule
         super().__init__(config, submodules, *args, **kwargs)
+        self.record = record
         self.torch_delta_rule = bool(config.deterministic_mode)
         self.torch_delta_rule_reason = why or "--deterministic"
 
     def _forward_attention(self, hidden_states, *args, packed_seq_params=None, **kwargs):
         if packed_seq_params is not None:
             if self.torch_delta_rule:
-                raise ValueError(packed_on_torch_rule_message(self.torch_delta_rule_reason))
+                raise ValueError(self.record.message(Layout.PACKED, why=self.torch_delta_rule_reason))
             packed_seq_params = packed_seq_params_on(packed_seq_params, hidden_states.device)
         return super()._forward_attention(hidden_states, *args, packed_seq_params=packed_seq_params, **kwargs)
-
-
-def packed_on_torch_rule_message(reason: str) -> str:
-    """The refusal of packed THD batches on megatron's torch gated delta rule (``reason``: why that rule runs)."""
-    return (
-        f"pattern symbol 'G' cannot run packed THD batches here: {reason}, so megatron's torch gated delta rule runs, "
-        "and it has no per-document boundaries (its conv1d and recurrence would cross documents); use [B, S] batches "
-        "(drop --packed), or run where fla's kernels are trusted (Triton >= 3.7.1 on Hopper, or another GPU) and without "
-        "--deterministic"
-    )
 
 
 def packed_seq_params_on(packed_seq_params, device):
@@ -81,36 +77,3 @@ def packed_seq_params_on(packed_seq_params, device):
         and v.device != device
     }
     return dataclasses.replace(packed_seq_params, **moved) if moved else packed_seq_params
-
-
-def local_gdn_layer_spec():
-    """The local (no transformer-engine) spec of ``G``: the table in :mod:`hybrid_model.gated_delta_net`."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-
-    from dsv4_primitives import RMSNorm
-    from hybrid_model.latent_attention import TypedTorchNorm
-
-    return ModuleSpec(
-        module=GatedDeltaNetLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
-            self_attention=ModuleSpec(
-                module=GatedDeltaNet,
-                submodules=GatedDeltaNetSubmodules(
-                    in_proj=ColumnParallelLinear, out_norm=TypedTorchNorm, out_proj=RowParallelLinear
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-        ),
-    )
-
-
-def te_gdn_layer_spec():
-    """megatron-core's own TE spec of ``G`` (``hybrid_stack_spec.gdn_layer``), built by :class:`GatedDeltaNetLayer`."""
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
-    return dataclasses.replace(hybrid_stack_spec.submodules.gdn_layer, module=GatedDeltaNetLayer)

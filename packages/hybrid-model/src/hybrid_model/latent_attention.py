@@ -36,30 +36,39 @@ DSA masking. Context parallelism is refused for both on the local path (megatron
 from __future__ import annotations
 
 import copy
-import importlib.util
+import dataclasses
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+    AbsorbedMLASelfAttention,
+    AbsorbedMLASelfAttentionSubmodules,
+)
+from megatron.core.transformer.experimental_attention_variant.dsa import (
+    DSAIndexer,
+    DSAIndexerLossAutoScaler,
+    DSAIndexerLossLoggingHelper,
+    DSAIndexerSubmodules,
+    DSAttention,
+    DSAttentionSubmodules,
+)
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from dsv4_attention.indexer_loss import IndexerLossAutoScaler
+from hybrid_model.mixers.record import Dependency, SymbolRecord
+from hybrid_model.standard_attention import CausalSoftmaxAttention
 from hybrid_model.symbols import DSA, MLA
 
 LATENT_SYMBOLS = frozenset({MLA, DSA})
-
-
-def te_available() -> bool:
-    """Whether ``transformer_engine`` is importable (then ``+``/``D`` may use megatron's TE specs)."""
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _hadamard_available() -> bool:
-    try:
-        return importlib.util.find_spec("fast_hadamard_transform") is not None
-    except (ImportError, ValueError):
-        return False
+#: DSA's Hadamard rotation of the indexer q / k (optional: the scores are the same without it)
+FAST_HADAMARD = Dependency("fast_hadamard_transform", "fast-hadamard-transform")
 
 
 def latent_layer_config(config, symbol: str, *, local: bool):
@@ -80,22 +89,9 @@ def latent_layer_config(config, symbol: str, *, local: bool):
     if symbol == DSA:
         out.experimental_attention_variant = "dsa"
         out.dsa_indexer_rotate_activation = bool(
-            config.dsa_indexer_rotate_activation and config.bf16 and _hadamard_available()
+            config.dsa_indexer_rotate_activation and config.bf16 and FAST_HADAMARD.installed()
         )
     return out
-
-
-def check_local_latent_support(config, pg_collection, symbol: str) -> None:
-    """Refuse what the local ``+``/``D`` path does not run (context parallelism, tensor parallelism)."""
-    from hybrid_model.layers import check_single_rank_mixer
-
-    check_single_rank_mixer(
-        config,
-        pg_collection,
-        symbol,
-        cp_refusal="without transformer-engine does not support context parallelism (megatron's MLA context "
-        "parallelism runs in TE's attention): use CP=1 or C/H/W layers",
-    )
 
 
 class TypedTorchNorm:
@@ -108,8 +104,6 @@ class TypedTorchNorm:
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs) -> torch.nn.Module:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
         return WrappedTorchNorm(config, hidden_size, eps, **kwargs).to(dtype=config.params_dtype)
 
 
@@ -166,40 +160,23 @@ class DuplicatedLinear(MegatronModule):
 class LatentAttentionLayer:
     """Builder of a ``+``/``D`` ``TransformerLayer`` with its :func:`latent_layer_config` (``module`` of the specs).
 
-    ``LatentAttentionLayer(config, submodules, ..., symbol=..., local=...)`` returns megatron's
-    ``TransformerLayer`` built with the layer config (the local path first refuses CP / TP, see
-    :func:`check_local_latent_support`).
+    ``LatentAttentionLayer(config, submodules, ..., record=..., local=...)`` returns megatron's ``TransformerLayer``
+    built with the layer config; the local path first refuses the context / tensor parallelism that ``record``
+    (:mod:`hybrid_model.mixers.mla`, :mod:`hybrid_model.mixers.dsa`) refuses.
     """
 
-    def __new__(cls, config, submodules, *args, symbol: str, local: bool, **kwargs):
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-
+    def __new__(cls, config, submodules, *args, record: SymbolRecord, local: bool, **kwargs):
         if local:
-            check_local_latent_support(config, kwargs.get("pg_collection"), symbol)
-        return TransformerLayer(latent_layer_config(config, symbol, local=local), submodules, *args, **kwargs)
+            record.check_single_rank(config, kwargs.get("pg_collection"))
+        return TransformerLayer(
+            latent_layer_config(config, record.symbol, local=local), submodules, *args, **kwargs
+        )
 
 
-def local_latent_layer_spec(symbol: str):
-    """The local (no transformer-engine) ``TransformerLayer`` spec of ``+`` (MLA) or ``D`` (DSA); see module doc."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
-        AbsorbedMLASelfAttention,
-        AbsorbedMLASelfAttentionSubmodules,
-    )
-    from megatron.core.transformer.experimental_attention_variant.dsa import (
-        DSAIndexer,
-        DSAIndexerSubmodules,
-        DSAttention,
-        DSAttentionSubmodules,
-    )
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
-
-    from hybrid_model.standard_attention import CausalSoftmaxAttention
-
+def local_latent_layer_spec(record: SymbolRecord):
+    """The local (no transformer-engine) ``TransformerLayer`` spec of ``+`` (MLA) or ``D`` (DSA), the symbol of
+    ``record``; see module doc."""
+    symbol = record.symbol
     if symbol not in LATENT_SYMBOLS:
         raise ValueError(f"local_latent_layer_spec is for the '+' and 'D' symbols, got {symbol!r}")
     linears = dict(
@@ -240,31 +217,27 @@ def local_latent_layer_spec(symbol: str):
         )
     return ModuleSpec(
         module=LatentAttentionLayer,
-        params={"symbol": symbol, "local": True},
+        params={"record": record, "local": True},
         submodules=TransformerLayerSubmodules(
             input_layernorm=TypedTorchNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add
         ),
     )
 
 
-def te_latent_layer_spec(symbol: str):
+def te_latent_layer_spec(record: SymbolRecord):
     """megatron-core's own TE spec of ``+``/``D`` (``hybrid_stack_spec``), built with :func:`latent_layer_config`."""
-    import dataclasses
-
+    # megatron's spec module imports transformer-engine's extension and megatron's GDN, which imports fla where it is
+    # installed (optional; fla raises without a GPU): only when a TE spec is asked for
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     subs = hybrid_stack_spec.submodules
-    spec = {MLA: subs.mla_layer, DSA: subs.dsa_layer}[symbol]
-    return dataclasses.replace(spec, module=LatentAttentionLayer, params={"symbol": symbol, "local": False})
+    spec = {MLA: subs.mla_layer, DSA: subs.dsa_layer}[record.symbol]
+    return dataclasses.replace(spec, module=LatentAttentionLayer, params={"record": record, "local": False})
 
 
 def set_indexer_loss_scales(scale) -> None:
     """The per-micro-batch indexer-loss backward scale for DSv4's CSA indexers and megatron's DSA indexers (``D``):
     the model config's ``experimental_attention_variant_loss_scale_func`` when the pattern has ``D``."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
-
-    from dsv4_attention.indexer_loss import IndexerLossAutoScaler
-
     IndexerLossAutoScaler.set_loss_scale(scale)
     if not isinstance(scale, torch.Tensor):
         scale = torch.tensor(float(scale))
@@ -278,8 +251,6 @@ def set_indexer_loss_scales(scale) -> None:
 def drain_dsa_indexer_losses() -> torch.Tensor | None:
     """megatron's per-layer DSA indexer losses (coefficient-scaled, one slot per 1-based ``layer_number``) recorded
     since the last call, or ``None``; the tracker is emptied (the next model may have more layers)."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
-
     values = DSAIndexerLossLoggingHelper.tracker.pop("values", None)
     DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
     return None if values is None else values.detach()
@@ -287,10 +258,5 @@ def drain_dsa_indexer_losses() -> torch.Tensor | None:
 
 def reset_dsa_indexer_loss_state() -> None:
     """Forget megatron's DSA indexer-loss backward scale and tracked losses (a new run starts fresh)."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import (
-        DSAIndexerLossAutoScaler,
-        DSAIndexerLossLoggingHelper,
-    )
-
     DSAIndexerLossAutoScaler.main_loss_backward_scale = None
     DSAIndexerLossLoggingHelper.tracker.clear()

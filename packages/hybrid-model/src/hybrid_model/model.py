@@ -31,7 +31,18 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
+from dsv4_attention.megatron import DSv4HybridAttention
+from dsv4_primitives import linear_cross_entropy, vocab_parallel_cross_entropy
 from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.context_parallel import context_parallel_group, cp_token_count
+from hybrid_model.mtp import (
+    DSv4MultiTokenPrediction,
+    mtp_full_recompute,
+    mtp_roll_left,
+    router_cu_seqlens,
+    run_mtp_depth,
+)
+from hybrid_model.spec import dsv4_stack_spec, dsv4_stack_submodules, mhc_config, transformer_config
 from hybrid_model.symbols import PIPE, register_dsv4_symbols
 
 
@@ -75,7 +86,6 @@ class DSv4Model(HybridModel):
         backend=None,
         fused_linear_cross_entropy: bool = True,
     ) -> None:
-        from hybrid_model.spec import dsv4_stack_spec, dsv4_stack_submodules, mhc_config
 
         register_dsv4_symbols()
         if pg_collection is None:
@@ -111,8 +121,6 @@ class DSv4Model(HybridModel):
         self.fused_linear_cross_entropy = bool(fused_linear_cross_entropy)
         self.mtp_process = bool(post_process and parsed.mtp_num_depths)
         if self.mtp_process:
-            from hybrid_model.mtp import DSv4MultiTokenPrediction
-
             if not hasattr(self, "embedding"):
                 self.embedding = LanguageModelEmbedding(
                     config=config,
@@ -153,7 +161,6 @@ class DSv4Model(HybridModel):
     ) -> None:
         """Set the phase of every DSv4 attention layer of this model chunk and the MTP loss weight for the next
         forwards (``None`` keeps a value). The megatron config is not touched."""
-        from dsv4_attention.megatron import DSv4HybridAttention
 
         new = StepState(
             self._step_state.dense_attention if dense_attention is None else bool(dense_attention),
@@ -202,8 +209,6 @@ class DSv4Model(HybridModel):
             )
         router_cu = None
         if input_ids is not None:
-            from hybrid_model.mtp import router_cu_seqlens
-
             router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
             self.decoder.bind_input_ids(input_ids, router_cu)
         try:
@@ -251,12 +256,10 @@ class DSv4Model(HybridModel):
     ) -> list[torch.Tensor]:
         """Every MTP depth's final hidden states ``[s, b, d]`` (the shared head's input), depth 1 first. Depth ``k``
         embeds the ids rolled left ``k`` times (0 past each document's end) and reads depth ``k - 1``'s streams."""
-        from hybrid_model.mtp import mtp_full_recompute, mtp_roll_left, router_cu_seqlens
 
         cp = self.context_parallel_group
         if router_cu is None:
             router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
-        from hybrid_model.mtp import run_mtp_depth
 
         out, ids = [], input_ids
         recompute = self.training and mtp_full_recompute(self.config, len(self.decoder.layers))
@@ -280,8 +283,6 @@ class DSv4Model(HybridModel):
     def _attach_mtp_loss(
         self, hidden, streams, input_ids, position_ids, labels, loss_mask, psp, padding_mask, router_cu
     ):
-        from hybrid_model.context_parallel import cp_token_count
-        from hybrid_model.mtp import mtp_roll_left
 
         cp = self.context_parallel_group
         hs = self.mtp_hidden(streams, input_ids, position_ids, psp, padding_mask, router_cu)  # D x [s, b, d]
@@ -314,7 +315,6 @@ class DSv4Model(HybridModel):
         """The context-parallel group (``pg_collection.cp``) when its size is > 1, else ``None``. Under CP every
         forward takes this rank's contiguous rows ``[1, L]`` of a THD pack and the *global* ``packed_seq_params``;
         ``last_mtp_loss`` is then this rank's partial (the partials of the CP ranks add up to the CP=1 loss)."""
-        from hybrid_model.context_parallel import context_parallel_group
 
         return context_parallel_group(self.pg_collection)
 
@@ -330,7 +330,6 @@ class DSv4Model(HybridModel):
         chunk, vocab-parallel reductions over the tensor-parallel group) and recomputes each chunk's logits in the
         backward. Same values as the output layer + :meth:`compute_language_model_loss` up to the rounding of the
         chunked GEMMs."""
-        from dsv4_primitives import linear_cross_entropy
 
         tp = self.pg_collection.tp
         loss = linear_cross_entropy(
@@ -351,7 +350,6 @@ class DSv4Model(HybridModel):
         """
         if not self.config.cross_entropy_loss_fusion:
             return super().compute_language_model_loss(labels, logits)
-        from dsv4_primitives import vocab_parallel_cross_entropy
 
         tp = self.pg_collection.tp
         loss = vocab_parallel_cross_entropy(
@@ -393,7 +391,6 @@ def build_model(
     """Build a :class:`DSv4Model` (megatron parallel state must be initialised); ``config_kwargs`` go to
     :func:`hybrid_model.spec.transformer_config`; ``vp_stage``: the virtual pipeline chunk (with
     ``virtual_pipeline_model_parallel_size`` in ``config_kwargs``)."""
-    from hybrid_model.spec import transformer_config
 
     tc = transformer_config(model_config, **config_kwargs)
     return DSv4Model(

@@ -9,23 +9,17 @@ field; :func:`apply_model_overrides` turns the overrides into the run's :class:`
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hybrid_model.config import DSv4ModelConfig
-
-#: one line of the pattern symbols for ``--help`` (kept import-free: ``dsv4 --help`` loads no torch)
-PATTERN_HELP = (
-    "W window, C CSA, H HCA, E MoE, - dense MLP, * attention, + MLA, D DSA, G GDN, M Mamba; '|' pipeline cut, "
-    "'/' MTP depth"
-)
+from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.symbols import PIPE, SYMBOL_HELP, parse_pattern
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Add ``--pattern`` and ``--no-mhc`` to a sub-command's parser."""
     p.add_argument(
         "--pattern",
-        help="hybrid layer pattern replacing the preset's, e.g. 'WEC-|H-C-/W-' (" + PATTERN_HELP + "; "
+        help="hybrid layer pattern replacing the preset's, e.g. 'WEC-|H-C-/W-' (" + SYMBOL_HELP + "; "
         "see the hybrid-model README; default: the preset's)",
     )
     p.add_argument(
@@ -39,7 +33,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args) -> dict[str, Any]:
     """The ``DSv4ModelConfig`` changes of the parsed flags (removed from ``args``)."""
-    from hybrid_model.symbols import parse_pattern
 
     out: dict[str, Any] = {}
     pattern = vars(args).pop("pattern", None)
@@ -55,7 +48,6 @@ def apply_model_overrides(cfg: DSv4ModelConfig, overrides: dict[str, Any], *, pp
     """``cfg`` with ``overrides`` applied: a ``hybrid_layer_pattern`` goes through
     :meth:`~hybrid_model.config.DSv4ModelConfig.with_pattern` (which derives the counts), then the other fields.
     A pattern's ``|`` cuts must match ``pp`` pipeline stages."""
-    from hybrid_model.symbols import PIPE, parse_pattern
 
     changes = dict(overrides)
     pattern = changes.pop("hybrid_layer_pattern", None)

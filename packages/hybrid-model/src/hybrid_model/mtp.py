@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
+from dsv4_attention.layout import STATIC_BOUNDS_ATTR
 from dsv4_primitives import RMSNorm
+from dsv4_primitives.recompute import checkpoint_layers, recompute_config_of
+from hash_moe.megatron import DSv4MoELayer
 from hybrid_model.layers import build_hybrid_layer
+from hybrid_model.residual import SingleStreamHead
 from mhc import HyperHead
 from thd_packing import roll_left, roll_left_contiguous_cp
 
@@ -57,7 +62,6 @@ def mtp_roll_left(x: torch.Tensor, packed_seq_params=None, cp_group=None) -> tor
 
 def _is_static(packed_seq_params) -> bool:
     """A static-shape pack (``--cuda-graph --packed``): its boundaries stay on the device (no host reads)."""
-    from dsv4_attention.layout import STATIC_BOUNDS_ATTR
 
     return bool(getattr(packed_seq_params, STATIC_BOUNDS_ATTR, False))
 
@@ -100,7 +104,6 @@ def mtp_full_recompute(config, num_decoder_layers: int) -> bool:
     """Whether the MTP depths are recomputed: under full recompute (``--recompute-granularity full``) when the
     stage's last decoder layer is checkpointed too (uniform: always; block: when ``--recompute-num-layers`` covers
     the whole stage), i.e. the MTP block counts as part of the stage's last chunk."""
-    from dsv4_primitives.recompute import recompute_config_of
 
     rc = recompute_config_of(config)
     if not rc.full:
@@ -130,8 +133,6 @@ def run_mtp_depth(
         return h if last else (h, out)
 
     if recompute:
-        from dsv4_primitives.recompute import checkpoint_layers
-
         result = checkpoint_layers(run, streams)
     else:
         result = run(streams)
@@ -183,8 +184,6 @@ class DSv4MultiTokenPrediction(MegatronModule):
         if enable_mhc:
             self.hyper_head = HyperHead(mhc)
         else:
-            from hybrid_model.residual import SingleStreamHead
-
             self.hyper_head = SingleStreamHead()
         self.norm = RMSNorm(d, eps=eps, config=config)
         self.tp_group = pg_collection.tp
@@ -201,7 +200,6 @@ class DSv4MultiTokenPrediction(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """megatron's default treats the plain ``nn.ModuleList`` :attr:`block` as replicated tensors, which loses
         the layers' own sharding (experts split over EP): ask every block layer for its sharded state instead."""
-        from megatron.core.transformer.utils import sharded_state_dict_default
 
         out = {}
         for name, child in self.named_children():
@@ -236,7 +234,6 @@ class DSv4MultiTokenPrediction(MegatronModule):
 
     def moe_layers(self) -> list:
         """The ``DSv4MoELayer`` of every ``E`` layer of this depth (not of the next ones)."""
-        from hash_moe.megatron import DSv4MoELayer
 
         mlps = (getattr(layer.inner_layer, "mlp", None) for layer in self.block)
         return [mlp for mlp in mlps if isinstance(mlp, DSv4MoELayer)]

@@ -14,6 +14,9 @@ groups/rank, ``n_I``/``c_I`` indexer heads/dim, ``n`` mHC streams, ``E``/``K`` e
     DSA (D)        = MLA + n_I·c_I·d_c + c_I·d + 2·c_I + n_I·d (indexer wq_b, wk, LayerNorm k-norm, weights)
     GDN (G)        = d·(2·Hk·dk + 2·Hv·dv + 2·Hv) + K·(2·Hk·dk + Hv·dv) + 2·Hv + dv + Hv·dv·d + d
                      (megatron's default sizes; :mod:`hybrid_model.gated_delta_net`)
+
+Each layer's count is its record's (``params`` of :mod:`hybrid_model.mixers`, one module per symbol); this module
+adds the mHC of every sub-layer, the embedding, head, HyperHead and MTP projections.
     model          = 2·V·d (embedding, head; untied) + d (norm) + n·n·d + n + 1 (HyperHead)
     MTP            = 2·d² (e_proj, h_proj) + 3·d (enorm, hnorm, norm) + HyperHead + window block
     mHC off        : no mHC and no HyperHead terms (plain residual, one stream)
@@ -29,10 +32,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from dsv4_attention import LayerKind
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.gated_delta_net import GDNSizes, gdn_layer_params
-from hybrid_model.symbols import ATTENTION, DSA, GDN, KIND_NAMES, MLA, MLP, MOE, attention_kind
+from hybrid_model.mixers.moe import one_expert_params
+from hybrid_model.mixers.registry import REGISTRY, counted_symbols
+from hybrid_model.model import build_model
+from hybrid_model.symbols import KIND_NAMES
 
 
 @dataclass
@@ -65,47 +69,6 @@ class ParamCounts:
         return d
 
 
-def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, int]:
-    """Per-layer attention parameter counts by part for a layer of ``kind`` (a :class:`LayerKind` or its ratio)."""
-    kind = LayerKind.coerce(kind)
-    d, c, nh, dc = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.q_lora_rank
-    g, dg = cfg.o_groups, cfg.o_lora_rank
-    out = {
-        "attention.projections": dc * d + dc + nh * c * dc + c * d + c + g * dg * (nh * c // g) + d * g * dg,
-        "attention.sinks": nh,
-        "attention.compressor": 0,
-        "attention.indexer": 0,
-    }
-    m = kind.compress_ratio
-    if kind.has_indexer:  # CSA: overlapping compressors (two series) for the KV and the indexer keys
-        nI, cI = cfg.index_n_heads, cfg.index_head_dim
-        out["attention.compressor"] = 2 * (2 * c * d) + m * 2 * c + c
-        out["attention.indexer"] = nI * cI * dc + nI * d + 2 * (2 * cI * d) + m * 2 * cI + cI
-    elif kind.has_compressor:
-        out["attention.compressor"] = 2 * c * d + m * c + c
-    return out
-
-
-def latent_dims(cfg: DSv4ModelConfig) -> tuple[int, int, int, int, int, int]:
-    """``(d, c, r, nh, dc, rank)`` of a ``+``/``D`` layer: hidden, head dim, RoPE dims, heads, q LoRA rank and
-    megatron's ``kv_lora_rank = c - r`` (= qk_head_dim, :class:`dsv4_attention.megatron.DSv4AttentionConfig`)."""
-    d, c, r = cfg.hidden_size, cfg.head_dim, cfg.qk_rope_head_dim
-    return d, c, r, cfg.num_attention_heads, cfg.q_lora_rank, c - r
-
-
-def latent_attention_params(cfg: DSv4ModelConfig, symbol: str) -> dict[str, int]:
-    """Attention parameters of a ``+`` (MLA) or ``D`` (DSA) layer by part (megatron's modules; see module doc)."""
-    d, c, r, nh, dc, rank = latent_dims(cfg)
-    out = {
-        "attention.projections": dc * d + nh * c * dc + c * d + nh * (2 * c - r) * rank + d * nh * c,
-        "attention.latent_norms": dc + rank,
-    }
-    if symbol == DSA:
-        nI, cI = cfg.index_n_heads, cfg.index_head_dim
-        out["attention.indexer"] = nI * cI * dc + cI * d + 2 * cI + nI * d
-    return out
-
-
 def mhc_params(cfg: DSv4ModelConfig) -> int:
     """One mHC instance (``fn``, ``base``, ``scale``) around one sub-layer (0 with mHC off)."""
     if not cfg.enable_mhc_connections:
@@ -120,20 +83,6 @@ def hyper_head_params(cfg: DSv4ModelConfig) -> int:
         return 0
     n, d = cfg.hc_mult, cfg.hidden_size
     return n * n * d + n + 1
-
-
-def one_expert_params(cfg: DSv4ModelConfig) -> int:
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size
-
-
-def moe_params(cfg: DSv4ModelConfig, hashed: bool, active_only: bool = False) -> dict[str, int]:
-    E, d = cfg.n_routed_experts, cfg.hidden_size
-    n_exp = cfg.num_experts_per_tok if active_only else E
-    return {
-        "moe.router": E * d + (0 if hashed else E),
-        "moe.routed_experts": n_exp * one_expert_params(cfg),
-        "moe.shared_experts": cfg.n_shared_experts * one_expert_params(cfg),
-    }
 
 
 def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
@@ -152,49 +101,17 @@ def analytic_param_counts(cfg: DSv4ModelConfig) -> ParamCounts:
 
     def layer(symbol: str, number: int, prefix: str) -> tuple[int, int, int]:
         """(params, activated params, attention params) of one hybrid layer."""
-        total = act = att = 0
-        kind = attention_kind(symbol)
-        if kind is not None:
-            parts = attention_params(cfg, kind)
-            parts["norms"] = d  # attn_norm
-            for k, v in parts.items():
-                add(prefix + k, v)
-            att = sum(v for k, v in parts.items() if k.startswith("attention"))
-            total = act = sum(parts.values())
-        elif symbol == MOE:
-            parts = moe_params(cfg, number in hashed)
-            parts["norms"] = d  # ffn_norm
-            for k, v in parts.items():
-                add(prefix + k, v)
-            total = sum(parts.values())
-            act = total - parts["moe.routed_experts"] + cfg.num_experts_per_tok * one_expert_params(cfg)
-        elif symbol in (MLA, DSA):
-            parts = latent_attention_params(cfg, symbol)
-            parts["norms"] = d  # input_layernorm
-            for k, v in parts.items():
-                add(prefix + k, v)
-            att = sum(v for k, v in parts.items() if k.startswith("attention"))
-            total = act = sum(parts.values())
-        elif symbol == GDN:
-            n_gdn = gdn_layer_params(GDNSizes.for_hidden_size(d))
-            add(prefix + "attention.gated_delta_net", n_gdn - d)
-            add(prefix + "norms", d)  # input_layernorm (TE: fused into in_proj)
-            att, total, act = n_gdn - d, n_gdn, n_gdn
-        elif symbol in (MLP, ATTENTION):
-            # -: SwiGLU MLP d -> 2f -> d; *: QKV d -> 3d and output d -> d (n_h heads of d/n_h dims), no biases
-            key, n_lin = (
-                ("mlp", one_expert_params(cfg)) if symbol == MLP else ("attention.projections", 4 * d * d)
-            )
-            add(prefix + key, n_lin)
-            add(prefix + "norms", d)
-            att = n_lin if symbol == ATTENTION else 0
-            total = act = n_lin + d
-        else:
+        counts = REGISTRY[symbol].params
+        if counts is None:
             raise ValueError(
-                f"parameter counting covers the symbols C H W E - * + D G ; {symbol!r} (megatron-core's "
+                f"parameter counting covers the symbols {counted_symbols('params')} ; {symbol!r} (megatron-core's "
                 f"{KIND_NAMES[symbol]} layer) is not counted analytically: count a built model "
                 "(count_model_params / build_meta_model)"
             )
+        lp = counts(cfg, number in hashed)
+        for k, v in lp.parts.items():
+            add(prefix + k, v)
+        total, act, att = lp.total, lp.total - lp.inactive, lp.attention
         if cfg.enable_mhc_connections:
             add(prefix + "mhc", mhc_params(cfg))
         return total + mhc_params(cfg), act + mhc_params(cfg), att
@@ -309,7 +226,5 @@ def build_meta_model(cfg: DSv4ModelConfig, **config_kwargs):
 
     megatron-core's parallel state must be initialised (world size 1 is enough).
     """
-    from hybrid_model.model import build_model
-
     with meta_device():
         return build_model(cfg, perform_initialization=False, **config_kwargs)

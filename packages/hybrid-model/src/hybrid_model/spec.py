@@ -1,20 +1,9 @@
 """The DSv4 stack spec (upstream D4 ``hybrid_dsv4_stack_spec``) and the megatron ``TransformerConfig`` of a model.
 
-``dsv4_stack_spec(config)`` is a *callable* taking the megatron config (as upstream): it maps
-
-=======  ==========================================================================================
-symbol   hybrid layer (every one wrapped by mHC, :class:`mhc.megatron.HyperConnectionLayer`)
-=======  ==========================================================================================
-``W``    ``DSv4TransformerLayer`` (RMSNorm ``attn_norm`` + ``DSv4HybridAttention``, ``LayerKind.WINDOW``)
-``C``    the same of ``LayerKind.CSA`` (ratio ``m`` = 4 + lightning indexer)
-``H``    the same of ``LayerKind.HCA`` (ratio ``m'`` = 128)
-``E``    ``TransformerLayer`` (RMSNorm ``ffn_norm`` + ``DSv4MoELayer``): hash router for the first
-         ``num_hash_layers`` MoE layers, learned sqrt-softplus top-k elsewhere
-``-``    ``TransformerLayer`` (RMSNorm + megatron's dense SwiGLU ``MLP``)
-``*``    standard attention (:mod:`hybrid_model.standard_attention`); ``+ D``: megatron-core's MLA / DSA
-         (TE specs, or local ones without TE: :mod:`hybrid_model.latent_attention`); ``G M``: megatron's
-         TE specs (transformer-engine and ``fla`` / ``mamba_ssm``; :mod:`hybrid_model.layers`)
-=======  ==========================================================================================
+``dsv4_stack_spec(config)`` is a *callable* taking the megatron config (as upstream): the stack
+(:class:`~hybrid_model.stack.DSv4HybridStack`) with one layer spec per symbol of the pattern, each from its record's
+spec builder (:mod:`hybrid_model.mixers`; ``E`` also the hash-routed spec of the first ``num_hash_layers`` MoE
+layers). Every layer is wrapped by mHC (:class:`mhc.megatron.HyperConnectionLayer`).
 
 Linear layers come from megatron-core's local provider on CPU and from transformer-engine's when the ``gpu`` extra
 is installed and CUDA is present (:func:`select_backend`).
@@ -28,15 +17,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dsv4_attention.megatron import DSv4AttentionConfig
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import DSA
+from hybrid_model.latent_attention import set_indexer_loss_scales
+from hybrid_model.mixers.moe import hash_moe_layer_spec
+from hybrid_model.mixers.registry import records_of, require_symbol_dependencies, require_symbol_device
+from hybrid_model.stack import DSv4HybridStack
+from hybrid_model.symbols import DSA, MOE
+from mhc import MHCConfig
 
 
 def select_backend(prefer: str = "auto"):
     """Linear-layer provider: ``"local"``, ``"te"`` or ``"auto"`` (TE when importable and CUDA present)."""
-    from megatron.core.models.backends import LocalSpecProvider
-
     if prefer not in ("auto", "local", "te"):
         raise ValueError(f"backend must be 'auto', 'local' or 'te', got {prefer!r}")
     if prefer == "local":
@@ -77,8 +72,6 @@ def transformer_config(
     counts twice), as megatron-core's ``HybridModel`` numbers them. ``recompute``: a
     :class:`dsv4_primitives.recompute.RecomputeConfig` (``dsv4_recompute`` plus megatron's ``recompute_*`` fields).
     """
-    from dsv4_attention.megatron import DSv4AttentionConfig
-
     p = cfg.parsed_pattern
     kw: dict[str, Any] = dict(
         num_layers=len(p.main),
@@ -143,8 +136,6 @@ def transformer_config(
         cross_entropy_loss_fusion=True,
     )
     if DSA in p.all_symbols:  # megatron's DSA indexers (D) take the same per-micro-batch loss scale
-        from hybrid_model.latent_attention import set_indexer_loss_scales
-
         kw["experimental_attention_variant_loss_scale_func"] = set_indexer_loss_scales
     if recompute is not None and recompute.granularity is not None:
         kw.update(recompute.megatron_fields(), dsv4_recompute=recompute)
@@ -162,8 +153,6 @@ def transformer_config(
 def mhc_config(cfg: DSv4ModelConfig, stream_dtype: torch.dtype = torch.float32):
     """The :class:`mhc.MHCConfig` of every mHC instance of the model (with mHC off: the one plain residual stream,
     whose ``stream_dtype`` the stack and the pipeline buffers keep)."""
-    from mhc import MHCConfig
-
     return MHCConfig(
         hidden_size=cfg.hidden_size,
         num_streams=cfg.num_streams,  # 1 with mHC off: the plain residual stream
@@ -176,98 +165,39 @@ def mhc_config(cfg: DSv4ModelConfig, stream_dtype: torch.dtype = torch.float32):
 
 @dataclass
 class DSv4StackSubmodules:
-    """Layer specs of a DSv4 stack (megatron ``HybridStackSubmodules`` + the D4 fields + the hash MoE layer)."""
+    """Layer specs of a DSv4 stack: one per layer symbol of the pattern (``E``: the learned router's) and the
+    hash-routed ``E`` spec (``None`` without hash layers, and in MTP depths)."""
 
-    window_layer: Any = None
-    csa_layer: Any = None
-    hca_layer: Any = None
-    moe_layer: Any = None
+    layers: dict = dataclasses.field(default_factory=dict)
     hash_moe_layer: Any = None
-    mtp_block_spec: Any = None
-    mlp_layer: Any = None
-    #: specs of the other megatron symbols present in the pattern (``*``, ``+``, ``D``, ``G``, ``M``)
-    symbol_layers: dict = dataclasses.field(default_factory=dict)
 
-    def symbol_layer(self, symbol: str):
-        """The layer spec of a ``*``/``+``/``D``/``G``/``M`` symbol (built for the symbols of the pattern)."""
-        if symbol not in self.symbol_layers:
+    def layer_spec(self, symbol: str, *, hashed: bool = False):
+        """The layer spec of ``symbol`` (``hashed``: the hash-routed ``E`` layer's)."""
+        if hashed and symbol == MOE:
+            if self.hash_moe_layer is None:
+                raise ValueError(
+                    "the stack spec has no hash-routed MoE layer (num_hash_layers = 0, or an MTP depth)"
+                )
+            return self.hash_moe_layer
+        if symbol not in self.layers:
             raise ValueError(
                 f"the stack spec has no layer for symbol {symbol!r} (it is not in the model's pattern)"
             )
-        return self.symbol_layers[symbol]
-
-    def attention_layer(self, kind):
-        """The layer spec of a :class:`dsv4_attention.LayerKind`."""
-        from dsv4_attention import LayerKind
-
-        return {
-            LayerKind.WINDOW: self.window_layer,
-            LayerKind.CSA: self.csa_layer,
-            LayerKind.HCA: self.hca_layer,
-        }[kind]
-
-
-def moe_layer_spec(*, hash_routing: bool, vocab_size: int | None = None, tid2eid: torch.Tensor | None = None):
-    """``TransformerLayer`` spec of an ``E`` layer: ``ffn_norm`` (RMSNorm) + DSv4 MoE (hash or learned router)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    from dsv4_primitives import RMSNorm
-    from hash_moe.megatron import get_dsv4_moe_spec
-
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=RMSNorm,
-            mlp=get_dsv4_moe_spec(hash_routing=hash_routing, vocab_size=vocab_size, tid2eid=tid2eid),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
+        return self.layers[symbol]
 
 
 def dsv4_stack_submodules(cfg: DSv4ModelConfig, backend=None, *, is_mtp: bool = False) -> DSv4StackSubmodules:
-    """Specs of the DSv4 layer kinds (C/H/W attention, learned and hash ``E``, dense ``-``) and of the other megatron
-    symbols of the pattern (``* + D G M``; :mod:`hybrid_model.layers`). Raises ``ImportError`` naming the missing
-    package when a symbol of the pattern needs one."""
-    from dsv4_attention import LayerKind
-    from dsv4_attention.megatron import get_dsv4_layer_spec
-    from hybrid_model.layers import (
-        attention_layer_spec,
-        megatron_layer_spec,
-        mlp_layer_spec,
-        require_symbol_dependencies,
-        require_symbol_device,
-    )
-    from hybrid_model.symbols import ATTENTION
-
-    symbols = set(cfg.parsed_pattern.all_symbols)
-    require_symbol_dependencies("".join(symbols))
-    require_symbol_device("".join(symbols))
-
+    """The spec of every layer symbol of the pattern (its record's spec builder) and, outside MTP, the hash-routed
+    ``E`` layer's. Raises ``ImportError`` naming the missing package when a symbol of the pattern needs one (and a
+    ``ValueError`` for a symbol that needs CUDA on a machine without)."""
+    symbols = cfg.parsed_pattern.all_symbols
+    require_symbol_dependencies(symbols)
+    require_symbol_device(symbols)
     backend = backend if backend is not None else select_backend()
-    hash_spec = None
-    if not is_mtp and cfg.num_hash_layers:
-        from hash_moe import build_tid2eid_round_robin
-
-        # the initial table is built on the CPU even under a meta-device build (the router validates its values);
-        # int64 so that every hash router converts it into its own int32 buffer (no shared storage)
-        with torch.device("cpu"):
-            table = build_tid2eid_round_robin(
-                cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-            ).long()
-        hash_spec = moe_layer_spec(hash_routing=True, vocab_size=cfg.vocab_size, tid2eid=table)
+    hash_spec = hash_moe_layer_spec(cfg) if not is_mtp and cfg.num_hash_layers else None
     return DSv4StackSubmodules(
-        window_layer=get_dsv4_layer_spec(LayerKind.WINDOW, backend, is_mtp_layer=is_mtp),
-        csa_layer=get_dsv4_layer_spec(LayerKind.CSA, backend, is_mtp_layer=is_mtp),
-        hca_layer=get_dsv4_layer_spec(LayerKind.HCA, backend, is_mtp_layer=is_mtp),
-        moe_layer=moe_layer_spec(hash_routing=False),
+        layers={r.symbol: r.spec(cfg, backend, is_mtp) for r in records_of(symbols)},
         hash_moe_layer=hash_spec,
-        mlp_layer=mlp_layer_spec(backend),
-        symbol_layers={
-            s: attention_layer_spec(cfg, backend) if s == ATTENTION else megatron_layer_spec(s, backend)
-            for s in sorted(symbols & set("*+DGM"))
-        },
     )
 
 
@@ -277,9 +207,6 @@ def dsv4_stack_spec(model_config: DSv4ModelConfig, backend=None):
     Callable in the transformer config like upstream ``hybrid_dsv4_stack_spec``; the returned spec is what
     ``HybridModel(hybrid_stack_spec=...)`` builds the decoder from.
     """
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from hybrid_model.stack import DSv4HybridStack
 
     def build(config) -> ModuleSpec:
         return ModuleSpec(

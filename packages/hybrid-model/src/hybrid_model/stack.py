@@ -1,7 +1,7 @@
 """``DSv4HybridStack``: the mHC hybrid stack with the DSv4 symbols ``C``/``H``/``W`` and hash-routed ``E`` layers.
 
 megatron-core 0.19.2's ``HybridStack`` knows neither C/H/W nor hash MoE; this stack builds every layer itself
-(:func:`hybrid_model.layers.build_hybrid_layer`: C/H/W/E, megatron's ``- * + D G M``)
+(:func:`hybrid_model.layers.build_hybrid_layer`: every symbol's record, :mod:`hybrid_model.mixers`)
 (``layer_number = i + 1 + pp_layer_offset``, counting every symbol, as ``HybridStack`` does), wraps every layer in
 :class:`mhc.megatron.HyperConnectionLayer`, expands the embedding into ``n`` streams on the first stage and collapses
 them with the HyperHead + final RMSNorm on the last (returning the streams too, for MTP).
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from hash_moe.megatron import DSv4MoELayer
 from hybrid_model.layers import build_hybrid_layer
+from hybrid_model.residual import SingleStreamHead
 from hybrid_model.symbols import MOE
 from mhc.megatron import HyperConnectionHybridStack
 
@@ -84,15 +86,11 @@ class DSv4HybridStack(HyperConnectionHybridStack):
         ]
         self.layers = nn.ModuleList(layers)
         if not model_config.enable_mhc_connections and self.post_process:
-            from hybrid_model.residual import SingleStreamHead
-
             self.hyper_head = SingleStreamHead()  # one stream (mhc.num_streams = 1): no HyperHead parameters
         self.num_layers_per_pipeline_rank = len(self.layers)
 
     def moe_layers(self):
         """The ``DSv4MoELayer`` of every ``E`` layer of this segment."""
-        from hash_moe.megatron import DSv4MoELayer
-
         mlps = (getattr(layer.inner_layer, "mlp", None) for layer in self.layers)
         return [mlp for mlp in mlps if isinstance(mlp, DSv4MoELayer)]
 

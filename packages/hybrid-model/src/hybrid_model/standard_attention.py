@@ -24,6 +24,12 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 
+#: the context-parallel refusal of the causal core (``*``'s record reads it; the local ``+`` refuses CP before)
+CP_REFUSAL = (
+    "the '*' layer (standard attention) and the '+' layer without transformer-engine (MLA) do not support context "
+    "parallelism: use C/H/W layers or CP=1"
+)
+
 
 def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``doc[t]`` = index of the document row ``t`` belongs to (``[T]``); rows past ``cu_seqlens[-1]`` get -1."""
@@ -89,10 +95,7 @@ class CausalSoftmaxAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if pg_collection is not None and pg_collection.cp is not None and pg_collection.cp.size() > 1:
-            raise ValueError(
-                "the '*' layer (standard attention) and the '+' layer without transformer-engine (MLA) do not "
-                "support context parallelism: use C/H/W layers or CP=1"
-            )
+            raise ValueError(CP_REFUSAL)
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 

@@ -114,7 +114,7 @@ class ParsedPattern:
 SYMBOL_HELP = (
     "W window, C CSA, H HCA, E MoE, - dense MLP, * attention, + MLA, D DSA, G GDN, M Mamba; "
     "'|' pipeline cut, '/' MTP depth"
-)  # (= hybrid_model.model_flags.PATTERN_HELP, which --help reads without importing torch)
+)  # (--pattern's help, hybrid_model.model_flags)
 
 
 class PatternError(ValueError):

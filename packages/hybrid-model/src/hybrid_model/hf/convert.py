@@ -21,13 +21,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from torch.distributed.checkpoint.api import CheckpointException
 
+from dsv4_primitives.megatron import cuda_as_cpu
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.hf.config_map import hf_config_from_model_config
 from hybrid_model.hf.io import read_config, write_checkpoint
@@ -51,7 +56,6 @@ _CARRIED = (
 
 def _dist_ckpt_context():
     """megatron's checkpoint writer synchronises CUDA streams; on CPU that is redirected (a no-op with CUDA)."""
-    from dsv4_primitives.megatron import cuda_as_cpu
 
     return cuda_as_cpu()
 
@@ -106,10 +110,6 @@ def staged_output_dir(out_dir: str | Path, *, overwrite: bool = False) -> Iterat
 def save_megatron_checkpoint(model, out_dir: str | Path, *, extra: dict | None = None) -> Path:
     """Save ``model`` as a megatron dist checkpoint ``{"model": sharded_state_dict}`` in the empty or new
     directory ``out_dir``, plus ``dsv4_model_config.json``."""
-    import queue
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -166,7 +166,6 @@ def load_megatron_checkpoint(
 ):
     """Our model from a megatron dist checkpoint (``convert`` output, or a ``dsv4 train`` checkpoint / run directory
     when ``model_config`` is given); fp32, eval mode, single stage."""
-    from megatron.core import dist_checkpointing
 
     path = _resolve_checkpoint_dir(Path(ckpt_dir))
     if not (path / "metadata.json").is_file():
@@ -195,7 +194,6 @@ def load_megatron_checkpoint(
         )
     elif model_config.pipeline_stages != 1:
         model_config = model_config.replace(pipeline_stages=1)
-    from torch.distributed.checkpoint.api import CheckpointException
 
     model = build_empty_model(model_config, "cpu")
     try:

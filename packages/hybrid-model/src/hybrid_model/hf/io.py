@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 INDEX = "model.safetensors.index.json"
 _REFETCH = "re-download or re-export the checkpoint"
@@ -83,8 +85,6 @@ def safetensors_files(path: str | Path) -> list[Path]:
 def read_safetensors_file(f: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file (CPU); a truncated, corrupt or unreadable file raises a ``ValueError``
     naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     try:
         return load_file(str(f), device="cpu")
@@ -115,7 +115,6 @@ def write_checkpoint(
 ) -> list[Path]:
     """Write ``tensors`` (names as given) + ``config.json`` to the directory ``path`` (created; must be new or
     empty: nothing in it is ever overwritten). Returns the written weight files."""
-    from safetensors.torch import save_file
 
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)

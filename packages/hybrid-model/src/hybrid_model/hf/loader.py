@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
+from dsv4_attention import LightningIndexer
 from hybrid_model.hf.config_map import model_config_from_hf
 from hybrid_model.hf.io import read_config, read_tensors
 from hybrid_model.hf.runtime import ensure_single_stage_parallel_state
 from hybrid_model.hf.weights import canonicalize, load_official_state_dict
+from hybrid_model.model import build_model
 
 
 def read_official_checkpoint(path: str | Path, *, mtp: bool | None = None):
@@ -47,7 +49,6 @@ def read_official_checkpoint(path: str | Path, *, mtp: bool | None = None):
 
 def build_empty_model(model_config, device: str | torch.device = "cpu"):
     """A :class:`DSv4Model` of ``model_config`` without weight initialisation (fp32, single stage)."""
-    from hybrid_model.model import build_model
 
     ensure_single_stage_parallel_state()
     model = build_model(model_config, perform_initialization=False)
@@ -83,7 +84,6 @@ def hf_cpu_topk_ties(model) -> Iterator[None]:
     ``indexer_topk_ref(tie_break="torch_topk")``), which is how transformers (and the official code) break exact
     score ties on CPU. Use it only to reproduce logits computed by transformers on CPU (spec §4.2 rule 1);
     everywhere else ties go to the lower entry index (rule 2). Each indexer's previous rule is restored on exit."""
-    from dsv4_attention import LightningIndexer
 
     indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
     previous = [ix.cfg.tie_break for ix in indexers]

@@ -13,13 +13,13 @@ import socket
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from dsv4_primitives.megatron import apply_cpu_shims, init_rng_tracker
 
 
 def ensure_single_stage_parallel_state(seed: int = 1234) -> bool:
     """Make sure a megatron parallel state with TP = PP = EP = 1 exists; returns True if it was created here."""
-    from megatron.core import parallel_state as ps
-
-    from dsv4_primitives.megatron import apply_cpu_shims, init_rng_tracker
 
     apply_cpu_shims()
     if ps.model_parallel_is_initialized():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_model.hf.config_map import check_hf_representable
 from hybrid_model.hf.names import FUSED_DOWN, FUSED_GATE_UP, canonical_name
 from hybrid_model.symbols import MOE, WINDOW
 
@@ -84,7 +85,6 @@ _MTP_TOP = {
 
 def _blocks(model_config) -> list[tuple[str, str, str]]:
     """``(official scope, our attention layer, our MoE layer)`` per block, main blocks then MTP depths."""
-    from hybrid_model.hf.config_map import check_hf_representable
 
     check_hf_representable(model_config)
     p = model_config.parsed_pattern
