@@ -74,6 +74,19 @@ def test_teacher_forced_without_mhc(megatron_cpu):
     assert_close("mHC off", got, full_logits(model, seq))
 
 
+def test_teacher_forced_bf16(megatron_cpu):
+    """A bf16 model decodes in bf16 (caches in the parameter dtype): within bf16 rounding of its full forward
+    (rule: ``max|cached - full| <= 1e-2 * max(1, max|full|)``, about two bf16 ulps of the logits)."""
+    from hybrid_model.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny"), params_dtype=torch.bfloat16, bf16=True).eval()
+    seq = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    (got,) = teacher_forced(model, [seq], [9])
+    full = full_logits(model, seq)
+    assert (got - full).abs().max().item() <= 1e-2 * max(1.0, full.abs().max().item())
+
+
 def test_greedy_generate_equals_argmax_of_repeated_full_forwards(megatron_cpu):
     model = tiny_model()
     g = torch.Generator().manual_seed(3)
