@@ -11,17 +11,18 @@ positions ``[start(L), L)``::
 
 A call appends its new rows' projections (the compressor's own ``linear_wkv`` / ``linear_wgate``) and pools each
 sequence's held + new rows as ONE document starting at ``start(L)``, a block boundary, with csa-kernels'
-``compressor_pool`` (the training op: ``ape`` by slot, per-channel softmax over the slots, overlap), so the document's
-entry ``j`` is the sequence's entry ``start(L) / m + j``. The entries ``floor(L / m) <= w < floor((L + n) / m)`` are
-new; they are normed with the compressor's RMSNorm and rotated at ``w m`` as in ``Compressor.forward``. (For CSA the
-document's first entry is an already-emitted block pooled without its previous block: never kept.)
+``compressor_pool`` (its one-sequence SBHD form; the training op: ``ape`` by slot, per-channel softmax over the
+slots, overlap), so the document's entry ``j`` is the sequence's entry ``start(L) / m + j``. The entries
+``floor(L / m) <= w < floor((L + n) / m)`` are new; they are normed with the compressor's RMSNorm and rotated at
+``w m`` as in ``Compressor.forward``. (For CSA the document's first entry is an already-emitted block pooled
+without its previous block: never kept.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv4_attention._kernels import compressed_cu_seqlens_host, compressor_pool
+from dsv4_attention._kernels import compressor_pool_sbhd
 from dsv4_attention._linears import linear_out
 from dsv4_attention._rope import rope
 from dsv4_attention.compressor import Compressor
@@ -65,41 +66,28 @@ class CompressorCache:
         m = self.ratio
         kv = linear_out(compressor.linear_wkv, x)  # [R, Dk]
         score = linear_out(compressor.linear_wgate, x)  # [R, Dk]
-        kv_parts, score_parts, bounds = [], [], [0]
+        pooled, seq, entry = [], [], []
         for b, (n, k, r0) in enumerate(zip(plan.lengths, plan.counts, plan.row_starts)):
-            held = n - self.start(n)
-            kv_parts += [self.held_kv[b, :held], kv[r0 : r0 + k]]
-            score_parts += [self.held_score[b, :held], score[r0 : r0 + k]]
-            bounds.append(bounds[-1] + held + k)
-        kv_seg = torch.cat(kv_parts)  # [S, Dk] one document per sequence
-        score_seg = torch.cat(score_parts)
-        new = [
-            (b, w)
-            for b, (n, k) in enumerate(zip(plan.lengths, plan.counts))
-            for w in range(n // m, (n + k) // m)
-        ]
-        if new:
-            self._emit(compressor, kv_seg, score_seg, bounds, new, plan, backend)
-        for b, (n, k) in enumerate(zip(plan.lengths, plan.counts)):
-            first, stop = self.start(n + k), n + k  # the new held positions [first, stop)
-            rows = slice(bounds[b] + first - self.start(n), bounds[b + 1])
-            self.held_kv[b, : stop - first] = kv_seg[rows]
-            self.held_score[b, : stop - first] = score_seg[rows]
-
-    def _emit(self, compressor, kv_seg, score_seg, bounds, new, plan: ExtendPlan, backend: str) -> None:
-        """Pool the documents and write the ``new`` entries ``(sequence, entry)``."""
-        m = self.ratio
-        cu = torch.tensor(bounds, dtype=torch.int32, device=kv_seg.device)
-        pooled, _ = compressor_pool(
-            kv_seg, score_seg, compressor.ape, m, self.overlap, cu, backend=backend, cu_seqlens_host=bounds
-        )  # [Sc, c] fp32
-        cu_c = compressed_cu_seqlens_host(bounds, m)
-        rows = [cu_c[b] + w - self.start(plan.lengths[b]) // m for b, w in new]
-        seq = torch.tensor([b for b, _ in new], device=kv_seg.device)
-        entry = torch.tensor([w for _, w in new], device=kv_seg.device)
-        normed = compressor.norm(pooled[torch.tensor(rows, device=kv_seg.device)])  # [N, c] weighted RMSNorm
-        out = rope(normed, entry * m, compressor.rope_cfg, max_position=plan.max_position)  # at w * m
-        self.entries[seq, entry] = out.to(self.entries.dtype)
+            first, held = self.start(n), n - self.start(n)
+            kv_b = torch.cat((self.held_kv[b, :held], kv[r0 : r0 + k]))  # [S, Dk] positions [first, n + k)
+            score_b = torch.cat((self.held_score[b, :held], score[r0 : r0 + k]))
+            new = range(n // m, (n + k) // m)  # the entries this call completes
+            if new:
+                # the held + new rows as one document starting at a block boundary: its entry j is entry first/m + j
+                doc = compressor_pool_sbhd(
+                    kv_b[:, None], score_b[:, None], compressor.ape, m, self.overlap, backend=backend
+                )[:, 0]  # [S // m, c] fp32
+                pooled.append(doc[new.start - first // m :])
+                seq += [b] * len(new)
+                entry += list(new)
+            keep = self.start(n + k) - first  # the new held positions [start(n + k), n + k)
+            self.held_kv[b, : kv_b.shape[0] - keep] = kv_b[keep:]
+            self.held_score[b, : kv_b.shape[0] - keep] = score_b[keep:]
+        if pooled:
+            entry_t = torch.tensor(entry, device=x.device)
+            normed = compressor.norm(torch.cat(pooled))  # [N, c] weighted RMSNorm (fp32 math)
+            out = rope(normed, entry_t * m, compressor.rope_cfg, max_position=plan.max_position)  # at w * m
+            self.entries[torch.tensor(seq, device=x.device), entry_t] = out.to(self.entries.dtype)
 
     @property
     def nbytes(self) -> int:
