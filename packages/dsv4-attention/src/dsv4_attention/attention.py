@@ -237,7 +237,6 @@ class DSv4Attention(torch.nn.Module):
             return self._forward_tokens(x, layout, dense, indexer_loss_coeff)
 
     def _forward_tokens(self, x, layout, dense, indexer_loss_coeff):
-        t = x.shape[0]
         rc = self.recompute
         q_pre = linear_out(self.linear_q_down_proj, x)  # [T, d_c]
         q_lat = self.q_layernorm(q_pre)  # [T, d_c] shared latent
@@ -255,17 +254,30 @@ class DSv4Attention(torch.nn.Module):
         if loss is not None:
             o = attach_indexer_loss(o, loss)
         pos, max_pos = layout.rope_positions, layout.max_rope_position
-        o = rope(o, pos, self.rope_cfg, inverse=True, max_position=max_pos)  # de-rotate at the query position
+        return self.project_output(o, pos, max_pos), loss
+
+    def project_output(self, o: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """``o [T, n_h, c]`` -> ``y [T, d]``: inverse RoPE at the query ``positions [T]``, ``wo_a``, ``wo_b``
+        (``max_position``: a host bound of the positions). Also the output of a cached decode step
+        (:mod:`dsv4_attention.decode`)."""
+        t = o.shape[0]
+        # de-rotate at the query position
+        o = rope(o, positions, self.rope_cfg, inverse=True, max_position=max_position)
         u = linear_out(self.linear_o_group_proj, o.reshape(t, self.num_heads * self.head_dim))  # [T, g*d_g]
-        y = linear_out(self.linear_proj, u)  # [T, d] (no bias)
-        return y, loss
+        return linear_out(self.linear_proj, u)  # [T, d] (no bias)
 
     def _up_projections(self, x, q_lat, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, n_h, c]`` (up-projection, weightless per-head RMSNorm, RoPE) and ``kv [T, c]`` (projection,
         ``kv_layernorm``, RoPE): the ``mla_up_proj`` recompute region."""
+        return self.project_qkv(x, q_lat, layout.rope_positions, layout.max_rope_position)
+
+    def project_qkv(
+        self, x: torch.Tensor, q_lat: torch.Tensor, pos: torch.Tensor, max_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, n_h, c]`` and ``kv [T, c]`` of ``x [T, d]`` and its query latent ``q_lat [T, d_c]``, rotated at
+        ``pos [T]`` (``max_pos``: a host bound of the positions). Also the queries and new KV rows of a cached
+        decode step (:mod:`dsv4_attention.decode`)."""
         t = x.shape[0]
-        pos = layout.rope_positions  # [T]
-        max_pos = layout.max_rope_position
         q = linear_out(self.linear_q_up_proj, q_lat)  # [T, n_h*c]
         q = rms_norm(q.view(t, self.num_heads, self.head_dim), None, self.eps)  # [T, n_h, c] no weight
         # in place: the norm saved its input, not this output

@@ -57,6 +57,10 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         pg_collection: explicit ``ProcessGroupCollection`` (required).
     """
 
+    #: ``(layer, hidden_states [t, 1, d]) -> [t, 1, d]``: replaces this layer's attention while a cached prefill /
+    #: decode step runs (bound by :func:`dsv4_attention.decode.bind_decode_step`); ``None``: the training forward
+    decode_step = None
+
     def __init__(
         self,
         config: DSv4AttentionConfig,
@@ -186,6 +190,8 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             attention_bias,
             sequence_len_offset,
         )
+        if self.decode_step is not None:  # cached prefill / decode step (dsv4_attention.decode)
+            return self.decode_step(self, hidden_states), None
         coeff = self.config.dsa_indexer_loss_coeff
         cp = getattr(self.pg_collection, "cp", None)
         if cp is not None and cp.size() > 1:  # static contiguous CP: local rows, global PackedSeqParams

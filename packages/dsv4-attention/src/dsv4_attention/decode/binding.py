@@ -1,0 +1,55 @@
+"""``bind_decode_step``: route a megatron DSv4 attention layer's forward through its decode cache for a while.
+
+megatron's ``TransformerLayer`` (and the mHC wrapper around it) call ``self_attention(hidden_states, ...)``; inside
+:func:`bind_decode_step` the :class:`~dsv4_attention.megatron.DSv4HybridAttention` hook (``decode_step``) answers
+that call with :meth:`AttentionCache.extend <dsv4_attention.decode.cache.AttentionCache.extend>` on the call's rows
+instead of the training forward, so a whole megatron model runs a cached prefill / decode step unchanged. The input
+is a THD pack ``[R, 1, d]`` whose documents are the plan's new rows per sequence (sequence-major).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from dsv4_attention.decode.cache import AttentionCache
+from dsv4_attention.decode.plan import ExtendPlan
+
+
+@contextlib.contextmanager
+def bind_decode_step(
+    layer: torch.nn.Module, cache: AttentionCache, plan: Callable[[], ExtendPlan]
+) -> Iterator[None]:
+    """Inside the block, ``layer``'s forward extends ``cache`` with its input rows.
+
+    Args:
+        layer: a module with the ``decode_step`` hook (``DSv4HybridAttention``).
+        cache: the layer's :class:`AttentionCache`.
+        plan: returns the :class:`ExtendPlan` of the current call (read at every forward, so one binding serves a
+            whole generation); the CSA phase is the layer's own (``dense_attention``).
+    """
+    if not hasattr(type(layer), "decode_step"):
+        raise ValueError(
+            f"{type(layer).__name__} has no decode_step hook: bind a dsv4_attention.megatron.DSv4HybridAttention "
+            "(a core DSv4Attention is decoded by calling AttentionCache.extend directly)"
+        )
+    if layer.decode_step is not None:
+        raise ValueError(
+            f"{type(layer).__name__} (layer {getattr(layer, 'layer_number', '?')}) is already bound"
+        )
+
+    def step(attn: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+            raise ValueError(
+                f"a bound decode step takes the THD rows [R, 1, d] of its plan, got {tuple(hidden_states.shape)}"
+            )
+        dense = bool(getattr(attn, "dense_attention", False))
+        return cache.extend(attn, hidden_states[:, 0], plan(), dense=dense).unsqueeze(1)  # [R, 1, d]
+
+    layer.decode_step = step
+    try:
+        yield
+    finally:
+        del layer.decode_step  # back to the class default (None): the training forward

@@ -1,0 +1,147 @@
+"""``AttentionCache``: prefill and decode of one DSv4 attention layer over a per-layer cache (no autograd).
+
+For ``B`` independent sequences (no padding), one :class:`~dsv4_attention.decode.plan.ExtendPlan` call appends
+``counts[b]`` rows to sequence ``b`` and returns the layer output of exactly those rows, equal to the training
+forward's rows of the whole sequences (spec §2.2; fp32 rounding aside). With the layer's own modules and the
+csa-kernels ops of the training path, per call (``x [R, d]``: the block input after ``attn_norm``)::
+
+    cQ    = q_layernorm(linear_q_down_proj(x))                       # [R, d_c]
+    q, kv = DSv4Attention.project_qkv(x, cQ, positions)              # [R, n_h, c], [R, c]  (RoPE at the positions)
+    keys  = cat(window ring [B*W, c], kv [R, c], entries [B*C, c])   # one K = V buffer
+    win   = the last n_win positions of each row (WindowCache)       # ring slots or this call's rows
+    comp  = CSA: the indexer's top-k of the visible entries (dense phase: all of them, IndexerCache);
+            HCA: every visible entry w < floor((p + 1) / m);  window layers: none
+    o     = csa_kernels.sparse_attn(q, keys, attn_sink, [win | comp], c^-1/2)   # one softmax + sink
+    y     = DSv4Attention.project_output(o, positions)               # inverse RoPE, wo_a, wo_b
+
+What each kind caches per sequence (``W = n_win``, ``C = floor(max_length / m)``):
+
+=======  ====================================================================================================
+kind     cache
+=======  ====================================================================================================
+window   ring of the last ``W`` KV rows ``[W, c]``
+HCA      the ring + entries ``[C, c]`` + the partial block's projected rows ``[m', 2 x c]`` (kv, gate logits)
+CSA      the ring + entries ``[C, c]`` + indexer keys ``[C, c_I]`` + the last complete and the partial block's
+         projected rows of both compressors ``[2m, 2 x 2c]`` and ``[2m, 2 x 2c_I]``
+=======  ====================================================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_attention._kernels import attention_indices, sparse_attn
+from dsv4_attention._linears import linear_out
+from dsv4_attention.attention import DSv4Attention
+from dsv4_attention.decode.compressed import CompressorCache
+from dsv4_attention.decode.indexer import IndexerCache
+from dsv4_attention.decode.plan import ExtendPlan
+from dsv4_attention.decode.window import WindowCache
+
+
+def visible_entries(
+    plan: ExtendPlan, positions: torch.Tensor, sequences: torch.Tensor, ratio: int, capacity: int
+):
+    """int64 ``[R, V]``: the compressed entries visible to each new row (spec §3.4, oracle M1:
+    ``w < floor((p + 1) / m)``), as global rows ``b * capacity + w`` of a ``[B * capacity]`` entry buffer, in
+    increasing order, ``-1`` after; ``V = floor((max_position + 1) / m)``."""
+    width = (plan.max_position + 1) // ratio
+    w = torch.arange(width, device=positions.device)[None, :]  # [1, V]
+    rows = sequences[:, None] * capacity + w  # [R, V]
+    return torch.where(w < ((positions + 1) // ratio)[:, None], rows, -1)
+
+
+class AttentionCache:
+    """The decode cache of one :class:`~dsv4_attention.attention.DSv4Attention` (module docstring).
+
+    Args:
+        attn: the layer (its kind and sizes; parameters are read at every call, never copied).
+        batch: ``B`` sequences.
+        max_length: the longest sequence (prompt + generated tokens) the buffers are preallocated for.
+        device, dtype: of the buffers (default: those of the layer's ``linear_kv_proj`` weight).
+    """
+
+    def __init__(self, attn: DSv4Attention, batch: int, max_length: int, *, device=None, dtype=None) -> None:
+        if batch < 1 or max_length < 1:
+            raise ValueError(
+                f"AttentionCache needs batch >= 1 and max_length >= 1, got {batch} and {max_length}"
+            )
+        weight = next(attn.linear_kv_proj.parameters())
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        core = attn.core_attention
+        buffers = dict(device=device, dtype=dtype)
+        self.kind = attn.kind
+        self.max_length = max_length
+        self.lengths: tuple[int, ...] = (0,) * batch
+        self.window = WindowCache(batch, core.window, attn.head_dim, **buffers)
+        self.compressed = (
+            None
+            if core.compressor is None
+            else CompressorCache(core.compressor, batch, max_length, **buffers)
+        )
+        self.indexer = (
+            None if core.indexer is None else IndexerCache(core.indexer, batch, max_length, **buffers)
+        )
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache's buffers."""
+        parts = (self.window, self.compressed, self.indexer)
+        return sum(p.nbytes for p in parts if p is not None)
+
+    def _check(self, attn: DSv4Attention, x: torch.Tensor, plan: ExtendPlan) -> None:
+        if attn.kind is not self.kind:
+            raise ValueError(f"this cache belongs to a {self.kind.name} layer, got a {attn.kind.name} layer")
+        if plan.lengths != self.lengths:
+            raise ValueError(
+                f"the plan continues sequences of lengths {plan.lengths} but the cache holds {self.lengths}"
+            )
+        if max(plan.new_lengths) > self.max_length:
+            raise ValueError(
+                f"the call grows a sequence to {max(plan.new_lengths)} tokens but the cache was allocated for "
+                f"max_length={self.max_length}; allocate it with a larger max_length"
+            )
+        if x.dim() != 2 or x.shape[0] != plan.num_rows:
+            raise ValueError(f"x must be [R, d] with R = {plan.num_rows} rows, got {tuple(x.shape)}")
+
+    @torch.no_grad()
+    def extend(
+        self, attn: DSv4Attention, x: torch.Tensor, plan: ExtendPlan, *, dense: bool = False
+    ) -> torch.Tensor:
+        """The layer output ``[R, d]`` of the call's rows ``x [R, d]`` (module docstring); the cache then holds
+        ``plan.new_lengths`` tokens per sequence. ``dense``: CSA's dense phase (every visible entry, no top-k)."""
+        self._check(attn, x, plan)
+        core = attn.core_attention
+        pos, seq = plan.row_positions(x.device), plan.row_sequences(x.device)  # [R], [R]
+        q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [R, d_c]
+        q, kv = attn.project_qkv(x, q_lat, pos, plan.max_position)  # [R, n_h, c], [R, c]
+        keys = [self.window.kv.view(-1, kv.shape[-1]).to(kv.dtype), kv]
+        idx = self.window.indices(plan, pos, seq)  # [R, W] rows of cat(ring, kv)
+        if self.compressed is not None:
+            self.compressed.extend(core.compressor, x, plan, core.backend)
+            entries = self.compressed.entries  # [B, C, c]
+            comp = visible_entries(plan, pos, seq, self.compressed.ratio, self.compressed.capacity)  # [R, V]
+            if self.indexer is not None:
+                self.indexer.extend(core.indexer, x, plan, core.backend)
+            if self.indexer is not None and not dense:
+                comp = self.indexer.select(core.indexer, x, q_lat, plan, pos, comp, core.backend)  # [R, k]
+            idx = attention_indices(idx, comp, self.batch * self.window.window + plan.num_rows)
+            keys.append(entries.view(-1, entries.shape[-1]).to(kv.dtype))
+        o, _ = sparse_attn(
+            q,
+            torch.cat(keys),
+            core.attn_sink,
+            idx,
+            core.softmax_scale,
+            backend=core.backend,
+            check_indices=False,
+        )  # [R, n_h, c]
+        y = attn.project_output(o, pos, plan.max_position)  # [R, d]
+        self.window.append(kv, plan, pos, seq)
+        self.lengths = plan.new_lengths
+        return y

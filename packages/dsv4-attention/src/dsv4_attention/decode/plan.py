@@ -1,0 +1,78 @@
+"""``ExtendPlan``: which new token rows one cached call appends to which sequence, at which positions.
+
+A decode cache holds ``B`` independent sequences (no padding). One call appends ``counts[b] >= 0`` new tokens to
+sequence ``b``, which already holds ``lengths[b]`` tokens; the call's rows are sequence-major (the ``counts[0]`` rows
+of sequence 0 first), exactly the rows of a THD pack with one document per sequence. Prefill is the first call
+(``lengths`` all 0, ``counts`` = the prompt lengths), a decode step a call with every ``counts[b] = 1`` (or 0 for a
+sequence that stopped). Row ``r`` of sequence ``b`` sits at position ``lengths[b] + i`` (``i``-th new row of ``b``):
+positions restart at 0 per sequence, as per document in training (spec §3.5).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """The rows of one cached call.
+
+    Attributes:
+        lengths: tokens already cached per sequence (``B`` entries).
+        counts: new tokens per sequence in this call (``B`` entries, ``>= 0``, at least one row in total).
+    """
+
+    lengths: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lengths", tuple(int(v) for v in self.lengths))
+        object.__setattr__(self, "counts", tuple(int(v) for v in self.counts))
+        if len(self.lengths) != len(self.counts) or not self.lengths:
+            raise ValueError(
+                f"ExtendPlan needs one length and one count per sequence (at least one sequence), got "
+                f"{len(self.lengths)} lengths and {len(self.counts)} counts"
+            )
+        if min(self.lengths) < 0 or min(self.counts) < 0:
+            raise ValueError(f"lengths and counts must be >= 0, got {self.lengths} and {self.counts}")
+        if not sum(self.counts):
+            raise ValueError("an ExtendPlan must append at least one token (every count is 0)")
+
+    @property
+    def batch(self) -> int:
+        """``B``: the number of sequences."""
+        return len(self.lengths)
+
+    @property
+    def num_rows(self) -> int:
+        """``R``: the new rows of this call."""
+        return sum(self.counts)
+
+    @property
+    def new_lengths(self) -> tuple[int, ...]:
+        """Tokens per sequence after this call."""
+        return tuple(n + k for n, k in zip(self.lengths, self.counts))
+
+    @property
+    def max_position(self) -> int:
+        """A host bound of every RoPE position of the call (queries, keys and compressed entries)."""
+        return max(self.new_lengths) - 1
+
+    @property
+    def row_starts(self) -> tuple[int, ...]:
+        """First row of each sequence's new rows (``B + 1`` entries, the last one ``R``: the call's THD
+        ``cu_seqlens``)."""
+        return tuple(itertools.accumulate(self.counts, initial=0))
+
+    def row_sequences(self, device=None) -> torch.Tensor:
+        """int64 ``[R]``: the sequence of every new row."""
+        counts = torch.tensor(self.counts, dtype=torch.int64)
+        return torch.repeat_interleave(torch.arange(self.batch), counts).to(device)
+
+    def row_positions(self, device=None) -> torch.Tensor:
+        """int64 ``[R]``: the position of every new row in its sequence."""
+        pos = [torch.arange(n, n + k, dtype=torch.int64) for n, k in zip(self.lengths, self.counts)]
+        return torch.cat(pos).to(device)

@@ -1,0 +1,64 @@
+"""``WindowCache``: the sliding-window branch's keys of every sequence, a ring of the last ``n_win`` KV rows.
+
+Every layer kind attends its last ``n_win`` raw tokens (spec §2.2, oracle M3: query ``p`` sees positions
+``[p - n_win + 1, p]``), so a decode cache keeps the rotated shared K = V rows (``kv = RoPE(kv_norm(x @ wkv^T))``,
+``[c]`` each) of the last ``W = n_win`` positions of each sequence::
+
+    ring[b, p % W] = kv row of sequence b at position p,   for the last W positions p < lengths[b]
+
+A call's window keys are ``cat(ring.view(B*W, c), kv_new [R, c])``. For a new row at position ``p`` of sequence
+``b``, window slot ``j`` holds position ``s = p - W + 1 + j`` (the slot order of ``csa_kernels.window_indices``:
+the query itself last, the ``-1`` slots first), at::
+
+    s < 0            -> -1                                   (before the sequence start)
+    s >= lengths[b]  -> B*W + row_starts[b] + s - lengths[b]  (a new row of this call)
+    otherwise        -> b*W + s % W                           (the ring: s >= lengths[b] - W + 1 always)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_attention.decode.plan import ExtendPlan
+
+
+class WindowCache:
+    """Ring buffer ``kv [B, W, c]`` (zeros until written).
+
+    Args:
+        batch, window, head_dim: ``B``, ``W = n_win``, ``c``.
+        device, dtype: of the ring (the layer's activation dtype).
+    """
+
+    def __init__(self, batch: int, window: int, head_dim: int, *, device=None, dtype=torch.float32) -> None:
+        if batch < 1 or window < 1 or head_dim < 1:
+            raise ValueError(
+                f"WindowCache needs batch, window, head_dim >= 1, got {batch}, {window}, {head_dim}"
+            )
+        self.window = window
+        self.kv = torch.zeros(batch, window, head_dim, device=device, dtype=dtype)  # [B, W, c]
+
+    def indices(self, plan: ExtendPlan, positions: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """int32 ``[R, W]`` rows of ``cat(ring [B*W], kv_new [R])`` (module docstring); ``positions`` /
+        ``sequences``: the plan's rows (:meth:`ExtendPlan.row_positions` / :meth:`ExtendPlan.row_sequences`)."""
+        dev = positions.device
+        w = self.window
+        lengths = torch.tensor(plan.lengths, dtype=torch.int64, device=dev)[sequences]  # [R]
+        starts = torch.tensor(plan.row_starts[:-1], dtype=torch.int64, device=dev)[sequences]  # [R]
+        s = positions[:, None] + torch.arange(1 - w, 1, device=dev)[None, :]  # [R, W] key positions
+        new = plan.batch * w + starts[:, None] + s - lengths[:, None]  # a row of this call
+        ring = sequences[:, None] * w + s.remainder(w)  # a ring slot
+        idx = torch.where(s >= lengths[:, None], new, ring)
+        return torch.where(s >= 0, idx, -1).to(torch.int32)
+
+    def append(
+        self, kv_new: torch.Tensor, plan: ExtendPlan, positions: torch.Tensor, sequences: torch.Tensor
+    ) -> None:
+        """Write the call's rows ``kv_new [R, c]`` into the ring (the last ``W`` of each sequence)."""
+        new_len = torch.tensor(plan.new_lengths, dtype=torch.int64, device=positions.device)[sequences]  # [R]
+        keep = positions >= new_len - self.window  # [R]: one row per ring slot at most
+        self.kv[sequences[keep], positions[keep].remainder(self.window)] = kv_new[keep].to(self.kv.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

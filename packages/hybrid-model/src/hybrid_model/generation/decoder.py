@@ -1,0 +1,104 @@
+"""``CachedDecoder``: prefill and decode steps of a whole :class:`~hybrid_model.model.DSv4Model` over per-layer caches.
+
+Every DSv4 attention layer of the main decoder gets a :class:`dsv4_attention.decode.AttentionCache` (window ring;
+CSA / HCA compressor state and entries; CSA indexer keys, the top-k recomputed for every new token) for ``B``
+independent sequences of different lengths: no padding, every sequence keeps its own positions ``0, 1, ...``. One
+:meth:`CachedDecoder.extend` call appends ``tokens[b]`` to sequence ``b`` (any count, 0 included) and runs the
+model's own forward on the new tokens only, as a THD pack with one document per sequence::
+
+    ids  [1, R]  (the new tokens, sequence-major)      packed_seq_params: cu_seqlens = the new-row counts
+    DSv4Model.forward: embedding, mHC pre / post per layer, attention -> AttentionCache.extend (bound hook,
+                       dsv4_attention.decode.bind_decode_step), MoE (hash routing by token id), HyperHead, final
+                       norm, output layer                                      -> logits [1, R, V]
+
+Everything but attention is per token, so the logits of the new rows equal the training forward's logits of the
+whole sequences at those positions (fp32: within 1e-5 relative; ``tests/test_generation.py``). Prefill is the first
+call (the prompts), a decode step a call of one token per unfinished sequence. MTP depths are not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from dsv4_attention.decode import AttentionCache, ExtendPlan, bind_decode_step
+from dsv4_attention.megatron import DSv4HybridAttention
+from hybrid_model.generation.support import check_generation_support
+
+
+class CachedDecoder:
+    """Per-layer decode caches of ``model`` for ``batch_size`` sequences of up to ``max_length`` tokens each.
+
+    Args:
+        model: a :class:`~hybrid_model.model.DSv4Model` (:func:`~hybrid_model.generation.check_generation_support`).
+        batch_size: ``B`` sequences.
+        max_length: the most tokens any sequence will hold (the caches are preallocated for it); at most the model's
+            ``max_position_embeddings``.
+    """
+
+    def __init__(self, model, batch_size: int, max_length: int) -> None:
+        check_generation_support(model)
+        limit = model.model_config.max_position_embeddings
+        if not 1 <= max_length <= limit:
+            raise ValueError(
+                f"max_length must be in [1, max_position_embeddings={limit}] (the model's positions), got {max_length}"
+            )
+        self.model = model
+        self.max_length = max_length
+        self.layers = [m for m in model.decoder.modules() if isinstance(m, DSv4HybridAttention)]
+        self.caches = [AttentionCache(layer, batch_size, max_length) for layer in self.layers]
+        self.lengths: tuple[int, ...] = (0,) * batch_size
+        self._plan: ExtendPlan | None = None
+        self._broken = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all layer caches."""
+        return sum(cache.nbytes for cache in self.caches)
+
+    @torch.no_grad()
+    def extend(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Append ``tokens[b]`` to sequence ``b``; return each sequence's logits ``[len(tokens[b]), V]`` (fp32)
+        at the new positions (the model runs in eval mode for the call)."""
+        if self._broken:
+            raise ValueError(
+                "an earlier extend() failed part-way; the caches are inconsistent: make a new CachedDecoder"
+            )
+        if len(tokens) != self.batch_size:
+            raise ValueError(
+                f"extend needs one token list per sequence ({self.batch_size}), got {len(tokens)}"
+            )
+        plan = ExtendPlan(self.lengths, tuple(len(t) for t in tokens))
+        if max(plan.new_lengths) > self.max_length:
+            raise ValueError(
+                f"a sequence would hold {max(plan.new_lengths)} tokens, more than this decoder's "
+                f"max_length={self.max_length}"
+            )
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=device)[
+            None
+        ]  # [1, R]
+        cu = torch.tensor(plan.row_starts, dtype=torch.int32, device=device)  # [B + 1]
+        longest = max(plan.counts)
+        psp = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+        self._plan, self._broken = plan, True
+        was_training = self.model.training
+        with contextlib.ExitStack() as bound:
+            for layer, cache in zip(self.layers, self.caches):
+                bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan))
+            self.model.eval()
+            try:
+                logits = self.model(ids, None, None, packed_seq_params=psp)[0].float()  # [R, V]
+            finally:
+                self.model.train(was_training)
+        self.lengths, self._broken = plan.new_lengths, False
+        return [logits[a:b] for a, b in zip(plan.row_starts, plan.row_starts[1:])]

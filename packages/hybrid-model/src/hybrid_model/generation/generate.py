@@ -1,0 +1,120 @@
+"""``generate``: sample continuations of token-id prompts from a :class:`~hybrid_model.model.DSv4Model`.
+
+One :class:`~hybrid_model.generation.decoder.CachedDecoder` for the batch: the prompts are prefilled together (a THD
+pack, one document per prompt: no padding, so prompts of any lengths batch exactly), then every step feeds each
+unfinished sequence its last token and picks the next one from the new logits
+(:mod:`~hybrid_model.generation.sampling`). A CLI is a thin wrapper: tokenize, call :func:`generate`, detokenize
+(``on_token`` streams the tokens as they come).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hybrid_model.generation.decoder import CachedDecoder
+from hybrid_model.generation.sampling import SamplingConfig, next_tokens
+from hybrid_model.generation.support import check_generation_support
+
+
+def _check_prompts(prompt_ids, vocab_size: int, max_positions: int, max_new_tokens) -> list[list[int]]:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Sequence) or not prompt_ids:
+        raise ValueError("prompt_ids must be a non-empty list of prompts, each a list of token ids")
+    prompts = []
+    for i, prompt in enumerate(prompt_ids):
+        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt_ids[{i}] must be a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError(
+                f"prompt_ids[{i}] is empty: every prompt needs at least one token (e.g. a BOS token)"
+            )
+        for j, tok in enumerate(prompt):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+                raise ValueError(
+                    f"prompt_ids[{i}][{j}] = {tok!r} is not a token id of this model (ints in [0, {vocab_size}))"
+                )
+        if len(prompt) > max_positions:
+            raise ValueError(
+                f"prompt_ids[{i}] has {len(prompt)} tokens, longer than the model's max_position_embeddings="
+                f"{max_positions}: shorten the prompt"
+            )
+        if len(prompt) + max_new_tokens > max_positions:
+            raise ValueError(
+                f"prompt_ids[{i}] ({len(prompt)} tokens) + max_new_tokens={max_new_tokens} exceeds the model's "
+                f"max_position_embeddings={max_positions}: lower max_new_tokens to at most "
+                f"{max_positions - len(prompt)} or shorten the prompt"
+            )
+        prompts.append([int(t) for t in prompt])
+    return prompts
+
+
+def generate(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    *,
+    eos_token_id: int | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+) -> list[list[int]]:
+    """Continue every prompt by up to ``max_new_tokens`` tokens with cached decoding.
+
+    Args:
+        model: a :class:`~hybrid_model.model.DSv4Model` (``build_model`` / ``load_hf_checkpoint``); supported
+            patterns: :func:`~hybrid_model.generation.check_generation_support`. Run in eval mode, no gradients;
+            its training mode is restored afterwards.
+        prompt_ids: one non-empty list of token ids per sequence (any lengths; batched without padding).
+        max_new_tokens: tokens to generate per sequence (>= 1); ``len(prompt) + max_new_tokens`` must not exceed the
+            model's ``max_position_embeddings``.
+        temperature: 0 = greedy (argmax), else the softmax temperature (finite, > 0).
+        top_p: nucleus mass in ``(0, 1]`` for sampling (1 = the whole vocabulary).
+        seed: seed of the sampling generator (``None``: torch's global generator); the same seed, prompts and model
+            give the same tokens.
+        eos_token_id: a sequence stops after generating this token (it is included in the output).
+        on_token: streaming callback ``on_token(sequence_index, token_id)``, called for every generated token in
+            order (per step: sequence 0 first).
+    Returns:
+        the generated tokens of each sequence (prompts not included).
+    Raises:
+        ValueError: an unsupported model, an empty or too long prompt, a token id outside the vocabulary, a bad
+            ``max_new_tokens`` / ``temperature`` / ``top_p`` / ``seed`` / ``eos_token_id``.
+    """
+    check_generation_support(model)
+    cfg = model.model_config
+    prompts = _check_prompts(prompt_ids, cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+    sampling = SamplingConfig(temperature, top_p, seed)
+    if eos_token_id is not None and (
+        isinstance(eos_token_id, bool)
+        or not isinstance(eos_token_id, int)
+        or not 0 <= eos_token_id < cfg.vocab_size
+    ):
+        raise ValueError(
+            f"eos_token_id must be None or a token id in [0, {cfg.vocab_size}), got {eos_token_id!r}"
+        )
+    # the last generated token is never fed back: the caches hold at most prompt + max_new_tokens - 1 tokens
+    decoder = CachedDecoder(model, len(prompts), max(len(p) for p in prompts) + max_new_tokens - 1)
+    last = torch.stack([rows[-1] for rows in decoder.extend(prompts)])  # [B, V] prefill
+    generator = sampling.generator(last.device)
+    out: list[list[int]] = [[] for _ in prompts]
+    active = [True] * len(prompts)
+    for step in range(max_new_tokens):
+        chosen = next_tokens(last, sampling, generator).tolist()  # [B]
+        for b, tok in enumerate(chosen):
+            if active[b]:
+                out[b].append(tok)
+                if on_token is not None:
+                    on_token(b, tok)
+                active[b] = tok != eos_token_id
+        if step + 1 == max_new_tokens or not any(active):
+            break
+        feed = [[seq[-1]] if alive else [] for seq, alive in zip(out, active)]
+        rows = decoder.extend(feed)
+        last = torch.stack(
+            [r[-1] if len(r) else prev for r, prev in zip(rows, last)]
+        )  # finished rows: unused
+    return out
