@@ -1,4 +1,5 @@
-"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``, ``convert`` (:mod:`dsv4_train.convert_cli`). The console
+"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``, ``convert`` (:mod:`dsv4_train.convert_cli`), ``generate``
+(:mod:`dsv4_train.generate_cli`). The console
 script and ``python -m dsv4_train`` enter through :mod:`dsv4_train.__main__`, which installs the warning filters
 (:mod:`dsv4_train.quiet`) before this module imports megatron-core.
 
@@ -15,6 +16,7 @@ import sys
 from dsv4_train.config import TrainConfig
 from dsv4_train.convert_cli import add_convert_parser, run_convert
 from dsv4_train.flags import add_config_flags, config_from_flags, given_flags
+from dsv4_train.generate_cli import add_generate_parser, run_generate
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
 from dsv4_train.setup import check_run
@@ -201,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_convert_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 
@@ -213,7 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         args = build_parser().parse_args(["train"])
     try:
-        commands = {"train": _cmd_train, "inspect": _cmd_inspect, "flops": _cmd_flops, "convert": run_convert}
+        commands = {
+            "train": _cmd_train,
+            "inspect": _cmd_inspect,
+            "flops": _cmd_flops,
+            "convert": run_convert,
+            "generate": run_generate,
+        }
         return commands[cmd](args)
     except ValueError as e:
         print(f"dsv4 {cmd}: error: {e}", file=sys.stderr)
