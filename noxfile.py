@@ -85,10 +85,11 @@ def _pytest(session: nox.Session, package: str, *extra: str, shards: int = 1) ->
     weights = json.loads(weights_file.read_text()) if weights_file.is_file() else {}
     groups = shard_files(files, weights, shards) if shards > 1 and not session.posargs else []
     if len(groups) < 2:
+        # pytest arguments that name test files or node ids select what runs (not the whole tests folder as well)
+        selected = any((ROOT / a.split("::")[0]).exists() for a in session.posargs if not a.startswith("-"))
+        targets = [] if selected else [f"packages/{package}/tests"]
         session.run(
-            *_pytest_command(
-                package, reports / f"{package}.xml", [f"packages/{package}/tests"], extra, session.posargs
-            ),
+            *_pytest_command(package, reports / f"{package}.xml", targets, extra, session.posargs),
             success_codes=[0, 5],  # 5 = no tests collected (e.g. a package with only gpu tests under -m)
             external=True,
             env=TEST_ENV,
