@@ -64,7 +64,9 @@ class SeqBoundaries:
         if self.capacity is not None:
             cap = self.capacity
             if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
-                raise ValueError(f"SeqBoundaries.capacity must be an int >= 0 (the row capacity), got {cap!r}")
+                raise ValueError(
+                    f"SeqBoundaries.capacity must be an int >= 0 (the row capacity), got {cap!r}"
+                )
             if cu.numel() < 2:
                 raise ValueError(
                     f"static SeqBoundaries need at least one document slot (cu_seqlens [N+1], N >= 1), got "
@@ -96,7 +98,9 @@ class SeqBoundaries:
         """Host mode from a device ``cu_seqlens`` (one device -> host read makes the host copy; the tensor is
         kept)."""
         if not isinstance(cu_seqlens, torch.Tensor):
-            raise ValueError(f"cu_seqlens must be a torch.Tensor (int32 [N+1]), got {type(cu_seqlens).__name__}")
+            raise ValueError(
+                f"cu_seqlens must be a torch.Tensor (int32 [N+1]), got {type(cu_seqlens).__name__}"
+            )
         return cls(cu_seqlens, tuple(int(v) for v in cu_seqlens.tolist()))
 
     @classmethod
@@ -167,7 +171,9 @@ class SeqBoundaries:
 
         def build() -> SeqBoundaries:
             if self.capacity is None:
-                return SeqBoundaries.from_host(compressed_cu_seqlens_host(self.cu_seqlens_host, ratio), self.device)
+                return SeqBoundaries.from_host(
+                    compressed_cu_seqlens_host(self.cu_seqlens_host, ratio), self.device
+                )
             cu = self.cu64
             out = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)  # [N+1]
             out[1:] = torch.cumsum((cu[1:] - cu[:-1]) // ratio, 0)
