@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from csa_kernels._checks import check_bounds, check_shape
-from csa_kernels.ops.indexer.checks import check_scores_inputs
+from csa_kernels._checks import check_bounds, check_shape, check_topk
+from csa_kernels.ops.indexer.checks import check_inputs, check_scores_inputs
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref, indexer_scores_ref, indexer_topk_ref
 from csa_kernels.ops.visibility.rules import visible_compressed_indices
 from dsv4_primitives.dispatch import resolve_backend
@@ -98,12 +98,19 @@ def indexer_topk(
     the device (capturable; bitwise the host result at one row chunk), the reference path reads the boundaries
     back (CPU; never captured).
     """
-    args = (q_idx, k_idx, weights, ratio, topk, bounds, chunk_size)
-    if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_topk") == "triton":
-        from csa_kernels.ops.indexer.topk import indexer_topk_checked
+    if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_topk") != "triton":
+        return indexer_topk_ref(q_idx, k_idx, weights, ratio, topk, bounds, chunk_size)
+    from csa_kernels.ops.indexer.device_plan import indexer_topk_device_planned
+    from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
+    from csa_kernels.ops.indexer.triton import indexer_topk_triton
 
-        return indexer_topk_checked(*args, deterministic=deterministic)
-    return indexer_topk_ref(*args)
+    check_inputs(q_idx, k_idx, weights, ratio, bounds)
+    check_topk(topk)
+    # launches planned from the host copy, or on the device for static boundaries (capturable)
+    select = indexer_topk_device_planned if bounds.is_static else indexer_topk_triton
+    idx, vals = select(q_idx.detach(), k_idx.detach(), weights.detach(), ratio, topk, bounds, chunk_size)
+    # forward value = the selection pass's scores; backward = the fused kernel at the selected entries
+    return idx, attach_scores_at_grad(vals, q_idx, k_idx, weights, idx, deterministic)
 
 
 def _sbhd_args(q_idx, k_idx, weights, ratio):
