@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from dsv4_primitives.varlen import SeqBoundaries
+
 PEAK = 804e12
 PEAK_DATASHEET = 989e12
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -137,9 +139,7 @@ def _indexer_inputs(S, HI, DI, ratio, seed=0):
     q = torch.randn(S, HI, DI, device="cuda", generator=gen).to(torch.bfloat16)
     k = torch.randn(S // ratio, DI, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(S, HI, device="cuda", generator=gen) * (HI * DI) ** -0.5).to(torch.bfloat16)
-    cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-    cuc = torch.tensor([0, S // ratio], dtype=torch.int32, device="cuda")
-    return q, k, w, cu, cuc
+    return q, k, w, SeqBoundaries.from_host([0, S], "cuda")
 
 
 HBM_BW = 4.8e12  # H200 datasheet HBM3e bandwidth, bytes/s

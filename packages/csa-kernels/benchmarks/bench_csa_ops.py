@@ -18,6 +18,8 @@ from bench_common import (
     timeit,
 )
 
+from dsv4_primitives.varlen import SeqBoundaries
+
 
 def section_indexer() -> bool:
     from csa_kernels.ops.indexer.reference import indexer_topk_ref
@@ -25,9 +27,9 @@ def section_indexer() -> bool:
 
     print("correctness gate: indexer + top-k (bf16 inputs, fp32 reference)", flush=True)
     S, HI, DI, ratio, topk = 2048, 64, 128, 4, 128
-    q, k, w, cu, cuc = _indexer_inputs(S, HI, DI, ratio, seed=7)
-    idx, val = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc)
-    ridx, rval = indexer_topk_ref(q.float(), k.float(), w.float(), ratio, topk, cu, cuc)
+    q, k, w, bounds = _indexer_inputs(S, HI, DI, ratio, seed=7)
+    idx, val = indexer_topk_triton(q, k, w, ratio, topk, bounds)
+    ridx, rval = indexer_topk_ref(q.float(), k.float(), w.float(), ratio, topk, bounds)
     same_valid = bool(torch.equal((idx >= 0).sum(1), (ridx >= 0).sum(1)))
     hits = 0
     for a, b in zip(idx.tolist(), ridx.tolist()):
@@ -39,14 +41,14 @@ def section_indexer() -> bool:
     print(f"  gate indexer top-k recall={recall:.5f} same -1 counts={same_valid} {'OK' if ok else 'FAIL'}")
 
     S, HI, DI, ratio, topk = 8192, 64, 128, 4, 512
-    q, k, w, cu, cuc = _indexer_inputs(S, HI, DI, ratio)
+    q, k, w, bounds = _indexer_inputs(S, HI, DI, ratio)
     Tc = S // ratio
     pairs = sum((t + 1) // ratio for t in range(S))
     fl = 2.0 * HI * DI * pairs
     shape = f"idx S{S} C{Tc} k{topk}"
 
     def ours():
-        return indexer_topk_triton(q, k, w, ratio, topk, cu, cuc, cu_host=[0, S], cuc_host=[0, S // ratio])
+        return indexer_topk_triton(q, k, w, ratio, topk, bounds)
 
     o = record("indexer", shape, "ours", "fwd", timeit(ours), fl, peak_extra_gib(ours), "scores+topk")
     vis = torch.arange(Tc, device="cuda")[None, :] < ((torch.arange(S, device="cuda") + 1) // ratio)[:, None]
@@ -62,7 +64,7 @@ def section_indexer() -> bool:
     o["speedup_vs_eager"] = e["ms"] / o["ms"]
 
     def ref():
-        return indexer_topk_ref(q, k, w, ratio, topk, cu, cuc)
+        return indexer_topk_ref(q, k, w, ratio, topk, bounds)
 
     record(
         "indexer",
@@ -118,7 +120,7 @@ def _compressor_case(S, c, ratio, overlap, name) -> bool:
     gen = torch.Generator(device="cuda").manual_seed(11)
     lengths = [S - 1000, 997, 3]  # varlen: tails, a doc shorter than the ratio
     cu_host = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    cu = torch.tensor(cu_host, dtype=torch.int32, device="cuda")
+    cu = SeqBoundaries.from_host(cu_host, "cuda")
     kv = torch.randn(S, dk, device="cuda", generator=gen).to(torch.bfloat16)
     score = (2 * torch.randn(S, dk, device="cuda", generator=gen)).to(torch.bfloat16)
     ape = torch.randn(ratio, dk, device="cuda", generator=gen)
@@ -140,10 +142,10 @@ def _compressor_case(S, c, ratio, overlap, name) -> bool:
 
     def ours_f():
         with torch.no_grad():
-            return compressor_pool_triton(kv, score, ape, ratio, overlap, cu, cu_seqlens_host=cu_host)
+            return compressor_pool_triton(kv, score, ape, ratio, overlap, cu)
 
     def ours_fb():
-        p, _ = compressor_pool_triton(*leaves, ratio, overlap, cu, cu_seqlens_host=cu_host)
+        p, _ = compressor_pool_triton(*leaves, ratio, overlap, cu)
         p.backward(dout)
         return p
 

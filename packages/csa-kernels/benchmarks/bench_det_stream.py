@@ -133,16 +133,14 @@ def section_indexer_stream(h) -> bool:
     ok = True
     HI, DI, ratio, topk = 64, 128, 4, 512
     for S in (8192, 65536):
-        q, k, w, cu, cuc = h.indexer_inputs(S, HI, DI, ratio)
+        q, k, w, bounds = h.indexer_inputs(S, HI, DI, ratio)
         Tc = S // ratio
         pairs = sum((t + 1) // ratio for t in range(S))
         fl = 2.0 * HI * DI * pairs
         shape = f"idx-stream S{S} C{Tc} k{topk}"
 
-        def ours(S=S, q=q, k=k, w=w, cu=cu, cuc=cuc):
-            return indexer_topk_triton(
-                q, k, w, ratio, topk, cu, cuc, cu_host=[0, S], cuc_host=[0, S // ratio]
-            )
+        def ours(q=q, k=k, w=w, bounds=bounds):
+            return indexer_topk_triton(q, k, w, ratio, topk, bounds)
 
         first = ours()
         again = ours()

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+
 """Index scores at given entries (the gradient path of the sparse indexer loss) on one GPU: correctness gates
 first, then one side-by-side table, JSON to --out and results/.
 
@@ -31,6 +32,8 @@ import bench_csa as B
 import torch
 import triton
 
+from dsv4_primitives.varlen import SeqBoundaries
+
 
 def _inputs(T, HI, DI, ratio, topk, seed=0, device="cuda", dtype=torch.bfloat16):
     from csa_kernels.ops.indexer.triton import indexer_topk_triton
@@ -39,9 +42,7 @@ def _inputs(T, HI, DI, ratio, topk, seed=0, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(T, HI, DI, device=device, generator=gen).to(dtype)
     k = torch.randn(T // ratio, DI, device=device, generator=gen).to(dtype)
     w = (torch.randn(T, HI, device=device, generator=gen) * (HI * DI) ** -0.5).to(dtype)
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    cuc = torch.tensor([0, T // ratio], dtype=torch.int32, device=device)
-    idx, vals = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc)
+    idx, vals = indexer_topk_triton(q, k, w, ratio, topk, SeqBoundaries.from_host([0, T], device))
     g = torch.randn(T, topk, device=device, generator=gen)
     return q, k, w, idx, vals, g
 
@@ -69,9 +70,8 @@ def gates(q, k, w, idx, vals, g) -> bool:
             a, r = a[valid], r[valid]
         ok &= B.gate(f"scores_at {name}", a, r)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, w)]
-    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-    cuc = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
-    sel, v = indexer_topk(*leaves, 4, idx.shape[1], cu, cuc, backend="triton")
+    bounds = SeqBoundaries.from_host([0, q.shape[0]], q.device)
+    sel, v = indexer_topk(*leaves, 4, idx.shape[1], bounds, backend="triton")
     same = bool(torch.equal(sel, idx) and torch.equal(v.detach(), vals))
     (torch.where(valid, v, 0.0) * g).sum().backward()
     ref_leaves = [x.detach().float().requires_grad_() for x in (q, k, w)]

@@ -22,6 +22,8 @@ import csv
 import sys
 from pathlib import Path
 
+from dsv4_primitives.varlen import SeqBoundaries
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -42,13 +44,13 @@ def _ops():
     do = torch.randn_like(q)
     swa = attn_inputs(4096, 64, 512, 128, 0, 0, False)
     swa_idx, swa_cnt = K.compact_indices(swa[3])
-    qi, ki, wi, cu, cuc = _indexer_inputs(8192, 64, 128, 4)
+    qi, ki, wi, bounds = _indexer_inputs(8192, 64, 128, 4)
     comp = idx[:, 128:].contiguous()
     scores = torch.randn(4096, 512, device="cuda")
     kv4 = torch.randn(8192, 1024, device="cuda").to(torch.bfloat16).requires_grad_()
     sc4 = torch.randn(8192, 1024, device="cuda").to(torch.bfloat16).requires_grad_()
     ape4 = torch.randn(4, 1024, device="cuda").requires_grad_()
-    cu4 = torch.tensor([0, 7192, 8189, 8192], dtype=torch.int32, device="cuda")
+    cu4 = SeqBoundaries.from_host([0, 7192, 8189, 8192], "cuda")
 
     def compressor():
         pooled, _ = compressor_pool_triton(kv4, sc4, ape4, 4, True, cu4)
@@ -58,7 +60,7 @@ def _ops():
         ("attn_fwd flash S4096", lambda: K.sparse_attn_fwd(q, kv, sink, idx_c, cnt, scale)),
         ("attn_bwd flash S4096", lambda: K.sparse_attn_bwd(q, kv, sink, idx_c, cnt, scale, o, lse, do)),
         ("attn_fwd swa S4096", lambda: K.sparse_attn_fwd(swa[0], swa[1], swa[2], swa_idx, swa_cnt, scale)),
-        ("indexer_topk S8192", lambda: indexer_topk_triton(qi, ki, wi, 4, 512, cu, cuc)),
+        ("indexer_topk S8192", lambda: indexer_topk_triton(qi, ki, wi, 4, 512, bounds)),
         ("indexer_loss flash S4096", lambda: indexer_loss_triton(q, kv, sink, lse, comp, scores, scale)),
         ("compressor r4 fwd+bwd T8192", compressor),
     ]

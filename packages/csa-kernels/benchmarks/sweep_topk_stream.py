@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from csa_kernels.ops.indexer import triton as IT
     from csa_kernels.ops.indexer.reference import indexer_topk_ref
     from csa_kernels.ops.indexer.topk_select import row_topk
-    from dsv4_primitives.varlen import compressed_cu_seqlens
+    from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -51,19 +51,7 @@ def main(argv=None) -> int:
     topk, ratio = 512, 4
 
     def call(q, k, w, cu, cuc, **kw):
-        dev = q.device
-        return IT.indexer_topk_triton(
-            q,
-            k,
-            w,
-            ratio,
-            topk,
-            torch.tensor(cu, device=dev, dtype=torch.int32),
-            torch.tensor(cuc, device=dev, dtype=torch.int32),
-            cu_host=cu,
-            cuc_host=cuc,
-            **kw,
-        )
+        return IT.indexer_topk_triton(q, k, w, ratio, topk, SeqBoundaries.from_host(cu, q.device), **kw)
 
     # tie-heavy THD pack vs the reference (exact ties across tiles go to the lower entry)
     gen = torch.Generator().manual_seed(3)
@@ -75,10 +63,16 @@ def main(argv=None) -> int:
     qt = torch.zeros(T, 1, 16)
     qt[:, :, 0] = 1.0
     wt = torch.ones(T, 1)
-    ridx, rval = indexer_topk_ref(qt, kt, wt, ratio, 64, cu_t, cuc_t)
+    ridx, rval = indexer_topk_ref(qt, kt, wt, ratio, 64, SeqBoundaries.from_tensor(cu_t))
     for tile in (None, 100):
         idx, val = IT.indexer_topk_triton(
-            qt.cuda(), kt.cuda(), wt.cuda(), ratio, 64, cu_t.cuda(), cuc_t.cuda(), entry_tile=tile
+            qt.cuda(),
+            kt.cuda(),
+            wt.cuda(),
+            ratio,
+            64,
+            SeqBoundaries.from_tensor(cu_t).to("cuda"),
+            entry_tile=tile,
         )
         ok = torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
         gates.append(dict(name=f"ties vs reference tile={tile}", ok=ok))

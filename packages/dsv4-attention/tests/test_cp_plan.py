@@ -45,11 +45,9 @@ def test_plan_maps_match_cp1(ratio, overlap, scale):
     for _ in range(12):
         p = rng.randrange(2, 6)
         glob = _random_pack(rng, p, scale)
-        win_ref = window_indices(glob.cu_seqlens, window)  # [T, W] global rows
+        win_ref = window_indices(glob.bounds, window)  # [T, W] global rows
         if ratio:
-            vis_ref = visible_compressed_indices(
-                glob.cu_seqlens, _cu_c(glob, ratio), ratio, glob.max_compressed_entries(ratio)
-            )
+            vis_ref = visible_compressed_indices(glob.bounds, ratio, glob.max_compressed_entries(ratio))
         owners, slots = [], []
         for r in range(p):
             cpl = ContextParallelLayout(glob, None, r, p)
@@ -65,11 +63,11 @@ def test_plan_maps_match_cp1(ratio, overlap, scale):
             torch.testing.assert_close(plan.visible, vis_ref[ls:le], rtol=0, atol=0)
             n_own = plan.owned_rows.numel()
             assert n_own <= plan.capacity == cpl.num_local_tokens // ratio + 1
-            g0 = owned_before(list(glob.bounds_host), ratio, ls)
+            g0 = owned_before(list(glob.bounds.host), ratio, ls)
             owners += [r] * n_own
             slots += list(range(g0, g0 + n_own))
         if ratio:
-            tc = glob.compressed_bounds_host(ratio)[-1]
+            tc = glob.bounds.compressed(ratio).total
             assert slots == list(range(tc))  # the owned ranges partition CP=1's ids in order
             gather = ContextParallelLayout(glob, None, 0, p).plan(window, ratio, overlap).gather_rows
             cap = glob.num_tokens // p // ratio + 1
@@ -79,13 +77,9 @@ def test_plan_maps_match_cp1(ratio, overlap, scale):
             assert (last // (glob.num_tokens // p)).tolist() == owners
 
 
-def _cu_c(glob, ratio):
-    return torch.tensor(glob.compressed_bounds_host(ratio), dtype=torch.int32)
-
-
 def _entry_last_rows(glob, ratio):
     out = []
-    bounds = list(glob.bounds_host)
+    bounds = list(glob.bounds.host)
     for s, e in itertools.pairwise(bounds):
         out += [s + (w + 1) * ratio - 1 for w in range((e - s) // ratio)]
     return torch.tensor(out, dtype=torch.int64)
@@ -108,7 +102,7 @@ def test_owned_entries_equal_cp1_compressor(kind):
     for lengths, padded, total in packs:
         glob = pack_layout(lengths, padded, total)
         x = torch.randn(total, d)
-        ref, _ = comp(x, glob.cu_seqlens, backend="reference", max_position=glob.max_rope_position)
+        ref, _ = comp(x, glob.bounds, backend="reference", max_position=glob.max_rope_position)
         for p in (2, 4):
             parts = []
             for r in range(p):
@@ -169,7 +163,7 @@ def _topk_inputs(ties: bool):
     """``(q [52, 2, 8], k [Tc, 8], w [52, 2])``; ``ties``: small integers and 3 distinct key rows, so the scores are
     exact integers in any summation order and most of them tie (zeros of the ReLU included)."""
     glob = pack_layout(*TOPK_PACK)
-    tc = glob.compressed_bounds_host(4)[-1]
+    tc = glob.bounds.compressed(4).total
     g = torch.Generator().manual_seed(0)
     if not ties:
         return (
@@ -201,7 +195,7 @@ def test_cp_topk_equals_cp1_rows(monkeypatch, tile, elements, ties):
     cfg = IndexerConfig(hidden_size=16, q_lora_rank=8, n_heads=2, head_dim=8, topk=topk)
     indexer = LightningIndexer(cfg, rope_config_for_kind(LayerKind.CSA, 4))
     q, k, w = _topk_inputs(ties)
-    ref_idx, ref_val = indexer_topk(q, k, w, 4, topk, glob.cu_seqlens, _cu_c(glob, 4), backend="reference")
+    ref_idx, ref_val = indexer_topk(q, k, w, 4, topk, glob.bounds, backend="reference")
     if ties:  # many rows have tied scores inside their top-k or across its boundary
         s = cp_indexer.scores_at(cp_indexer.LocalIndexerQueries(q, w), k, _visible_all(glob), "reference")
         kth = ref_val[:, topk - 1 : topk]
@@ -213,7 +207,7 @@ def test_cp_topk_equals_cp1_rows(monkeypatch, tile, elements, ties):
         sl = slice(cpl.local_start, cpl.local_stop)
         for lo in range(rows, cpl.num_local_tokens, rows):  # a chunk boundary inside a document
             g = cpl.local_start + lo
-            split |= any(s < g < e for s, e in itertools.pairwise(glob.bounds_host))
+            split |= any(s < g < e for s, e in itertools.pairwise(glob.bounds.host))
         iq = cp_indexer.LocalIndexerQueries(q[sl].clone().requires_grad_(True), w[sl])
         plan = cpl.plan(8, 4, True)
         idx, val = cp_indexer.select_topk(indexer, iq, k, plan, "reference", True)
@@ -224,7 +218,7 @@ def test_cp_topk_equals_cp1_rows(monkeypatch, tile, elements, ties):
 
 
 def _visible_all(glob):
-    return visible_compressed_indices(glob.cu_seqlens, _cu_c(glob, 4), 4, glob.max_compressed_entries(4))
+    return visible_compressed_indices(glob.bounds, 4, glob.max_compressed_entries(4))
 
 
 class _LiveBytes(TorchDispatchMode):

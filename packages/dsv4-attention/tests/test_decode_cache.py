@@ -28,6 +28,7 @@ from dsv4_attention.decode import (
     visible_entries,
 )
 from dsv4_primitives import YarnConfig
+from dsv4_primitives.varlen import SeqBoundaries
 
 RTOL = 1e-5
 
@@ -157,8 +158,7 @@ def test_select_topk_is_the_indexer_topk_rule():
     q = torch.randint(-1, 2, (t, 2, 4), generator=g).float()
     keys = torch.randint(-1, 2, (n_c, 4), generator=g).float()
     w = torch.randint(1, 3, (t, 2), generator=g).float()
-    cu = torch.tensor([0, t], dtype=torch.int32)
-    ref, _ = indexer_topk_ref(q, keys, w, 4, k, cu, torch.tensor([0, n_c], dtype=torch.int32))
+    ref, _ = indexer_topk_ref(q, keys, w, 4, k, SeqBoundaries.from_lengths([t]))
     plan = ExtendPlan((0,), (t,))
     pos, seq = plan.row_positions(), plan.row_sequences()
     visible = visible_entries(plan, pos, seq, 4, n_c)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 import dsv4_attention._rope as rope_mod
 from dsv4_attention import sbhd_layout, thd_layout
 from dsv4_attention.layout import TokenLayout
+from dsv4_primitives.varlen import SeqBoundaries
 
 
 def _psp(cu, padded=None):
@@ -20,8 +23,8 @@ def _psp(cu, padded=None):
 
 def test_sbhd_bounds_and_reuse():
     a = sbhd_layout(37, 3)
-    assert a.segment_bounds == (0, 37, 74, 111)
-    assert a.segment_bounds == tuple(a.cu_seqlens.tolist())
+    assert a.bounds.cu_seqlens_host == (0, 37, 74, 111)
+    assert a.bounds.cu_seqlens_host == tuple(a.bounds.cu_seqlens.tolist())
     assert a.max_rope_position == 36
     assert a.max_compressed_entries(4) == 9 and a.max_compressed_entries(128) == 0
     assert a.max_compressed_entries(0) == 0
@@ -31,18 +34,17 @@ def test_sbhd_bounds_and_reuse():
 
 def test_thd_bounds_match_device_tensor_and_bound_positions():
     lay = thd_layout(_psp([0, 5, 5, 42], padded=[0, 8, 8, 48]), 50)
-    assert lay.segment_bounds == tuple(lay.cu_seqlens.tolist())
+    host = lay.bounds.cu_seqlens_host
+    assert host == tuple(lay.bounds.cu_seqlens.tolist())
     assert lay.max_rope_position >= int(lay.positions.abs().max())
-    lens = [b - a for a, b in zip(lay.segment_bounds, lay.segment_bounds[1:])]
+    lens = [b - a for a, b in itertools.pairwise(host)]
     assert lay.max_compressed_entries(4) == max(lens) // 4
     # the segments as one dsv4_primitives.varlen.SeqBoundaries; compressed counts floor(len / ratio) per segment
-    assert (
-        lay.boundaries.cu_seqlens is lay.cu_seqlens and lay.boundaries.cu_seqlens_host == lay.segment_bounds
-    )
+    assert not lay.bounds.is_static and lay.bounds.lengths_host == tuple(lens)
     want = [0]
     for n in lens:
         want.append(want[-1] + n // 4)
-    assert lay.compressed_bounds_host(4) == want == list(lay.boundaries.compressed(4).cu_seqlens_host)
+    assert list(lay.bounds.compressed(4).cu_seqlens_host) == want
 
 
 def test_thd_layout_is_reused_until_the_boundaries_change():
@@ -54,9 +56,9 @@ def test_thd_layout_is_reused_until_the_boundaries_change():
     psp.cu_seqlens_q[1] = 9
     psp.cu_seqlens_kv[1] = 9
     b = thd_layout(psp, 17)
-    assert b is not a and b.segment_bounds == (0, 9, 9, 17, 17)
+    assert b is not a and b.bounds.cu_seqlens_host == (0, 9, 9, 17, 17)
     # another object with equal content is built anew (identity, not equality)
-    assert thd_layout(_psp([0, 9, 17]), 17).segment_bounds == b.segment_bounds
+    assert thd_layout(_psp([0, 9, 17]), 17).bounds.cu_seqlens_host == b.bounds.cu_seqlens_host
 
 
 def test_position_offset_widens_the_rope_bound():
@@ -93,7 +95,7 @@ def test_thd_layout_is_rebuilt_when_a_boundary_tensor_is_replaced():
     psp.cu_seqlens_q = torch.tensor([0, 11, 17], dtype=torch.int32)
     psp.cu_seqlens_kv = psp.cu_seqlens_q.clone()
     b = thd_layout(psp, 17)
-    assert b is not a and b.segment_bounds[:2] == (0, 11)
+    assert b is not a and b.bounds.cu_seqlens_host[:2] == (0, 11)
 
 
 def test_layouts_built_under_inference_mode_are_not_cached():
@@ -108,13 +110,12 @@ def test_layouts_built_under_inference_mode_are_not_cached():
     assert b.positions.is_inference()
 
 
-def test_hand_built_layout_without_host_bounds_reads_them_back():
-    lay = TokenLayout(
-        "thd", 9, 1, torch.tensor([0, 4, 9], dtype=torch.int32), torch.zeros(9, dtype=torch.long), None, 5
-    )
-    assert lay.bounds_host == [0, 4, 9]
+def test_hand_built_layout_reads_a_device_tensor_back_once():
+    bounds = SeqBoundaries.from_tensor(torch.tensor([0, 4, 9], dtype=torch.int32))
+    lay = TokenLayout("thd", 9, 1, bounds, torch.zeros(9, dtype=torch.long), None, 5)
+    assert list(lay.bounds.host) == [0, 4, 9]
     assert lay.max_compressed_entries(4) == 1
-    assert lay.compressed_bounds_host(4) == [0, 1, 2]
+    assert list(lay.bounds.compressed(4).host) == [0, 1, 2]
 
 
 def test_layer_trains_after_an_inference_mode_forward(build):

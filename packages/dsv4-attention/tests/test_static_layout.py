@@ -51,14 +51,14 @@ def test_static_layout_segments(pack):
     total = pack[2]
     host = thd_layout(host_p, total)
     static = token_layout(torch.zeros(total, 1, 8), static_p)
-    assert static.is_static and static.static_bounds.total == total
+    assert static.is_static and static.bounds.total == total
     assert torch.equal(static.positions, host.positions)
     assert torch.equal(static.real_rows, host.real_rows)
     # the same non-empty segments (the static form adds empty ones)
-    cu = static.cu_seqlens.tolist()
-    assert sorted(set(cu)) == sorted(set(host.bounds_host))
+    cu = static.bounds.cu_seqlens.tolist()
+    assert sorted(set(cu)) == sorted(set(host.bounds.host))
     with pytest.raises(ValueError, match="device only"):
-        _ = static.bounds_host
+        _ = static.bounds.host
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,7 @@ def test_packed_seqs_input_and_layout():
 
     lay = token_layout(torch.zeros(10, 1, 8), _Packs())
     assert lay.qkv_format == "thd"
-    assert lay.cu_seqlens.tolist() == [0, 3, 4, 4, 4, 8, 8, 10]
+    assert lay.bounds.cu_seqlens.tolist() == [0, 3, 4, 4, 4, 8, 8, 10]
     assert lay.positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 0, 1]
     assert lay.real_rows.tolist() == [True] * 3 + [False] + [True] * 4 + [False] * 2
 

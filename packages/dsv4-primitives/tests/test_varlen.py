@@ -115,12 +115,32 @@ def test_seq_boundaries_carry_host_copy_and_compress_without_reading_back():
     c = b.compressed(4)
     assert c.cu_seqlens_host == (0, 1, 1, 3) and c.cu_seqlens.tolist() == [0, 1, 1, 3]
     assert c.cu_seqlens.device == b.device
-    kw = c.host_kwargs("cu_seqlens_c")
-    assert set(kw) == {"cu_seqlens_c", "cu_seqlens_c_host"} and kw["cu_seqlens_c_host"] == [0, 1, 1, 3]
+    assert b.compressed(4) is c and not c.is_static and b.max_entries(4) == 2
     t = SeqBoundaries.from_tensor(torch.tensor([0, 2, 6], dtype=torch.int32))
     assert t.cu_seqlens_host == (0, 2, 6) and t.to("cpu").cu_seqlens.tolist() == [0, 2, 6]
     with pytest.raises(AttributeError):
         b.cu_seqlens_host = (0,)  # frozen
+
+
+def test_seq_boundaries_static_mode_derives_on_the_device():
+    # a static pack: 2 documents (+ one unused slot) padded to a capacity of 16 rows; nothing is read back
+    cu = torch.tensor([0, 5, 14, 16, 16], dtype=torch.int32)
+    s = SeqBoundaries.static(cu, 16)
+    h = SeqBoundaries.from_tensor(cu)
+    assert s.is_static and s.cu_seqlens is cu and (s.total, s.num_docs, s.max_seqlen) == (16, 4, 16)
+    assert s.max_entries(4) == 4 and h.max_entries(4) == 2
+    c = s.compressed(4)
+    assert c.is_static and c.total == 4 and c.cu_seqlens.tolist() == list(h.compressed(4).cu_seqlens_host)
+    assert torch.equal(s.document_ids(), h.document_ids()) and torch.equal(s.positions(), h.positions())
+    assert s.exact().cu_seqlens_host == h.cu_seqlens_host and s.to("cpu").is_static
+    with pytest.raises(ValueError, match="device only"):
+        _ = s.host
+    with pytest.raises(ValueError, match="exactly one of"):
+        SeqBoundaries(cu)
+    with pytest.raises(ValueError, match="capacity must be an int"):
+        SeqBoundaries.static(cu, -1)
+    with pytest.raises(ValueError, match="at least one document slot"):
+        SeqBoundaries.static(torch.zeros(1, dtype=torch.int32), 0)
 
 
 def test_seq_boundaries_validate():

@@ -37,6 +37,11 @@ def test_round_trip_and_static_shapes(lengths, extra, tail, spare_tokens, spare_
     assert sp.packed.cu_seqlens.numel() == sp.packed.cu_seqlens_padded.numel() == max_num_seqs + 1
     assert sp.tensors["tokens"].shape == (cap,) and sp.tensors["hidden"].shape == (cap, feat)
     assert sp.padding_mask.shape == (cap,)
+    # one static boundaries object: the padded documents on the device, the row capacity on the host
+    assert (
+        sp.bounds.is_static and sp.bounds.total == cap and sp.bounds.cu_seqlens is sp.packed.cu_seqlens_padded
+    )
+    assert sp.bounds.max_entries(4) == cap // 4
     # the dummy covers the whole tail, so every row belongs to a document
     end = int(ps.cu_seqlens_padded[-1])
     if dummy:

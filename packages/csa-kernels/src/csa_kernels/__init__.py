@@ -1,8 +1,9 @@
 """csa-kernels: DSv4 compressed sparse attention ops (see the package README and API.md for the contract).
 
 Every op has an fp32 PyTorch reference (``*_ref``) and a public name without suffix that takes
-``backend="auto" | "triton" | "reference"``; THD entry points take flash-attn varlen ``cu_seqlens`` and SBHD
-entry points (``*_sbhd``) take an equal-length batch ``[S, B, ...]``.
+``backend="auto" | "triton" | "reference"``; THD entry points take the documents as one
+:class:`~dsv4_primitives.varlen.SeqBoundaries` (host boundaries, or static ones for CUDA graphs)
+and SBHD entry points (``*_sbhd``) take an equal-length batch ``[S, B, ...]``.
 """
 
 from csa_kernels.ops.compressor import (
@@ -15,7 +16,6 @@ from csa_kernels.ops.compressor import (
     compressor_pool_ref,
     compressor_pool_sbhd,
 )
-from csa_kernels.ops.compressor.static import compressor_pool_static
 from csa_kernels.ops.indexer import (
     indexer_scores,
     indexer_scores_at,
@@ -26,7 +26,6 @@ from csa_kernels.ops.indexer import (
     indexer_topk_ref,
     indexer_topk_sbhd,
 )
-from csa_kernels.ops.indexer.static import indexer_scores_static, indexer_topk_static
 from csa_kernels.ops.indexer_loss import (
     indexer_loss,
     indexer_loss_ref,
@@ -49,17 +48,11 @@ from csa_kernels.ops.visibility import (
     window_indices,
     window_indices_sbhd,
 )
-from csa_kernels.static_bounds import (
-    StaticBounds,
-    visible_compressed_indices_static,
-    window_indices_static,
-)
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "CompressorState",
-    "StaticBounds",
     "__version__",
     "attention_indices",
     "compress",
@@ -69,7 +62,6 @@ __all__ = [
     "compressor_pool",
     "compressor_pool_ref",
     "compressor_pool_sbhd",
-    "compressor_pool_static",
     "csa_dense_mask",
     "indexer_loss",
     "indexer_loss_ref",
@@ -79,12 +71,10 @@ __all__ = [
     "indexer_scores_at_ref",
     "indexer_scores_ref",
     "indexer_scores_sbhd",
-    "indexer_scores_static",
     "indexer_teacher_ref",
     "indexer_topk",
     "indexer_topk_ref",
     "indexer_topk_sbhd",
-    "indexer_topk_static",
     "indices_to_mask",
     "local_to_global_rows",
     "sparse_attn",
@@ -93,8 +83,6 @@ __all__ = [
     "sparse_attn_sbhd",
     "visible_compressed_indices",
     "visible_compressed_indices_sbhd",
-    "visible_compressed_indices_static",
     "window_indices",
     "window_indices_sbhd",
-    "window_indices_static",
 ]

@@ -1,16 +1,33 @@
 """Input validation shared by the public entry points (bad input -> ValueError saying what and how to fix).
 
-The ``cu_seqlens`` checks live in :mod:`dsv4_primitives.varlen` (shared by every package).
+The boundaries themselves are validated when their :class:`~dsv4_primitives.varlen.SeqBoundaries` is built.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv4_primitives.varlen import (
-    check_cu_seqlens as check_cu_seqlens,  # re-exported: the ops' boundary check
-)
+from dsv4_primitives.varlen import SeqBoundaries
 from dsv4_primitives.varlen import check_ratio as _check_ratio_value
+
+
+def check_bounds(
+    bounds: SeqBoundaries, total: int | None = None, rows_of: str = "the input"
+) -> SeqBoundaries:
+    """``bounds`` is a :class:`SeqBoundaries` over ``total`` rows (``rows_of`` names the tensor whose leading dim
+    ``total`` is)."""
+    if not isinstance(bounds, SeqBoundaries):
+        raise ValueError(
+            f"bounds must be a dsv4_primitives.varlen.SeqBoundaries, got {type(bounds).__name__}; build one with "
+            "SeqBoundaries.from_host / from_lengths / from_tensor (or SeqBoundaries.static for CUDA graphs)"
+        )
+    if total is not None and bounds.total != total:
+        what = "the row capacity" if bounds.is_static else "cu_seqlens[-1]"
+        raise ValueError(
+            f"the boundaries cover {bounds.total} rows ({what}) but {rows_of} has {total}, the number of packed rows; "
+            "put static-shape padding into a padding document of its own"
+        )
+    return bounds
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:

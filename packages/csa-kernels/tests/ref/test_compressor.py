@@ -12,7 +12,7 @@ from csa_kernels import (
     compressor_pool_ref,
 )
 from dsv4_primitives import RopeConfig, YarnConfig, apply_rope_ref, rms_norm_ref
-from dsv4_primitives.varlen import cu_seqlens_from_lengths
+from dsv4_primitives.varlen import SeqBoundaries, cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 16, 37, 64, 100]
 ROPE = RopeConfig(rope_dim=4, base=160000.0, yarn=YarnConfig(factor=4, original_max_position_embeddings=32))
@@ -79,19 +79,19 @@ def _compress_params(ratio, overlap, d=10, c=8, dtype=torch.float64):
 def test_pool_matches_loop_oracle_packed(ratio, overlap):
     lengths = [*LENGTHS, 0, 5]
     kv, score, ape = _pool_inputs(lengths, ratio, overlap)
-    pooled, cu_c = compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens_from_lengths(lengths))
+    pooled, cu_c = compressor_pool_ref(kv, score, ape, ratio, overlap, SeqBoundaries.from_lengths(lengths))
     ref = _pool_loop_oracle(kv, score, ape, ratio, overlap, lengths)
     torch.testing.assert_close(pooled, ref, rtol=1e-12, atol=1e-12)
     # C4: floor(len / ratio) entries per document, tails dropped
-    assert cu_c.dtype == torch.int32
-    assert cu_c.tolist() == cu_seqlens_from_lengths([n // ratio for n in lengths]).tolist()
+    assert cu_c.cu_seqlens.dtype == torch.int32
+    assert cu_c.cu_seqlens.tolist() == cu_seqlens_from_lengths([n // ratio for n in lengths]).tolist()
 
 
 def test_pool_ratio_128_non_overlapping():
     lengths = [127, 128, 300]
     kv, score, ape = _pool_inputs(lengths, 128, False, c=3)
-    pooled, cu_c = compressor_pool(kv, score, ape, 128, False, cu_seqlens_from_lengths(lengths))
-    assert cu_c.tolist() == [0, 0, 1, 3]
+    pooled, cu_c = compressor_pool(kv, score, ape, 128, False, SeqBoundaries.from_lengths(lengths))
+    assert cu_c.cu_seqlens.tolist() == [0, 0, 1, 3]
     torch.testing.assert_close(pooled, _pool_loop_oracle(kv, score, ape, 128, False, lengths))
 
 
@@ -113,7 +113,7 @@ def test_c2_locality():
     lengths = [37]
     for ratio, overlap, c in [(4, True, 5), (8, False, 5)]:
         kv, score, ape = _pool_inputs(lengths, ratio, overlap, c=c)
-        cu = cu_seqlens_from_lengths(lengths)
+        cu = SeqBoundaries.from_lengths(lengths)
         base, _ = compressor_pool_ref(kv, score, ape, ratio, overlap, cu)
         n = base.shape[0]
         for j in range(37):
@@ -133,7 +133,7 @@ def test_c3_weights_sum_to_one_and_mean_pooling():
         kv, score, ape = _pool_inputs(lengths, ratio, overlap, c=4)
         v = torch.randn(kv.shape[1], dtype=torch.float64)
         pooled, _ = compressor_pool_ref(
-            v.expand_as(kv), score, ape, ratio, overlap, cu_seqlens_from_lengths(lengths)
+            v.expand_as(kv), score, ape, ratio, overlap, SeqBoundaries.from_lengths(lengths)
         )
         c = pooled.shape[1]
         if overlap:
@@ -146,7 +146,7 @@ def test_c3_weights_sum_to_one_and_mean_pooling():
     p["wgate"] = torch.zeros_like(p["wgate"])
     p["ape"] = torch.zeros_like(p["ape"])
     x = torch.randn(20, 10, dtype=torch.float64)
-    out, _ = compress_ref(x, **p, cu_seqlens=cu_seqlens_from_lengths([20]))
+    out, _ = compress_ref(x, **p, bounds=SeqBoundaries.from_lengths([20]))
     mean = (x @ p["wkv"].T)[:16].view(2, 8, -1).mean(1)
     expect = apply_rope_ref(rms_norm_ref(mean, p["norm_weight"]), torch.tensor([0, 8]), ROPE)
     torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
@@ -155,7 +155,7 @@ def test_c3_weights_sum_to_one_and_mean_pooling():
     p["wgate"] = torch.zeros_like(p["wgate"])
     p["ape"] = torch.zeros_like(p["ape"])
     x = torch.randn(4, 10, dtype=torch.float64)
-    out, _ = compress_ref(x, **p, cu_seqlens=cu_seqlens_from_lengths([4]))
+    out, _ = compress_ref(x, **p, bounds=SeqBoundaries.from_lengths([4]))
     q_half = (x @ p["wkv"].T)[:, 8:].mean(0, keepdim=True)
     expect = apply_rope_ref(rms_norm_ref(q_half, p["norm_weight"]), torch.tensor([0]), ROPE)
     torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
@@ -166,37 +166,41 @@ def test_thd_equals_per_document_and_sbhd(ratio, overlap):
     lengths = [*LENGTHS[:4], 0, *LENGTHS[4:]]
     p = _compress_params(ratio, overlap)
     xs = [torch.randn(n, 10, dtype=torch.float64) for n in lengths]
-    packed, cu_c = compress(torch.cat(xs), **p, cu_seqlens=cu_seqlens_from_lengths(lengths))
+    packed, cu_c = compress(torch.cat(xs), **p, bounds=SeqBoundaries.from_lengths(lengths))
     # fp64 GEMMs of different row counts may take different BLAS paths (1-ulp differences), hence atol 1e-12
     for i, x in enumerate(xs):
         alone = compress_sbhd(x[:, None], **p)[:, 0]  # B = 1 SBHD
-        torch.testing.assert_close(packed[cu_c[i] : cu_c[i + 1]], alone, rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            packed[cu_c.cu_seqlens_host[i] : cu_c.cu_seqlens_host[i + 1]], alone, rtol=0, atol=1e-12
+        )
     # SBHD batch of equal lengths == each sequence alone
     xb = torch.randn(37, 3, 10, dtype=torch.float64)
     sb = compress_sbhd(xb, **p)
     for b in range(3):
-        one, _ = compress(xb[:, b], **p, cu_seqlens=cu_seqlens_from_lengths([37]))
+        one, _ = compress(xb[:, b], **p, bounds=SeqBoundaries.from_lengths([37]))
         torch.testing.assert_close(sb[:, b], one, rtol=0, atol=1e-12)
 
 
 def test_short_and_empty_documents_give_no_entries():
     p = _compress_params(4, True)
     x = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
-    out, cu_c = compress(x, **p, cu_seqlens=cu_seqlens_from_lengths([0, 3, 0]))
-    assert out.shape == (0, 8) and cu_c.tolist() == [0, 0, 0, 0]
+    out, cu_c = compress(x, **p, bounds=SeqBoundaries.from_lengths([0, 3, 0]))
+    assert out.shape == (0, 8) and cu_c.cu_seqlens.tolist() == [0, 0, 0, 0]
     out.sum().backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
-    out, cu_c = compress(x[:0], **p, cu_seqlens=cu_seqlens_from_lengths([]))
-    assert out.shape == (0, 8) and cu_c.tolist() == [0]
+    out, cu_c = compress(x[:0], **p, bounds=SeqBoundaries.from_lengths([]))
+    assert out.shape == (0, 8) and cu_c.cu_seqlens.tolist() == [0]
 
 
 def test_dtype_policy():
     p = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in _compress_params(4, True).items()}
     x = torch.randn(9, 10).bfloat16()
-    out, _ = compress(x, **p, cu_seqlens=cu_seqlens_from_lengths([9]))
+    out, _ = compress(x, **p, bounds=SeqBoundaries.from_lengths([9]))
     assert out.dtype == torch.bfloat16
     kv, score, ape = _pool_inputs([9], 4, True, dtype=torch.float32)
-    pooled, _ = compressor_pool(kv.bfloat16(), score.bfloat16(), ape, 4, True, cu_seqlens_from_lengths([9]))
+    pooled, _ = compressor_pool(
+        kv.bfloat16(), score.bfloat16(), ape, 4, True, SeqBoundaries.from_lengths([9])
+    )
     assert pooled.dtype == torch.float32
 
 
@@ -204,7 +208,7 @@ def test_dtype_policy():
 def test_pool_gradcheck(ratio, overlap):
     lengths = [9, 0, 5]
     kv, score, ape = _pool_inputs(lengths, ratio, overlap, c=2)
-    cu = cu_seqlens_from_lengths(lengths)
+    cu = SeqBoundaries.from_lengths(lengths)
     inputs = [t.requires_grad_() for t in (kv, score, ape)]
     assert torch.autograd.gradcheck(
         lambda a, b, c: compressor_pool_ref(a, b, c, ratio, overlap, cu)[0], inputs
@@ -214,22 +218,22 @@ def test_pool_gradcheck(ratio, overlap):
 def test_compress_gradcheck():
     p = _compress_params(4, True, d=5, c=4)
     x = torch.randn(9, 5, dtype=torch.float64, requires_grad=True)
-    cu = cu_seqlens_from_lengths([9])
+    cu = SeqBoundaries.from_lengths([9])
     names = ["wkv", "wgate", "ape", "norm_weight"]
     tensors = [p[n].clone().requires_grad_() for n in names]
 
     def fn(x, *ts):
         kw = dict(p, **dict(zip(names, ts)))
-        return compress_ref(x, **kw, cu_seqlens=cu)[0]
+        return compress_ref(x, **kw, bounds=cu)[0]
 
     assert torch.autograd.gradcheck(fn, [x, *tensors])
 
 
 def test_bad_inputs_raise_value_error():
     kv, score, ape = _pool_inputs([8], 4, True)
-    cu = cu_seqlens_from_lengths([8])
+    cu = SeqBoundaries.from_lengths([8])
     with pytest.raises(ValueError, match="cu_seqlens"):
-        compressor_pool(kv, score, ape, 4, True, cu_seqlens_from_lengths([7]))
+        compressor_pool(kv, score, ape, 4, True, SeqBoundaries.from_lengths([7]))
     with pytest.raises(ValueError, match="ape"):
         compressor_pool(kv, score, ape[:2], 4, True, cu)
     with pytest.raises(ValueError, match="ratio"):

@@ -18,7 +18,7 @@ from csa_kernels import (
     visible_compressed_indices,
     window_indices,
 )
-from dsv4_primitives.varlen import compressed_cu_seqlens, cu_seqlens_from_lengths
+from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens, cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 0, 16, 37]
 
@@ -30,8 +30,9 @@ def _case(lengths, ratio=4, window=3, h=3, d=6, hi=2, di=4, dtype=torch.float64)
     q = torch.randn(t, h, d, dtype=dtype)
     kv_all = torch.randn(t + tc, d, dtype=dtype)
     sink = torch.randn(h, dtype=dtype)
-    vis = visible_compressed_indices(cu, cuc, ratio)
-    win = window_indices(cu, window)
+    bounds = SeqBoundaries.from_tensor(cu)
+    vis = visible_compressed_indices(bounds, ratio)
+    win = window_indices(bounds, window)
     _, lse = sparse_attn(q, kv_all, sink, attention_indices(win, vis, t), d**-0.5)
     comp = torch.where(vis >= 0, vis + t, -1)  # rows of kv_all
     q_idx, k_idx, w_idx = (
@@ -41,6 +42,7 @@ def _case(lengths, ratio=4, window=3, h=3, d=6, hi=2, di=4, dtype=torch.float64)
     )
     return dict(
         cu=cu,
+        bounds=bounds,
         cuc=cuc,
         t=t,
         q=q,
@@ -91,7 +93,7 @@ def test_i5_teacher_normalised_kl_nonnegative_and_zero_at_teacher():
     log_p = indexer_teacher_ref(c["q"], c["kv_all"], c["lse"], c["comp"], scale)
     has = (c["comp"] >= 0).any(1)
     torch.testing.assert_close(torch.exp(log_p)[has].sum(1), torch.ones(int(has.sum()), dtype=torch.float64))
-    scores = indexer_scores(*c["idx"], 4, c["cu"], c["cuc"])
+    scores = indexer_scores(*c["idx"], 4, c["bounds"])
     loss, per_row = indexer_loss(c["q"], c["kv_all"], c["sink"], c["lse"], c["comp"], scores, scale)
     assert (per_row >= 0).all() and loss > 0
     assert torch.equal(per_row[~has], torch.zeros(int((~has).sum()), dtype=torch.float64))
@@ -107,7 +109,7 @@ def test_only_index_scores_receive_gradient():
     scale = c["q"].shape[2] ** -0.5
     q, kv, lse, sink = (c[n].clone().requires_grad_() for n in ("q", "kv_all", "lse", "sink"))
     q_idx, k_idx, w_idx = (x.clone().requires_grad_() for x in c["idx"])
-    scores = indexer_scores(q_idx, k_idx, w_idx, 4, c["cu"], c["cuc"])
+    scores = indexer_scores(q_idx, k_idx, w_idx, 4, c["bounds"])
     loss, _ = indexer_loss(q, kv, sink, lse, c["comp"], scores, scale)
     loss.backward()
     assert q.grad is None and kv.grad is None and lse.grad is None and sink.grad is None
@@ -139,14 +141,14 @@ def test_gradcheck_index_scores():
 def test_sparse_equals_dense_when_everything_visible_is_selected():
     c = _case([16, 7, 12])  # T <= ratio * topk: the top-k holds every visible entry
     scale = c["q"].shape[2] ** -0.5
-    dense_scores = indexer_scores(*c["idx"], 4, c["cu"], c["cuc"])
+    dense_scores = indexer_scores(*c["idx"], 4, c["bounds"])
     dense, _ = indexer_loss(c["q"], c["kv_all"], c["sink"], c["lse"], c["comp"], dense_scores, scale)
-    sel, sel_scores = indexer_topk(*c["idx"], 4, 4, c["cu"], c["cuc"])
+    sel, sel_scores = indexer_topk(*c["idx"], 4, 4, c["bounds"])
     comp = torch.where(sel >= 0, sel + c["t"], -1)
     sparse, _ = indexer_loss(c["q"], c["kv_all"], c["sink"], c["lse"], comp, sel_scores, scale)
     torch.testing.assert_close(sparse, dense)
     # with fewer slots than visible entries the teacher is renormalised on the selected set
-    sel2, sc2 = indexer_topk(*c["idx"], 4, 2, c["cu"], c["cuc"])
+    sel2, sc2 = indexer_topk(*c["idx"], 4, 2, c["bounds"])
     comp2 = torch.where(sel2 >= 0, sel2 + c["t"], -1)
     log_p = indexer_teacher_ref(c["q"], c["kv_all"], c["lse"], comp2, scale)
     has = (comp2 >= 0).any(1)
@@ -189,9 +191,7 @@ def test_thd_equals_sbhd():
     kv_all = torch.randn(s + sc, b, d, dtype=torch.float64)
     sink = torch.randn(h, dtype=torch.float64)
     lse = torch.randn(s, b, h, dtype=torch.float64) + 3
-    vis = visible_compressed_indices(
-        cu_seqlens_from_lengths([s]), compressed_cu_seqlens(cu_seqlens_from_lengths([s]), ratio), ratio
-    )
+    vis = visible_compressed_indices(SeqBoundaries.from_lengths([s]), ratio)
     comp = torch.where(vis >= 0, vis + s, -1)[:, None, :].expand(s, b, sc).contiguous()  # local rows
     scores = torch.randn(s, b, sc, dtype=torch.float64)
     loss, per_row = indexer_loss_sbhd(q, kv_all, sink, lse, comp, scores, 0.4)

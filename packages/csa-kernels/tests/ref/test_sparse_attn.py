@@ -17,7 +17,7 @@ from csa_kernels import (
     visible_compressed_indices,
     window_indices,
 )
-from dsv4_primitives.varlen import compressed_cu_seqlens, cu_seqlens_from_lengths
+from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens, cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 0, 16, 37, 64, 100]
 
@@ -71,9 +71,15 @@ def test_a1_gather_equals_dense_masked(ratio):
     q = torch.randn(t, h, d, dtype=torch.float64)
     kv_all = torch.randn(t + tc, d, dtype=torch.float64)
     sink = torch.randn(h, dtype=torch.float64)
-    idx = attention_indices(window_indices(cu, window), visible_compressed_indices(cu, cu_c, ratio), t)
+    idx = attention_indices(
+        window_indices(SeqBoundaries.from_tensor(cu), window),
+        visible_compressed_indices(SeqBoundaries.from_tensor(cu), ratio),
+        t,
+    )
     o, lse = sparse_attn_ref(q, kv_all, sink, idx, d**-0.5)
-    o_d, lse_d = sparse_attn_dense_ref(q, kv_all, sink, csa_dense_mask(cu, cu_c, ratio, window), d**-0.5)
+    o_d, lse_d = sparse_attn_dense_ref(
+        q, kv_all, sink, csa_dense_mask(SeqBoundaries.from_tensor(cu), ratio, window), d**-0.5
+    )
     torch.testing.assert_close(o, o_d, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, lse_d, rtol=1e-12, atol=1e-12)
     # sparse selection with -1 and repeats: dense form with multiplicities

@@ -12,7 +12,7 @@ from csa_kernels import (
     window_indices,
     window_indices_sbhd,
 )
-from dsv4_primitives.varlen import compressed_cu_seqlens, cu_seqlens_from_lengths
+from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens, cu_seqlens_from_lengths
 
 LENGTHS = [1, 3, 7, 8, 0, 16, 37, 64, 100]
 
@@ -21,7 +21,7 @@ LENGTHS = [1, 3, 7, 8, 0, 16, 37, 64, 100]
 def test_m1_visible_entries(ratio):
     cu = cu_seqlens_from_lengths(LENGTHS)
     cu_c = compressed_cu_seqlens(cu, ratio)
-    idx = visible_compressed_indices(cu, cu_c, ratio)
+    idx = visible_compressed_indices(SeqBoundaries.from_tensor(cu), ratio)
     assert idx.dtype == torch.int32 and idx.shape == (sum(LENGTHS), max(n // ratio for n in LENGTHS))
     row = 0
     for d, n in enumerate(LENGTHS):
@@ -36,7 +36,7 @@ def test_m1_visible_entries(ratio):
 @pytest.mark.parametrize("window", [1, 3, 8, 128])
 def test_m3_window(window):
     cu = cu_seqlens_from_lengths(LENGTHS)
-    idx = window_indices(cu, window)
+    idx = window_indices(SeqBoundaries.from_tensor(cu), window)
     assert idx.dtype == torch.int32 and idx.shape == (sum(LENGTHS), window)
     row = 0
     for d, n in enumerate(LENGTHS):
@@ -52,20 +52,26 @@ def test_dense_mask_equals_index_union():
     cu = cu_seqlens_from_lengths(LENGTHS)
     cu_c = compressed_cu_seqlens(cu, ratio)
     t, tc = int(cu[-1]), int(cu_c[-1])
-    idx = attention_indices(window_indices(cu, window), visible_compressed_indices(cu, cu_c, ratio), t)
+    idx = attention_indices(
+        window_indices(SeqBoundaries.from_tensor(cu), window),
+        visible_compressed_indices(SeqBoundaries.from_tensor(cu), ratio),
+        t,
+    )
     assert idx.shape == (t, window + max(n // ratio for n in LENGTHS))
-    assert torch.equal(indices_to_mask(idx, t + tc).bool(), csa_dense_mask(cu, cu_c, ratio, window))
+    assert torch.equal(
+        indices_to_mask(idx, t + tc).bool(), csa_dense_mask(SeqBoundaries.from_tensor(cu), ratio, window)
+    )
     assert indices_to_mask(idx, t + tc).max() == 1  # no duplicates in window + visible
 
 
 def test_sbhd_forms_are_local_and_match_thd():
     s, ratio, window = 37, 4, 6
     cu = cu_seqlens_from_lengths([s, s])
-    w_thd = window_indices(cu, window)
+    w_thd = window_indices(SeqBoundaries.from_tensor(cu), window)
     w_sbhd = window_indices_sbhd(s, window)
     assert torch.equal(w_thd[:s], w_sbhd)
     assert torch.equal(w_thd[s:], torch.where(w_sbhd >= 0, w_sbhd + s, -1))
-    c_thd = visible_compressed_indices(cu, compressed_cu_seqlens(cu, ratio), ratio)
+    c_thd = visible_compressed_indices(SeqBoundaries.from_tensor(cu), ratio)
     c_sbhd = visible_compressed_indices_sbhd(s, ratio)
     assert torch.equal(c_thd[:s], c_sbhd)
     assert torch.equal(c_thd[s:], torch.where(c_sbhd >= 0, c_sbhd + s // ratio, -1))
@@ -90,11 +96,11 @@ def test_indices_to_mask_counts_repeats():
 def test_bad_inputs():
     cu = cu_seqlens_from_lengths([8, 4])
     with pytest.raises(ValueError, match="max_entries"):
-        visible_compressed_indices(cu, compressed_cu_seqlens(cu, 4), 4, max_entries=1)
-    with pytest.raises(ValueError, match="cu_seqlens_c"):
-        visible_compressed_indices(cu, compressed_cu_seqlens(cu, 2), 4)
+        visible_compressed_indices(SeqBoundaries.from_tensor(cu), 4, max_entries=1)
+    with pytest.raises(ValueError, match="SeqBoundaries"):
+        visible_compressed_indices(cu, 4)
     with pytest.raises(ValueError, match="window"):
-        window_indices(cu, 0)
+        window_indices(SeqBoundaries.from_tensor(cu), 0)
     with pytest.raises(ValueError, match="non-decreasing"):
-        window_indices(torch.tensor([0, 5, 3], dtype=torch.int32), 2)
-    assert visible_compressed_indices(cu, compressed_cu_seqlens(cu, 4), 4, max_entries=5).shape == (12, 5)
+        window_indices(SeqBoundaries.from_tensor(torch.tensor([0, 5, 3], dtype=torch.int32)), 2)
+    assert visible_compressed_indices(SeqBoundaries.from_tensor(cu), 4, max_entries=5).shape == (12, 5)

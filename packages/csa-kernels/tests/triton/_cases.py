@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_primitives.varlen import SeqBoundaries
+
 
 def cu_from_lengths(lengths: list[int], device="cpu") -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
@@ -54,3 +56,13 @@ def sparse_attn_oracle(q, kv, sink, indices, scale):
     p = torch.exp(z - lse[..., None])
     o = torch.einsum("thk,tkd->thd", p.to(g.dtype), g)
     return o, lse
+
+
+def bounds_from_lengths(lengths: list[int], device="cpu") -> SeqBoundaries:
+    """The ops' boundaries object of documents of ``lengths`` (host copy included: no device sync)."""
+    return SeqBoundaries.from_lengths(lengths, device)
+
+
+def bounds_of(cu: torch.Tensor) -> SeqBoundaries:
+    """The ops' boundaries object of a ``cu_seqlens`` tensor (its host copy read back once)."""
+    return SeqBoundaries.from_tensor(cu)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cases import cu_from_lengths
+from _cases import bounds_from_lengths, cu_from_lengths
 
 from csa_kernels.ops.compressor import compress, compressor_pool
 from csa_kernels.ops.compressor import triton as compressor_triton
@@ -25,7 +25,7 @@ def _poisoned_grad_buffers(monkeypatch):
 def _pool_oracle(kv, score, ape, ratio, overlap, cu):
     """The reference's per-document pooling evaluated in the inputs' own dtype (tolerance yardstick)."""
     parts = []
-    for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+    for a, b in zip(cu.host[:-1], cu.host[1:]):
         n = (b - a) // ratio
         if n:
             parts.append(_pool_document(kv[a : a + n * ratio], score[a : a + n * ratio], ape, ratio, overlap))
@@ -37,7 +37,7 @@ def _run(lengths, c, ratio, overlap, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     dk = 2 * c if overlap else c
-    cu = cu_from_lengths(lengths, device)
+    cu = bounds_from_lengths(lengths, device)
     kv = torch.randn(T, dk, generator=gen)
     score = torch.randn(T, dk, generator=gen) * 2
     ape = torch.randn(ratio, dk, generator=gen)
@@ -127,9 +127,9 @@ def test_compressor_pool_no_complete_block():
     kv = torch.randn(5, 8, requires_grad=True)
     score = torch.randn(5, 8, requires_grad=True)
     ape = torch.randn(4, 8, requires_grad=True)
-    cu = cu_from_lengths([3, 0, 2])
+    cu = bounds_from_lengths([3, 0, 2])
     out, cuc = compressor_pool_triton(kv, score, ape, 4, True, cu)
-    assert out.shape == (0, 4) and cuc.tolist() == [0, 0, 0, 0]
+    assert out.shape == (0, 4) and cuc.cu_seqlens.tolist() == [0, 0, 0, 0]
     out.sum().backward()
     for x in (kv, score, ape):
         assert x.grad is not None and not x.grad.any()
@@ -139,13 +139,13 @@ def test_compressor_pool_no_complete_block():
 def test_public_compressor_backends_agree():
     """backend='triton' through the public names (compressor_pool and the full compress) matches the reference."""
     gen = torch.Generator().manual_seed(4)
-    cu = cu_from_lengths([9, 0, 14])
+    cu = bounds_from_lengths([9, 0, 14])
     kv, score = torch.randn(23, 8, generator=gen), torch.randn(23, 8, generator=gen)
     ape = torch.randn(4, 8, generator=gen)
     a, cua = compressor_pool(kv, score, ape, 4, True, cu, backend="triton")
     b, cub = compressor_pool(kv, score, ape, 4, True, cu, backend="reference")
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    assert torch.equal(cua, cub)
+    assert torch.equal(cua.cu_seqlens, cub.cu_seqlens)
     x = torch.randn(23, 16, generator=gen)
     wkv, wgate = torch.randn(8, 16, generator=gen) * 0.25, torch.randn(8, 16, generator=gen) * 0.25
     nw = torch.rand(4, generator=gen) + 0.5

@@ -1,5 +1,5 @@
-"""Trusted callers: with ``cu_seqlens_host`` / ``cu_seqlens_c_host`` and ``check_indices=False`` every public op
-(forward and backward) runs without a device -> host sync. CPU: a host-read detector (``_nosync``) on both
+"""Trusted callers: with host boundaries (a ``SeqBoundaries`` carrying its host copy) and ``check_indices=False``
+every public op (forward and backward) runs without a device -> host sync. CPU: a host-read detector (``_nosync``) on both
 backends (Triton in the interpreter); GPU: ``torch.cuda.set_sync_debug_mode("error")``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from _nosync import HostReadError, no_host_reads
 
 import csa_kernels as ck
 from dsv4_primitives import RopeConfig
-from dsv4_primitives.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host
+from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens, compressed_cu_seqlens_host
 from dsv4_testkit import interpreting
 
 interpreter_only = pytest.mark.skipif(not interpreting(), reason="CPU interpreter case (gpu cases cover it)")
@@ -22,7 +22,7 @@ RATIO, W, TOPK = 4, 3, 3
 
 
 class Case:
-    """Inputs of every op on one device; ``hosts`` are the trusted host lists."""
+    """Inputs of every op on one device; ``bounds`` carries the device boundaries and their host copy."""
 
     def __init__(self, device, dtype=torch.float32):
         gen = torch.Generator(device=device).manual_seed(
@@ -34,7 +34,7 @@ class Case:
         self.cuc_l = compressed_cu_seqlens_host(self.cu_l, RATIO)
         self.T, self.Tc = self.cu_l[-1], self.cuc_l[-1]
         self.cu = torch.tensor(self.cu_l, dtype=torch.int32).to(device)
-        self.cuc = torch.tensor(self.cuc_l, dtype=torch.int32).to(device)
+        self.bounds = SeqBoundaries(self.cu, tuple(self.cu_l))
         self.device, self.dtype = device, dtype
 
         def rnd(*shape, scale=1.0):
@@ -43,7 +43,6 @@ class Case:
 
         self.rnd = rnd
         self.rnd32 = lambda *shape, scale=1.0: rnd(*shape, scale=scale).detach().float().requires_grad_()
-        self.hosts = dict(cu_seqlens_host=self.cu_l, cu_seqlens_c_host=self.cuc_l)
 
 
 def _backward(*outs):
@@ -61,13 +60,13 @@ def op_calls(c: Case, backend: str):
     def pool():
         kv, score = c.rnd(c.T, 2 * c_dim), c.rnd(c.T, 2 * c_dim)
         ape = c.rnd(RATIO, 2 * c_dim).detach().float().requires_grad_()
-        p, _ = ck.compressor_pool(kv, score, ape, RATIO, True, c.cu, cu_seqlens_host=c.cu_l, **kw)
+        p, _ = ck.compressor_pool(kv, score, ape, RATIO, True, c.bounds, **kw)
         _backward(p)
 
     def compress():
         x, wkv, wg = c.rnd(c.T, 12), c.rnd(2 * c_dim, 12), c.rnd(2 * c_dim, 12)
         ape, nw = c.rnd(RATIO, 2 * c_dim), c.rnd(c_dim)
-        e, _ = ck.compress(x, wkv, wg, ape, nw, RATIO, True, rope, c.cu, cu_seqlens_host=c.cu_l, **kw)
+        e, _ = ck.compress(x, wkv, wg, ape, nw, RATIO, True, rope, c.bounds, **kw)
         _backward(e)
 
     def compress_sbhd():
@@ -78,8 +77,8 @@ def op_calls(c: Case, backend: str):
 
     def indexer():
         q, k, w = c.rnd(c.T, HI, DI), c.rnd(c.Tc, DI), c.rnd(c.T, HI)
-        idx, s = ck.indexer_topk(q, k, w, RATIO, TOPK, c.cu, c.cuc, **c.hosts, **kw)
-        dense = ck.indexer_scores(q, k, w, RATIO, c.cu, c.cuc, **c.hosts, **kw)
+        idx, s = ck.indexer_topk(q, k, w, RATIO, TOPK, c.bounds, **kw)
+        dense = ck.indexer_scores(q, k, w, RATIO, c.bounds, **kw)
         at = ck.indexer_scores_at(q, k, w, idx, check_indices=False, **kw)
         _backward(s, dense, at)
 
@@ -89,8 +88,8 @@ def op_calls(c: Case, backend: str):
         _backward(s, ck.indexer_scores_sbhd(q, k, w, RATIO, **kw))
 
     def attention_and_loss():
-        win = ck.window_indices(c.cu, W, cu_seqlens_host=c.cu_l)
-        vis = ck.visible_compressed_indices(c.cu, c.cuc, RATIO, **c.hosts)
+        win = ck.window_indices(c.bounds, W)
+        vis = ck.visible_compressed_indices(c.bounds, RATIO)
         idx = ck.attention_indices(win, vis, c.T)
         q, kv, sink = c.rnd(c.T, H, D), c.rnd(c.T + c.Tc, D), c.rnd32(H, scale=0.1)
         o, lse = ck.sparse_attn(q, kv, sink, idx, D**-0.5, check_indices=False, **kw)
@@ -114,7 +113,7 @@ def op_calls(c: Case, backend: str):
 
     def layout():
         compressed_cu_seqlens(c.cu, RATIO, cu_seqlens_host=c.cu_l)
-        ck.compressed_positions(c.cuc, RATIO, cu_seqlens_c_host=c.cuc_l)
+        ck.compressed_positions(c.bounds, RATIO)
 
     return dict(
         compressor_pool=pool,
@@ -160,16 +159,17 @@ def test_trusted_calls_read_nothing_back_deterministic(op):
 
 
 def test_detector_catches_the_default_validation():
-    """The same calls without the trusted options do read back (so the test above can fail)."""
+    """The same calls without a host copy (boundaries read back from the device) do read back (so the test above
+    can fail)."""
     c = Case("cpu")
     q, k, w = c.rnd(c.T, 2, 16), c.rnd(c.Tc, 16), c.rnd(c.T, 2)
     with pytest.raises(HostReadError), no_host_reads():
-        ck.indexer_topk(q, k, w, RATIO, TOPK, c.cu, c.cuc)
+        ck.indexer_topk(q, k, w, RATIO, TOPK, SeqBoundaries.from_tensor(c.cu))
     idx = torch.zeros(c.T, 2, dtype=torch.int32)
     with pytest.raises(HostReadError), no_host_reads():
         ck.indexer_scores_at(q, k, w, idx)
     with pytest.raises(HostReadError), no_host_reads():
-        ck.window_indices(c.cu, W)
+        ck.window_indices(SeqBoundaries.from_tensor(c.cu), W)
     for read in (lambda: int(idx[0, 0]), lambda: idx.tolist(), lambda: idx[idx > 0], lambda: bool(idx.any())):
         with pytest.raises(HostReadError), no_host_reads():
             read()
@@ -190,20 +190,12 @@ def test_bad_host_lists_raise(host, match):
     c = Case("cpu")
     q, k, w = c.rnd(c.T, 2, 16), c.rnd(c.Tc, 16), c.rnd(c.T, 2)
     with pytest.raises(ValueError, match=match):
-        ck.indexer_topk(q, k, w, RATIO, TOPK, c.cu, c.cuc, cu_seqlens_host=host, cu_seqlens_c_host=c.cuc_l)
+        ck.indexer_topk(q, k, w, RATIO, TOPK, SeqBoundaries(c.cu, host))
 
 
-def test_host_lists_checked_against_each_other_and_flags():
+def test_index_flags_checked():
     c = Case("cpu")
     q, k, w = c.rnd(c.T, 2, 16), c.rnd(c.Tc, 16), c.rnd(c.T, 2)
-    with pytest.raises(ValueError, match="does not match floor"):
-        ck.indexer_scores(
-            q, k, w, RATIO, c.cu, c.cuc, cu_seqlens_host=c.cu_l, cu_seqlens_c_host=[0, 1, 1, 5, 5]
-        )
-    with pytest.raises(ValueError, match="does not match floor"):
-        ck.visible_compressed_indices(
-            c.cu, c.cuc, RATIO, cu_seqlens_host=c.cu_l, cu_seqlens_c_host=[0, 1, 1, 5, 5]
-        )
     idx = torch.zeros(c.T, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="check_indices must be a bool"):
         ck.indexer_scores_at(q, k, w, idx, check_indices=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cases import cu_from_lengths
+from _cases import bounds_of, cu_from_lengths
 
 from csa_kernels.ops.indexer.reference import indexer_topk_ref
 from csa_kernels.ops.indexer.triton import indexer_topk_triton
@@ -18,18 +18,17 @@ def _inputs(lengths, HI, DI, ratio, device, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     cu = cu_from_lengths(lengths)
-    cuc = compressed_cu_seqlens(cu, ratio)
-    Tc = int(cuc[-1])
+    Tc = int(compressed_cu_seqlens(cu, ratio)[-1])
     q = torch.randn(T, HI, DI, generator=gen).to(device=device, dtype=dtype)
     k = torch.randn(Tc, DI, generator=gen).to(device=device, dtype=dtype)
     w = (torch.randn(T, HI, generator=gen) * (DI * HI) ** -0.5).to(device=device, dtype=dtype)
-    return q, k, w, cu.to(device), cuc.to(device)
+    return q, k, w, bounds_of(cu.to(device))
 
 
 def _check(lengths, HI, DI, ratio, topk, device, dtype, chunk_size=None, entry_tile=None, seed=0):
-    q, k, w, cu, cuc = _inputs(lengths, HI, DI, ratio, device, dtype, seed=seed)
-    idx, val = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc, chunk_size, entry_tile=entry_tile)
-    ridx, rval = indexer_topk_ref(q.double(), k.double(), w.double(), ratio, topk, cu.cpu(), cuc.cpu())
+    q, k, w, b = _inputs(lengths, HI, DI, ratio, device, dtype, seed=seed)
+    idx, val = indexer_topk_triton(q, k, w, ratio, topk, b, chunk_size, entry_tile=entry_tile)
+    ridx, rval = indexer_topk_ref(q.double(), k.double(), w.double(), ratio, topk, b.to("cpu"))
     ridx, rval = ridx.cpu(), rval.cpu()
     idx, val = idx.cpu(), val.cpu()
     assert idx.dtype == torch.int32 and idx.shape == ridx.shape
@@ -109,22 +108,16 @@ def _tie_inputs(T, ratio, device, seed=1):
     q[:, :, 0] = 1.0
     w = torch.ones(T, HI)
     cu = torch.tensor([0, T // 2, T], dtype=torch.int32)  # two documents (THD)
-    return (
-        q.to(device),
-        k.to(device),
-        w.to(device),
-        cu.to(device),
-        compressed_cu_seqlens(cu, ratio).to(device),
-    )
+    return q.to(device), k.to(device), w.to(device), bounds_of(cu.to(device))
 
 
 @interpreter_only
 @pytest.mark.parametrize("tile", [None, 3, 8])
 def test_indexer_topk_streaming_ties_interpreter(tile):
     """Oracle I6 through the merge: exact ties split across tiles still go to the LOWER entry, in order."""
-    q, k, w, cu, cuc = _tie_inputs(96, 4, "cpu")
-    idx, val = indexer_topk_triton(q, k, w, 4, 8, cu, cuc, entry_tile=tile)
-    ridx, rval = indexer_topk_ref(q, k, w, 4, 8, cu, cuc)
+    q, k, w, b = _tie_inputs(96, 4, "cpu")
+    idx, val = indexer_topk_triton(q, k, w, 4, 8, b, entry_tile=tile)
+    ridx, rval = indexer_topk_ref(q, k, w, 4, 8, b)
     assert torch.equal(idx, ridx) and torch.equal(val, rval)
 
 
@@ -145,9 +138,9 @@ def test_indexer_topk_streaming_memory_bound(monkeypatch):
     monkeypatch.setattr(topk_streaming, "TILE_ELEMENTS", 16 * 24)
     monkeypatch.setattr(IT, "TILE_ELEMENTS", 16 * 24)
     lengths = [300]
-    q, k, w, cu, cuc = _inputs(lengths, 2, 16, 4, "cpu", torch.float32)
-    idx, _ = indexer_topk_triton(q, k, w, 4, 8, cu, cuc, entry_tile=16)
-    ridx, _ = indexer_topk_ref(q, k, w, 4, 8, cu, cuc)
+    q, k, w, b = _inputs(lengths, 2, 16, 4, "cpu", torch.float32)
+    idx, _ = indexer_topk_triton(q, k, w, 4, 8, b, entry_tile=16)
+    ridx, _ = indexer_topk_ref(q, k, w, 4, 8, b)
     assert torch.equal(idx, ridx)
     assert len(sizes) > 10 and max(sizes) <= 16 * 24 < 300 * 75
 
@@ -178,9 +171,9 @@ def test_indexer_topk_gpu_bf16(tile):
 def test_indexer_topk_gpu_streaming_ties(tile):
     """Exact ties across tiles on the GPU: the same selected entries (lower entry among ties) and the same value
     sequence as the reference (CUDA leaves the order of the tied values in a row unspecified)."""
-    q, k, w, cu, cuc = _tie_inputs(512, 4, "cuda")
-    idx, val = indexer_topk_triton(q, k, w, 4, 8, cu, cuc, entry_tile=tile)
-    ridx, rval = indexer_topk_ref(q.cpu(), k.cpu(), w.cpu(), 4, 8, cu.cpu(), cuc.cpu())
+    q, k, w, b = _tie_inputs(512, 4, "cuda")
+    idx, val = indexer_topk_triton(q, k, w, 4, 8, b, entry_tile=tile)
+    ridx, rval = indexer_topk_ref(q.cpu(), k.cpu(), w.cpu(), 4, 8, b.to("cpu"))
     assert torch.equal(idx.sort(1).values.cpu(), ridx.sort(1).values) and torch.equal(val.cpu(), rval)
 
 
@@ -188,8 +181,7 @@ def test_indexer_topk_gpu_streaming_ties(tile):
 def test_indexer_topk_gpu_ties_lower_index():
     """Oracle I6: rows full of exact ties select the lowest-indexed entries, like a stable descending sort."""
     T, HI, DI, ratio, topk = 256, 1, 16, 4, 8
-    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    cuc = compressed_cu_seqlens(cu, ratio)
+    b = bounds_of(torch.tensor([0, T], dtype=torch.int32, device="cuda"))
     gen = torch.Generator().manual_seed(1)
     k = torch.zeros(T // ratio, DI)
     k[:, 0] = torch.tensor([-1.0, 0.0, 0.0, 0.0, 0.5, 1.0])[torch.randint(0, 6, (T // ratio,), generator=gen)]
@@ -197,8 +189,8 @@ def test_indexer_topk_gpu_ties_lower_index():
     q[:, :, 0] = 1.0
     w = torch.ones(T, HI)
     q, k, w = q.cuda(), k.cuda(), w.cuda()
-    idx, _ = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc)
-    ridx, _ = indexer_topk_ref(q.cpu(), k.cpu(), w.cpu(), ratio, topk, cu.cpu(), cuc.cpu())
+    idx, _ = indexer_topk_triton(q, k, w, ratio, topk, b)
+    ridx, _ = indexer_topk_ref(q.cpu(), k.cpu(), w.cpu(), ratio, topk, b.to("cpu"))
     assert torch.equal(idx.sort(1).values.cpu(), ridx.sort(1).values)
 
 
@@ -207,11 +199,11 @@ def test_public_indexer_topk_triton_backend_gradients():
     """backend='triton' through the public name: same selection as the reference and gradients via the scores."""
     from csa_kernels.ops.indexer import indexer_topk
 
-    q, k, w, cu, cuc = _inputs([21, 6], 2, 16, 4, "cpu", torch.float32, seed=3)
+    q, k, w, b = _inputs([21, 6], 2, 16, 4, "cpu", torch.float32, seed=3)
     outs = []
     for backend in ("triton", "reference"):
         leaves = [x.clone().requires_grad_() for x in (q, k, w)]
-        idx, val = indexer_topk(*leaves, 4, 3, cu, cuc, backend=backend)
+        idx, val = indexer_topk(*leaves, 4, 3, b, backend=backend)
         torch.where(idx >= 0, val, 0.0).square().sum().backward()
         outs.append((idx, [x.grad for x in leaves]))
     assert torch.equal(outs[0][0], outs[1][0])
@@ -225,13 +217,13 @@ def _check_scores(lengths, HI, DI, ratio, device, dtype, extra_cols=0):
     fp32 and fp64 gradients differ wherever a dot product sits within rounding of 0."""
     from csa_kernels.ops.indexer import indexer_scores
 
-    q, k, w, cu, cuc = _inputs(lengths, HI, DI, ratio, device, dtype, seed=2)
+    q, k, w, b = _inputs(lengths, HI, DI, ratio, device, dtype, seed=2)
     need = max((n // ratio for n in lengths), default=0)
     g = torch.randn(sum(lengths), need + extra_cols, generator=torch.Generator().manual_seed(9)).to(device)
     outs = []
     for backend, dt in (("triton", dtype), ("reference", dtype), ("reference", torch.float64)):
         leaves = [x.to(dt).clone().requires_grad_() for x in (q, k, w)]
-        s = indexer_scores(*leaves, ratio, cu, cuc, max_entries=need + extra_cols, backend=backend)
+        s = indexer_scores(*leaves, ratio, b, max_entries=need + extra_cols, backend=backend)
         torch.where(torch.isfinite(s), s * g.to(s.dtype), 0.0).sum().backward()
         outs.append([s] + [x.grad for x in leaves])
     (s, *grads), (_, *dgrads), (rs, *_) = outs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cases import cu_from_lengths
+from _cases import bounds_of, cu_from_lengths
 
 from csa_kernels.ops.indexer import indexer_scores_at, indexer_topk
 from csa_kernels.ops.indexer import scores_at_autograd as SA
@@ -147,19 +147,20 @@ def _topk_inputs(lengths, HI, DI, ratio, seed):
     q = torch.randn(T, HI, DI, generator=gen)
     k = torch.randn(Tc, DI, generator=gen)
     w = torch.randn(T, HI, generator=gen) * (HI * DI) ** -0.5
-    return q, k, w, cu, cuc
+    return q, k, w, bounds_of(cu)
 
 
 def check_topk_gradient_path(lengths, HI, DI, ratio, topk, dtype, device, seed=0):
     """indexer_topk(backend='triton'): indices and forward values exactly those of the selection pass; gradients
     of the scores equal (tolerance rule) those of the reference formulation ``where(idx >= 0,
     indexer_scores_at_ref(..., idx), 0)`` at the SAME selection (fp64), yardstick: that formulation in ``dtype``."""
-    q, k, w, cu, cuc = (x.to(device) for x in _topk_inputs(lengths, HI, DI, ratio, seed))
+    q, k, w, b = _topk_inputs(lengths, HI, DI, ratio, seed)
+    q, k, w, b = q.to(device), k.to(device), w.to(device), b.to(device)
     q, k, w = (x.to(dtype) for x in (q, k, w))
-    sel_idx, sel_vals = indexer_topk_triton(q, k, w, ratio, topk, cu, cuc)
+    sel_idx, sel_vals = indexer_topk_triton(q, k, w, ratio, topk, b)
     g = torch.randn(sel_idx.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     leaves = [x.clone().requires_grad_() for x in (q, k, w)]
-    idx, vals = indexer_topk(*leaves, ratio, topk, cu, cuc, backend="triton")
+    idx, vals = indexer_topk(*leaves, ratio, topk, b, backend="triton")
     assert torch.equal(idx, sel_idx) and torch.equal(vals.detach(), sel_vals)  # same values, -inf included
     assert vals.requires_grad
     (torch.where(idx >= 0, vals, 0.0) * g).sum().backward()
@@ -206,9 +207,9 @@ def test_topk_gradient_path_does_not_recompute_forward(monkeypatch):
 
     monkeypatch.setattr(SA, "scores_at_fwd", forbidden)
     monkeypatch.setattr("csa_kernels.ops.indexer.reference.indexer_scores_at_ref", forbidden)
-    q, k, w, cu, cuc = _topk_inputs([13, 7], 2, 16, 4, seed=2)
+    q, k, w, b = _topk_inputs([13, 7], 2, 16, 4, seed=2)
     leaves = [x.requires_grad_() for x in (q, k, w)]
-    idx, vals = indexer_topk(*leaves, 4, 2, cu, cuc, backend="triton")
+    idx, vals = indexer_topk(*leaves, 4, 2, b, backend="triton")
     torch.where(idx >= 0, vals, 0.0).sum().backward()
     assert all(x.grad is not None for x in leaves)
 
@@ -225,15 +226,15 @@ def test_topk_gradient_path_deterministic_mode(monkeypatch):
         "scores_at_bwd",
         lambda *a, deterministic: seen.append(deterministic) or real(*a, deterministic=deterministic),
     )
-    q, k, w, cu, cuc = _topk_inputs([17, 5], 2, 16, 4, seed=3)
-    idx, _ = indexer_topk_triton(q, k, w, 4, 3, cu, cuc)
+    q, k, w, b = _topk_inputs([17, 5], 2, 16, 4, seed=3)
+    idx, _ = indexer_topk_triton(q, k, w, 4, 3, b)
     g = torch.randn(idx.shape)
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, w)]
     (torch.where(idx >= 0, indexer_scores_at_ref(*ref_leaves, idx), 0.0) * g).sum().backward()
 
     def run(**kw):
         leaves = [x.clone().requires_grad_() for x in (q, k, w)]
-        _, vals = indexer_topk(*leaves, 4, 3, cu, cuc, backend="triton", **kw)
+        _, vals = indexer_topk(*leaves, 4, 3, b, backend="triton", **kw)
         (torch.where(idx >= 0, vals, 0.0) * g).sum().backward()
         return [x.grad for x in leaves]
 

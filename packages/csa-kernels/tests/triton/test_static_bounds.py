@@ -1,5 +1,5 @@
-"""Static-bounds (CUDA-graph) mode vs the host-bounds mode: index maps, compressor pooling, indexer top-k and dense
-scores, outputs and every gradient, on static-shape packs (several documents, documents shorter than the window and
+"""Static boundaries (``SeqBoundaries.static``, the CUDA-graph mode) vs host boundaries through the same ops: index
+maps, compressor pooling, indexer top-k and dense scores, outputs and every gradient, on static-shape packs (several documents, documents shorter than the window and
 than a ratio-128 group, an empty-capacity tail, a pack at exactly its document capacity)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from _cases import cu_from_lengths
 
 from csa_kernels import (
+    compressed_positions,
     compressor_pool,
     indexer_scores,
     indexer_topk,
@@ -16,16 +17,9 @@ from csa_kernels import (
     window_indices,
 )
 from csa_kernels.ops.compressor import triton as compressor_triton
-from csa_kernels.ops.compressor.static import compressor_pool_static
-from csa_kernels.ops.indexer.static import indexer_scores_static, indexer_topk_static
+from csa_kernels.ops.indexer.device_plan import row_block_table
 from csa_kernels.ops.indexer.triton import _row_blocks
-from csa_kernels.static_bounds import (
-    StaticBounds,
-    row_block_table,
-    visible_compressed_indices_static,
-    window_indices_static,
-)
-from dsv4_primitives.varlen import compressed_cu_seqlens_host
+from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens_host
 from dsv4_testkit import interpreting
 
 interpreter_only = pytest.mark.skipif(not interpreting(), reason="CPU interpreter case (gpu cases cover it)")
@@ -50,7 +44,7 @@ def _bounds(lengths, spare):
     cu = cu_from_lengths(lengths)
     host = cu.tolist()
     static = torch.cat([cu, cu[-1:].expand(spare)])  # unused slots repeat the end
-    return host, cu, StaticBounds(static, sum(lengths))
+    return host, SeqBoundaries(cu, tuple(host)), SeqBoundaries.static(static, sum(lengths))
 
 
 @pytest.fixture(autouse=True)
@@ -61,22 +55,16 @@ def _poisoned_grad_buffers(monkeypatch):
 @pytest.mark.parametrize("lengths,spare", PACKS)
 def test_index_maps_equal_host(lengths, spare):
     host, cu, b = _bounds(lengths, spare)
-    assert torch.equal(window_indices_static(b, 8), window_indices(cu, 8, cu_seqlens_host=host))
+    assert torch.equal(window_indices(b, 8), window_indices(cu, 8))
     for ratio in (4, 128):
         cuc_host = compressed_cu_seqlens_host(host, ratio)
-        assert b.compressed(ratio).tolist()[: len(host)] == cuc_host
-        vis = visible_compressed_indices_static(b, ratio)
+        assert b.compressed(ratio).cu_seqlens.tolist()[: len(host)] == cuc_host
+        vis = visible_compressed_indices(b, ratio)
         assert vis.shape == (b.total, b.total // ratio)
-        ref = visible_compressed_indices(
-            cu,
-            torch.tensor(cuc_host, dtype=torch.int32),
-            ratio,
-            cu_seqlens_host=host,
-            cu_seqlens_c_host=cuc_host,
-        )
+        ref = visible_compressed_indices(cu, ratio)
         assert torch.equal(vis[:, : ref.shape[1]], ref)
         assert bool((vis[:, ref.shape[1] :] == -1).all())
-        pos = b.entry_positions(ratio)[: cuc_host[-1]]
+        pos = compressed_positions(b, ratio)[: cuc_host[-1]]
         expect = [
             (e - cuc_host[d]) * ratio
             for d in range(len(lengths))
@@ -111,26 +99,26 @@ def test_compressor_pool_static_equals_host(pack, ratio):
     kv = torch.randn(b.total, dk, generator=gen, requires_grad=True)
     score = torch.randn(b.total, dk, generator=gen, requires_grad=True)
     ape = torch.randn(ratio, dk, generator=gen, requires_grad=True)
-    pooled, cuc = compressor_pool(kv, score, ape, ratio, overlap, cu, backend="triton", cu_seqlens_host=host)
+    pooled, cuc = compressor_pool(kv, score, ape, ratio, overlap, cu, backend="triton")
     tc = pooled.shape[0]
-    stat, cuc_s = compressor_pool_static(kv, score, ape, ratio, overlap, b, backend="triton")
+    stat, cuc_s = compressor_pool(kv, score, ape, ratio, overlap, b, backend="triton")
     assert stat.shape == (b.total // ratio, c)
     assert torch.equal(stat[:tc], pooled) and bool((stat[tc:] == 0).all())
-    assert cuc_s.tolist()[: len(host)] == cuc.tolist()
+    assert cuc_s.cu_seqlens.tolist()[: len(host)] == cuc.cu_seqlens.tolist()
     dout = torch.randn(stat.shape, generator=gen)  # padding rows' cotangent must not reach any input
     g_host = _grads(pooled, (kv, score, ape), dout[:tc])
     g_stat = _grads(stat, (kv, score, ape), dout)
     for a, s in zip(g_host, g_stat):
         assert torch.equal(a, s)
     # the reference backend's static form matches too
-    ref, _ = compressor_pool_static(kv, score, ape, ratio, overlap, b, backend="reference")
+    ref, _ = compressor_pool(kv, score, ape, ratio, overlap, b, backend="reference")
     torch.testing.assert_close(ref, stat, atol=1e-5, rtol=1e-5)
 
 
-def _indexer_inputs(b: StaticBounds, ratio, seed=0, HI=2, DI=16):
+def _indexer_inputs(b: SeqBoundaries, ratio, seed=0, HI=2, DI=16):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b.total, HI, DI, generator=gen).requires_grad_()
-    k = torch.randn(b.entry_capacity(ratio), DI, generator=gen).requires_grad_()
+    k = torch.randn(b.compressed(ratio).total, DI, generator=gen).requires_grad_()
     w = (torch.randn(b.total, HI, generator=gen) * (DI * HI) ** -0.5).requires_grad_()
     return q, k, w
 
@@ -143,10 +131,8 @@ def test_indexer_topk_static_equals_host(pack, ratio):
     cuc_host = compressed_cu_seqlens_host(host, ratio)
     tc = cuc_host[-1]
     q, k, w = _indexer_inputs(b, ratio)
-    cuc = torch.tensor(cuc_host, dtype=torch.int32)
-    kw = dict(backend="triton", cu_seqlens_host=host, cu_seqlens_c_host=cuc_host)
-    idx, val = indexer_topk(q, k[:tc], w, ratio, topk, cu, cuc, **kw)
-    sidx, sval = indexer_topk_static(q, k, w, ratio, topk, b, backend="triton")
+    idx, val = indexer_topk(q, k[:tc], w, ratio, topk, cu, backend="triton")
+    sidx, sval = indexer_topk(q, k, w, ratio, topk, b, backend="triton")
     assert torch.equal(sidx, idx) and torch.equal(sval, val)  # one chunk: the host plan's row blocks, bitwise
     gen = torch.Generator().manual_seed(2)
     cot = torch.where(torch.isfinite(val), torch.randn(val.shape, generator=gen), 0.0)
@@ -158,11 +144,11 @@ def test_indexer_topk_static_equals_host(pack, ratio):
     if (
         ratio == 4
     ):  # fixed row chunks (several: row blocks clipped at the chunk edges) select the same entries
-        cidx, cval = indexer_topk_static(q, k, w, ratio, topk, b, backend="triton", chunk_size=32)
+        cidx, cval = indexer_topk(q, k, w, ratio, topk, b, 32, backend="triton")
         assert torch.equal(cidx, idx)
         torch.testing.assert_close(cval, val, atol=1e-6, rtol=1e-6)
     # and the reference backend's static form (bounds read back) too
-    ridx, _ = indexer_topk_static(q, k, w, ratio, topk, b, backend="reference")
+    ridx, _ = indexer_topk(q, k, w, ratio, topk, b, backend="reference")
     assert torch.equal(ridx, idx)
 
 
@@ -173,10 +159,8 @@ def test_indexer_scores_static_equals_host(pack, ratio):
     cuc_host = compressed_cu_seqlens_host(host, ratio)
     tc = cuc_host[-1]
     q, k, w = _indexer_inputs(b, ratio, seed=3)
-    cuc = torch.tensor(cuc_host, dtype=torch.int32)
-    kw = dict(backend="triton", cu_seqlens_host=host, cu_seqlens_c_host=cuc_host)
-    dense = indexer_scores(q, k[:tc], w, ratio, cu, cuc, **kw)  # [T, max_c]
-    stat = indexer_scores_static(q, k, w, ratio, b, backend="triton")  # [T, T // ratio]
+    dense = indexer_scores(q, k[:tc], w, ratio, cu, backend="triton")  # [T, max_c]
+    stat = indexer_scores(q, k, w, ratio, b, backend="triton")  # [T, T // ratio]
     m = dense.shape[1]
     assert stat.shape == (b.total, b.total // ratio)
     assert torch.equal(torch.isfinite(stat[:, :m]), torch.isfinite(dense))
@@ -196,19 +180,19 @@ def test_indexer_scores_static_equals_host(pack, ratio):
 
 
 def test_static_bounds_validation():
-    with pytest.raises(ValueError, match="N_cap"):
-        StaticBounds(torch.zeros(1, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="document slot"):
+        SeqBoundaries.static(torch.zeros(1, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="int32"):
-        StaticBounds(torch.zeros(3), 4)
-    b = StaticBounds(torch.tensor([0, 4, 8], dtype=torch.int32), 8)
+        SeqBoundaries.static(torch.zeros(3), 4)
+    b = SeqBoundaries.static(torch.tensor([0, 4, 8], dtype=torch.int32), 8)
     q = torch.zeros(8, 1, 4)
     with pytest.raises(ValueError, match="T // ratio"):
-        indexer_topk_static(q, torch.zeros(3, 4), torch.zeros(8, 1), 4, 2, b, backend="reference")
+        indexer_topk(q, torch.zeros(3, 4), torch.zeros(8, 1), 4, 2, b, backend="reference")
 
 
 @interpreter_only
 def test_static_ops_read_nothing_back():
-    """Every static-bounds op, forward and backward, reads no tensor value on the host (the capture rule): the
+    """Every op on static boundaries, forward and backward, reads no tensor value on the host (the capture rule): the
     index maps, the pooling, the top-k and the dense scores on the Triton backend under the host-read detector."""
     from _nosync import no_host_reads
 
@@ -219,11 +203,12 @@ def test_static_ops_read_nothing_back():
     ape = torch.randn(4, 16, generator=gen, requires_grad=True)
     q, k, w = _indexer_inputs(b, 4, seed=6)
     with no_host_reads():
-        window_indices_static(b, 8)
-        visible_compressed_indices_static(b, 4)
-        pooled, _ = compressor_pool_static(kv, score, ape, 4, True, b, backend="triton")
-        _, vals = indexer_topk_static(q, k, w, 4, 3, b, backend="triton")
-        dense = indexer_scores_static(q, k, w, 4, b, backend="triton")
+        window_indices(b, 8)
+        visible_compressed_indices(b, 4)
+        compressed_positions(b, 4)
+        pooled, _ = compressor_pool(kv, score, ape, 4, True, b, backend="triton")
+        _, vals = indexer_topk(q, k, w, 4, 3, b, backend="triton")
+        dense = indexer_scores(q, k, w, 4, b, backend="triton")
         loss = pooled.sum() + torch.where(torch.isfinite(vals), vals, 0).sum()
         loss = loss + torch.where(torch.isfinite(dense), dense, 0).sum()
         loss.backward()

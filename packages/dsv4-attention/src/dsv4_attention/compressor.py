@@ -1,10 +1,10 @@
 """KV compressor (spec §3): CSA (ratio 4, overlapping "two series") and HCA (ratio 128, plain blocks).
 
-Per document of a pack (``cu_seqlens``), from the block input ``x`` (after ``attn_norm``, NOT the query latent):
+Per document of a pack (``bounds``, a :class:`dsv4_primitives.varlen.SeqBoundaries`), from the block input ``x`` (after ``attn_norm``, NOT the query latent):
 
     kv    = linear_wkv(x)                       # [T, coff*c]   coff = 2 for ratio 4 (overlap), 1 for ratio 128
     score = linear_wgate(x)                     # [T, coff*c]   gate logits; ape [ratio, coff*c] (fp32) is added
-    P     = csa_kernels.compressor_pool(kv, score, ape, ratio, overlap, cu_seqlens)   # [Tc, c] fp32 softmax pooling
+    P     = csa_kernels.compressor_pool(kv, score, ape, ratio, overlap, bounds)   # [Tc, c] fp32 softmax pooling
     C     = RoPE(norm(P), pos = w * ratio)      # [Tc, c]   weighted RMSNorm, rotation at the block's first token
 
 Only complete blocks are compressed (a document of length ``L`` gives ``floor(L / ratio)`` entries). Plain PyTorch:
@@ -19,17 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_attention._kernels import (
-    StaticBounds,
-    compressed_cu_seqlens_host,
-    compressed_positions,
-    compressor_pool,
-    compressor_pool_static,
-)
+from dsv4_attention._kernels import compressed_positions, compressor_pool
 from dsv4_attention._linears import default_norm, linear_out, plain_linear
 from dsv4_attention._rope import rope
 from dsv4_attention.kind import LayerKind
 from dsv4_primitives import KeepFP32Mixin, RopeConfig, mark_keep_in_fp32
+from dsv4_primitives.varlen import SeqBoundaries
 
 
 @dataclass(frozen=True)
@@ -112,46 +107,24 @@ class Compressor(KeepFP32Mixin, torch.nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
+        bounds: SeqBoundaries,
         backend: str = "auto",
         position_offset: int = 0,
         max_position: int | None = None,
-        cu_seqlens_host: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, d]`` -> ``(entries [Tc, c] in x.dtype, cu_seqlens_c int32 [N+1])``.
+    ) -> tuple[torch.Tensor, SeqBoundaries]:
+        """``x [T, d]`` -> ``(entries [Tc, c] in x.dtype, bounds.compressed(ratio))``.
 
         Entry ``w`` of a document is rotated at ``w * ratio + position_offset``. ``max_position``: host bound of
-        those positions (:attr:`~dsv4_attention.layout.TokenLayout.max_rope_position`; avoids a device sync).
-        ``cu_seqlens_host``: host copy of ``cu_seqlens`` (:attr:`~dsv4_attention.layout.TokenLayout.bounds_host`;
-        with it and ``max_position`` the compressor does no device-to-host synchronisation).
-
-        ``cu_seqlens`` may be a :class:`csa_kernels.StaticBounds` (static-shape THD, the CUDA-graph path): then
-        the entries are ``[T // ratio, c]`` (rows past the real count are padding no index points to) and nothing
-        is read back from the device.
+        those positions (:attr:`~dsv4_attention.layout.TokenLayout.max_rope_position`; with it and host boundaries
+        the compressor does no device-to-host synchronisation). Static boundaries (static-shape THD, the CUDA-graph
+        path): the entries are ``[T // ratio, c]`` (rows past the real count are padding no index points to) and
+        nothing is read back from the device.
         """
         kv = linear_out(self.linear_wkv, x)  # [T, coff*c]
         score = linear_out(self.linear_wgate, x)  # [T, coff*c]
-        if isinstance(cu_seqlens, StaticBounds):
-            pooled, cu_c = compressor_pool_static(
-                kv, score, self.ape, self.compress_ratio, self.overlap, cu_seqlens, backend=backend
-            )  # [T // ratio, c] fp32
-            pos = cu_seqlens.entry_positions(self.compress_ratio) + position_offset  # [T // ratio]
-            normed = self.norm(pooled)
-            return rope(normed, pos, self.rope_cfg, max_position=max_position).to(x.dtype), cu_c
-        pooled, cu_c = compressor_pool(
-            kv,
-            score,
-            self.ape,
-            self.compress_ratio,
-            self.overlap,
-            cu_seqlens,
-            backend=backend,
-            cu_seqlens_host=cu_seqlens_host,
+        pooled, bounds_c = compressor_pool(
+            kv, score, self.ape, self.compress_ratio, self.overlap, bounds, backend=backend
         )  # [Tc, c] fp32
         normed = self.norm(pooled)  # [Tc, c] fp32 math
-        cu_c_host = None
-        if cu_seqlens_host is not None:
-            cu_c_host = compressed_cu_seqlens_host(cu_seqlens_host, self.compress_ratio)
-        pos = compressed_positions(cu_c, self.compress_ratio, cu_seqlens_c_host=cu_c_host)  # [Tc]
-        pos = pos + position_offset
-        return rope(normed, pos, self.rope_cfg, max_position=max_position).to(x.dtype), cu_c
+        pos = compressed_positions(bounds, self.compress_ratio) + position_offset  # [Tc]
+        return rope(normed, pos, self.rope_cfg, max_position=max_position).to(x.dtype), bounds_c

@@ -25,14 +25,7 @@ from typing import Literal
 
 import torch
 
-from dsv4_attention._kernels import (
-    attention_indices,
-    sparse_attn,
-    visible_compressed_indices,
-    visible_compressed_indices_static,
-    window_indices,
-    window_indices_static,
-)
+from dsv4_attention._kernels import attention_indices, sparse_attn, visible_compressed_indices, window_indices
 from dsv4_attention.compressor import Compressor
 from dsv4_attention.indexer import IndexerState, LightningIndexer
 from dsv4_attention.indexer_kl import indexer_kl_sum
@@ -152,54 +145,50 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         rc = self.recompute
         region = lambda name, fn, *args: checkpoint_region(fn, *args) if rc.selects(name) else fn(*args)
         if self.compressor is None:
-            return region(
-                "core_attn", lambda qq, kk: self._attend(qq, kk, None, layout, dense, False, 1.0), q, kv
-            )
-        entries, cu_c = region("compressor", self._compress, x, layout)  # [Tc, c]
+            return region("core_attn", lambda qq, kk: self._attend(qq, kk, layout, dense, False, 1.0), q, kv)
+        entries = region("compressor", self._compress, x, layout)  # [Tc, c]
         kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
         want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
         state = None
         if self.indexer is not None:
-            q_i, k_i, w_i, cu_i = region("indexer", self._index, x, q_latent, layout)
-            state = IndexerState(q_i, k_i, w_i, cu_i)
-        args = (q, kv_all, cu_c) + ((state.q, state.k, state.weights, state.cu_seqlens_c) if state else ())
+            state = IndexerState(*region("indexer", self._index, x, q_latent, layout))
+        args = (q, kv_all) + ((state.q, state.k, state.weights) if state else ())
 
-        def attend(qq, kk, cc, *st):
+        def attend(qq, kk, *st):
             s = IndexerState(*st) if st else None
-            return self._attend(qq, kk, cc, layout, dense, want_loss, indexer_loss_coeff, s)
+            return self._attend(qq, kk, layout, dense, want_loss, indexer_loss_coeff, s)
 
         return region("core_attn", attend, *args)
 
-    def _compress(self, x: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The KV compressor's entries ``[Tc, c]`` and their boundaries (the ``compressor`` recompute region)."""
-        return self.compressor(
+    def _compress(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """The KV compressor's entries ``[Tc, c]`` (the ``compressor`` recompute region; their boundaries are
+        ``layout.bounds.compressed(ratio)``)."""
+        entries, _ = self.compressor(
             x,
-            layout.kernel_bounds,
+            layout.bounds,
             backend=self.backend,
             position_offset=layout.position_offset,
             max_position=layout.max_rope_position,
-            cu_seqlens_host=layout.kernel_bounds_host,
         )
+        return entries
 
     def _index(self, x: torch.Tensor, q_latent: torch.Tensor, layout: TokenLayout) -> tuple:
-        """The indexer's ``(q, k, weights, cu_seqlens_c)`` (the ``indexer`` recompute region)."""
+        """The indexer's ``(q, k, weights)`` (the ``indexer`` recompute region)."""
         st = self.indexer(
             x,
             q_latent,
             layout.rope_positions,
-            layout.kernel_bounds,
+            layout.bounds,
             backend=self.backend,
             position_offset=layout.position_offset,
             max_position=layout.max_rope_position,
-            cu_seqlens_host=layout.kernel_bounds_host,
         )
-        return st.q, st.k, st.weights, st.cu_seqlens_c
+        return st.q, st.k, st.weights
 
     def _attend(
         self,
         q: torch.Tensor,
         kv_all: torch.Tensor,
-        cu_c: torch.Tensor | None,
         layout: TokenLayout,
         dense: bool,
         want_loss: bool,
@@ -211,15 +200,11 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         ``want_loss`` is decided by the caller (a recompute region runs without autograd in forward and must still
         compute the same loss value)."""
         t = q.shape[0]
-        cu = layout.kernel_bounds  # a StaticBounds on a static-shape (CUDA-graph) layout
-        # host copies of the boundaries, and indices built here from them: the kernels skip their device-to-host
-        # validation reads (one synchronisation per op otherwise); a static layout has none (capacity shapes)
-        host = layout.kernel_bounds_host
+        # host boundaries: every op plans from their host copy (no device-to-host read); static ones (CUDA graphs):
+        # device-side plans with capacity shapes
+        bounds = layout.bounds
         backend = self.backend
-        if layout.is_static:
-            win = window_indices_static(layout.static_bounds, self.window)  # [T, W]
-        else:
-            win = window_indices(cu, self.window, cu_seqlens_host=host)  # [T, W]
+        win = window_indices(bounds, self.window)  # [T, W]
         if self.compressor is None:
             o, _ = sparse_attn(
                 q, kv_all, self.attn_sink, win, self.softmax_scale, backend=backend, check_indices=False
@@ -229,19 +214,17 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         dense = self.indexer is None or dense
         topk_scores = None
         if dense:
-            comp = self._visible(layout, cu_c, max_c)  # [T, max_c]
+            comp = visible_compressed_indices(bounds, self.compress_ratio, max_c)  # [T, max_c]
         else:
             with torch.set_grad_enabled(want_loss and torch.is_grad_enabled()):
-                comp, topk_scores = self.indexer.select(
-                    state, cu, backend=backend, cu_seqlens_host=host
-                )  # [T, k]
+                comp, topk_scores = self.indexer.select(state, bounds, backend=backend)  # [T, k]
         idx = attention_indices(win, comp, t)  # [T, W + K] rows of kv_all
         o, lse = sparse_attn(
             q, kv_all, self.attn_sink, idx, self.softmax_scale, backend=backend, check_indices=False
         )
         loss = None
         if want_loss:
-            kl = self._indexer_kl(q, kv_all, lse, comp, topk_scores, state, cu_c, max_c, layout, dense)
+            kl = self._indexer_kl(q, kv_all, lse, comp, topk_scores, state, max_c, layout, dense)
             loss = kl * indexer_loss_coeff
         return o, loss
 
@@ -253,7 +236,6 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         comp: torch.Tensor,
         topk_scores: torch.Tensor | None,
         state: IndexerState,
-        cu_c: torch.Tensor,
         max_c: int,
         layout: TokenLayout,
         dense: bool,
@@ -267,10 +249,10 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         t = q.shape[0]
         backend = self.backend
         if dense or not self.cfg.use_sparse_loss:
-            loss_set = comp if dense else self._visible(layout, cu_c, max_c)
-            student = self.indexer.scores(
-                state, layout.kernel_bounds, max_c, backend=backend, cu_seqlens_host=layout.kernel_bounds_host
-            )  # [T, max_c]
+            loss_set = (
+                comp if dense else visible_compressed_indices(layout.bounds, self.compress_ratio, max_c)
+            )
+            student = self.indexer.scores(state, layout.bounds, max_c, backend=backend)  # [T, max_c]
         else:
             loss_set, student = comp, topk_scores  # [T, k]
         total, rows = indexer_kl_sum(
@@ -286,17 +268,3 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
             backend,
         )
         return total / rows.sum().clamp(min=1)
-
-    def _visible(self, layout: TokenLayout, cu_c: torch.Tensor, max_c: int) -> torch.Tensor:
-        """Every visible compressed entry per query ``[T, max_c]`` (global rows, -1 padded), without a sync."""
-        ratio = self.compress_ratio
-        if layout.is_static:
-            return visible_compressed_indices_static(layout.static_bounds, ratio)  # [T, T // ratio]
-        return visible_compressed_indices(
-            layout.cu_seqlens,
-            cu_c,
-            ratio,
-            max_c,
-            cu_seqlens_host=layout.bounds_host,
-            cu_seqlens_c_host=layout.compressed_bounds_host(ratio),
-        )

@@ -23,20 +23,14 @@ from typing import Literal
 
 import torch
 
-from dsv4_attention._kernels import (
-    StaticBounds,
-    compressed_cu_seqlens_host,
-    indexer_scores,
-    indexer_scores_static,
-    indexer_topk,
-    indexer_topk_ref,
-    indexer_topk_static,
-)
+from csa_kernels import indexer_topk_ref
+from dsv4_attention._kernels import indexer_scores, indexer_topk
 from dsv4_attention._linears import linear_out, plain_linear
 from dsv4_attention._rope import rope
 from dsv4_attention.compressor import Compressor, CompressorConfig
 from dsv4_attention.kind import LayerKind
 from dsv4_primitives import RopeConfig
+from dsv4_primitives.varlen import SeqBoundaries
 
 TIE_BREAKS = ("lower_index", "torch_topk")
 
@@ -77,12 +71,12 @@ class IndexerConfig:
 
 @dataclass
 class IndexerState:
-    """The indexer's per-forward tensors (kept for the loss)."""
+    """The indexer's per-forward tensors (kept for the loss; their entries are those of
+    ``bounds.compressed(4)`` of the layer's boundaries)."""
 
     q: torch.Tensor  # [T, n_I, c_I]
     k: torch.Tensor  # [Tc, c_I]
     weights: torch.Tensor  # [T, n_I] (scaled)
-    cu_seqlens_c: torch.Tensor  # int32 [N+1]
 
 
 class LightningIndexer(torch.nn.Module):
@@ -136,17 +130,16 @@ class LightningIndexer(torch.nn.Module):
         x: torch.Tensor,
         q_latent: torch.Tensor,
         positions: torch.Tensor,
-        cu_seqlens: torch.Tensor,
+        bounds: SeqBoundaries,
         backend: str = "auto",
         position_offset: int = 0,
         max_position: int | None = None,
-        cu_seqlens_host: list[int] | None = None,
     ) -> IndexerState:
         """``x [T, d]``, ``q_latent [T, d_c]`` (both detached here), RoPE ``positions [T]`` -> :class:`IndexerState`.
 
         ``position_offset`` shifts the compressed-key positions like ``positions`` (already shifted) for queries;
-        ``max_position`` is a host bound of every position (no device sync to size the rotary table);
-        ``cu_seqlens_host`` the host copy of ``cu_seqlens`` (no device sync in the compressor).
+        ``max_position`` is a host bound of every position (no device sync to size the rotary table); ``bounds``
+        the layer's boundaries (host ones: no device sync in the compressor).
         """
         x = x.detach()
         q_latent = q_latent.detach()
@@ -155,56 +148,36 @@ class LightningIndexer(torch.nn.Module):
         q = rope(
             q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg, max_position=max_position
         )  # [T, n_I, c_I]
-        k, cu_c = self.compressor(
-            x,
-            cu_seqlens,
-            backend=backend,
-            position_offset=position_offset,
-            max_position=max_position,
-            cu_seqlens_host=cu_seqlens_host,
+        k, _ = self.compressor(
+            x, bounds, backend=backend, position_offset=position_offset, max_position=max_position
         )  # [Tc, c_I]
         w = linear_out(self.linear_weights_proj, x)  # [T, n_I]
-        return IndexerState(q, k, w * self.weight_scale, cu_c)
+        return IndexerState(q, k, w * self.weight_scale)
 
     def select(
-        self,
-        state: IndexerState,
-        cu_seqlens: torch.Tensor,
-        backend: str = "auto",
-        cu_seqlens_host: list[int] | None = None,
+        self, state: IndexerState, bounds: SeqBoundaries, backend: str = "auto"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k per query: ``(indices [T, k] int32 global compressed rows (-1 trailing), scores [T, k] fp32)``.
 
         The scores are differentiable in the indexer's parameters (the sparse-loss student); the indices are not.
-        ``cu_seqlens_host``: host copy of ``cu_seqlens`` (no device sync). Ties follow ``cfg.tie_break``.
+        Ties follow ``cfg.tie_break``; host boundaries: no device sync; static ones (CUDA graphs): launches planned
+        on the device, ``tie_break='lower_index'`` only.
         """
-        if isinstance(cu_seqlens, StaticBounds):  # static-shape THD (CUDA graphs): bounds on the device only
-            if self.cfg.tie_break == "torch_topk":
+        if self.cfg.tie_break == "torch_topk":
+            if bounds.is_static:
                 raise ValueError(
                     "tie_break='torch_topk' (HF parity on CPU) reads the boundaries on the host; static-shape "
                     "(CUDA-graph) packs need tie_break='lower_index'"
                 )
-            return indexer_topk_static(
-                state.q, state.k, state.weights, self.compress_ratio, self.topk, cu_seqlens, backend=backend
-            )
-        if self.cfg.tie_break == "torch_topk":
-            return self._select_torch_topk(state, cu_seqlens)
-        idx, scores = indexer_topk(
-            state.q,
-            state.k,
-            state.weights,
-            self.compress_ratio,
-            self.topk,
-            cu_seqlens,
-            state.cu_seqlens_c,
-            backend=backend,
-            **_host_kwargs(cu_seqlens_host, self.compress_ratio),
+            return self._select_torch_topk(state, bounds)
+        return indexer_topk(
+            state.q, state.k, state.weights, self.compress_ratio, self.topk, bounds, backend=backend
         )
-        return idx, scores
 
-    def _select_torch_topk(self, state: IndexerState, cu_seqlens: torch.Tensor):
-        """Spec §4.2 rule 1: CPU ``torch.topk`` over each query's full masked row (the CPU reference reads the
-        boundaries itself), results moved back to the state's device."""
+    def _select_torch_topk(self, state: IndexerState, bounds: SeqBoundaries):
+        """Spec §4.2 rule 1: CPU ``torch.topk`` over each query's full masked row, results moved back to the
+        state's device."""
+
         dev = state.q.device
         idx, scores = indexer_topk_ref(
             state.q.cpu(),
@@ -212,50 +185,17 @@ class LightningIndexer(torch.nn.Module):
             state.weights.cpu(),
             self.compress_ratio,
             self.topk,
-            cu_seqlens.cpu(),
-            state.cu_seqlens_c.cpu(),
+            bounds.to("cpu"),
             tie_break="torch_topk",
         )
         return idx.to(dev), scores.to(dev)
 
     def scores(
-        self,
-        state: IndexerState,
-        cu_seqlens: torch.Tensor,
-        max_entries: int,
-        backend: str = "auto",
-        cu_seqlens_host: list[int] | None = None,
+        self, state: IndexerState, bounds: SeqBoundaries, max_entries: int, backend: str = "auto"
     ) -> torch.Tensor:
         """Differentiable scores ``[T, max_entries]`` over each token's document entries (column = local entry id,
-        aligned with ``visible_compressed_indices``; ``-inf`` where invisible): the dense-loss student. With
-        :class:`csa_kernels.StaticBounds` (static-shape THD) ``max_entries`` must be the capacity ``T // ratio``."""
-        if isinstance(cu_seqlens, StaticBounds):
-            if max_entries != cu_seqlens.entry_capacity(self.compress_ratio):
-                raise ValueError(
-                    f"static-shape scores have T // ratio = {cu_seqlens.entry_capacity(self.compress_ratio)} "
-                    f"columns, got max_entries={max_entries}"
-                )
-            return indexer_scores_static(
-                state.q, state.k, state.weights, self.compress_ratio, cu_seqlens, backend=backend
-            )
+        aligned with ``visible_compressed_indices``; ``-inf`` where invisible): the dense-loss student. With static
+        boundaries (static-shape THD) ``max_entries`` is at least the capacity ``T // ratio``."""
         return indexer_scores(
-            state.q,
-            state.k,
-            state.weights,
-            self.compress_ratio,
-            cu_seqlens,
-            state.cu_seqlens_c,
-            max_entries,
-            backend=backend,
-            **_host_kwargs(cu_seqlens_host, self.compress_ratio),
+            state.q, state.k, state.weights, self.compress_ratio, bounds, max_entries, backend=backend
         )
-
-
-def _host_kwargs(cu_seqlens_host: list[int] | None, ratio: int) -> dict:
-    """csa-kernels' trusted-caller host copies of ``cu_seqlens`` / ``cu_seqlens_c`` (empty without a host copy)."""
-    if cu_seqlens_host is None:
-        return {}
-    return {
-        "cu_seqlens_host": cu_seqlens_host,
-        "cu_seqlens_c_host": compressed_cu_seqlens_host(cu_seqlens_host, ratio),
-    }

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_attention._kernels import StaticBounds
 from dsv4_primitives import positions_from_cu_seqlens
-from dsv4_primitives.varlen import SeqBoundaries, compressed_cu_seqlens_host
+from dsv4_primitives.varlen import SeqBoundaries
 
 
 @dataclass(frozen=True)
@@ -32,46 +31,32 @@ class TokenLayout:
         qkv_format: ``"sbhd"`` or ``"thd"``.
         seq_len: ``s`` (SBHD) or ``t`` (THD) = leading dim of the activations.
         batch: ``b`` (1 for THD).
-        cu_seqlens: int32 ``[N+1]`` segment boundaries over the ``T = s*b`` rows (documents and padding segments).
+        bounds: the ``N+1`` segment boundaries over the ``T = s*b`` rows (documents and padding segments) as one
+            :class:`dsv4_primitives.varlen.SeqBoundaries`, what every csa-kernels op takes: host boundaries (the
+            device tensor and its host copy, so no kernel launcher reads the device back), or static ones on a
+            static-shape THD layout (the CUDA-graph path, :func:`static_thd_layout`: device-only boundaries, every
+            op with capacity shapes).
         positions: int64 ``[T]`` segment-relative positions.
         real_rows: bool ``[T]`` (False on THD padding rows) or ``None`` when every row is a real token.
         max_seqlen: longest segment.
         position_offset: constant added to every RoPE position (queries, keys, compressed entries, the output
             de-rotation): a sequence that continues at position ``position_offset``; 0 for ordinary batches.
             The layer output does not depend on it (oracle R4), only rounding does.
-        segment_bounds: host copy of ``cu_seqlens`` (the same ``N+1`` boundaries), so that no kernel launcher has
-            to read the device tensor back (a device-to-host synchronisation per op otherwise).
-        static_bounds: set on a static-shape THD layout (the CUDA-graph path, :func:`static_thd_layout`): the
-            boundaries exist on the device only (``segment_bounds`` is ``None`` and the host properties raise),
-            every op runs in csa-kernels' static-bounds mode with capacity shapes.
     """
 
     qkv_format: str
     seq_len: int
     batch: int
-    cu_seqlens: torch.Tensor
+    bounds: SeqBoundaries
     positions: torch.Tensor
     real_rows: torch.Tensor | None
     max_seqlen: int
     position_offset: int = 0
-    segment_bounds: tuple[int, ...] | None = None
-    static_bounds: StaticBounds | None = None
 
     @property
     def is_static(self) -> bool:
         """Static-shape THD (device-only boundaries, capacity shapes: the CUDA-graph path)."""
-        return self.static_bounds is not None
-
-    @property
-    def kernel_bounds(self) -> torch.Tensor | StaticBounds:
-        """What the compressor and the indexer take as ``cu_seqlens``: the :class:`csa_kernels.StaticBounds` of a
-        static layout, else the ``cu_seqlens`` tensor (with :attr:`kernel_bounds_host` as its host copy)."""
-        return self.static_bounds if self.static_bounds is not None else self.cu_seqlens
-
-    @property
-    def kernel_bounds_host(self) -> list[int] | None:
-        """The host copy the ops take beside :attr:`kernel_bounds` (``None`` for a static layout)."""
-        return None if self.static_bounds is not None else self.bounds_host
+        return self.bounds.is_static
 
     @property
     def max_rope_position(self) -> int:
@@ -80,39 +65,11 @@ class TokenLayout:
         back from the device."""
         return max(self.max_seqlen - 1, 0) + abs(self.position_offset)
 
-    @property
-    def bounds_host(self) -> list[int]:
-        """``segment_bounds`` as the host list csa-kernels' trusted-caller options take (``cu_seqlens_host``); a
-        hand-built layout without them reads ``cu_seqlens`` back (one device synchronisation); a static layout has
-        no host copy (``ValueError``: reading it back would bake one pack's boundaries into a CUDA graph)."""
-        if self.static_bounds is not None:
-            raise ValueError(
-                "a static-shape THD layout keeps its boundaries on the device only; use kernel_bounds (static-bounds "
-                "ops) instead of bounds_host"
-            )
-        if self.segment_bounds is None:
-            return [int(v) for v in self.cu_seqlens.tolist()]
-        return list(self.segment_bounds)
-
-    @property
-    def boundaries(self) -> SeqBoundaries:
-        """The segments as a :class:`dsv4_primitives.varlen.SeqBoundaries` (``cu_seqlens`` + its host copy, one
-        object; no device sync when the layout carries ``segment_bounds``)."""
-        return SeqBoundaries(self.cu_seqlens, tuple(self.bounds_host))
-
-    def compressed_bounds_host(self, ratio: int) -> list[int]:
-        """Host ``cu_seqlens_c`` of the layout's segments at ``ratio``: ``floor(len / ratio)`` entries each."""
-        return compressed_cu_seqlens_host(self.bounds_host, ratio)
-
     def max_compressed_entries(self, ratio: int) -> int:
         """The largest per-segment compressed entry count ``floor(len / ratio)`` (host int, no device sync); on a
-        static layout the capacity ``T // ratio`` (every entry index map and score matrix has that width)."""
-        if not ratio:
-            return 0
-        if self.static_bounds is not None:
-            return self.static_bounds.entry_capacity(ratio)
-        bounds = self.bounds_host
-        return max((b - a for a, b in itertools.pairwise(bounds)), default=0) // ratio
+        static layout the capacity ``T // ratio`` (every entry index map and score matrix has that width); 0 for
+        ``ratio = 0`` (no compressor)."""
+        return self.bounds.max_entries(ratio) if ratio else 0
 
     @property
     def rope_positions(self) -> torch.Tensor:
@@ -144,8 +101,8 @@ def sbhd_layout(seq_len: int, batch: int, device=None) -> TokenLayout:
         return cached
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_len
     pos = torch.arange(seq_len, dtype=torch.int64, device=device).repeat(batch)
-    bounds = tuple(i * seq_len for i in range(batch + 1))
-    layout = TokenLayout("sbhd", seq_len, batch, cu, pos, None, seq_len, segment_bounds=bounds)
+    bounds = SeqBoundaries(cu, tuple(i * seq_len for i in range(batch + 1)))
+    layout = TokenLayout("sbhd", seq_len, batch, bounds, pos, None, seq_len)
     if torch.is_inference_mode_enabled():  # inference tensors could never be saved for a later backward
         return layout
     _remember(_SBHD_CACHE, key, layout, 16)  # a handful of (s, b) shapes per run
@@ -275,11 +232,10 @@ def _build_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenL
         "thd",
         num_tokens,
         1,
-        cu,
+        SeqBoundaries(cu, tuple(bounds)),
         pos,
         None if all_real else real.to(device),
         max(seg) if seg else 0,
-        segment_bounds=tuple(bounds),
     )
 
 
@@ -319,19 +275,10 @@ def static_thd_layout(packed_seq_params, num_tokens: int, device=None) -> TokenL
     inner = torch.stack((real_end, padded[1:]), 1).reshape(-1)  # [2N] real end, padded end per document
     tail = torch.full((1,), num_tokens, dtype=torch.int64, device=cu_q.device)
     cu = torch.cat((cu_q[:1] * 0, inner, tail)).to(torch.int32)  # [2N + 2]
-    bounds = StaticBounds(cu, num_tokens)
+    bounds = SeqBoundaries.static(cu, num_tokens)
     doc = bounds.document_ids()  # [T] segment of every row (even = a document's real rows)
     real = (doc.remainder(2) == 0) & (doc < cu.numel() - 2)  # [T]: segment 2i = document i, 2N = the tail
-    return TokenLayout(
-        "thd",
-        num_tokens,
-        1,
-        cu,
-        bounds.positions(),
-        real,
-        num_tokens,
-        static_bounds=bounds,
-    )
+    return TokenLayout("thd", num_tokens, 1, bounds, bounds.positions(), real, num_tokens)
 
 
 def token_layout(hidden_states: torch.Tensor, packed_seq_params=None) -> TokenLayout:

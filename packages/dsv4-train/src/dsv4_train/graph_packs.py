@@ -7,7 +7,7 @@ repeat the end). Its boundaries change every step, so the captured step must rea
 buffers on the device: :func:`static_pack_batch` adds them to the fields that ``FullCudaGraphWrapper`` copies in, and
 :func:`static_packed_seq_params` turns the buffers back into megatron ``PackedSeqParams`` marked as static
 (:func:`dsv4_attention.layout.mark_static_bounds`): the attention layers then build their layout on the device and
-run csa-kernels' static-bounds ops (capacity-sized grids, no host reads), so one capture serves every pack.
+run csa-kernels' ops on static boundaries (capacity-sized grids, no host reads), so one capture serves every pack.
 
 The document capacity is ``--max-docs-per-pack`` (:func:`max_docs_per_pack`): with ``--cuda-graph`` its default is
 ``min(seq_len, ceil(seq_len / m))`` for the dataset's shortest document ``m`` (a pack of whole documents never holds

@@ -22,7 +22,7 @@ from mhc.reference import (
     sinkhorn_ref,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "HyperHead",

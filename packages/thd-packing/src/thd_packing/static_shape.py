@@ -8,6 +8,10 @@ CUDA graphs replay fixed shapes, but a THD pack has a variable number of rows an
 2. every cu array grows to ``max_num_seqs + 1`` entries by repeating its last value (empty documents);
 3. ``max_seqlen`` becomes ``token_capacity`` so the host-side integer never changes between replays.
 
+The padded pack's document boundaries come as one static :class:`dsv4_primitives.varlen.SeqBoundaries`
+(``StaticPack.bounds``: ``cu_seqlens_padded`` on the device with the row capacity ``token_capacity``, never read
+back), what the csa-kernels ops take to run with capacity shapes inside a CUDA graph.
+
 The returned ``padding_mask`` is True on every row that is not a real token of the original pack (per-document
 padding, the dummy document, the tail): route it to the loss and to MoE so padding never counts.
 :func:`unpad_static_shape` recovers the original pack and tensors exactly.
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4_primitives.varlen import SeqBoundaries
 from thd_packing.packed_seqs import PackedSeqs
 
 
@@ -55,12 +60,16 @@ class StaticPadInfo:
 
 @dataclass(frozen=True, eq=False)
 class StaticPack:
-    """A padded pack: static ``packed`` metadata, padded ``tensors``, ``padding_mask`` ``[token_capacity]``."""
+    """A padded pack: static ``packed`` metadata, padded ``tensors``, ``padding_mask`` ``[token_capacity]`` and
+    ``bounds``, the static boundaries of its padded documents (``SeqBoundaries.static(cu_seqlens_padded,
+    token_capacity)``; ``cu_seqlens_padded[-1] == token_capacity`` with the dummy tail document, at most it
+    without)."""
 
     packed: PackedSeqs
     tensors: dict[str, torch.Tensor]
     padding_mask: torch.Tensor = field(repr=False)
     info: StaticPadInfo
+    bounds: SeqBoundaries = field(repr=False)
 
 
 def _pad_cu(cu: torch.Tensor, extra_last: int | None, entries: int) -> torch.Tensor:
@@ -91,8 +100,8 @@ def pad_to_static_shape(
 
     Returns:
         :class:`StaticPack` with ``packed.total_tokens == config.token_capacity``,
-        ``packed.cu_seqlens[_padded]`` of ``config.max_num_seqs + 1`` entries and
-        ``packed.max_seqlen == config.token_capacity``.
+        ``packed.cu_seqlens[_padded]`` of ``config.max_num_seqs + 1`` entries,
+        ``packed.max_seqlen == config.token_capacity`` and the static ``bounds`` of the padded documents.
     """
     cap = config.token_capacity
     t = packed.total_tokens
@@ -129,7 +138,7 @@ def pad_to_static_shape(
     mask = packed.padding_mask()
     padding_mask = torch.cat([mask, torch.ones(cap - t, dtype=torch.bool, device=mask.device)])
     info = StaticPadInfo(num_tokens=t, num_seqs=packed.num_seqs, max_seqlen=packed.max_seqlen)
-    return StaticPack(static, out, padding_mask, info)
+    return StaticPack(static, out, padding_mask, info, SeqBoundaries.static(static.cu_seqlens_padded, cap))
 
 
 def unpad_static_shape(static: StaticPack, *, dim: int = 0) -> tuple[PackedSeqs, dict[str, torch.Tensor]]:

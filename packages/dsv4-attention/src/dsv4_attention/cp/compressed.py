@@ -55,9 +55,8 @@ def owned_entries(
         compressor.ape,
         compressor.compress_ratio,
         compressor.overlap,
-        plan.ext_cu,
+        plan.ext_bounds,
         backend=backend,
-        cu_seqlens_host=list(plan.ext_bounds),
     )  # [Tc_ext, c] fp32
     own = compressor.norm(pooled.index_select(0, plan.owned_rows))  # [n_own, c]
     own = rope(own, plan.owned_positions, compressor.rope_cfg, max_position=max_position).to(x_ext.dtype)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_primitives.varlen import SeqBoundaries
+
 
 @dataclass(frozen=True)
 class KindPlan:
@@ -43,8 +45,8 @@ class KindPlan:
         window: int32 ``[L, n_win]`` rows of the extended key buffer (-1 = none).
         ratio: ``m`` (0: the fields below are empty).
         align: ``a`` zero rows prepended to the extended rows for the compressor.
-        ext_bounds: host segment bounds of ``cat(zeros(a), halo, local)`` for the compressor kernel.
-        ext_cu: int32 device copy of ``ext_bounds``.
+        ext_bounds: the segment boundaries of ``cat(zeros(a), halo, local)`` for the compressor kernel (host
+            :class:`~dsv4_primitives.varlen.SeqBoundaries`).
         owned_rows: int64 ``[n_own]`` rows of the kernel's pooled output that this rank owns (global id order).
         owned_positions: int64 ``[n_own]`` RoPE positions ``w * m`` (+ offset) of the owned entries.
         capacity: ``c_cap``; num_entries: ``Tc`` (global).
@@ -64,8 +66,7 @@ class KindPlan:
     window: torch.Tensor
     ratio: int
     align: int = 0
-    ext_bounds: tuple[int, ...] = ()
-    ext_cu: torch.Tensor | None = None
+    ext_bounds: SeqBoundaries | None = None
     owned_rows: torch.Tensor | None = None
     owned_positions: torch.Tensor | None = None
     capacity: int = 0
@@ -129,7 +130,7 @@ def build_kind_plan(cpl, window: int, ratio: int, overlap: bool) -> KindPlan:
     ext_pos = glob.rope_positions[e0:le]
     if not ratio:
         return KindPlan(d, h, ext_pos, win, 0)
-    bounds = glob.bounds_host
+    bounds = list(glob.bounds.host)
     ext_bounds, owned_rows, owned_w, align = _compressor_segments(bounds, ratio, e0, ls, le)
     g = [owned_before(bounds, ratio, q * big_l) for q in range(cpl.size + 1)]
     if len(owned_rows) != g[cpl.rank + 1] - g[cpl.rank]:  # the two counts of the docstring must agree
@@ -141,9 +142,7 @@ def build_kind_plan(cpl, window: int, ratio: int, overlap: bool) -> KindPlan:
     cu_c = [0]
     for s, e in itertools.pairwise(bounds):
         cu_c.append(cu_c[-1] + (e - s) // ratio)
-    seg = (
-        torch.searchsorted(glob.cu_seqlens.to(torch.int64), torch.arange(ls, le, device=dev), right=True) - 1
-    )
+    seg = torch.searchsorted(glob.bounds.cu64, torch.arange(ls, le, device=dev), right=True) - 1
     first = torch.tensor(cu_c, dtype=torch.int64, device=dev)[seg]  # [L]
     real = glob.positions >= ratio - 1
     if glob.real_rows is not None:
@@ -155,8 +154,7 @@ def build_kind_plan(cpl, window: int, ratio: int, overlap: bool) -> KindPlan:
         win,
         ratio,
         align=align,
-        ext_bounds=tuple(ext_bounds),
-        ext_cu=torch.tensor(ext_bounds, dtype=torch.int32, device=dev),
+        ext_bounds=SeqBoundaries.from_host(ext_bounds, dev),
         owned_rows=torch.tensor(owned_rows, dtype=torch.int64, device=dev),
         owned_positions=torch.tensor(owned_w, dtype=torch.int64, device=dev) * ratio + glob.position_offset,
         capacity=cap,

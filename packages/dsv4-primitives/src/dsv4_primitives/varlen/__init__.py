@@ -4,7 +4,8 @@
 - :mod:`~dsv4_primitives.varlen.layout`: lengths <-> ``cu_seqlens`` <-> document ids / positions, compressed
   ``cu_seqlens`` of a ratio, SBHD <-> THD views.
 - :mod:`~dsv4_primitives.varlen.upload`: host ints -> cached, capture-safe, read-only device constants.
-- :class:`SeqBoundaries`: a batch's device boundaries travelling with their host copy.
+- :class:`SeqBoundaries`: the one boundaries object of the ops: the device boundaries with their host copy, or
+  (static mode, CUDA graphs) with a row capacity.
 """
 
 from dsv4_primitives.varlen.boundaries import SeqBoundaries

@@ -2,7 +2,8 @@
 
 Convention (flash-attn varlen): ``cu_seqlens`` is integer ``[N+1]``, starts at 0 and is non-decreasing; document
 ``i`` owns packed rows ``cu_seqlens[i] .. cu_seqlens[i+1]-1`` (empty documents allowed). A *host copy* is a list or
-tuple of Python ints holding the same values (the ``*_host`` options of the ops: validation without a device sync).
+tuple of Python ints holding the same values (what a host-mode ``SeqBoundaries`` carries: validation without a
+device sync).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def compressed_cu_seqlens(
 
 def compressed_cu_seqlens_host(cu_seqlens_host: Sequence[int], ratio: int) -> list[int]:
     """Host form of :func:`compressed_cu_seqlens`: ``cu_seqlens_c`` as a list from the host list ``cu_seqlens``
-    (pure Python, no tensor; what trusted callers pass as ``cu_seqlens_c_host``)."""
+    (pure Python, no tensor; the host copy of ``SeqBoundaries.compressed(ratio)``)."""
     check_ratio(ratio)
     cu = check_cu_values(check_host_cu_seqlens(cu_seqlens_host), "cu_seqlens_host", None)
     out = [0]

@@ -7,19 +7,19 @@ import torch
 from csa_kernels.ops.compressor.checks import check_compress_inputs, check_pool_inputs
 from csa_kernels.ops.compressor.reference import (
     _norm_rope_cached,
-    compressed_positions_host,
+    compressed_positions,
     max_entry_position,
 )
 from csa_kernels.ops.compressor.triton import compressor_pool_bwd, compressor_pool_fwd
 from dsv4_primitives import RopeConfig
-from dsv4_primitives.varlen import compressed_cu_seqlens_host, upload_host_ints
+from dsv4_primitives.varlen import SeqBoundaries
 
 
 class CompressorPoolTritonFunction(torch.autograd.Function):
     """pooled = pool(kv, score, ape); saves the inputs and recomputes the softmax weights in backward.
 
-    ``tc_on_device``: ``tc`` is a capacity and the real entry count is read on the device from ``cuc`` (the
-    static-bounds / CUDA-graph form, :mod:`csa_kernels.ops.compressor.static`)."""
+    ``tc_on_device``: ``tc`` is a capacity and the real entry count is read on the device from ``cuc`` (static
+    :class:`~dsv4_primitives.varlen.SeqBoundaries`, the CUDA-graph mode)."""
 
     @staticmethod
     def forward(ctx, kv, score, ape, cu, cuc, tc, ratio, overlap, tc_on_device=False):
@@ -45,24 +45,25 @@ def compressor_pool_triton(
     ape: torch.Tensor,  # [ratio, Dk]
     ratio: int,
     overlap: bool,
-    cu_seqlens: torch.Tensor,  # [N+1]
-    *,
-    cu_seqlens_host: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    bounds: SeqBoundaries,
+) -> tuple[torch.Tensor, SeqBoundaries]:
     """Fused Triton form of :func:`~csa_kernels.ops.compressor.reference.compressor_pool_ref`.
 
     Same contract and validation; math in fp32 (fp64 inputs are computed in fp32 too), ``pooled [Tc, c]`` fp32,
-    differentiable in ``kv``, ``score`` and ``ape`` (gradients in their own dtypes). Without ``cu_seqlens_host``
-    the validation reads ``cu_seqlens`` back (one device -> host sync); with it, none.
+    differentiable in ``kv``, ``score`` and ``ape`` (gradients in their own dtypes). No device -> host sync. Static
+    boundaries: one grid over the entry capacity ``T // ratio`` whose programs past the real count (read on the
+    device) do nothing; the padding rows are zero and get no gradient.
     """
-    cu = check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)  # host list
-    cuc_list = compressed_cu_seqlens_host(cu, ratio)
-    cuc = upload_host_ints(cuc_list, kv.device)  # [N+1], non-blocking
-    cu_dev = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    check_pool_inputs(kv, score, ape, ratio, overlap, bounds)
+    bounds_c = bounds.compressed(ratio)  # [N+1] int32 on the device (a cached constant in host mode)
+    cu = bounds.cu_seqlens
+    cu_dev = cu if cu.dtype == torch.int32 else cu.to(torch.int32)
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     score = score if score.stride(-1) == 1 else score.contiguous()
-    pooled = CompressorPoolTritonFunction.apply(kv, score, ape, cu_dev, cuc, cuc_list[-1], ratio, overlap)
-    return pooled, cuc
+    pooled = CompressorPoolTritonFunction.apply(
+        kv, score, ape, cu_dev, bounds_c.cu_seqlens, bounds_c.total, ratio, overlap, bounds.is_static
+    )
+    return pooled, bounds_c
 
 
 def compress_triton(
@@ -74,12 +75,10 @@ def compress_triton(
     ratio: int,
     overlap: bool,
     rope_cfg: RopeConfig,
-    cu_seqlens: torch.Tensor,
+    bounds: SeqBoundaries,
     eps: float = 1e-6,
-    *,
-    cu_seqlens_host: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full compressor with the fused pooling kernel: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``.
+) -> tuple[torch.Tensor, SeqBoundaries]:
+    """Full compressor with the fused pooling kernel: ``(entries [Tc, c] in x.dtype, bounds.compressed(ratio))``.
 
     Projections run as GEMMs in ``x.dtype`` (bf16 on GPU: fp32 accumulation, bf16 ``kv`` / ``score``), pooling in
     the Triton kernel (fp32 softmax), RMSNorm and RoPE on the fp32 pooled rows as in :func:`compress_ref` (RoPE from
@@ -88,11 +87,8 @@ def compress_triton(
     check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
     kv = torch.nn.functional.linear(x, wkv.to(x.dtype))  # [T, Dk]
     score = torch.nn.functional.linear(x, wgate.to(x.dtype))  # [T, Dk]
-    cu = check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)
-    pooled, cu_c = compressor_pool_triton(
-        kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu
-    )  # [Tc, c] fp32
-    positions = compressed_positions_host(cu, ratio, cu_c)  # [Tc]
-    max_pos = max_entry_position(compressed_cu_seqlens_host(cu, ratio), ratio)
+    pooled, bounds_c = compressor_pool_triton(kv, score, ape, ratio, overlap, bounds)  # [Tc, c] fp32
+    positions = compressed_positions(bounds, ratio)  # [Tc]
+    max_pos = max_entry_position(bounds, ratio)
     rotated = _norm_rope_cached(pooled, norm_weight, eps, positions, rope_cfg, max_pos)
-    return rotated.to(x.dtype), cu_c
+    return rotated.to(x.dtype), bounds_c

@@ -6,17 +6,18 @@ reference module holds the math only.
 
 from __future__ import annotations
 
-from csa_kernels._checks import check_cu_seqlens, check_float, check_ratio, check_shape
+from csa_kernels._checks import check_bounds, check_float, check_ratio, check_shape
 from dsv4_primitives import RopeConfig
 
 
-def check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=None):
+def check_pool_inputs(kv, score, ape, ratio, overlap, bounds):
+    """Shapes, dtypes, ratio and the boundaries (a ``SeqBoundaries`` over ``kv``'s rows); returns ``bounds``."""
     check_pool_shapes(kv, score, ape, ratio, overlap)
-    return check_cu_seqlens(cu_seqlens, total=kv.shape[0], host=cu_seqlens_host)
+    return check_bounds(bounds, kv.shape[0], "kv")
 
 
 def check_pool_shapes(kv, score, ape, ratio, overlap) -> None:
-    """Shapes, dtypes and ratio of the pooling inputs (no boundary check: the static-bounds form has none)."""
+    """Shapes, dtypes and ratio of the pooling inputs."""
     check_ratio(ratio, overlap)
     check_shape(kv, "kv", (None, None))
     check_float(kv, "kv")

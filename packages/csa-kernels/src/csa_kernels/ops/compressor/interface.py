@@ -1,4 +1,5 @@
-"""Public compressor entry points: THD (``cu_seqlens``) and SBHD (equal-length batch) forms with a ``backend`` switch."""
+"""Public compressor entry points: THD (``SeqBoundaries``) and SBHD (equal-length batch) forms with a ``backend``
+switch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from csa_kernels.ops.compressor.autograd import compress_triton, compressor_pool
 from csa_kernels.ops.compressor.reference import compress_ref, compressor_pool_ref
 from dsv4_primitives import RopeConfig
 from dsv4_primitives.dispatch import resolve_backend
-from dsv4_primitives.varlen import sbhd_cu_seqlens, sbhd_cu_seqlens_host, sbhd_to_thd, thd_to_sbhd
+from dsv4_primitives.varlen import SeqBoundaries, sbhd_cu_seqlens_host, sbhd_to_thd, thd_to_sbhd
 
 
 def compressor_pool(
@@ -18,21 +19,20 @@ def compressor_pool(
     ape: torch.Tensor,
     ratio: int,
     overlap: bool,
-    cu_seqlens: torch.Tensor,
+    bounds: SeqBoundaries,
     *,
     backend: str = "auto",
-    cu_seqlens_host: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-gated block pooling, THD. Shapes and math: :func:`compressor_pool_ref`.
+) -> tuple[torch.Tensor, SeqBoundaries]:
+    """Softmax-gated block pooling, THD: ``(pooled [Tc, c] fp32, bounds.compressed(ratio))``. Shapes and math:
+    :func:`compressor_pool_ref`.
 
-    ``cu_seqlens_host``: the caller's host copy of ``cu_seqlens`` (structure validated in Python, not compared with
-    the device tensor); with it the call does no device -> host sync.
+    Host boundaries: no device -> host sync. Static boundaries (CUDA graphs): ``pooled [T // ratio, c]``, rows past
+    the real entry count are zero and get no gradient; the Triton path reads nothing back (capturable), the
+    reference path reads the boundaries back (CPU; never captured).
     """
     if resolve_backend(backend, kv, score, op="csa_kernels.compressor_pool") == "triton":
-        return compressor_pool_triton(
-            kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu_seqlens_host
-        )
-    return compressor_pool_ref(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu_seqlens_host)
+        return compressor_pool_triton(kv, score, ape, ratio, overlap, bounds)
+    return compressor_pool_ref(kv, score, ape, ratio, overlap, bounds)
 
 
 def compress(
@@ -44,20 +44,17 @@ def compress(
     ratio: int,
     overlap: bool,
     rope_cfg: RopeConfig,
-    cu_seqlens: torch.Tensor,
+    bounds: SeqBoundaries,
     eps: float = 1e-6,
     *,
     backend: str = "auto",
-    cu_seqlens_host: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full compressor, THD: ``(entries [Tc, c] in x.dtype, cu_seqlens_c)``. Math: :func:`compress_ref`.
-
-    ``cu_seqlens_host``: as in :func:`compressor_pool` (no device -> host sync when given).
-    """
-    args = (x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, cu_seqlens, eps)
+) -> tuple[torch.Tensor, SeqBoundaries]:
+    """Full compressor, THD: ``(entries [Tc, c] in x.dtype, bounds.compressed(ratio))``. Math:
+    :func:`compress_ref`; boundaries as in :func:`compressor_pool`."""
+    args = (x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, bounds, eps)
     if resolve_backend(backend, x, op="csa_kernels.compress") == "triton":
-        return compress_triton(*args, cu_seqlens_host=cu_seqlens_host)
-    return compress_ref(*args, cu_seqlens_host=cu_seqlens_host)
+        return compress_triton(*args)
+    return compress_ref(*args)
 
 
 def compressor_pool_sbhd(
@@ -73,16 +70,9 @@ def compressor_pool_sbhd(
     check_shape(kv, "kv", (None, None, None))
     check_shape(score, "score", tuple(kv.shape))
     s, b = kv.shape[:2]
-    cu = sbhd_cu_seqlens(b, s, kv.device)
+    bounds = SeqBoundaries.from_host(sbhd_cu_seqlens_host(b, s), kv.device)
     pooled, _ = compressor_pool(
-        sbhd_to_thd(kv),
-        sbhd_to_thd(score),
-        ape,
-        ratio,
-        overlap,
-        cu,
-        backend=backend,
-        cu_seqlens_host=sbhd_cu_seqlens_host(b, s),
+        sbhd_to_thd(kv), sbhd_to_thd(score), ape, ratio, overlap, bounds, backend=backend
     )
     return thd_to_sbhd(pooled, b)
 
@@ -103,19 +93,8 @@ def compress_sbhd(
     """SBHD form: ``x [S, B, d]`` -> ``entries [S // ratio, B, c]`` (positions ``w * ratio`` per sequence)."""
     check_shape(x, "x", (None, None, None))
     s, b = x.shape[:2]
-    cu = sbhd_cu_seqlens(b, s, x.device)
+    bounds = SeqBoundaries.from_host(sbhd_cu_seqlens_host(b, s), x.device)
     entries, _ = compress(
-        sbhd_to_thd(x),
-        wkv,
-        wgate,
-        ape,
-        norm_weight,
-        ratio,
-        overlap,
-        rope_cfg,
-        cu,
-        eps,
-        backend=backend,
-        cu_seqlens_host=sbhd_cu_seqlens_host(b, s),
+        sbhd_to_thd(x), wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg, bounds, eps, backend=backend
     )
     return thd_to_sbhd(entries, b)

@@ -28,11 +28,11 @@ import itertools
 
 import torch
 
-from csa_kernels._checks import check_cu_seqlens, check_ratio, compute_dtype
+from csa_kernels._checks import check_bounds, check_ratio, compute_dtype
 from csa_kernels.ops.compressor.checks import check_compress_inputs as _check_compress_inputs
 from csa_kernels.ops.compressor.checks import check_pool_inputs as _check_pool_inputs
 from dsv4_primitives import RopeConfig, apply_rope, apply_rope_ref, rms_norm_ref
-from dsv4_primitives.varlen import compressed_cu_seqlens, compressed_cu_seqlens_host, document_positions
+from dsv4_primitives.varlen import SeqBoundaries
 
 
 def _empty_half(kv_b: torch.Tensor, logit_b: torch.Tensor, lead: int, ratio: int, c: int):
@@ -82,9 +82,10 @@ def _norm_rope_cached(pooled, norm_weight, eps, positions, rope_cfg, max_positio
     return apply_rope(normed, positions, rope_cfg, backend="reference", max_position=max_position)
 
 
-def max_entry_position(cuc: list[int], ratio: int) -> int:
-    """Largest RoPE position ``(entries of the longest document - 1) * ratio`` of the host list ``cuc`` (0 if none)."""
-    return max(0, max((b - a for a, b in itertools.pairwise(cuc)), default=0) - 1) * ratio
+def max_entry_position(bounds: SeqBoundaries, ratio: int) -> int:
+    """Host bound of every entry's RoPE position: ``(entries of the longest document - 1) * ratio`` (0 if none;
+    static boundaries: from the entry capacity)."""
+    return max(0, bounds.max_entries(ratio) - 1) * ratio
 
 
 def compressor_pool_ref(
@@ -93,10 +94,8 @@ def compressor_pool_ref(
     ape: torch.Tensor,
     ratio: int,
     overlap: bool,
-    cu_seqlens: torch.Tensor,
-    *,
-    cu_seqlens_host: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    bounds: SeqBoundaries,
+) -> tuple[torch.Tensor, SeqBoundaries]:
     """Softmax-gated pooling of complete blocks, per document (the formula in the module docstring).
 
     Args:
@@ -105,12 +104,14 @@ def compressor_pool_ref(
         ape: ``[ratio, Dk]`` learned position bias over the slots of a block (fp32 parameter).
         ratio: block size ``m`` (4 for CSA / indexer, 128 for HCA).
         overlap: two-series overlapping layout (CSA) or plain blocks (HCA).
-        cu_seqlens: int32 ``[N+1]``, ``cu_seqlens[-1] == T``.
-        cu_seqlens_host: the caller's host copy of ``cu_seqlens`` (then no device -> host sync).
+        bounds: the documents of the ``T`` rows (:class:`~dsv4_primitives.varlen.SeqBoundaries`; static ones are
+            read back, one sync, and the output is padded with zero rows to the entry capacity ``T // ratio``).
     Returns:
-        ``pooled [Tc, c]`` in the compute dtype (fp32, or fp64 for fp64 inputs) and ``cu_seqlens_c`` int32 ``[N+1]``.
+        ``pooled [Tc, c]`` in the compute dtype (fp32, or fp64 for fp64 inputs) and the compressed boundaries
+        ``bounds.compressed(ratio)``.
     """
-    cu = _check_pool_inputs(kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host)
+    _check_pool_inputs(kv, score, ape, ratio, overlap, bounds)
+    cu = bounds.exact().host
     dt = compute_dtype(kv, score, ape)
     kv, score, ape = kv.to(dt), score.to(dt), ape.to(dt)
     c = kv.shape[1] // 2 if overlap else kv.shape[1]
@@ -125,19 +126,20 @@ def compressor_pool_ref(
     else:
         # no complete block anywhere: an empty result that stays connected to every input's graph
         pooled = kv.new_zeros(0, c) + 0 * (kv.sum() + score.sum() + ape.sum())
-    return pooled, compressed_cu_seqlens(cu_seqlens, ratio, cu_seqlens_host=cu)
+    bounds_c = bounds.compressed(ratio)
+    pad = bounds_c.total - pooled.shape[0]  # static boundaries: zero rows up to the entry capacity
+    return (torch.nn.functional.pad(pooled, (0, 0, 0, pad)) if pad else pooled), bounds_c
 
 
-def compressed_positions(
-    cu_seqlens_c: torch.Tensor, ratio: int, *, cu_seqlens_c_host: list[int] | None = None
-) -> torch.Tensor:
+def compressed_positions(bounds: SeqBoundaries, ratio: int) -> torch.Tensor:
     """``[Tc]`` int64 document-relative position ``w * ratio`` of each entry's first token (its RoPE position).
 
-    ``cu_seqlens_c_host``: the caller's host copy of ``cu_seqlens_c`` (then no device -> host sync).
+    ``bounds``: the TOKEN boundaries (the entries are those of ``bounds.compressed(ratio)``; static boundaries: the
+    entry capacity ``T // ratio``, padding entries continue counting from the start of the last document). No
+    device -> host sync.
     """
     check_ratio(ratio)
-    cuc = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", host=cu_seqlens_c_host)
-    return document_positions(cu_seqlens_c, cuc[-1]) * ratio
+    return check_bounds(bounds).compressed(ratio).positions() * ratio
 
 
 def compress_ref(
@@ -149,11 +151,9 @@ def compress_ref(
     ratio: int,
     overlap: bool,
     rope_cfg: RopeConfig,
-    cu_seqlens: torch.Tensor,
+    bounds: SeqBoundaries,
     eps: float = 1e-6,
-    *,
-    cu_seqlens_host: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, SeqBoundaries]:
     """Full compressor: projections, pooling, RMSNorm, RoPE at ``w * ratio`` (module docstring).
 
     Args:
@@ -163,25 +163,17 @@ def compress_ref(
         norm_weight: ``[c]`` RMSNorm weight.
         ratio, overlap: see :func:`compressor_pool_ref`.
         rope_cfg: rotary config of the layer (rotates the last ``rope_cfg.rope_dim`` of the ``c`` channels).
-        cu_seqlens: int32 ``[N+1]``, ``cu_seqlens[-1] == T``.
+        bounds: the documents of the ``T`` rows (see :func:`compressor_pool_ref`).
         eps: RMSNorm epsilon.
-        cu_seqlens_host: the caller's host copy of ``cu_seqlens`` (then no device -> host sync).
     Returns:
-        ``entries [Tc, c]`` in ``x.dtype`` and ``cu_seqlens_c`` int32 ``[N+1]``.
+        ``entries [Tc, c]`` in ``x.dtype`` and the compressed boundaries ``bounds.compressed(ratio)``.
     """
     _check_compress_inputs(x, wkv, wgate, ape, norm_weight, ratio, overlap, rope_cfg)
     dt = compute_dtype(x, wkv, wgate, ape, norm_weight)
     xf = x.to(dt)
     kv = xf @ wkv.to(dt).T  # [T, Dk]
     score = xf @ wgate.to(dt).T  # [T, Dk]
-    cu = check_cu_seqlens(cu_seqlens, total=x.shape[0], host=cu_seqlens_host)
-    pooled, cu_c = compressor_pool_ref(
-        kv, score, ape, ratio, overlap, cu_seqlens, cu_seqlens_host=cu
-    )  # [Tc, c]
-    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions_host(cu, ratio, cu_c), rope_cfg)
-    return rotated.to(x.dtype), cu_c
-
-
-def compressed_positions_host(cu: list[int], ratio: int, cu_c: torch.Tensor) -> torch.Tensor:
-    """:func:`compressed_positions` of ``cu_c`` (the device ``cu_seqlens_c`` of the host list ``cu``), no sync."""
-    return compressed_positions(cu_c, ratio, cu_seqlens_c_host=compressed_cu_seqlens_host(cu, ratio))
+    check_bounds(bounds, x.shape[0], "x")
+    pooled, bounds_c = compressor_pool_ref(kv, score, ape, ratio, overlap, bounds)  # [Tc, c]
+    rotated = _norm_rope(pooled, norm_weight, eps, compressed_positions(bounds, ratio), rope_cfg)
+    return rotated.to(x.dtype), bounds_c

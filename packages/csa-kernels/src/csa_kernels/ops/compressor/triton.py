@@ -200,7 +200,7 @@ def _compressor_pool_kernel(
 ):
     e_first = tl.program_id(0) * PER_PROG
     e_stop = tl.minimum(e_first + PER_PROG, TC)
-    if TC_ON_DEVICE:  # static-bounds mode: TC is the capacity, the real entry count is cu_seqlens_c[-1]
+    if TC_ON_DEVICE:  # static SeqBoundaries: TC is the capacity, the real entry count is cu_seqlens_c[-1]
         e_stop = tl.minimum(e_stop, tl.load(CUC + N_DOCS))
     # deterministic mode: each program adds dape into its own partial (stride_dape_prog > 0; only this program's
     # threads, each its own (slot, channel), touch it, in program order), summed in a fixed order on the host side
@@ -467,7 +467,7 @@ def compressor_pool_fwd(
     kv, score, ape, cu, cuc, tc: int, ratio: int, overlap: bool, tc_on_device: bool = False
 ) -> torch.Tensor:
     """``pooled [Tc, c]`` fp32 (inputs contiguous in the channel dim; ``ape`` fp32; ``cu``, ``cuc`` int32 on the
-    device, ``tc`` their entry count). ``tc_on_device`` (static-bounds mode): ``tc`` is a capacity, the kernel
+    device, ``tc`` their entry count). ``tc_on_device`` (static SeqBoundaries): ``tc`` is a capacity, the kernel
     reads the real count ``cuc[-1]`` on the device and the rows past it stay zero."""
     check_triton_device(kv, score, ape)
     c = kv.shape[1] // 2 if overlap else kv.shape[1]

@@ -7,18 +7,18 @@ reference module holds the math only.
 from __future__ import annotations
 
 from csa_kernels._checks import (
-    check_cu_seqlens,
+    check_bounds,
     check_float,
     check_index,
     check_ratio,
     check_shape,
 )
-from dsv4_primitives.varlen import compressed_cu_seqlens_host
 
 
-def check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host=None, cuc_host=None):
-    """Shapes, dtypes and the two ``cu_seqlens`` (host copies used when given: then no device sync); returns the
-    validated host lists ``(cu, cuc)``."""
+def check_inputs(q_idx, k_idx, weights, ratio, bounds):
+    """Shapes, dtypes and the boundaries: ``q_idx`` has the ``T`` rows of ``bounds``, ``k_idx`` the rows of
+    ``bounds.compressed(ratio)`` (``sum_i floor(len_i / ratio)``; static boundaries: the capacity ``T // ratio``).
+    No device sync."""
     check_shape(q_idx, "q_idx", (None, None, None))
     check_float(q_idx, "q_idx")
     t, h, d = q_idx.shape
@@ -26,26 +26,26 @@ def check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host
     check_float(k_idx, "k_idx")
     check_shape(weights, "weights", (t, h))
     check_ratio(ratio)
-    cu = check_cu_seqlens(cu_seqlens, total=t, host=cu_host)
-    cuc = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", total=k_idx.shape[0], host=cuc_host)
-    expected = compressed_cu_seqlens_host(cu, ratio)
-    if cuc != expected:
-        raise ValueError(f"cu_seqlens_c = {cuc} does not match floor(len / ratio) per document ({expected})")
-    return cu, cuc
+    tc = check_bounds(bounds, t, "q_idx").compressed(ratio).total
+    if k_idx.shape[0] != tc:
+        what = (
+            "the entry capacity T // ratio" if bounds.is_static else "sum of floor(len / ratio) per document"
+        )
+        raise ValueError(
+            f"k_idx has {k_idx.shape[0]} rows but the boundaries hold {tc} compressed entries at ratio {ratio} "
+            f"({what}); pass the keys of bounds.compressed({ratio})"
+        )
 
 
-def check_scores_inputs(
-    q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, max_entries, cu_host=None, cuc_host=None
-):
-    """:func:`check_inputs` plus the ``max_entries`` rule of the dense scores; returns ``(cu, cuc, max_entries)``."""
-    cu, cuc = check_inputs(q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_host, cuc_host)
-    need = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
+def check_scores_inputs(q_idx, k_idx, weights, ratio, bounds, max_entries):
+    """:func:`check_inputs` plus the ``max_entries`` rule of the dense scores; returns ``max_entries``."""
+    check_inputs(q_idx, k_idx, weights, ratio, bounds)
+    need = bounds.max_entries(ratio)
     max_entries = need if max_entries is None else max_entries
     if not isinstance(max_entries, int) or max_entries < need:
-        raise ValueError(
-            f"max_entries must be an int >= {need} (largest document's entries), got {max_entries!r}"
-        )
-    return cu, cuc, max_entries
+        what = "entry capacity T // ratio" if bounds.is_static else "largest document's entries"
+        raise ValueError(f"max_entries must be an int >= {need} ({what}), got {max_entries!r}")
+    return max_entries
 
 
 def check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices: bool = True) -> None:

@@ -30,6 +30,7 @@ from csa_kernels._chunking import map_row_chunks, rows_per_chunk
 from csa_kernels.ops.indexer.checks import check_inputs as _check_inputs
 from csa_kernels.ops.indexer.checks import check_scores_at_inputs as _check_scores_at_inputs
 from csa_kernels.ops.indexer.checks import check_scores_inputs as _check_scores_inputs
+from dsv4_primitives.varlen import SeqBoundaries
 
 
 def _chunk_scores(q, w, t_rel, k_doc, ratio):
@@ -53,38 +54,25 @@ def indexer_scores_ref(
     k_idx: torch.Tensor,
     weights: torch.Tensor,
     ratio: int,
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_c: torch.Tensor,
+    bounds: SeqBoundaries,
     max_entries: int | None = None,
     chunk_size: int | None = None,
-    *,
-    cu_seqlens_host: list[int] | None = None,
-    cu_seqlens_c_host: list[int] | None = None,
 ) -> torch.Tensor:
     """Dense index scores ``[T, max_entries]``: column ``j`` = LOCAL entry ``j`` of the row's own document (global
-    compressed row ``cu_seqlens_c[doc] + j``, the same slots as ``visible_compressed_indices``); ``-inf`` where
-    invisible or past the document's entries.
+    compressed row ``cu_seqlens_c[doc] + j`` of ``bounds.compressed(ratio)``, the same slots as
+    ``visible_compressed_indices``); ``-inf`` where invisible or past the document's entries.
 
     Args:
         q_idx: ``[T, HI, DI]`` indexer queries (RoPE applied). k_idx: ``[Tc, DI]`` indexer compressed keys.
         weights: ``[T, HI]`` per-head weights (scale included). ratio: compression ratio (4).
-        cu_seqlens, cu_seqlens_c: int32 ``[N+1]`` (``cu_seqlens_c`` = ``compressed_cu_seqlens(cu_seqlens, ratio)``).
-        max_entries: output width (default: the largest document's entry count; must not be smaller).
+        bounds: the documents of the ``T`` rows (host boundaries: no device -> host sync; static ones are read
+            back, one sync, and ``k_idx`` holds the entry capacity ``T // ratio``).
+        max_entries: output width (default ``bounds.max_entries(ratio)``: the largest document's entry count, or
+            the capacity; must not be smaller).
         chunk_size: query rows per chunk (default: automatic, see module docstring).
-        cu_seqlens_host, cu_seqlens_c_host: the caller's host copies of the two ``cu_seqlens`` (structure checked in
-            Python, not compared with the device tensors); with both the call does no device -> host sync.
     """
-    cu, cuc, max_entries = _check_scores_inputs(
-        q_idx,
-        k_idx,
-        weights,
-        ratio,
-        cu_seqlens,
-        cu_seqlens_c,
-        max_entries,
-        cu_seqlens_host,
-        cu_seqlens_c_host,
-    )
+    max_entries = _check_scores_inputs(q_idx, k_idx, weights, ratio, bounds, max_entries)
+    cu, cuc = _host_lists(bounds, ratio)
     dt = compute_dtype(q_idx, k_idx, weights)
     q, k, w = q_idx.to(dt), k_idx.to(dt), weights.to(dt)
     t_all = torch.arange(q.shape[0], device=q.device)
@@ -99,6 +87,12 @@ def indexer_scores_ref(
     if not parts:
         return q.new_zeros(0, max_entries) + 0 * (q.sum() + k.sum() + w.sum())
     return torch.cat(parts)
+
+
+def _host_lists(bounds: SeqBoundaries, ratio: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Host ``(cu_seqlens, cu_seqlens_c)`` of the document loops (static boundaries read back: one sync)."""
+    exact = bounds.exact()
+    return exact.host, exact.compressed(ratio).host
 
 
 def indexer_scores_at_ref(
@@ -177,13 +171,9 @@ def indexer_topk_ref(
     weights: torch.Tensor,
     ratio: int,
     topk: int,
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_c: torch.Tensor,
+    bounds: SeqBoundaries,
     chunk_size: int | None = None,
     tie_break: str = "lower_index",
-    *,
-    cu_seqlens_host: list[int] | None = None,
-    cu_seqlens_c_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked scores + top-k (module docstring).
 
@@ -192,17 +182,16 @@ def indexer_topk_ref(
     masked row (all its entries, ``-inf`` where invisible), whose tie order on CPU depends on the whole row; use it
     only for parity with logits HF computed on CPU (spec §4.2 rule 1).
 
-    ``cu_seqlens_host`` / ``cu_seqlens_c_host``: the caller's host copies of the two ``cu_seqlens`` (no device ->
-    host sync for the validation and the document loop when given).
+    ``bounds``: the documents of the ``T`` rows (host boundaries: no device -> host sync for the validation and the
+    document loop; static ones are read back, one sync, and ``k_idx`` holds the entry capacity ``T // ratio``).
 
     Returns:
         ``indices [T, topk]`` int32 global rows of the compressed buffer (``k_idx`` / ``entries``), descending
         score, ties toward the lower entry, ``-1`` in the trailing slots when fewer than ``topk`` are visible;
         ``scores [T, topk]`` (compute dtype, ``-inf`` at ``-1``), differentiable in ``q_idx``, ``k_idx``, ``weights``.
     """
-    cu, cuc = _check_inputs(
-        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_seqlens_host, cu_seqlens_c_host
-    )
+    _check_inputs(q_idx, k_idx, weights, ratio, bounds)
+    cu, cuc = _host_lists(bounds, ratio)
     check_topk(topk)
     if tie_break not in TIE_BREAKS:
         raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")

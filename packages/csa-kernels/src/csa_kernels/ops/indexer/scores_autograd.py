@@ -13,44 +13,35 @@ import torch
 from csa_kernels.ops.indexer.checks import check_scores_inputs
 from csa_kernels.ops.indexer.reference import indexer_scores_ref
 from csa_kernels.ops.indexer.triton import indexer_scores_triton
+from dsv4_primitives.varlen import SeqBoundaries
 
 
 class IndexerScoresTritonFunction(torch.autograd.Function):
     """scores = indexer_scores(q_idx, k_idx, weights): fused forward, reference-recomputed backward."""
 
     @staticmethod
-    def forward(
-        ctx, q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu, cuc, max_entries, chunk_size
-    ):
-        ctx.save_for_backward(q_idx, k_idx, weights, cu_seqlens, cu_seqlens_c)
-        ctx.args = (ratio, max_entries, chunk_size, cu, cuc)
+    def forward(ctx, q_idx, k_idx, weights, ratio, bounds, max_entries, chunk_size):
+        ctx.save_for_backward(q_idx, k_idx, weights)
+        ctx.args = (ratio, bounds, max_entries, chunk_size)
+        cu, cuc = list(bounds.host), list(bounds.compressed(ratio).host)
         return indexer_scores_triton(q_idx, k_idx, weights, ratio, cu, cuc, max_entries)
 
     @staticmethod
     def backward(ctx, grad):
-        q_idx, k_idx, weights, cu_seqlens, cu_seqlens_c = ctx.saved_tensors
-        ratio, max_entries, chunk_size, cu, cuc = ctx.args
+        q_idx, k_idx, weights = ctx.saved_tensors
+        ratio, bounds, max_entries, chunk_size = ctx.args
         leaves = [
             x.detach().requires_grad_(need) for x, need in zip((q_idx, k_idx, weights), ctx.needs_input_grad)
         ]
         with torch.enable_grad():
-            out = indexer_scores_ref(
-                *leaves,
-                ratio,
-                cu_seqlens,
-                cu_seqlens_c,
-                max_entries,
-                chunk_size,
-                cu_seqlens_host=cu,
-                cu_seqlens_c_host=cuc,
-            )
+            out = indexer_scores_ref(*leaves, ratio, bounds, max_entries, chunk_size)
             live = [x for x in leaves if x.requires_grad]
             grads = iter(
                 torch.autograd.grad(out, live, grad.to(out.dtype), allow_unused=True) if live else ()
             )
         res = [next(grads) if x.requires_grad else None for x in leaves]
         res = [None if g is None else g.to(x.dtype) for g, x in zip(res, (q_idx, k_idx, weights))]
-        return (*res, None, None, None, None, None, None, None)
+        return (*res, None, None, None, None)
 
 
 def indexer_scores_triton_checked(
@@ -58,27 +49,11 @@ def indexer_scores_triton_checked(
     k_idx: torch.Tensor,
     weights: torch.Tensor,
     ratio: int,
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_c: torch.Tensor,
+    bounds: SeqBoundaries,
     max_entries: int | None = None,
     chunk_size: int | None = None,
-    *,
-    cu_seqlens_host: list[int] | None = None,
-    cu_seqlens_c_host: list[int] | None = None,
 ) -> torch.Tensor:
-    """Public-contract form (validation and ``max_entries`` rule of :func:`indexer_scores_ref`); fp32 output. With
-    both host lists neither the forward nor the backward does a device -> host sync."""
-    cu, cuc, max_entries = check_scores_inputs(
-        q_idx,
-        k_idx,
-        weights,
-        ratio,
-        cu_seqlens,
-        cu_seqlens_c,
-        max_entries,
-        cu_seqlens_host,
-        cu_seqlens_c_host,
-    )
-    return IndexerScoresTritonFunction.apply(
-        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu, cuc, max_entries, chunk_size
-    )
+    """Public-contract form over HOST boundaries (validation and ``max_entries`` rule of
+    :func:`indexer_scores_ref`); fp32 output. Neither the forward nor the backward does a device -> host sync."""
+    max_entries = check_scores_inputs(q_idx, k_idx, weights, ratio, bounds, max_entries)
+    return IndexerScoresTritonFunction.apply(q_idx, k_idx, weights, ratio, bounds, max_entries, chunk_size)

@@ -17,12 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from csa_kernels._checks import check_topk
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
-from csa_kernels.ops.indexer.checks import check_inputs
-from csa_kernels.ops.indexer.scores_at_autograd import attach_scores_at_grad
 from csa_kernels.ops.indexer.topk_streaming import TILE_ELEMENTS, default_entry_tile, stream_chunk_topk
-from dsv4_primitives.varlen import upload_host_ints
+from dsv4_primitives.varlen import SeqBoundaries, upload_host_ints
 
 
 @triton.jit
@@ -130,7 +127,7 @@ def _prepare_scores(q_idx, k_idx, weights, cu: list[int], cuc: list[int]):
 
 
 def _prepare_inputs(q_idx, k_idx, weights):
-    """Contiguous inputs and the launch config of the score kernel (shared with the static-bounds form)."""
+    """Contiguous inputs and the launch config of the score kernel (shared with the device-planned form)."""
     q_idx = q_idx if q_idx.stride(-1) == 1 else q_idx.contiguous()
     return q_idx, k_idx.contiguous(), weights.contiguous(), _config(q_idx.shape[2], q_idx.dtype)
 
@@ -178,28 +175,23 @@ def indexer_topk_triton(
     weights: torch.Tensor,  # [T, HI]
     ratio: int,
     topk: int,
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_c: torch.Tensor,
+    bounds: SeqBoundaries,
     chunk_size: int | None = None,
     *,
-    cu_host: list[int] | None = None,
-    cuc_host: list[int] | None = None,
     entry_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused scores + streaming top-k: ``(indices [T, topk] int32 global compressed rows, -1 padded; scores
-    [T, topk] fp32)``; :mod:`.topk_streaming` (``[T, C]`` is never formed, memory ``O(T * topk)``).
+    """Fused scores + streaming top-k over HOST boundaries (the launches planned from ``bounds``' host copy):
+    ``(indices [T, topk] int32 global compressed rows, -1 padded; scores [T, topk] fp32)``; :mod:`.topk_streaming`
+    (``[T, C]`` is never formed, memory ``O(T * topk)``). Static boundaries: :mod:`.device_plan`.
 
     Scores are not differentiable here (the caller re-attaches a gradient path, see the public ``indexer_topk``).
     ``chunk_size`` bounds the rows of one chunk (default: as many rows as keep one score tile plus the running top-k
     at ``TILE_ELEMENTS`` fp32); ``entry_tile`` the entries of one tile (default
     ``topk_streaming.default_entry_tile(topk)``).
-    ``cu_host`` / ``cuc_host``: validated host lists of the two ``cu_seqlens`` (read back from the device, one
-    sync each, when not given).
     """
     check_triton_device(q_idx, k_idx, weights)
     T = q_idx.shape[0]
-    cu = cu_host if cu_host is not None else [int(v) for v in cu_seqlens.tolist()]
-    cuc = cuc_host if cuc_host is not None else [int(v) for v in cu_seqlens_c.tolist()]
+    cu, cuc = list(bounds.host), list(bounds.compressed(ratio).host)
     indices = torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
     values = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=q_idx.device)
     c_max = max((cuc[i + 1] - cuc[i] for i in range(len(cuc) - 1)), default=0)
@@ -239,44 +231,6 @@ def indexer_topk_triton(
                 values[r0:r1, :k] = vals
         i = j
     return indices, values
-
-
-def indexer_topk_checked(
-    q_idx,
-    k_idx,
-    weights,
-    ratio,
-    topk,
-    cu_seqlens,
-    cu_seqlens_c,
-    chunk_size=None,
-    *,
-    cu_seqlens_host=None,
-    cu_seqlens_c_host=None,
-    deterministic=None,
-):
-    """Public-contract form of :func:`indexer_topk_triton`: validates like the reference and, when any input
-    requires grad, attaches the gradient of the scores at the selected entries (forward value unchanged, no
-    recomputation: :func:`csa_kernels.ops.indexer.scores_at_autograd.attach_scores_at_grad`). With both host lists
-    the call (and its backward) does no device -> host sync."""
-    cu, cuc = check_inputs(
-        q_idx, k_idx, weights, ratio, cu_seqlens, cu_seqlens_c, cu_seqlens_host, cu_seqlens_c_host
-    )
-    check_topk(topk)
-    idx, vals = indexer_topk_triton(
-        q_idx.detach(),
-        k_idx.detach(),
-        weights.detach(),
-        ratio,
-        topk,
-        cu_seqlens,
-        cu_seqlens_c,
-        chunk_size,
-        cu_host=cu,
-        cuc_host=cuc,
-    )
-    # forward value = the selection pass's scores; backward = the fused kernel at the selected entries
-    return idx, attach_scores_at_grad(vals, q_idx, k_idx, weights, idx, deterministic)
 
 
 def indexer_scores_triton(

@@ -14,36 +14,33 @@ Index tensors hold GLOBAL packed row ids (int32), ``-1`` = empty slot:
   visible ``j``, ``-1`` after (dense mode / HCA);
 * ``attention_indices``: ``[window | compressed + T]`` rows into ``kv_all = cat([kv [T, D], entries [Tc, D]])``.
 
+Every builder takes the documents as one :class:`~dsv4_primitives.varlen.SeqBoundaries` and computes on the device
+from it (no device -> host sync, host or static boundaries alike: capturable in a CUDA graph); the result is
+memoised on the boundaries (every layer of a step shares it). Static boundaries give capacity widths
+(``visible_compressed_indices``: ``T // ratio`` columns, ``-1`` past each row's visible entries).
+
 Complexity: O(T * (W + max_entries)) int32 output, no other intermediate of that size except the output itself.
 """
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from csa_kernels._checks import check_cu_seqlens, check_ratio
-from dsv4_primitives.varlen import compressed_cu_seqlens_host, document_ids, upload_host_ints
+from csa_kernels._checks import check_bounds, check_ratio
+from dsv4_primitives.varlen import SeqBoundaries, document_ids
 
 
-def window_indices(
-    cu_seqlens: torch.Tensor, window: int, *, cu_seqlens_host: list[int] | None = None
-) -> torch.Tensor:
-    """``[T, W]`` int32 global rows ``t - W + 1 .. t`` of the query's document, ``-1`` before the document start.
-
-    ``cu_seqlens_host``: the caller's host copy of ``cu_seqlens``; with it the call does no device -> host sync.
-    """
+def window_indices(bounds: SeqBoundaries, window: int) -> torch.Tensor:
+    """``[T, W]`` int32 global rows ``t - W + 1 .. t`` of the query's document, ``-1`` before the document start."""
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
-    cu_l = check_cu_seqlens(cu_seqlens, host=cu_seqlens_host)
-    cu = cu_seqlens.to(torch.int64)
-    return window_rows(cu, document_ids(cu, cu_l[-1]), window)
+    check_bounds(bounds)
+    return bounds.derived(("window_indices", window), lambda: _window_rows(bounds, window))
 
 
-def window_rows(cu: torch.Tensor, doc: torch.Tensor, window: int) -> torch.Tensor:
-    """The math of :func:`window_indices` from int64 ``cu [N+1]`` and the rows' documents ``doc [T]`` (device
-    only; shared by the host-bounds and the static-bounds forms)."""
+def _window_rows(bounds: SeqBoundaries, window: int) -> torch.Tensor:
+    """The math of :func:`window_indices` (device only)."""
+    cu, doc = bounds.cu64, bounds.document_ids()  # [N+1], [T]
     t = torch.arange(doc.numel(), device=cu.device)
     rows = t[:, None] - window + 1 + torch.arange(window, device=cu.device)  # [T, W]
     rows = torch.where(rows >= cu[doc][:, None], rows, -1)
@@ -51,44 +48,29 @@ def window_rows(cu: torch.Tensor, doc: torch.Tensor, window: int) -> torch.Tenso
 
 
 def visible_compressed_indices(
-    cu_seqlens: torch.Tensor,
-    cu_seqlens_c: torch.Tensor,
-    ratio: int,
-    max_entries: int | None = None,
-    *,
-    cu_seqlens_host: list[int] | None = None,
-    cu_seqlens_c_host: list[int] | None = None,
+    bounds: SeqBoundaries, ratio: int, max_entries: int | None = None
 ) -> torch.Tensor:
-    """``[T, max_entries]`` int32: every visible entry ``w < floor((t_rel + 1) / ratio)`` as a global compressed row.
+    """``[T, max_entries]`` int32: every visible entry ``w < floor((t_rel + 1) / ratio)`` as a global compressed row
+    (rows of ``bounds.compressed(ratio)``), ``-1`` after.
 
-    ``max_entries`` defaults to the largest document's entry count; a smaller value that would drop visible
-    entries raises ValueError. ``cu_seqlens_host`` / ``cu_seqlens_c_host``: the caller's host copies (validated
-    against each other in Python); with both the call does no device -> host sync.
+    ``max_entries`` defaults to ``bounds.max_entries(ratio)`` (the largest document's entry count; static
+    boundaries: the capacity ``T // ratio``); a smaller value, which could drop visible entries, raises ValueError.
     """
     check_ratio(ratio)
-    cu_l = check_cu_seqlens(cu_seqlens, host=cu_seqlens_host)
-    cuc_l = check_cu_seqlens(cu_seqlens_c, "cu_seqlens_c", host=cu_seqlens_c_host)
-    expected = compressed_cu_seqlens_host(cu_l, ratio)
-    if cuc_l != expected:
-        raise ValueError(
-            f"cu_seqlens_c = {cuc_l} does not match floor(len / ratio) per document ({expected})"
-        )
-    need = max((b - a for a, b in itertools.pairwise(cuc_l)), default=0)
+    need = check_bounds(bounds).max_entries(ratio)
     if max_entries is None:
         max_entries = need
     if not isinstance(max_entries, int) or max_entries < need:
-        raise ValueError(
-            f"max_entries must be an int >= the largest document's entry count {need}, got {max_entries!r}"
-        )
-    cu = cu_seqlens.to(torch.int64)
-    return visible_rows(cu, cu_seqlens_c, document_ids(cu, cu_l[-1]), ratio, max_entries)
+        what = "the entry capacity T // ratio" if bounds.is_static else "the largest document's entry count"
+        raise ValueError(f"max_entries must be an int >= {what} {need}, got {max_entries!r}")
+    return bounds.derived(
+        ("visible_compressed_indices", ratio, max_entries), lambda: _visible_rows(bounds, ratio, max_entries)
+    )
 
 
-def visible_rows(
-    cu: torch.Tensor, cu_c: torch.Tensor, doc: torch.Tensor, ratio: int, max_entries: int
-) -> torch.Tensor:
-    """The math of :func:`visible_compressed_indices` from int64 ``cu [N+1]``, ``cu_c [N+1]`` and the rows'
-    documents ``doc [T]`` (device only; shared by the host-bounds and the static-bounds forms)."""
+def _visible_rows(bounds: SeqBoundaries, ratio: int, max_entries: int) -> torch.Tensor:
+    """The math of :func:`visible_compressed_indices` (device only)."""
+    cu, cu_c, doc = bounds.cu64, bounds.compressed(ratio).cu_seqlens, bounds.document_ids()
     t_rel = torch.arange(doc.numel(), device=cu.device) - cu[doc]
     n_vis = (t_rel + 1) // ratio  # [T]
     j = torch.arange(max_entries, device=cu.device)
@@ -118,17 +100,16 @@ def attention_indices(window_idx: torch.Tensor, comp_idx: torch.Tensor, offset: 
     return torch.cat((w, c), -1)
 
 
-def csa_dense_mask(
-    cu_seqlens: torch.Tensor, cu_seqlens_c: torch.Tensor, ratio: int, window: int
-) -> torch.Tensor:
+def csa_dense_mask(bounds: SeqBoundaries, ratio: int, window: int) -> torch.Tensor:
     """``[T, T + Tc]`` bool: the dense-mode candidate set (window rows, then visible compressed rows), built
     directly from the rules (independent of the index builders; oracle A1 / M1 / M3)."""
-    cu = cu_seqlens.to(torch.int64)
-    cuc = cu_seqlens_c.to(torch.int64)
-    doc_q = document_ids(cu)  # [T]
+    bounds_c = check_bounds(bounds).compressed(ratio)
+    cu = bounds.cu_seqlens.to(torch.int64)
+    cuc = bounds_c.cu_seqlens.to(torch.int64)
+    doc_q = document_ids(cu, bounds.total)  # [T]
     t = torch.arange(doc_q.numel(), device=cu.device)
     win = (doc_q[:, None] == doc_q[None, :]) & (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
-    doc_c = document_ids(cuc)  # [Tc]
+    doc_c = document_ids(cuc, bounds_c.total)  # [Tc]
     w_rel = torch.arange(doc_c.numel(), device=cu.device) - cuc[doc_c]  # [Tc]
     t_rel = t - cu[doc_q]
     comp = (doc_q[:, None] == doc_c[None, :]) & ((w_rel[None, :] + 1) * ratio <= t_rel[:, None] + 1)
@@ -148,8 +129,7 @@ def window_indices_sbhd(seq_len: int, window: int, device=None) -> torch.Tensor:
     """SBHD form: ``[S, W]`` int32 LOCAL rows ``t - W + 1 .. t`` (``-1`` below 0), the same for every sequence."""
     if not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
-    cu = upload_host_ints([0, seq_len], device)
-    return window_indices(cu, window, cu_seqlens_host=[0, seq_len])
+    return window_indices(SeqBoundaries.from_host([0, seq_len], device), window)
 
 
 def visible_compressed_indices_sbhd(seq_len: int, ratio: int, device=None) -> torch.Tensor:
@@ -157,11 +137,4 @@ def visible_compressed_indices_sbhd(seq_len: int, ratio: int, device=None) -> to
     if not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
     check_ratio(ratio)
-    cu_l, cuc_l = [0, seq_len], [0, seq_len // ratio]
-    return visible_compressed_indices(
-        upload_host_ints(cu_l, device),
-        upload_host_ints(cuc_l, device),
-        ratio,
-        cu_seqlens_host=cu_l,
-        cu_seqlens_c_host=cuc_l,
-    )
+    return visible_compressed_indices(SeqBoundaries.from_host([0, seq_len], device), ratio)
