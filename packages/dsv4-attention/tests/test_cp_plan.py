@@ -8,6 +8,7 @@ its extended rows alone equal CP=1's compressor output rows exactly (the zero-ro
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 import weakref
@@ -23,6 +24,7 @@ from dsv4_attention import Compressor, CompressorConfig, LayerKind, rope_config_
 from dsv4_attention._kernels import visible_compressed_indices, window_indices
 from dsv4_attention.cp import ContextParallelLayout, halo_rows, owned_before
 from dsv4_attention.cp.compressed import owned_entries
+from dsv4_testkit import assert_close_to_ref
 
 
 def _random_pack(rng: random.Random, p: int, scale: int):
@@ -87,7 +89,9 @@ def _entry_last_rows(glob, ratio):
 
 @pytest.mark.parametrize("kind", [LayerKind.CSA, LayerKind.HCA])
 def test_owned_entries_equal_cp1_compressor(kind):
-    """Each simulated rank pools its owned entries from its extended rows only: CP=1's rows, bit for bit."""
+    """Each simulated rank pools its owned entries from its extended rows only: CP=1's entries, within the
+    tolerance rule against an fp64 CP=1 run (not bitwise: the projections of fewer rows may take another BLAS
+    blocking, which rounds differently on some CPUs; measured 4.5e-8 on an AMD EPYC)."""
     torch.manual_seed(0)
     d, c = 16, 8
     comp = Compressor(CompressorConfig(kind, d, c), rope_config_for_kind(kind, 4))
@@ -103,6 +107,9 @@ def test_owned_entries_equal_cp1_compressor(kind):
         glob = pack_layout(lengths, padded, total)
         x = torch.randn(total, d)
         ref, _ = comp(x, glob.bounds, backend="reference", max_position=glob.max_rope_position)
+        ref64, _ = copy.deepcopy(comp).double()(
+            x.double(), glob.bounds, backend="reference", max_position=glob.max_rope_position
+        )
         for p in (2, 4):
             parts = []
             for r in range(p):
@@ -112,7 +119,7 @@ def test_owned_entries_equal_cp1_compressor(kind):
                 own = owned_entries(comp, x_ext, plan, glob.max_rope_position, "reference")
                 parts.append(own)
             gathered = torch.cat(parts)[plan.gather_rows]
-            torch.testing.assert_close(gathered, ref, rtol=0, atol=0)
+            assert_close_to_ref(f"{kind.name} p={p} owned entries", gathered, ref64, ref_same_dtype=ref)
 
 
 def test_cp_refusals():
