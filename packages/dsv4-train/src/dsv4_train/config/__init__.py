@@ -1,21 +1,23 @@
 """The ``dsv4 train`` configuration: :class:`TrainConfig`, a tree of frozen sections (see
 :mod:`dsv4_train.config.train_config`)."""
 
-from dsv4_train.config.sections import (
+from dsv4_train.config.run_sections import (
     DIST_BACKENDS,
     DISTOPT_FORMATS,
-    OPTIMIZER_IMPLS,
     CheckpointSection,
-    DataSection,
     EvalSection,
     GraphsSection,
     LoggingSection,
-    LossSection,
     MemorySection,
-    ModelSection,
-    OptimizerSection,
     ParallelSection,
     PrecisionSection,
+)
+from dsv4_train.config.sections import (
+    OPTIMIZER_IMPLS,
+    DataSection,
+    LossSection,
+    ModelSection,
+    OptimizerSection,
     ScheduleSection,
 )
 from dsv4_train.config.train_config import (

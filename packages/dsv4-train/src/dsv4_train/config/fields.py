@@ -169,3 +169,13 @@ def parse_resume_mode(text: str) -> str:
     if text == "auto":
         return "auto"
     raise argparse.ArgumentTypeError("the only value --resume takes is 'auto'")
+
+
+def store_tuples(section: Any, *names: str) -> None:
+    """Store list fields as tuples (a frozen section holds no mutable lists); a single string is one item."""
+    for name in names:
+        value = getattr(section, name)
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            object.__setattr__(section, name, tuple(value))

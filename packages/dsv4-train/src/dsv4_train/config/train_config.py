@@ -21,18 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_train.config.fields import flag_of, has_type, type_name
-from dsv4_train.config.sections import (
+from dsv4_train.config.run_sections import (
     CheckpointSection,
-    DataSection,
     EvalSection,
     GraphsSection,
     LoggingSection,
-    LossSection,
     MemorySection,
-    ModelSection,
-    OptimizerSection,
     ParallelSection,
     PrecisionSection,
+)
+from dsv4_train.config.sections import (
+    DataSection,
+    LossSection,
+    ModelSection,
+    OptimizerSection,
     ScheduleSection,
 )
 from dsv4_train.mock_data import check_mock_data, is_mock
