@@ -205,3 +205,25 @@ def test_cli_run_directory_exit_codes_and_output(tmp_path, capsys):
     assert f"resuming {run2 / 'checkpoints' / saved} at step {step}" in resumed.stdout
     rows = [json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
+
+
+def test_an_exploding_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
+    """A diverging run whose numbers stay finite (``--lr 1e4``): each step whose LM loss is over
+    ``--max-loss-growth`` x the lowest so far is skipped like a non-finite one, ``--max-nonfinite-steps`` of them in a
+    row stop the run (exit 1), and no checkpoint holds the exploded weights."""
+    from dsv4_train.cli import main
+    from dsv4_train.config import TrainConfig
+
+    out = tmp_path / "run"
+    argv = ["train", "--steps", "6", "--seq-len", "64", "--global-batch-size", "2", "--micro-batch-size", "2"]
+    argv += ["--lr", "1e4", "--warmup-steps", "0", "--save-interval", "1", "--max-nonfinite-steps", "2"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "is over --max-loss-growth 10 x the run's lowest" in captured.out
+    assert "the run diverged" in captured.err
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["exploded"] for r in rows] == [False, True, True]
+    saved = sorted(p.name for p in (out / "checkpoints").glob("iter_*"))
+    assert saved == ["iter_0000001"]  # the step before the explosion; never an exploded one
+    with pytest.raises(ValueError, match="--max-loss-growth must be 0 \\(off\\) or > 1"):
+        TrainConfig.from_flat(max_loss_growth=0.5)

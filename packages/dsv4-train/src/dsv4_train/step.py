@@ -94,6 +94,9 @@ class StepRunner:
             world,
         )
         self.graphed = None  # GraphedForwardBackward once the first --cuda-graph step runs
+        self.lowest_lm_loss: float | None = (
+            None  # the lowest finite LM loss of this process (loss explosions)
+        )
         # --cuda-graph with DP > 1: the DP gradient reduction runs eagerly after the (captured) schedule
         self.grad_reduction = None
         if tc.graphs.cuda_graph and data_parallel_size(ps) > 1:
@@ -218,6 +221,8 @@ class StepRunner:
             reports, batch.num_microbatches, nonfinite_grads=not grads_finite_local(self.model)
         )
         finite = nonfinite_ranks == 0 and all(math.isfinite(v) for v in losses.values())
+        exploded = finite and self.loss_exploded(losses.get("lm_loss"))
+        finite = finite and not exploded
         ok, grad_norm = False, None
         if finite:
             with cuda_as_cpu():
@@ -233,11 +238,25 @@ class StepRunner:
         if self.model_config.num_nextn_predict_layers:
             m["mtp_weight"] = self.core.step_state.mtp_loss_weight
         m.update(losses)
-        m["nonfinite"] = not finite or (grad_norm is not None and not math.isfinite(m["grad_norm"]))
+        m["nonfinite"] = not (finite or exploded) or (
+            grad_norm is not None and not math.isfinite(m["grad_norm"])
+        )
+        m["exploded"] = exploded
         m["skipped"] = not ok
         if self.graphed is not None:
             m["cuda_graph_replayed"] = self.graphed.captured
         return m
+
+    def loss_exploded(self, lm_loss: float | None) -> bool:
+        """Whether ``lm_loss`` (finite, the same on every rank) is more than ``--max-loss-growth`` times the lowest
+        LM loss of this process so far (a diverging run with finite numbers); records the lowest otherwise."""
+        growth = self.tc.schedule.max_loss_growth
+        if lm_loss is None:
+            return False
+        if growth and self.lowest_lm_loss is not None and lm_loss > growth * max(self.lowest_lm_loss, 1e-6):
+            return True
+        self.lowest_lm_loss = lm_loss if self.lowest_lm_loss is None else min(self.lowest_lm_loss, lm_loss)
+        return False
 
     def reduced_losses(
         self, reports: list[dict], num_microbatches: int, *, nonfinite_grads: bool = False

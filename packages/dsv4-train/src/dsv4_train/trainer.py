@@ -281,16 +281,23 @@ class Trainer:
             )
 
     def _count_nonfinite(self, m: dict, outputs) -> None:
-        """Count a skipped non-finite step; :class:`TrainingDiverged` after ``max_nonfinite_steps`` in a row."""
-        if not m["nonfinite"]:
+        """Count a skipped non-finite (or exploded: ``--max-loss-growth``) step; :class:`TrainingDiverged` after
+        ``max_nonfinite_steps`` in a row."""
+        if not (m["nonfinite"] or m["exploded"]):
             self._nonfinite_run = []
             return
         self.nonfinite_steps += 1
         self._nonfinite_run.append(m["step"])
         limit = self.tc.schedule.max_nonfinite_steps
         losses = ", ".join(f"{k} {m[k]}" for k in ("lm_loss", "mtp_loss") if k in m)
+        what = (
+            f"LM loss {m['lm_loss']:.4g} is over --max-loss-growth {self.tc.schedule.max_loss_growth:g} x the run's "
+            f"lowest {self.stepper.lowest_lm_loss:.4g}"
+            if m["exploded"]
+            else f"non-finite loss or gradient ({losses}, grad_norm {m['grad_norm']})"
+        )
         outputs.note(
-            f"step {m['step']}: non-finite loss or gradient ({losses}, grad_norm {m['grad_norm']}); update "
+            f"step {m['step']}: {what}; update "
             f"{'skipped' if m['skipped'] else 'applied (gradient norm overflow)'} ({len(self._nonfinite_run)} in a row, "
             f"--max-nonfinite-steps {limit})"
         )
@@ -303,7 +310,7 @@ class Trainer:
             )
             raise TrainingDiverged(
                 f"the run diverged: steps {self._nonfinite_run[0]}-{self._nonfinite_run[-1]} ({limit} in a row, "
-                f"--max-nonfinite-steps) had a non-finite loss or gradient at lr {m['lr']:.3g}; nothing was saved "
+                f"--max-nonfinite-steps) had a non-finite or exploding loss or gradient at lr {m['lr']:.3g}; nothing was saved "
                 f"({kept}). Start again with a lower --lr or a longer --warmup-steps (--init-from a checkpoint keeps "
                 "its weights)"
             )
@@ -348,13 +355,22 @@ class Trainer:
                     self.eval_metrics.append(self.evaluator(self.step))
                     outputs.log_eval(self.eval_metrics[-1])
                 if tc.checkpoint.save_interval and self.step % tc.checkpoint.save_interval == 0:
-                    self.save_checkpoint()
+                    if m["exploded"]:  # never the weights that made the loss explode
+                        outputs.note(f"step {self.step}: not saved (its loss exploded: --max-loss-growth)")
+                    else:
+                        self.save_checkpoint()
                 if self._stop:
                     name = signal.Signals(self.interrupted_by).name if self.interrupted_by else "signal"
                     outputs.note(f"{name} received: saving a checkpoint at step {self.step} and stopping")
                     self.save_checkpoint()
                     break
             else:  # a finished run leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
+                if self.metrics and self.metrics[-1]["exploded"]:
+                    raise TrainingDiverged(
+                        f"the run ended with an exploding loss (steps {self._nonfinite_run[0]}-"
+                        f"{self._nonfinite_run[-1]} over --max-loss-growth); its weights are not saved. Start again "
+                        "with a lower --lr or a longer --warmup-steps"
+                    )
                 if tc.checkpoint.save_final:
                     self.save_checkpoint()
         finally:

@@ -115,9 +115,20 @@ class ScheduleSection:
         ),
     )
 
+    max_loss_growth: float = field(
+        default=10.0,
+        metadata=option(
+            "a step whose LM loss is more than this many times the lowest LM loss of the run so far is treated like "
+            "a non-finite step: no update, counted towards --max-nonfinite-steps; 0 = off"
+        ),
+    )
+
     def __post_init__(self) -> None:
         check_types(self)
         at_least(self, 1, "steps", "max_nonfinite_steps")
+        at_least(self, 0, "max_loss_growth")
+        if 0 < self.max_loss_growth <= 1:
+            raise ValueError(f"--max-loss-growth must be 0 (off) or > 1, got {self.max_loss_growth}")
         at_least(self, 0, "dense_steps", "seed")
 
 
