@@ -94,3 +94,20 @@ def test_loss_trend_needs_four_finite_losses():
     assert loss_trend(rows(6.0, 5.0, 4.0, 3.0)) == "falling"
     assert loss_trend(rows(3.0, 4.0, 5.0, 6.0)) == "NOT falling"
     assert loss_trend(rows(6.0, float("nan"), 5.0, 4.0)) == "too few steps to tell"
+
+
+def test_resume_compares_resolved_paths(tmp_path, monkeypatch):
+    """The same file named relative or absolute is the same source (a requeued job may start elsewhere), also
+    against an older run config that kept the relative spelling."""
+    from dsv4_train.checkpoint import resume_conflicts
+
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    monkeypatch.chdir(tmp_path)
+    relative = effective_config(TrainConfig.from_flat(data=["a.jsonl"]), cuda_available=False)
+    absolute = effective_config(TrainConfig.from_flat(data=[str(tmp_path / "a.jsonl")]), cuda_available=False)
+    assert relative == absolute and relative.data.sources == (str((tmp_path / "a.jsonl").resolve()),)
+    old_flat = {"data": ["a.jsonl"], "seq_len": 256}
+    assert resume_conflicts(absolute, old_flat, {}) == []
+    (tmp_path / "b.jsonl").write_text('{"text": "y"}\n')
+    other = effective_config(TrainConfig.from_flat(data=["b.jsonl"]), cuda_available=False)
+    assert len(resume_conflicts(other, relative.to_dict(), {})) == 1

@@ -191,13 +191,19 @@ def flag_name(name: str) -> str:
 
 def flat_settings(saved: dict[str, Any]) -> dict[str, Any]:
     """Flat field names of a saved config as a run directory holds it (nested by section, or flat as older
-    versions wrote it), unvalidated: what the resume checks compare."""
+    versions wrote it), unvalidated, its data and tokenizer paths absolute as :func:`effective_config` makes them
+    (older run configs hold them as given): what the resume checks compare."""
     flat: dict[str, Any] = {}
     for key, value in saved.items():
         if key in SECTION_TYPES and isinstance(value, dict):
             flat.update(value)
         else:
             flat[LEGACY_KEYS.get(key, key)] = value
+    for name in ("sources", "eval_data"):
+        if isinstance(flat.get(name), list):
+            flat[name] = [_resolved(s) if isinstance(s, str) else s for s in flat[name]]
+    if isinstance(flat.get("tokenizer"), str):
+        flat["tokenizer"] = _resolved(flat["tokenizer"])
     return flat
 
 
@@ -232,11 +238,23 @@ def flatten(data: dict[str, Any], *, where: str) -> dict[str, Any]:
     return out
 
 
+def _resolved(path: str) -> str:
+    """``path`` made absolute when it names an existing file or directory (mock specs and missing paths as given):
+    a run resumed from another working directory names the same sources."""
+    p = Path(path)
+    return str(p.resolve()) if not is_mock(path) and p.exists() else path
+
+
 def effective_config(tc: TrainConfig, *, cuda_available: bool) -> TrainConfig:
-    """``tc`` with the values left to the machine resolved: ``precision.bf16`` (on with CUDA) and
-    ``parallel.dist_backend`` (NCCL on CUDA, gloo on CPU; NCCL without CUDA is refused). The run prints, saves and
-    trains with this config."""
-    changes: dict[str, Any] = {}
+    """``tc`` with the values left to the machine resolved: ``precision.bf16`` (on with CUDA),
+    ``parallel.dist_backend`` (NCCL on CUDA, gloo on CPU; NCCL without CUDA is refused) and the data, evaluation
+    and tokenizer paths made absolute. The run prints, saves and trains with this config."""
+    changes: dict[str, Any] = {
+        "sources": [_resolved(s) for s in tc.data.sources],
+        "eval_data": [_resolved(s) for s in tc.eval.eval_data],
+    }
+    if tc.data.tokenizer is not None:
+        changes["tokenizer"] = _resolved(tc.data.tokenizer)
     if tc.precision.bf16 is None:
         changes["bf16"] = cuda_available
     backend = tc.parallel.dist_backend
@@ -246,4 +264,4 @@ def effective_config(tc: TrainConfig, *, cuda_available: bool) -> TrainConfig:
         raise ValueError(
             "--dist-backend nccl needs CUDA devices (none is visible); use --dist-backend gloo on CPU"
         )
-    return tc.replace(**changes) if changes else tc
+    return tc.replace(**changes)
