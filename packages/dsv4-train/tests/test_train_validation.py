@@ -34,6 +34,7 @@ from dsv4_train.rundir import check_writable, clear_run, decide_resume
             r"--pp 2 --vpp 8 with --preset tiny: pipeline_stages must be in \[1, 6\]",
         ),
         (["--cuda-graph-warmup-steps", "3"], "only applies with --cuda-graph"),
+        (["--ep", "2"], r"world size 1 is not divisible by ep=2 x tp=1 x pp=1"),
         (["--packed", "--micro-batch-size", "2"], "--micro-batch-size only applies to"),
         (["--resume", "--overwrite"], "contradict"),
         (["--resume", "--init-from", "runs/x"], "--init-from"),

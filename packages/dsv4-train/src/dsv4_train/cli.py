@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from dsv4_train.config import TrainConfig
 from dsv4_train.convert_cli import add_convert_parser, run_convert
@@ -83,7 +84,14 @@ def _cmd_train(args) -> int:
     if args.print_config:
         print(json.dumps(check_run(tc).to_dict(), indent=1))
         return 0
-    trainer = Trainer(tc)
+    tc = check_run(tc)  # refused before --out is created
+    out, existed = Path(tc.checkpoint.out), Path(tc.checkpoint.out).exists()
+    try:
+        trainer = Trainer(tc)
+    except BaseException:  # a run that failed to start leaves no empty --out behind
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
     try:
         metrics = trainer.run()
     except TrainingDiverged as e:

@@ -45,17 +45,34 @@ def machine_for(tc: TrainConfig) -> Machine:
     return Machine(dp=max(1, world // (p.tp * p.pp * p.cp)), cuda=torch.cuda.is_available())
 
 
+def check_world(tc: TrainConfig, world: int) -> None:
+    """``ValueError`` when ``world`` processes cannot hold the layout of ``tc``: DP = world / (tp·pp·cp) ranks,
+    and the experts of a stage split over ``ep`` ranks (megatron: world divisible by tp·ep·pp)."""
+    p = tc.parallel
+    for what, size in (
+        (f"pp={p.pp} x tp={p.tp} x cp={p.cp} (DP = world / (tp*pp*cp))", p.pp * p.tp * p.cp),
+        (
+            f"ep={p.ep} x tp={p.tp} x pp={p.pp} (the experts of a stage split over EP ranks)",
+            p.ep * p.tp * p.pp,
+        ),
+    ):
+        if world % size:
+            raise ValueError(
+                f"world size {world} is not divisible by {what}: start torchrun with a multiple of {size} processes "
+                f"(e.g. torchrun --nproc-per-node {size} -m dsv4_train train ...)"
+            )
+
+
 def check_run(tc: TrainConfig) -> TrainConfig:
     """The effective config of ``tc`` on this machine, checked before any work: the values left to the machine
     resolved (:func:`~dsv4_train.config.effective_config`), the support table's refusals that need the machine,
     and the rules that need the model (``--vpp`` segments and hash layers). ``ValueError`` with the reason."""
     tc = effective_config(tc, cuda_available=torch.cuda.is_available())
-    check_run_relations(tc, machine_for(tc))
-    model_config_for(
-        tc
-    )  # the preset with the overrides and the pipeline layout (ValueError naming the flags)
+    model_config_for(tc)  # the preset with the overrides and the pipeline layout (ValueError naming the flags)
     if tc.parallel.vpp > 1:
         check_vpp_config(tc)
+    check_world(tc, dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+    check_run_relations(tc, machine_for(tc))
     return tc
 
 

@@ -51,6 +51,7 @@ from dsv4_train.setup import (
     build_optimizer,
     build_scheduler,
     check_run,
+    check_world,
     default_peak_tflops,
     init_distributed,
     reset_metric_trackers,
@@ -81,11 +82,7 @@ class Trainer:
             prepare_deterministic_environment()
         apply_cpu_shims()
         self.rank, self.world = init_distributed(tc.parallel.dist_backend)
-        if self.world % (tc.parallel.pp * tc.parallel.tp * tc.parallel.cp):
-            raise ValueError(
-                f"world size {self.world} is not divisible by pp={tc.parallel.pp} x tp={tc.parallel.tp} x cp={tc.parallel.cp} "
-                "(DP = world / (tp*pp*cp)); start torchrun with a multiple of it"
-            )
+        check_world(tc, self.world)
         if not self.resuming and (tc.checkpoint.overwrite or tc.checkpoint.resume == "auto"):
             dist.barrier()  # every rank has looked at the directory before rank 0 clears it
             if self.rank == 0:
