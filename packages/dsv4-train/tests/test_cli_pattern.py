@@ -27,7 +27,7 @@ def _decreasing_ish(losses):
 def test_upstream_functional_pattern_trains_under_pp2(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "dsv4_train.cli"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "dsv4_train"]
     cmd += ["train", *_BASE, "--pp", "2", "--pattern", "WEC-|H-C-/W-", "--steps", "5", "--out", str(run)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -41,7 +41,7 @@ def test_upstream_functional_pattern_trains_under_pp2(tmp_path):
 def test_mtp_depth_2_without_mhc_logs_each_depth(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "dsv4_train.cli", "train", *_BASE, "--no-mhc", "--pattern", "WEC-H-/W-/W-"]
+    cmd = [sys.executable, "-m", "dsv4_train", "train", *_BASE, "--no-mhc", "--pattern", "WEC-H-/W-/W-"]
     proc = subprocess.run(
         [*cmd, "--steps", "4", "--out", str(run)], capture_output=True, text=True, timeout=900, env=env
     )
@@ -57,7 +57,7 @@ def test_mtp_depth_2_without_mhc_logs_each_depth(tmp_path):
         [
             sys.executable,
             "-m",
-            "dsv4_train.cli",
+            "dsv4_train",
             "train",
             *_BASE,
             "--pattern",

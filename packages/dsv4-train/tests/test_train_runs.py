@@ -147,7 +147,7 @@ def test_nonfinite_steps_checkpoints_and_resume_checks(tmp_path):
 def _cli(args, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run(
-        [sys.executable, "-m", "dsv4_train.cli", "train", *_BASE, *args],
+        [sys.executable, "-m", "dsv4_train", "train", *_BASE, *args],
         capture_output=True,
         text=True,
         timeout=900,
@@ -181,7 +181,7 @@ def test_cli_run_directory_exit_codes_and_output(tmp_path, capsys):
     # --resume auto on a fresh directory starts a new run and says so; SIGTERM saves and exits 143
     run2 = tmp_path / "run2"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "dsv4_train.cli", "train", *_BASE, "--steps", "6", "--out", str(run2)]
+    cmd = [sys.executable, "-m", "dsv4_train", "train", *_BASE, "--steps", "6", "--out", str(run2)]
     proc = subprocess.Popen(
         [*cmd, "--resume", "auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
