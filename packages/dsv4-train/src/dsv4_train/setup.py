@@ -68,10 +68,12 @@ def check_run(tc: TrainConfig) -> TrainConfig:
     resolved (:func:`~dsv4_train.config.effective_config`), the support table's refusals that need the machine,
     and the rules that need the model (``--vpp`` segments and hash layers). ``ValueError`` with the reason."""
     tc = effective_config(tc, cuda_available=torch.cuda.is_available())
-    model_config_for(tc)  # the preset with the overrides and the pipeline layout (ValueError naming the flags)
+    # the preset with the overrides and the pipeline layout (ValueError naming the flags)
+    model_config_for(tc)
     if tc.parallel.vpp > 1:
         check_vpp_config(tc)
-    check_world(tc, dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(tc, world)
     check_run_relations(tc, machine_for(tc))
     return tc
 
