@@ -6,7 +6,7 @@ import pytest
 import torch
 from _cases import bounds_from_lengths, cu_from_lengths
 
-from csa_kernels.ops.compressor import compress, compressor_pool
+from csa_kernels.ops.compressor import compress, compressor_pool, launch_config
 from csa_kernels.ops.compressor import triton as compressor_triton
 from csa_kernels.ops.compressor.autograd import compressor_pool_triton
 from csa_kernels.ops.compressor.reference import _pool_document, compress_ref, compressor_pool_ref
@@ -97,7 +97,7 @@ def test_compressor_pool_interpreter_fp32(case):
 def test_compressor_pool_interpreter_both_schedules(case, held_max_slots, monkeypatch):
     """The held (slots in registers) and the streamed (online softmax over slot steps) schedules agree with the
     reference on the same cases: 0 forces streamed everywhere, 16 holds the 10 slots of ratio 5 with overlap."""
-    monkeypatch.setattr(compressor_triton, "_HELD_MAX_SLOTS", held_max_slots)
+    monkeypatch.setattr(launch_config, "HELD_MAX_SLOTS", held_max_slots)
     _run(*case, dtype=torch.float32, device="cpu")
 
 
@@ -106,7 +106,7 @@ def test_compressor_pool_interpreter_both_schedules(case, held_max_slots, monkey
 def test_compressor_pool_backward_bitwise_reproducible(held_max_slots, monkeypatch):
     """dkv, dscore and dape (per-program partials summed in a fixed order) are bitwise equal over two runs on
     both slot schedules; the shared-atomics variant (``deterministic=False``) gives the same values up to order."""
-    monkeypatch.setattr(compressor_triton, "_HELD_MAX_SLOTS", held_max_slots)
+    monkeypatch.setattr(launch_config, "HELD_MAX_SLOTS", held_max_slots)
     first, again = _run([23, 4, 0, 16, 9], 3, 5, True, dtype=torch.float32, device="cpu")
     for name, a, b in zip(("pooled", "dkv", "dscore", "dape"), first, again):
         assert torch.equal(a, b), f"{name} differs between two runs"

@@ -37,15 +37,12 @@ Memory bound: it reads ``kv`` and ``score`` once and writes ``[Tc, c]`` fp32 (ba
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
-
-_HELD_MAX_SLOTS = 8  # slots per entry (2m with overlap) up to which the held schedule is used
+from csa_kernels._triton_utils import check_triton_device, interpreting
+from csa_kernels.ops.compressor.launch_config import device_limits, launch_config
 
 
 @triton.jit
@@ -336,30 +333,6 @@ def _compressor_pool_kernel(
         )  # fmt: skip
 
 
-def _config(ratio: int, overlap: bool, c: int, tc: int, sms: int) -> tuple[bool, int, int, int]:
-    """(HELD, UNROLL, BLOCK_C, num_warps).
-
-    Channels per thread (cpt <= 4: 8-byte bf16 / 16-byte fp32 vectors, one layout for every load) shrink when
-    there are too few (entry, channel) pairs to give every SM ~16 warps; the streamed schedule unrolls
-    ``32 / cpt`` slots per step (about 32 loads of kv and score in flight per thread).
-    """
-    held = ratio * (2 if overlap else 1) <= _HELD_MAX_SLOTS
-    if interpreting():  # small unroll: several (masked) streamed steps
-        return held, min(4, next_pow2(ratio)), min(next_pow2(c), 64), 1
-    cpt = 4
-    while cpt > 1 and tc * c < sms * 16 * 32 * cpt:
-        cpt //= 2
-    block_c = min(next_pow2(c), 32 * cpt * 4)
-    return held, min(next_pow2(ratio), 32 // cpt), block_c, max(1, block_c // (32 * cpt))
-
-
-@functools.cache
-def _device_limits(index: int) -> tuple[int, int, int]:
-    """(SM count, registers per SM, threads per SM) of CUDA device ``index``."""
-    p = torch.cuda.get_device_properties(index)
-    return p.multi_processor_count, p.regs_per_multiprocessor, p.max_threads_per_multi_processor
-
-
 _RESIDENT: dict[tuple, int] = {}  # launch key -> programs resident on the whole GPU at once
 
 
@@ -405,8 +378,8 @@ def _launch(
     backward = dout is not None
     interp = interpreting()
     index = kv.device.index if kv.device.index is not None else 0
-    limits = (1, 0, 0) if interp else _device_limits(index)
-    held, unroll, block_c, warps = _config(ratio, overlap, c, tc, limits[0])
+    limits = (1, 0, 0) if interp else device_limits(index)
+    held, unroll, block_c, warps = launch_config(ratio, overlap, c, tc, limits[0])
     n_cb = triton.cdiv(c, block_c)
     dummy = out if out is not None else dout
     args = [
