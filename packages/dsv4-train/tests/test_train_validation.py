@@ -216,3 +216,14 @@ def test_non_interactive_progress_is_one_line_every_log_interval(tmp_path, capsy
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert rows[3]["lm_loss"] is None and rows[4]["lm_loss"] == 0.0
     assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_an_unusable_checkpoint_directory_is_refused_at_start(tmp_path, capsys):
+    """A --resume auto run whose checkpoints/ cannot be written (here: a file in its place) stops before any work,
+    naming the directory, instead of at the first save."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a directory")
+    assert main(["train", "--steps", "1", "--out", str(out), "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert f"the checkpoint directory {out / 'checkpoints'} is a file, not a directory" in err, err

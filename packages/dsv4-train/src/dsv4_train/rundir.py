@@ -16,10 +16,11 @@ CONFIG_FILE = "dsv4_train_config.json"  # not config.json: that names an HF chec
 RUN_OUTPUTS = ("metrics.jsonl", "loss.png", "tb", "checkpoints", CONFIG_FILE)
 
 
-def check_writable(out: Path) -> None:
-    """Create ``out`` (and parents) and write a probe file into it; ``ValueError`` saying so when that fails."""
+def check_writable(out: Path, what: str = "--out") -> None:
+    """Create ``out`` (and parents) and write a probe file into it; ``ValueError`` naming ``what`` and ``out`` when
+    that fails."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a directory: choose another --out")
+        raise ValueError(f"{what} {out} is a file, not a directory: choose another --out")
     probe = out / f".dsv4-write-probe-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -27,7 +28,7 @@ def check_writable(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ValueError(
-            f"--out {out} is not writable ({e.strerror or e}): choose a writable --out or fix its permissions"
+            f"{what} {out} is not writable ({e.strerror or e}): choose a writable --out or fix its permissions"
         ) from e
 
 

@@ -72,6 +72,8 @@ class Trainer:
         # the run directory rules (rundir.py) before anything is built or initialised: a clear error costs nothing
         self.out = Path(tc.checkpoint.out)
         check_writable(self.out)
+        if (self.out / "checkpoints").exists():  # found now, not at the first save after the work is done
+            check_writable(self.out / "checkpoints", "the checkpoint directory")
         self.resuming = decide_resume(tc)
         if self.resuming:
             preflight_resume(tc)
