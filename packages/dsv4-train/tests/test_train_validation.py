@@ -227,3 +227,18 @@ def test_an_unusable_checkpoint_directory_is_refused_at_start(tmp_path, capsys):
     assert main(["train", "--steps", "1", "--out", str(out), "--resume", "auto"]) == 2
     err = capsys.readouterr().err
     assert f"the checkpoint directory {out / 'checkpoints'} is a file, not a directory" in err, err
+
+
+def test_resume_refusal_advice_fits_what_changed(tmp_path):
+    """A changed LR schedule may start a new run from the checkpoint's weights (--init-from); a changed model may
+    not (those weights are the old model's), so its refusal does not suggest --init-from."""
+    from dsv4_train.checkpoint import TRAIN_CONFIG_FILE, check_resumable
+
+    ck = tmp_path / "iter_0000002"
+    ck.mkdir()
+    (ck / TRAIN_CONFIG_FILE).write_text(json.dumps(TrainConfig.from_flat().to_dict()))
+    with pytest.raises(ValueError, match=r"(?s)--lr 0.01 .*--init-from .*iter_0000002 --out NEW_DIR"):
+        check_resumable(TrainConfig.from_flat(lr=1e-2), ck, {})
+    with pytest.raises(ValueError, match="--model-overrides") as model:
+        check_resumable(TrainConfig.from_flat(model_overrides={"num_layers": 4}), ck, {})
+    assert "with --init-from" not in str(model.value) and "without --init-from" in str(model.value)

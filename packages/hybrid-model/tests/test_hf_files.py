@@ -147,3 +147,13 @@ def test_corrupt_megatron_checkpoint_names_the_directory(megatron_cpu, hf_dir, t
         ValueError, match=rf"{mg / convert.MODEL_CONFIG_FILE} is unreadable or not valid JSON"
     ):
         convert.load_megatron_checkpoint(mg)
+
+
+def test_load_error_descriptions_are_one_short_line():
+    from hybrid_model.hf.convert import MAX_ERROR_CHARS, describe_load_error
+
+    long = RuntimeError("missing keys:\n" + "\n".join(f"decoder.layers.{i}.weight" for i in range(2000)))
+    text = describe_load_error(long)
+    assert "\n" not in text and text.startswith("RuntimeError: missing keys: decoder.layers.0.weight")
+    assert len(text) < MAX_ERROR_CHARS + 40 and text.endswith("more characters)")
+    assert describe_load_error(ValueError("short")) == "ValueError: short"

@@ -251,12 +251,17 @@ def check_resumable(tc: TrainConfig, path: Path, common: dict) -> None:
             ) from e
     conflicts = resume_conflicts(tc, saved, common.get("scheduler", {}))
     if conflicts:
+        if any(line.startswith(("--preset", "--model-overrides")) for line in conflicts):
+            # the weights belong to the checkpoint's model: --init-from could not load them into another one
+            way_out = (
+                "or start a new run of the new model in another --out (without --init-from: the weights are "
+            )
+            way_out += "the checkpoint's model's)"
+        else:
+            way_out = f"or start a new run from its weights with --init-from {path} --out NEW_DIR"
         raise ValueError(
             f"--resume from {path}: these settings differ from the checkpoint's run and cannot change in a resumed "
-            "run:\n  "
-            + "\n  ".join(conflicts)
-            + "\nresume with the checkpoint's values, or start a new run from "
-            f"its weights with --init-from {path} --out NEW_DIR"
+            "run:\n  " + "\n  ".join(conflicts) + f"\nresume with the checkpoint's values, {way_out}"
         )
 
 

@@ -151,14 +151,23 @@ def _resolve_checkpoint_dir(path: Path) -> Path:
     return path
 
 
+#: the longest load-error description kept in a message (a mismatch lists every key of the model)
+MAX_ERROR_CHARS = 400
+
+
 def describe_load_error(err: BaseException) -> str:
     """A one-line description of a load error (torch's ``CheckpointException`` wraps each rank's exception with its
-    whole traceback: name the wrapped exceptions instead)."""
+    whole traceback: name the wrapped exceptions instead), at most :data:`MAX_ERROR_CHARS` characters."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        return "; ".join(f"{type(x).__name__}: {x}".rstrip(": ") for x in inner)
-    return f"{type(err).__name__}: {err}".rstrip(": ")
+        text = "; ".join(f"{type(x).__name__}: {x}".rstrip(": ") for x in inner)
+    else:
+        text = f"{type(err).__name__}: {err}".rstrip(": ")
+    text = " ".join(text.split())  # one line
+    if len(text) > MAX_ERROR_CHARS:
+        text = f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS:,} more characters)"
+    return text
 
 
 def load_megatron_checkpoint(
