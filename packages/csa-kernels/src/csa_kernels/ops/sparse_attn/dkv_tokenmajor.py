@@ -185,7 +185,9 @@ def dkv_inverted(args: tuple, scale: float, meta: dict) -> torch.Tensor:
     itemsize = torch.finfo(pdt).bits // 8
     wave = 1 if q.device.type != "cuda" else max(1, sm_count(q.device.index or 0) // hb)
     tc = launch_config.tokens_per_chunk(T, hb * K * D * itemsize, wave)
-    pairs = torch.empty((hb, tc, K, D), dtype=pdt, device=q.device)  # only valid pairs' rows are written / read
+    pairs = torch.empty(
+        (hb, tc, K, D), dtype=pdt, device=q.device
+    )  # only valid pairs' rows are written / read
     strides = (q.stride(0), q.stride(1), kv.stride(0), do.stride(0), do.stride(1), idx.stride(0))
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
