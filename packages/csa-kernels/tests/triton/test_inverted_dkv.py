@@ -19,11 +19,16 @@ from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
 from dsv4_testkit import assert_close_to_ref, interpreting
 
+interpreter_only = pytest.mark.skipif(
+    not interpreting(), reason="CPU interpreter case (gpu-marked cases below)"
+)
+
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="CPU interpreter tests (gpu-marked cases elsewhere)"
 )
 
 
+@interpreter_only
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gather_reduce_matches_index_add(accumulate):
     """Rows with no pair, a hot row spanning many pieces, -1 pairs whose (NaN) rows must never be read."""
@@ -46,6 +51,7 @@ def test_gather_reduce_matches_index_add(accumulate):
     assert torch.equal(out, again)
 
 
+@interpreter_only
 def test_gather_reduce_no_valid_pair():
     key = torch.full((5,), -1)
     out = gather_reduce(
@@ -96,6 +102,7 @@ def _attn_case(name: str, gen: torch.Generator):
     return T, H, D, N, idx
 
 
+@interpreter_only
 @pytest.mark.parametrize("name", ["holes_dups_oddk", "all_empty", "one_token", "hot_row"])
 def test_sparse_attn_inverted_dkv_corner_cases(name):
     """The inverted-index dkv (the default deterministic path) vs the fp64 reference under the 2x rule, two runs
@@ -118,6 +125,7 @@ def test_sparse_attn_inverted_dkv_corner_cases(name):
         torch.testing.assert_close(atomic[1].float(), got[1].float(), atol=2e-2, rtol=2e-2)
 
 
+@interpreter_only
 def test_sparse_attn_keymajor_switch_and_default(monkeypatch):
     """``DETERMINISTIC_DKV = "keymajor"`` still runs the 0.3 key-major pass; ``DETERMINISTIC_DEFAULT = True`` makes
     ``deterministic=None`` take the atomic-free path without torch's flag."""
@@ -138,6 +146,7 @@ def test_sparse_attn_keymajor_switch_and_default(monkeypatch):
     assert seen == [1]
 
 
+@interpreter_only
 @pytest.mark.parametrize("mode", ["inverted", "keymajor"])
 def test_scores_at_dk_hot_key_and_holes(mode, monkeypatch):
     """Index scores' deterministic dk: a key read by every row several times, -1 holes, an all -1 row, rows in
@@ -163,4 +172,45 @@ def test_scores_at_dk_hot_key_and_holes(mode, monkeypatch):
     for n, a, b in zip(("dq", "dk", "dw"), got, ref):
         assert_close_to_ref(n, a, b)
     again = grads(lambda *a: indexer_scores_at_triton(*a, deterministic=True), torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@interpreter_only
+def test_sparse_attn_inverted_dkv_bf16_pairs(monkeypatch):
+    """``PAIR_DTYPE = bf16`` (half the pair traffic; each pair row rounded once before the fp32 sum): bf16 inputs
+    within the 2x rule, bitwise twice."""
+    monkeypatch.setattr(launch_config, "PAIR_DTYPE", torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    T, H, D, N, idx = _attn_case("holes_dups_oddk", gen)
+    q, kv, sink, do = torch.randn(T, H, D), torch.randn(N, D), torch.randn(H), torch.randn(T, H, D)
+    got = _attn_grads(q, kv, sink, idx, do, torch.bfloat16, True)
+    r64, rdt = _attn_refs(q, kv, sink, idx, do, torch.bfloat16)
+    for i, n in enumerate(("dq", "dkv", "dsink")):
+        assert_close_to_ref(n, got[i], r64[i], rdt[i])
+    again = _attn_grads(q, kv, sink, idx, do, torch.bfloat16, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair_dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attn_gpu_bf16_inverted_hot_rows(pair_dtype, monkeypatch):
+    """V4-Flash heads (H 64, D 512) in bf16 on the GPU: hot rows read by every token (several slots each), -1
+    holes, an empty row; a small pair buffer (several token chunks) and pieces of 16 pairs (hot rows split). dq,
+    dkv, dsink vs the fp64 reference under the 2x rule, two runs bitwise equal."""
+    monkeypatch.setattr(launch_config, "PAIR_BYTES", 40 * 640 * 512 * 4)
+    monkeypatch.setattr(launch_config, "PIECE", 16)
+    monkeypatch.setattr(launch_config, "PAIR_DTYPE", pair_dtype)
+    gen = torch.Generator().manual_seed(9)
+    T, H, D, N, K = 301, 64, 512, 700, 640
+    idx = torch.randint(-1, N, (T, K), generator=gen, dtype=torch.int32)
+    idx[:, :4] = torch.tensor([0, 5, 5, 699], dtype=torch.int32)
+    idx[7] = -1
+    q, kv, sink, do = torch.randn(T, H, D), torch.randn(N, D), torch.randn(H) * 2, torch.randn(T, H, D)
+    idx = idx.cuda()
+    q, kv, sink, do = (x.cuda() for x in (q, kv, sink, do))
+    got = _attn_grads(q, kv, sink, idx, do, torch.bfloat16, True)
+    r64, rdt = _attn_refs(q, kv, sink, idx, do, torch.bfloat16)
+    for i, n in enumerate(("dq", "dkv", "dsink")):
+        assert_close_to_ref(n, got[i], r64[i], rdt[i])
+    again = _attn_grads(q, kv, sink, idx, do, torch.bfloat16, True)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
