@@ -7,7 +7,8 @@ side at V4-Flash shapes (H 64, D 512, 640 slots per token, bf16), S = 4096 and 1
 * ``hot``: the first 128 raw rows read by every token that sees them (hot keys), plus 512 random visible rows.
 
 Implementations: ``atomic`` (fp32 atomics, today's default), ``keymajor`` (the 0.3 deterministic pass),
-``inv-fp32`` / ``inv-bf16`` (the inverted-index gather-reduce with fp32 / bf16 pair rows). Rows: fwd+bwd
+``inv-fp32`` / ``inv-bf16`` (the inverted-index gather-reduce with fp32 / bf16 pair rows, 1 GiB pair buffer),
+``inv-fp32-4G`` (fp32 pairs, 4 GiB buffer: fewer token chunks). Rows: fwd+bwd
 (3.5x the forward's useful flops) and the backward alone (2.5x). Gates: two runs of each deterministic path bitwise
 equal; ``dq``, ``dkv``, ``dsink`` vs the fp32 reference at S = 4096 (``window``) and ``dkv`` vs the atomic path
 elsewhere (rel. L2 <= 1e-2). Then the index scores' ``dk`` (flash-smoke shape, T 4096, HI 64, DI 128, Tc 1024, K 512:
@@ -33,23 +34,24 @@ from csa_kernels.ops.sparse_attn import triton as K
 from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
 
-IMPLS = {  # name: (deterministic, DETERMINISTIC_DKV, PAIR_DTYPE)
-    "atomic": (False, "inverted", torch.float32),
-    "keymajor": (True, "keymajor", torch.float32),
-    "inv-fp32": (True, "inverted", torch.float32),
-    "inv-bf16": (True, "inverted", torch.bfloat16),
+IMPLS = {  # name: (deterministic, DETERMINISTIC_DKV, PAIR_DTYPE, PAIR_BYTES)
+    "atomic": (False, "inverted", torch.float32, 1 << 30),
+    "keymajor": (True, "keymajor", torch.float32, 1 << 30),
+    "inv-fp32": (True, "inverted", torch.float32, 1 << 30),
+    "inv-bf16": (True, "inverted", torch.bfloat16, 1 << 30),
+    "inv-fp32-4G": (True, "inverted", torch.float32, 4 << 30),  # fewer token chunks: what the chunking costs
 }
 
 
 @contextlib.contextmanager
 def _impl(name: str):
-    det, algo, pdt = IMPLS[name]
-    saved = launch_config.DETERMINISTIC_DKV, launch_config.PAIR_DTYPE
-    launch_config.DETERMINISTIC_DKV, launch_config.PAIR_DTYPE = algo, pdt
+    det, algo, pdt, budget = IMPLS[name]
+    saved = launch_config.DETERMINISTIC_DKV, launch_config.PAIR_DTYPE, launch_config.PAIR_BYTES
+    launch_config.DETERMINISTIC_DKV, launch_config.PAIR_DTYPE, launch_config.PAIR_BYTES = algo, pdt, budget
     try:
         yield det
     finally:
-        launch_config.DETERMINISTIC_DKV, launch_config.PAIR_DTYPE = saved
+        launch_config.DETERMINISTIC_DKV, launch_config.PAIR_DTYPE, launch_config.PAIR_BYTES = saved
 
 
 DEV = "cuda"

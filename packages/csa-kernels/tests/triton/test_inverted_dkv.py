@@ -96,7 +96,7 @@ def _attn_case(name: str, gen: torch.Generator):
         T, H, D, N, K = 1, 2, 16, 6, 5
         idx = torch.tensor([[4, -1, 0, 4, 2]], dtype=torch.int32)
     else:  # hot row: every token reads row 1 three times (pieces of 3, chunks of 4 tokens), two head blocks
-        T, H, D, N, K = 9, 80, 16, 7, 6
+        T, H, D, N, K = 6, 80, 16, 7, 6
         idx = torch.randint(-1, N, (T, K), generator=gen, dtype=torch.int32)
         idx[:, :3] = 1
     return T, H, D, N, idx
