@@ -125,18 +125,21 @@ def _combine_kernel(
     ACCUMULATE: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """``OUT[r] = (OUT[r] if ACCUMULATE else 0) + sum_i PART[piece_start[r] + i]``, pieces in order."""
+    """``OUT[r] = (OUT[r] if ACCUMULATE else 0) + sum_i PART[piece_start[r] + i]``, pieces in order (rows
+    without pieces are left alone when accumulating)."""
     r = tl.program_id(0).to(tl.int64)
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mw = offs_w < WIDTH
-    if ACCUMULATE:
-        acc = tl.load(OUT + r * stride_out + offs_w, mask=mw, other=0.0)
-    else:
-        acc = tl.zeros([BLOCK_W], dtype=tl.float32)
-    p0 = tl.load(PIECE_START + r)
-    for i in range(0, tl.load(N_PIECES + r)):
-        acc += tl.load(PART + (p0 + i) * stride_part + offs_w, mask=mw, other=0.0)
-    tl.store(OUT + r * stride_out + offs_w, acc, mask=mw)
+    n = tl.load(N_PIECES + r)
+    if (n > 0) or (not ACCUMULATE):  # accumulating a row without pairs: nothing to read or write
+        if ACCUMULATE:
+            acc = tl.load(OUT + r * stride_out + offs_w, mask=mw, other=0.0)
+        else:
+            acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+        p0 = tl.load(PIECE_START + r)
+        for i in range(0, n):
+            acc += tl.load(PART + (p0 + i) * stride_part + offs_w, mask=mw, other=0.0)
+        tl.store(OUT + r * stride_out + offs_w, acc, mask=mw)
 
 
 def _tiles(width: int) -> tuple[int, int, int]:
