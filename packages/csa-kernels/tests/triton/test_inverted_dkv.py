@@ -8,7 +8,7 @@ import pytest
 import torch
 from _cases import sparse_attn_oracle
 
-from csa_kernels._inverted import build_inverted_index, gather_reduce
+from csa_kernels._inverted import build_inverted_index, chunk_index, gather_reduce, sort_pairs
 from csa_kernels._triton_utils import resolve_deterministic
 from csa_kernels.ops.indexer import scores_at_config
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref
@@ -49,6 +49,23 @@ def test_gather_reduce_matches_index_add(accumulate):
         ref += base.double()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(out, again)
+
+
+@interpreter_only
+def test_chunk_index_position_range_and_head_blocks():
+    """One sort, then the pairs of a position range (a token chunk) with two rows per pair (head blocks): only the
+    range's pairs are summed, both blocks of each."""
+    gen = torch.Generator().manual_seed(1)
+    P, W, n_rows, pos0, pos1 = 30, 8, 6, 7, 22
+    key = torch.randint(-1, n_rows, (P,), generator=gen)
+    key[pos0:pos1:3] = 0
+    sp = sort_pairs(key, n_rows)
+    pairs = torch.randn(2, pos1 - pos0, W, generator=gen)  # rows of positions pos0 .. pos1 - 1
+    out = gather_reduce(pairs, chunk_index(sp, pos0, pos1, 2), torch.zeros(n_rows, W), accumulate=False)
+    kc = key[pos0:pos1]
+    v = kc >= 0
+    ref = torch.zeros(n_rows, W, dtype=torch.float64).index_add_(0, kc[v], pairs[:, v].double().sum(0))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @interpreter_only

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csa_kernels._inverted import build_inverted_index, gather_reduce
+from csa_kernels._inverted import chunk_index, gather_reduce, sort_pairs
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2, sm_count
 from csa_kernels.ops.indexer import scores_at_config
 from csa_kernels.ops.indexer.scores_at_keymajor import scores_at_dk_keymajor
@@ -331,17 +331,14 @@ def _dk_inverted(ops, T: int, KS: int) -> torch.Tensor:
     dk = torch.zeros((n_keys, DI), dtype=torch.float32, device=q.device)
     wave = 1 if q.device.type != "cuda" else max(1, sm_count(q.device.index or 0) // hb)
     tc = scores_at_config.rows_per_chunk(T, hb * KS * DI * 4, wave)
-    pairs = torch.empty(
-        (hb, tc, KS, DI), dtype=torch.float32, device=q.device
-    )  # only valid pairs written / read
-    idx = ops[3]
+    # only the valid pairs' rows are written and read
+    pairs = torch.empty((hb, tc, KS, DI), dtype=torch.float32, device=q.device)
+    sp = sort_pairs(ops[3].reshape(-1), n_keys)  # pair (t, j) = position t * KS + j, one sort per backward
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
         _launch_bwd(ops, pairs, pairs.stride()[:3], t0, n, 2)
-        key = torch.full((hb, tc, KS), -1, dtype=torch.int32, device=q.device)  # pair (b, t, j) -> its key
-        key[:, :n] = idx[t0 : t0 + n]
-        index = build_inverted_index(key.view(-1), n_keys, scores_at_config.piece())
-        gather_reduce(pairs.view(-1, DI), index, dk, accumulate=True)
+        index = chunk_index(sp, t0 * KS, (t0 + n) * KS, scores_at_config.piece())
+        gather_reduce(pairs.view(hb, tc * KS, DI), index, dk, accumulate=True)
     return dk
 
 
@@ -356,7 +353,7 @@ def scores_at_bwd(
     """``(dq [T, HI, DI] q dtype, dk [Tc, DI] k dtype, dw [T, HI] weights dtype)`` of the scores at ``indices``.
 
     ``deterministic``: ``dk`` without atomics, bitwise reproducible: the row kernel stores each pair's ``dk`` row
-    and :func:`csa_kernels._inverted.gather_reduce` sums each key's pairs in (head block, row, slot) order (or,
+    and :func:`csa_kernels._inverted.gather_reduce` sums each key's pairs in (row, slot, head block) order (or,
     with ``scores_at_config.DETERMINISTIC_DK = "keymajor"``, the key-major pass of :mod:`.scores_at_keymajor`)
     instead of fp32 atomics in the row kernel; ``dq`` and ``dw`` are deterministic either way."""
     check_triton_device(q_idx, k_idx, weights, indices, grad)

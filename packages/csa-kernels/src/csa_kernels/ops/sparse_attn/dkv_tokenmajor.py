@@ -16,7 +16,7 @@ Both modes run the same kernel, one program per (token, head block): it recomput
 ``[BLOCK_N, BLOCK_DC]`` tiles of ``c`` by two MMAs per chunk. ``PAIRS = False``: the tiles are added into the fp32
 ``dkv`` with relaxed atomics (summation order varies run to run). ``PAIRS = True``: they are stored at their pair
 position ``[head block, token, slot]`` of a pair buffer, and :func:`csa_kernels._inverted.gather_reduce` sums each
-kv row's pairs in ``(head block, token, slot)`` order (no atomics; two runs give the same bits; cost proportional to
+kv row's pairs in ``(token, slot, head block)`` order (the pairs sorted once per backward) (no atomics; two runs give the same bits; cost proportional to
 the pairs however the indices collide, hot rows split into fixed pieces). Tokens go in chunks whose pair buffer
 fits ``launch_config.PAIR_BYTES``; each chunk's reduce adds into ``dkv`` (one writer per row, chunks in order).
 """
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csa_kernels._inverted import build_inverted_index, gather_reduce
+from csa_kernels._inverted import chunk_index, gather_reduce, sort_pairs
 from csa_kernels._triton_utils import interpreting, sm_count
 from csa_kernels.ops.sparse_attn import launch_config
 
@@ -189,12 +189,10 @@ def dkv_inverted(args: tuple, scale: float, meta: dict) -> torch.Tensor:
         (hb, tc, K, D), dtype=pdt, device=q.device
     )  # only valid pairs' rows are written / read
     strides = (q.stride(0), q.stride(1), kv.stride(0), do.stride(0), do.stride(1), idx.stride(0))
+    sp = sort_pairs(idx.reshape(-1), n_rows)  # pair (t, j) = position t * K + j, one sort per backward
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
         _launch(args, pairs, (*strides, *pairs.stride()[:3]), t0, n, hb, H, scale, meta, pairs=True)
-        # pair position (b, t, j) -> row b * tc * K + t * K + j of pairs.view(-1, D); slots past n are -1
-        key = torch.full((hb, tc, K), -1, dtype=torch.int32, device=q.device)
-        key[:, :n] = idx[t0 : t0 + n]
-        index = build_inverted_index(key.view(-1), n_rows, launch_config.piece())
-        gather_reduce(pairs.view(-1, D), index, dkv32, accumulate=True)
+        index = chunk_index(sp, t0 * K, (t0 + n) * K, launch_config.piece())
+        gather_reduce(pairs.view(hb, tc * K, D), index, dkv32, accumulate=True)
     return dkv32
