@@ -166,15 +166,23 @@ def _combine_kernel(
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mw = offs_w < WIDTH
     n = tl.load(N_PIECES + r)
-    if (n > 0) or (not ACCUMULATE):  # accumulating a row without pairs: nothing to read or write
-        if ACCUMULATE:
+    p0 = tl.load(PIECE_START + r)
+    if ACCUMULATE:
+        if n > 0:  # a row without pairs in this range: nothing to read or write
             acc = tl.load(OUT + r * stride_out + offs_w, mask=mw, other=0.0)
-        else:
-            acc = tl.zeros([BLOCK_W], dtype=tl.float32)
-        p0 = tl.load(PIECE_START + r)
-        for i in range(0, n):
-            acc += tl.load(PART + (p0 + i) * stride_part + offs_w, mask=mw, other=0.0)
+            acc = _add_pieces(PART, p0, n, acc, stride_part, offs_w, mw)
+            tl.store(OUT + r * stride_out + offs_w, acc, mask=mw)
+    else:
+        acc = _add_pieces(PART, p0, n, tl.zeros([BLOCK_W], dtype=tl.float32), stride_part, offs_w, mw)
         tl.store(OUT + r * stride_out + offs_w, acc, mask=mw)
+
+
+@triton.jit
+def _add_pieces(PART, p0, n, acc, stride_part, offs_w, mw):
+    """``acc + PART[p0] + ... + PART[p0 + n - 1]`` (columns ``offs_w``), in piece order."""
+    for i in range(0, n):
+        acc += tl.load(PART + (p0 + i) * stride_part + offs_w, mask=mw, other=0.0)
+    return acc
 
 
 def _tiles(width: int) -> tuple[int, int, int]:
