@@ -3,7 +3,8 @@
 * ``determinism``: sparse attention fwd+bwd with the atomic ``dkv`` (``deterministic=False``) and the atomic-free
   one (``deterministic=True``: the inverted-index path since issue 35, the key-major pass before) at V4-Flash
   S=4096 / 16384 and V4-Pro S=4096, a bitwise check of two deterministic backward runs (``dq``, ``dkv``,
-  ``dsink``), the ``dkv`` gates vs the fp32 reference, a launch-config sweep of the key-major kernel, and the ``indexer_scores_at`` backward (``dk``) both ways at the flash-smoke shape.
+  ``dsink``), the ``dkv`` gates vs the fp32 reference, a launch-config sweep of the key-major kernel, and the
+  ``indexer_scores_at`` backward (``dk``) both ways at the flash-smoke shape.
 * ``indexer_stream``: the streaming indexer + top-k at S = 8192 and 65536 (one document, HI 64 x DI 128, top-k 512)
   with peak extra memory, next to the ``[S, C]`` buffer it no longer needs.
 
