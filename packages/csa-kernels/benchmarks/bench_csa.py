@@ -17,7 +17,8 @@ call, as the attention layer calls them); the correctness gates and the eager re
 
 Sections (``--sections``): attention (with ``--sweep``: forward launch configs at V4-Flash and SWA-only, each
 checked against the default's output), determinism (atomic vs key-major deterministic backward, bitwise check;
-``bench_det_stream.py``), indexer (+ top-k), indexer_stream (streaming top-k at S 8192 / 65536 with peak memory),
+``bench_det_stream.py``), det_inverted (atomic / key-major / inverted-index dkv and dk side by side at V4-Flash
+S 4096 / 16384 with window, random and hot-key indices; ``bench_det_inverted.py``), indexer (+ top-k), indexer_stream (streaming top-k at S 8192 / 65536 with peak memory),
 compressor (ratio 4 overlap and ratio 128; GB/s of compulsory traffic, memory bound), indexer_loss (V4-Flash /
 V4-Pro sparse phase, with a launch-config sweep).
 """
@@ -270,6 +271,7 @@ def _sweep_fwd(K, fn, shape, args, fl, cfgs):
 def sweep_attention(backward: bool = False):
     """Launch-config sweep of the sparse attention kernels at the V4-Flash shape (S=4096); forward configs also
     at the SWA-only shape, backward configs only with ``backward``."""
+    from csa_kernels.ops.sparse_attn import launch_config as LC
     from csa_kernels.ops.sparse_attn import triton as K
     from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
 
@@ -299,21 +301,21 @@ def sweep_attention(backward: bool = False):
         return
     o, lse = sparse_attn_triton(q, kv, sink, idx, scale)
     idx_c, cnt = K.compact_indices(idx)
-    default_dkv = K.BWD_DKV_CONFIG
+    default_dkv = LC.BWD_DKV_CONFIG
     for cfg, dkv_cfg in [
         ((64, 64, 8, 1), (64, 128, 8, 1)),
         ((64, 64, 16, 1), (64, 128, 8, 1)),
         ((64, 64, 8, 1), (64, 256, 16, 1)),
     ]:
         K.BWD_CONFIG_OVERRIDE = cfg
-        K.BWD_DKV_CONFIG = dkv_cfg
+        LC.BWD_DKV_CONFIG = dkv_cfg
         try:
             ms = timeit(lambda: K.sparse_attn_bwd(q, kv, sink, idx_c, cnt, scale, o, lse, do))
             record("sweep", "flash S4096", f"bwd{cfg}{dkv_cfg}", "bwd", ms, 2.5 * fl, 0.0)
         except Exception as exc:
             print("  sweep bwd", cfg, "failed:", str(exc)[:200])
     K.BWD_CONFIG_OVERRIDE = None
-    K.BWD_DKV_CONFIG = default_dkv
+    LC.BWD_DKV_CONFIG = default_dkv
     del leaves
 
 
@@ -361,7 +363,7 @@ def main(argv=None) -> int:
         flex_shapes = set() if args.no_flex else set(args.flex_shapes.split(","))
         bench_attention(shapes, args.eager_max_s, flex_shapes)
         _dump_partial(args.out, args.tag, failed)
-    for sec in ("determinism", "indexer", "indexer_stream", "compressor", "indexer_loss"):
+    for sec in ("determinism", "det_inverted", "indexer", "indexer_stream", "compressor", "indexer_loss"):
         if sec in sections:
             fn = globals().get(f"section_{sec}") or _issue20_section(sec)
             if fn is None:
@@ -397,10 +399,12 @@ def main(argv=None) -> int:
 
 
 def _issue20_section(sec: str):
-    """``determinism`` / ``indexer_stream`` from ``bench_det_stream.py``, given this script's helpers."""
+    """``determinism`` / ``indexer_stream`` from ``bench_det_stream.py`` and ``det_inverted`` from
+    ``bench_det_inverted.py``, given this script's helpers."""
     import types
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_det_inverted
     import bench_det_stream
 
     h = types.SimpleNamespace(
@@ -413,7 +417,8 @@ def _issue20_section(sec: str):
         indexer_inputs=_indexer_inputs,
         GATES=GATES,
     )
-    return lambda: getattr(bench_det_stream, f"section_{sec}")(h)
+    mod = bench_det_inverted if sec == "det_inverted" else bench_det_stream
+    return lambda: getattr(mod, f"section_{sec}")(h)
 
 
 def _dump_partial(out: Path, tag: str, failed: list[str]) -> None:

@@ -1,9 +1,10 @@
 """Sections of ``bench_csa.py`` for issue 20: deterministic backwards and the streaming indexer top-k.
 
-* ``determinism``: sparse attention fwd+bwd with the atomic ``dkv`` (``deterministic=False``) and the key-major
-  atomic-free one (``deterministic=True``) at V4-Flash S=4096 / 16384 and V4-Pro S=4096, a bitwise check of two
-  deterministic backward runs (``dq``, ``dkv``, ``dsink``), the ``dkv`` gates vs the fp32 reference, a launch-config
-  sweep of the key-major kernel, and the ``indexer_scores_at`` backward (``dk``) both ways at the flash-smoke shape.
+* ``determinism``: sparse attention fwd+bwd with the atomic ``dkv`` (``deterministic=False``) and the atomic-free
+  one (``deterministic=True``: the inverted-index path since issue 35, the key-major pass before) at V4-Flash
+  S=4096 / 16384 and V4-Pro S=4096, a bitwise check of two deterministic backward runs (``dq``, ``dkv``,
+  ``dsink``), the ``dkv`` gates vs the fp32 reference, a launch-config sweep of the key-major kernel, and the
+  ``indexer_scores_at`` backward (``dk``) both ways at the flash-smoke shape.
 * ``indexer_stream``: the streaming indexer + top-k at S = 8192 and 65536 (one document, HI 64 x DI 128, top-k 512)
   with peak extra memory, next to the ``[S, C]`` buffer it no longer needs.
 
@@ -18,7 +19,7 @@ import torch
 
 def section_determinism(h) -> bool:
     from csa_kernels.ops.indexer.scores_at_autograd import indexer_scores_at_triton
-    from csa_kernels.ops.sparse_attn import dkv_keymajor
+    from csa_kernels.ops.sparse_attn import dkv_keymajor, launch_config
     from csa_kernels.ops.sparse_attn.autograd import sparse_attn_triton
     from csa_kernels.ops.sparse_attn.reference import sparse_attn_ref
 
@@ -70,6 +71,7 @@ def section_determinism(h) -> bool:
         if S == 4096 and H == 64:
             for cfg in ((32, 64, 4, 1), (32, 64, 4, 2), (32, 64, 8, 1), (16, 64, 4, 1), (16, 64, 4, 2)):
                 dkv_keymajor.KEYMAJOR_CONFIG_OVERRIDE = cfg
+                launch_config.DETERMINISTIC_DKV = "keymajor"  # the sweep is of the key-major pass
                 try:
                     h.record(
                         "sweep",
@@ -84,6 +86,7 @@ def section_determinism(h) -> bool:
                     print("  sweep det", cfg, "failed:", str(exc)[:200], flush=True)
                 finally:
                     dkv_keymajor.KEYMAJOR_CONFIG_OVERRIDE = None
+                    launch_config.DETERMINISTIC_DKV = "inverted"
         del q, kv, idx, leaves, grads, do
         torch.cuda.empty_cache()
 

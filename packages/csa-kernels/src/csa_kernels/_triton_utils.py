@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,10 +32,16 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
         )
 
 
-def resolve_deterministic(flag: bool | None) -> bool:
-    """The ``deterministic`` switch of the backward kernels: an explicit ``True`` / ``False`` wins; ``None`` follows
-    ``torch.are_deterministic_algorithms_enabled()`` (``torch.use_deterministic_algorithms(True)``, which
-    ``dsv4 train --deterministic`` sets)."""
+def resolve_deterministic(flag: bool | None, default: bool = False) -> bool:
+    """The ``deterministic`` switch of the backward kernels: an explicit ``True`` / ``False`` wins; ``None`` is
+    ``default`` (the op's ``DETERMINISTIC_DEFAULT``) or ``torch.are_deterministic_algorithms_enabled()``
+    (``torch.use_deterministic_algorithms(True)``, which ``dsv4 train --deterministic`` sets)."""
     if flag is None:
-        return torch.are_deterministic_algorithms_enabled()
+        return default or torch.are_deterministic_algorithms_enabled()
     return bool(flag)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (one wave of one-CTA-per-SM programs)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -67,8 +67,9 @@ def indexer_scores_at(
     Triton path: fused forward and backward (:mod:`csa_kernels.ops.indexer.scores_at_triton`), fp32 output,
     ``chunk_size`` unused (nothing larger than ``[T, K]`` is formed). ``check_indices=False`` skips the range
     check of ``indices`` (one device -> host sync); the caller guarantees ``-1 <= indices < Tc``, out-of-range
-    values are then undefined behaviour. ``deterministic`` (Triton): ``True`` computes the backward's ``dk`` by
-    the atomic-free key-major pass (bitwise reproducible), ``False`` with fp32 atomics, ``None`` (default) follows
+    values are then undefined behaviour. ``deterministic`` (Triton): ``True`` computes the backward's ``dk``
+    without atomics (per-pair rows summed per key over an inverted index; bitwise reproducible), ``False`` with
+    fp32 atomics, ``None`` (default): ``scores_at_config.DETERMINISTIC_DEFAULT`` or
     ``torch.are_deterministic_algorithms_enabled()``.
     """
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_scores_at") == "triton":

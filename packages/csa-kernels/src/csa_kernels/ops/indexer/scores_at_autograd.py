@@ -6,9 +6,11 @@
   backward runs the fused backward kernel at the selected entries (formerly a chunked fp32 reference recomputation,
   ~30 ms per flash-smoke step on the H200).
 
-``deterministic`` (``None``: ``torch.are_deterministic_algorithms_enabled()``): ``dk`` from the atomic-free
-key-major pass (:mod:`.scores_at_keymajor`), bitwise reproducible; otherwise the row kernel adds ``dk`` with fp32
-atomics, whose summation order varies between runs. (Before 0.3 the deterministic mode ran the fp32 reference.)
+``deterministic`` (``None``: ``scores_at_config.DETERMINISTIC_DEFAULT`` or
+``torch.are_deterministic_algorithms_enabled()``): ``dk`` without atomics, bitwise reproducible (per-pair rows
+summed per key over an inverted index; :func:`.scores_at_triton.scores_at_bwd`); otherwise the row kernel adds
+``dk`` with fp32 atomics, whose summation order varies between runs. (Before 0.3 the deterministic mode ran the
+fp32 reference.)
 """
 
 from __future__ import annotations
@@ -16,13 +18,19 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._triton_utils import resolve_deterministic
+from csa_kernels.ops.indexer import scores_at_config
 from csa_kernels.ops.indexer.scores_at_triton import scores_at_bwd, scores_at_fwd
 
 
 def _backward(q_idx, k_idx, weights, indices, grad, needs, deterministic):
     """``(dq, dk, dw)`` (``None`` where ``needs`` is False) of the scores at ``indices`` for upstream ``grad``."""
     dq, dk, dw = scores_at_bwd(
-        q_idx, k_idx, weights, indices, grad, deterministic=resolve_deterministic(deterministic)
+        q_idx,
+        k_idx,
+        weights,
+        indices,
+        grad,
+        deterministic=resolve_deterministic(deterministic, scores_at_config.DETERMINISTIC_DEFAULT),
     )
     return tuple(g if n else None for g, n in zip((dq, dk, dw), needs))
 

@@ -7,13 +7,14 @@ Per query row ``t`` with slots ``j`` (``e = idx[t, j]`` a global row of ``k_idx`
     dS[t, j, h]  = g[t, j] * w[t, h] * [S[t, j, h] > 0]                   (g = 0 where e = -1)
     dw[t, h]     = sum_j g[t, j] * relu(S[t, j, h])
     dq[t, h, :]  = sum_j dS[t, j, h] * k[e]
-    dk[e, :]    += sum_h dS[t, j, h] * q[t, h, :]                         (fp32 atomics, or the key-major pass)
+    dk[e, :]    += sum_h dS[t, j, h] * q[t, h, :]                         (fp32 atomics, or stored per pair and reduced)
 
 Schedule: one program per (query row, block of BLOCK_H heads). The row's heads sit on the MMA M dimension and share
 each gathered ``[BLOCK_J, DI]`` key tile (gathered once per head block): the score GEMM ``q k^T`` is
 ``[BLOCK_H, DI] x [DI, BLOCK_J]``; the backward adds ``dq += dS k`` (``[BLOCK_H, BLOCK_J] x [BLOCK_J, DI]``, fp32 in
 registers for the whole row) and ``dk_tile = dS^T q`` (``[BLOCK_J, BLOCK_H] x [BLOCK_H, DI]``), added into an fp32
-``[Tc, DI]`` buffer with relaxed atomics. Each program first scans its index row for the last valid slot and loops
+``[Tc, DI]`` buffer with relaxed atomics (deterministic mode: stored per (row, slot) pair and summed per key over an
+inverted index, :mod:`csa_kernels._inverted`, rows in chunks that fit ``scores_at_config.PAIR_BYTES``). Each program first scans its index row for the last valid slot and loops
 only up to it (top-k rows keep their ``-1`` slots at the end: early tokens cost only their valid work). Nothing of
 size ``[T, K, DI]`` or ``[T, HI, K]`` is ever formed.
 
@@ -28,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+from csa_kernels._inverted import chunk_index, gather_reduce, sort_pairs
+from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2, sm_count
+from csa_kernels.ops.indexer import scores_at_config
 from csa_kernels.ops.indexer.scores_at_keymajor import scores_at_dk_keymajor
 
 
@@ -121,8 +124,11 @@ def _scores_at_bwd_kernel(
     stride_gt,
     stride_dqt,
     stride_dqh,
+    stride_dkb,
+    stride_dkt,
     stride_dkc,
     stride_dwt,
+    T0,
     HI,
     KS,
     DI: tl.constexpr,
@@ -131,12 +137,16 @@ def _scores_at_bwd_kernel(
     BLOCK_J: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    WRITE_DK: tl.constexpr,
+    DK_MODE: tl.constexpr,
 ):
-    """dq, dw of one (query row, head block) in registers; dk tiles added to the fp32 DK buffer with atomics
-    (``WRITE_DK``; off when the deterministic key-major pass computes ``dk``)."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """dq, dw of query row ``T0 + program_id(0)`` and one head block in registers. ``dk`` tiles (``DK_MODE``): 0
+    none (the key-major pass computes ``dk``), 1 added to the fp32 ``DK [Tc, DI]`` at ``row * stride_dkc`` with
+    atomics, 2 stored per pair into ``DK [head blocks, rows, K, DI]`` at ``hb * stride_dkb + (t - T0) *
+    stride_dkt + slot * stride_dkc`` (reduced over the inverted index afterwards, no atomics)."""
+    tt = tl.program_id(0).to(tl.int64)
+    t = T0 + tt
+    hb = tl.program_id(1).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = offs_h < HI
     offs_d = tl.arange(0, BLOCK_DI)
     md = offs_d < DI
@@ -163,13 +173,20 @@ def _scores_at_bwd_kernel(
         else:
             ds_op = ds.to(K.dtype.element_ty)
         dq = tl.dot(ds_op, k, dq, input_precision=PRECISION)
-        if WRITE_DK:
+        if DK_MODE == 1:
             dk = tl.dot(tl.trans(ds_op), q, input_precision=PRECISION)  # [BLOCK_J, BLOCK_DI]
             tl.atomic_add(
                 DK + rows[:, None] * stride_dkc + offs_d[None, :],
                 dk,
                 mask=valid[:, None] & md[None, :],
                 sem="relaxed",
+            )
+        if DK_MODE == 2:
+            dk = tl.dot(tl.trans(ds_op), q, input_precision=PRECISION)  # [BLOCK_J, BLOCK_DI]
+            tl.store(
+                DK + hb * stride_dkb + tt * stride_dkt + offs_j[:, None] * stride_dkc + offs_d[None, :],
+                dk.to(DK.dtype.element_ty),
+                mask=valid[:, None] & md[None, :],
             )
     tl.store(
         DQ + t * stride_dqt + offs_h[:, None] * stride_dqh + offs_d[None, :],
@@ -274,31 +291,10 @@ def scores_at_fwd(
     return out
 
 
-def scores_at_bwd(
-    q_idx: torch.Tensor,  # [T, HI, DI]
-    k_idx: torch.Tensor,  # [Tc, DI]
-    weights: torch.Tensor,  # [T, HI]
-    indices: torch.Tensor,  # [T, K]
-    grad: torch.Tensor,  # [T, K] d loss / d score (ignored where indices = -1)
-    deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq [T, HI, DI] q dtype, dk [Tc, DI] k dtype, dw [T, HI] weights dtype)`` of the scores at ``indices``.
-
-    ``deterministic``: ``dk`` from the atomic-free key-major pass (:mod:`.scores_at_keymajor`, bitwise
-    reproducible) instead of fp32 atomics in the row kernel; ``dq`` and ``dw`` are deterministic either way."""
-    check_triton_device(q_idx, k_idx, weights, indices, grad)
-    T, HI, DI = q_idx.shape
-    KS = indices.shape[1]
-    if T == 0 or KS == 0 or k_idx.shape[0] == 0:
-        return torch.zeros_like(q_idx), torch.zeros_like(k_idx), torch.zeros_like(weights)
-    q, k, w = prepare_operands(q_idx, k_idx, weights)
-    idx = indices.contiguous()
-    g = grad if grad.stride(-1) == 1 else grad.contiguous()
-    dq = torch.empty((T, HI, DI), dtype=q.dtype, device=q.device)
-    dw = torch.empty((T, HI), dtype=w.dtype, device=q.device)
-    dk = torch.zeros((0 if deterministic else k.shape[0], DI), dtype=torch.float32, device=q.device)
-    cfg = _bwd_config(HI, DI, q.dtype == torch.float32)
-    _scores_at_bwd_kernel[(T, triton.cdiv(HI, cfg[0]))](
+def _launch_bwd(ops, dk, dk_strides, t0: int, n: int, dk_mode: int) -> None:
+    """The backward kernel over query rows ``[t0, t0 + n)`` (``dk_mode``: the kernel's ``DK_MODE``)."""
+    q, k, w, idx, g, dq, dw, cfg = ops
+    _scores_at_bwd_kernel[(n, triton.cdiv(q.shape[1], cfg[0]))](
         q,
         k,
         w,
@@ -315,13 +311,68 @@ def scores_at_bwd(
         g.stride(0),
         dq.stride(0),
         dq.stride(1),
-        dk.stride(0),
+        *dk_strides,
         dw.stride(0),
-        HI,
-        KS,
-        WRITE_DK=not deterministic,
+        t0,
+        q.shape[1],
+        idx.shape[1],
+        DK_MODE=dk_mode,
         **_meta(q, cfg),
     )
-    if deterministic:
+
+
+def _dk_inverted(ops, T: int, KS: int) -> torch.Tensor:
+    """``dk [Tc, DI]`` fp32 without atomics: per chunk of query rows the kernel stores each pair's ``dk`` row
+    (``DK_MODE`` 2), then the inverted-index gather-reduce adds each key's pairs in a fixed order. Sync-free."""
+    q, k, cfg = ops[0], ops[1], ops[7]
+    DI = q.shape[2]
+    n_keys = k.shape[0]
+    hb = triton.cdiv(q.shape[1], cfg[0])
+    dk = torch.zeros((n_keys, DI), dtype=torch.float32, device=q.device)
+    wave = 1 if q.device.type != "cuda" else max(1, sm_count(q.device.index or 0) // hb)
+    tc = scores_at_config.rows_per_chunk(T, hb * KS * DI * 4, wave)
+    # only the valid pairs' rows are written and read
+    pairs = torch.empty((hb, tc, KS, DI), dtype=torch.float32, device=q.device)
+    sp = sort_pairs(ops[3].reshape(-1), n_keys)  # pair (t, j) = position t * KS + j, one sort per backward
+    for t0 in range(0, T, tc):
+        n = min(tc, T - t0)
+        _launch_bwd(ops, pairs, pairs.stride()[:3], t0, n, 2)
+        index = chunk_index(sp, t0 * KS, (t0 + n) * KS, scores_at_config.piece())
+        gather_reduce(pairs.view(hb, tc * KS, DI), index, dk, accumulate=True)
+    return dk
+
+
+def scores_at_bwd(
+    q_idx: torch.Tensor,  # [T, HI, DI]
+    k_idx: torch.Tensor,  # [Tc, DI]
+    weights: torch.Tensor,  # [T, HI]
+    indices: torch.Tensor,  # [T, K]
+    grad: torch.Tensor,  # [T, K] d loss / d score (ignored where indices = -1)
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [T, HI, DI] q dtype, dk [Tc, DI] k dtype, dw [T, HI] weights dtype)`` of the scores at ``indices``.
+
+    ``deterministic``: ``dk`` without atomics, bitwise reproducible: the row kernel stores each pair's ``dk`` row
+    and :func:`csa_kernels._inverted.gather_reduce` sums each key's pairs in (row, slot, head block) order (or,
+    with ``scores_at_config.DETERMINISTIC_DK = "keymajor"``, the key-major pass of :mod:`.scores_at_keymajor`)
+    instead of fp32 atomics in the row kernel; ``dq`` and ``dw`` are deterministic either way."""
+    check_triton_device(q_idx, k_idx, weights, indices, grad)
+    T, HI, DI = q_idx.shape
+    KS = indices.shape[1]
+    if T == 0 or KS == 0 or k_idx.shape[0] == 0:
+        return torch.zeros_like(q_idx), torch.zeros_like(k_idx), torch.zeros_like(weights)
+    q, k, w = prepare_operands(q_idx, k_idx, weights)
+    idx = indices.contiguous()
+    g = grad if grad.stride(-1) == 1 else grad.contiguous()
+    dq = torch.empty((T, HI, DI), dtype=q.dtype, device=q.device)
+    dw = torch.empty((T, HI), dtype=w.dtype, device=q.device)
+    cfg = _bwd_config(HI, DI, q.dtype == torch.float32)
+    ops = (q, k, w, idx, g, dq, dw, cfg)
+    if deterministic and scores_at_config.DETERMINISTIC_DK == "inverted":
+        dk = _dk_inverted(ops, T, KS)
+    else:
+        dk = torch.zeros((0 if deterministic else k.shape[0], DI), dtype=torch.float32, device=q.device)
+        _launch_bwd(ops, dk, (0, 0, dk.stride(0)), 0, T, 0 if deterministic else 1)
+    if deterministic and scores_at_config.DETERMINISTIC_DK == "keymajor":
         dk = scores_at_dk_keymajor(q, k, w, idx, g, _meta(q, cfg)["PRECISION"])
     return dq.to(q_idx.dtype), dk.to(k_idx.dtype), dw.to(weights.dtype)

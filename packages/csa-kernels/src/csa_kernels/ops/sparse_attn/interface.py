@@ -26,8 +26,9 @@ def sparse_attn(
 
     ``check_indices=False`` skips the checks that need a device -> host sync (``indices`` in ``[-1, Nkv)``, finite
     ``attn_sink``; both backends): the caller guarantees them, violations are undefined behaviour.
-    ``deterministic`` (Triton backend): ``True`` computes the backward's ``dkv`` without atomics (bitwise
-    reproducible), ``False`` with fp32 atomics, ``None`` (default) follows
+    ``deterministic`` (Triton backend): ``True`` computes the backward's ``dkv`` without atomics (per-pair rows
+    summed per kv row over an inverted index; bitwise reproducible, cost independent of index collisions),
+    ``False`` with fp32 atomics, ``None`` (default): ``launch_config.DETERMINISTIC_DEFAULT`` or
     ``torch.are_deterministic_algorithms_enabled()``. The reference backend is deterministic on CPU, and on CUDA
     under ``torch.use_deterministic_algorithms(True)``.
     """

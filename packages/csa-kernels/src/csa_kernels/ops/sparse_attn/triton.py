@@ -13,8 +13,9 @@ program loops only over ``ceil(count / BLOCK_N)`` blocks.
 
 Backward (``dL/dz = p * (dP - delta)``, ``delta = <do, o>``, ``dsink[h] = -sum_t exp(sink[h] - lse[t,h]) delta[t,h]``):
 two kernels, each one program per (token, head block), recompute ``p`` from the saved LSE. The first accumulates
-``dq`` in registers; the second adds ``dkv[idx] += scale * ds^T q + p^T do`` (K and V gradients of the shared row
-together) with fp32 atomics. Splitting keeps each kernel's fp32 accumulator ([64, 512] = half the register file) alone
+``dq`` in registers; the second (:mod:`.dkv_tokenmajor`) forms ``scale * ds^T q + p^T do`` per gathered row (K and
+V gradients of the shared row together) and adds it into ``dkv`` with fp32 atomics, or, deterministic, stores it per
+(token, slot) pair and reduces each kv row's pairs over an inverted index. Splitting keeps each kernel's fp32 accumulator ([64, 512] = half the register file) alone
 in registers, at the price of recomputing the two score GEMMs (7 GEMM passes instead of 5).
 """
 
@@ -27,7 +28,9 @@ import triton
 import triton.language as tl
 
 from csa_kernels._triton_utils import check_triton_device, interpreting, next_pow2
+from csa_kernels.ops.sparse_attn import launch_config
 from csa_kernels.ops.sparse_attn.dkv_keymajor import dkv_keymajor
+from csa_kernels.ops.sparse_attn.dkv_tokenmajor import dkv_atomic, dkv_inverted
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -187,95 +190,6 @@ def _sparse_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _sparse_attn_bwd_dkv_kernel(
-    Q,
-    KV,
-    DO,
-    LSE,
-    DELTA,
-    IDX,
-    CNT,
-    DKV,
-    stride_qt,
-    stride_qh,
-    stride_kvn,
-    stride_dot,
-    stride_doh,
-    stride_it,
-    stride_dkvn,
-    H,
-    scale,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """dkv[idx_j] += scale * ds_j^T q + p_j^T do (K and V gradients of the shared row) with fp32 atomics.
-
-    The head dim is streamed in chunks of BLOCK_DC (q / do chunks come from L2 twice per KV block) so that no
-    [64, 512] tile has to stay resident: registers hold only the [BLOCK_H, BLOCK_N] scores and one output chunk.
-    """
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    lse2 = tl.load(LSE + t * H + offs_h, mask=mask_h, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + t * H + offs_h, mask=mask_h, other=0.0)
-    qk_scale_log2 = scale * 1.4426950408889634
-    cnt = tl.load(CNT + t)
-    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    do_base = DO + t * stride_dot + offs_h[:, None] * stride_doh
-    for start in range(0, cnt, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < cnt
-        idx = tl.load(IDX + t * stride_it + offs_n, mask=valid, other=0).to(tl.int64)
-        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        dp = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        for c in tl.static_range(0, BLOCK_D, BLOCK_DC):
-            offs_c = c + tl.arange(0, BLOCK_DC)
-            mc = offs_c < D
-            qc = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None] & mc[None, :], other=0.0)
-            doc = tl.load(do_base + offs_c[None, :], mask=mask_h[:, None] & mc[None, :], other=0.0)
-            kvc = tl.load(
-                KV + idx[:, None] * stride_kvn + offs_c[None, :], mask=valid[:, None] & mc[None, :], other=0.0
-            )
-            if UPCAST:
-                qc = qc.to(tl.float32)
-                doc = doc.to(tl.float32)
-                kvc = kvc.to(tl.float32)
-            s = tl.dot(qc, tl.trans(kvc), s, input_precision=PRECISION)
-            dp = tl.dot(doc, tl.trans(kvc), dp, input_precision=PRECISION)
-        p = tl.exp2(s * qk_scale_log2 - lse2[:, None])
-        p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)  # [BLOCK_H, BLOCK_N]
-        ds = p * (dp - delta[:, None]) * scale
-        if UPCAST:
-            p_t = tl.trans(p)
-            ds_t = tl.trans(ds)
-        else:
-            p_t = tl.trans(p.to(KV.dtype.element_ty))
-            ds_t = tl.trans(ds.to(KV.dtype.element_ty))
-        for c in tl.static_range(0, BLOCK_D, BLOCK_DC):
-            offs_c = c + tl.arange(0, BLOCK_DC)
-            mc = offs_c < D
-            qc = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None] & mc[None, :], other=0.0)
-            doc = tl.load(do_base + offs_c[None, :], mask=mask_h[:, None] & mc[None, :], other=0.0)
-            if UPCAST:
-                qc = qc.to(tl.float32)
-                doc = doc.to(tl.float32)
-            dkv = tl.dot(p_t, doc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_DC]
-            dkv = tl.dot(ds_t, qc, dkv, input_precision=PRECISION)
-            tl.atomic_add(
-                DKV + idx[:, None] * stride_dkvn + offs_c[None, :],
-                dkv,
-                mask=valid[:, None] & mc[None, :],
-                sem="relaxed",
-            )
-
-
-@triton.jit
 def _delta_kernel(
     O,
     DO,
@@ -317,8 +231,6 @@ def compact_indices(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Benchmarks may pin a launch config here: (BLOCK_H, BLOCK_N, num_warps, num_stages) or None for the default.
 FWD_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
 BWD_CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
-# (BLOCK_N, BLOCK_DC, num_warps, num_stages) of the dkv kernel on the GPU.
-BWD_DKV_CONFIG: tuple[int, int, int, int] = (64, 128, 8, 1)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -414,8 +326,10 @@ def sparse_attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward kernels; returns ``(dq [T,H,D] q.dtype, dkv [Nkv,D] kv.dtype, dsink [H] fp32)``.
 
-    ``deterministic``: ``dkv`` from the atomic-free key-major pass (:mod:`.dkv_keymajor`, bitwise reproducible)
-    instead of the token-major kernel with fp32 atomics. ``dq`` and ``dsink`` are deterministic either way.
+    ``deterministic``: ``dkv`` without atomics, bitwise reproducible: the token-major kernel's pair rows reduced
+    per kv row over an inverted index (:mod:`.dkv_tokenmajor`; or, with ``launch_config.DETERMINISTIC_DKV =
+    "keymajor"``, the key-major pass of :mod:`.dkv_keymajor`) instead of the same kernel with fp32 atomics.
+    ``dq`` and ``dsink`` are deterministic either way.
     """
     T, H, D = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -447,28 +361,12 @@ def sparse_attn_bwd(
     _sparse_attn_bwd_dq_kernel[grid](
         *args, dq, pdp, *strides, dq.stride(0), dq.stride(1), H, softmax_scale, BLOCK_N=block_n, **meta
     )
-    if deterministic:
+    if not deterministic:
+        dkv32 = dkv_atomic(args, softmax_scale, dict(meta, BLOCK_N=block_n))
+    elif launch_config.DETERMINISTIC_DKV == "keymajor":
         dkv32 = dkv_keymajor(q, kv, do, lse, delta, indices, counts, softmax_scale, _precision(q))
     else:
-        dkv32 = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        if interpreting():
-            kv_bn, kv_dc, kv_warps, kv_stages = block_n, min(bd, 64), 4, 1
-        elif q.element_size() >= 4 and D > 256:  # fp32: the bf16 tiles would spill 512 B per thread
-            kv_bn, kv_dc, kv_warps, kv_stages = 16, 64, 8, 1
-        else:
-            kv_bn, kv_dc, kv_warps, kv_stages = BWD_DKV_CONFIG
-        meta.update(num_warps=kv_warps, num_stages=kv_stages)
-        _sparse_attn_bwd_dkv_kernel[grid](
-            *args,
-            dkv32,
-            *strides,
-            dkv32.stride(0),
-            H,
-            softmax_scale,
-            BLOCK_N=kv_bn,
-            BLOCK_DC=min(kv_dc, bd),
-            **meta,
-        )
+        dkv32 = dkv_inverted(args, softmax_scale, dict(meta, BLOCK_N=block_n))
     # dsink[h] = -sum_t p_sink[t,h] * <do, o>[t,h],  p_sink = exp(sink - lse); <do, o> = sum_j p dp in fp32
     dsink = -(torch.exp(attn_sink.float()[None, :] - lse) * pdp).sum(0)
     return dq, dkv32.to(kv.dtype), dsink
