@@ -12,6 +12,12 @@ Input ``x`` = the block input after ``attn_norm`` as packed token rows ``[T, d]`
     u  = linear_o_group_proj(o.view(T, n_h*c))                     # [T, g*d_g] block-diagonal wo_a
     y  = linear_proj(u)                                            # [T, d]     wo_b
 
+One forward for one rank and for a context-parallel rank: the layout gives the layer its attention plan
+(:mod:`dsv4_attention.attention_plan`: query rows -> global positions, the key rows and compressed entries to
+gather and from where, the indexer-loss count); a :class:`~dsv4_attention.layout.TokenLayout` is the trivial plan
+(``T`` rows, no communication), a context-parallel layout of ``P > 1`` ranks gives ``L = T / P`` query rows and
+``h + L`` key rows (``kv`` and the compressors read the halo as well).
+
 Positions restart per document. Per-layer RoPE (``AttentionConfig.rope``): plain base 10000 for window layers,
 the compress base + YaRN (no mscale) for CSA / HCA (:func:`rope_config_for_kind`). Every linear and norm may be
 injected (the megatron adapter :mod:`dsv4_attention.megatron` injects megatron / transformer-engine linears built
