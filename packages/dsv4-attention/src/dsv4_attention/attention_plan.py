@@ -18,8 +18,8 @@
   halo exchange, owned entries + one async all-gather, the kind's index maps, the streaming local top-k, the global
   valid-row count (:mod:`dsv4_attention.cp`).
 
-Every plan implements :class:`AttentionPlan`; the indexer loss of either is a partial under the one rule of
-:mod:`dsv4_primitives.cp_partial_loss` (the partials of the CP ranks add up to the CP=1 loss).
+Every plan implements :class:`AttentionPlan`; the indexer loss of either is a partial
+(:mod:`dsv4_primitives.cp_partial_loss`).
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ rank feeds the model.
   then the same contiguous slicing. At CP = 1 they stay ``[B, S]``.
 - Only the contiguous layout: zigzag (or any layout that gives a rank non-adjacent rows) would cut DSv4's
   compression groups (4 / 128 consecutive tokens) and its sliding window across non-neighbouring ranks.
-- Losses: every loss of a CP rank is its partial under the one rule of :mod:`dsv4_primitives.cp_partial_loss`
-  (the partials of the CP ranks add up to the CP=1 loss); the reported metrics are the global values
-  (:meth:`~dsv4_train.step.StepRunner.reduced_losses`).
+- Losses: every loss of a CP rank is its partial (:mod:`dsv4_primitives.cp_partial_loss`); the reported metrics
+  are the global values (:meth:`~dsv4_train.step.StepRunner.reduced_losses`).
 
 The trainer's one context-parallel module: the model side (its CP group, the MTP roll across rank edges) is
 ``hybrid_model.context_parallel`` / ``hybrid_model.mtp``, the attention side ``dsv4_attention.cp``.

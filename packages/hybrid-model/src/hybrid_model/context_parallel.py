@@ -3,8 +3,8 @@
 Layout (upstream §4.2 "contiguous", shared with dsv4-attention): CP rank ``r`` of ``P`` holds the rows
 ``[r·L, (r+1)·L)`` of one DP replica's global THD pack of ``T = P·L`` rows; every CP rank gets the *global*
 ``PackedSeqParams``. Every loss of a CP rank (LM, MTP, the attention's indexer loss) is its partial under the one
-rule of :mod:`dsv4_primitives.cp_partial_loss` (the partials of the CP ranks add up to the CP=1 loss); its
-:func:`cp_token_count` and :func:`cp_partial_mean` are the model's (and the trainer's) entry points. The batch each CP
+rule of :mod:`dsv4_primitives.cp_partial_loss`, whose :func:`cp_token_count` and :func:`cp_partial_mean` this
+module re-exports (public names of the model package). The batch each CP
 rank feeds the model is the trainer's (``dsv4_train.context_parallel``).
 """
 

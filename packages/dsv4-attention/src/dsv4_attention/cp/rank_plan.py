@@ -13,8 +13,7 @@ rank ``r`` (``x [L, d]`` local rows, the kind's :class:`~dsv4_attention.cp.plan.
     dense_student    = indexer_scores_at the loss set
     loss_count       = kp.loss_rows: the GLOBAL count of real rows with a visible entry (from the global layout)
 
-so the indexer loss a rank returns is its partial (:mod:`dsv4_primitives.cp_partial_loss`: the CP ranks' partials
-add up to the CP=1 loss). Masked rows contribute zeros that stay connected to the indexer's parameters: every
+so the indexer loss a rank returns is its partial (:mod:`dsv4_primitives.cp_partial_loss`). Masked rows contribute zeros that stay connected to the indexer's parameters: every
 rank's indexer gets a (possibly zero) gradient.
 """
 
