@@ -57,6 +57,9 @@ class AttentionPlan(Protocol):
     is_parallel: bool
 
     @property
+    def group(self): ...  # the CP process group (None: the trivial plan)
+
+    @property
     def query_positions(self) -> torch.Tensor: ...  # int64 [L] RoPE positions of the query rows
 
     @property
@@ -104,6 +107,7 @@ class SingleRankPlan:
     ratio: int
     halo: int = field(default=0, init=False)
     is_parallel: bool = field(default=False, init=False)
+    group: None = field(default=None, init=False)
 
     @property
     def query_positions(self) -> torch.Tensor:

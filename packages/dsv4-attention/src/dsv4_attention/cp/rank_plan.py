@@ -45,6 +45,10 @@ class ContextParallelPlan:
     is_parallel: bool = field(default=True, init=False)
 
     @property
+    def group(self):
+        return self.layout.group  # the CP process group
+
+    @property
     def halo(self) -> int:
         return self.kind_plan.halo
 
