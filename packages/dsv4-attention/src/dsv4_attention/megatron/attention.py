@@ -205,12 +205,9 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         y, loss = DSv4Attention.forward(
             self, x, layout, dense=self.dense_attention, indexer_loss_coeff=coeff or 0.0
         )  # [T, d] (under CP [L, d])
-        if (
-            loss is not None and coeff
-        ):  # under CP a partial: the tracker sums the partials over CP when it reduces
-            get_indexer_loss_tracker().save(
-                loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp
-            )
+        if loss is not None and coeff:  # under CP a partial: the tracker sums it over CP (reduce_group)
+            tracker = get_indexer_loss_tracker()
+            tracker.save(loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp)
         return from_tokens(y), None
 
     def _reject_unsupported(self, mask, kv_states, inference, rotary, bias, seq_offset) -> None:
