@@ -12,6 +12,12 @@ Input ``x`` = the block input after ``attn_norm`` as packed token rows ``[T, d]`
     u  = linear_o_group_proj(o.view(T, n_h*c))                     # [T, g*d_g] block-diagonal wo_a
     y  = linear_proj(u)                                            # [T, d]     wo_b
 
+One forward for one rank and for a context-parallel rank: the layout gives the layer its attention plan
+(:mod:`dsv4_attention.attention_plan`: query rows -> global positions, the key rows and compressed entries to
+gather and from where, the indexer-loss count); a :class:`~dsv4_attention.layout.TokenLayout` is the trivial plan
+(``T`` rows, no communication), a context-parallel layout of ``P > 1`` ranks gives ``L = T / P`` query rows and
+``h + L`` key rows (``kv`` and the compressors read the halo as well).
+
 Positions restart per document. Per-layer RoPE (``AttentionConfig.rope``): plain base 10000 for window layers,
 the compress base + YaRN (no mscale) for CSA / HCA (:func:`rope_config_for_kind`). Every linear and norm may be
 injected (the megatron adapter :mod:`dsv4_attention.megatron` injects megatron / transformer-engine linears built
@@ -27,9 +33,9 @@ import torch
 
 from dsv4_attention._linears import default_norm, linear_out, plain_linear
 from dsv4_attention._rope import rope
+from dsv4_attention.attention_plan import AttentionPlan
 from dsv4_attention.compressor import Compressor, CompressorConfig
 from dsv4_attention.core import CompressedSparseAttention, CoreAttentionConfig
-from dsv4_attention.cp.attention import forward_cp
 from dsv4_attention.cp.layout import ContextParallelLayout
 from dsv4_attention.grouped_projection import GroupedOutputProjection
 from dsv4_attention.indexer import IndexerConfig, LightningIndexer
@@ -218,43 +224,53 @@ class DSv4Attention(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [T, d]`` -> ``(y [T, d], indexer loss or None)`` (see the class docstring).
 
-        With a :class:`~dsv4_attention.cp.ContextParallelLayout` of CP size ``P > 1``, ``x`` is this rank's
-        ``[L, d]`` slice and the loss is this rank's partial (:mod:`dsv4_attention.cp.attention`).
+        One forward for every layout: ``layout`` gives the layer its
+        :class:`~dsv4_attention.attention_plan.AttentionPlan` (a :class:`~dsv4_attention.layout.TokenLayout` or a
+        single-rank ``ContextParallelLayout``: the trivial plan). With a
+        :class:`~dsv4_attention.cp.ContextParallelLayout` of CP size ``P > 1``, ``x`` is this rank's ``[L, d]`` slice
+        and the loss is this rank's partial (:mod:`dsv4_primitives.cp_partial_loss`).
         """
-        if isinstance(layout, ContextParallelLayout):
-            if layout.is_parallel:
-                return forward_cp(self, x, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff)
-            layout = layout.global_layout
-        return self.forward_tokens(x, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff)
+        plan = self.core_attention.plan(layout)
+        if plan.is_parallel or self.recompute.granularity != "selective":
+            return self._forward(x, plan, dense, indexer_loss_coeff)
+        with recompute_scope():  # saved copies of discarded activations become recompute handles
+            return self._forward(x, plan, dense, indexer_loss_coeff)
 
     def forward_tokens(
         self, x: torch.Tensor, layout: TokenLayout, *, dense: bool = False, indexer_loss_coeff: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer on packed token rows: ``x [T, d]`` -> ``(y [T, d], indexer loss or None)``."""
-        if self.recompute.granularity != "selective":
-            return self._forward_tokens(x, layout, dense, indexer_loss_coeff)
-        with recompute_scope():  # saved copies of discarded activations become recompute handles
-            return self._forward_tokens(x, layout, dense, indexer_loss_coeff)
+        """The layer on one rank's packed token rows: :meth:`forward` with a token layout."""
+        return DSv4Attention.forward(self, x, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff)
 
-    def _forward_tokens(self, x, layout, dense, indexer_loss_coeff):
-        rc = self.recompute
-        q_pre = linear_out(self.linear_q_down_proj, x)  # [T, d_c]
-        q_lat = self.q_layernorm(q_pre)  # [T, d_c] shared latent
+    def _forward(self, x, plan: AttentionPlan, dense: bool, indexer_loss_coeff: float):
+        """project -> (the plan's keys and entries) -> attend -> loss tail -> output projection."""
+        # selective recompute on one rank only (under CP the layer's regions would re-run collectives)
+        rc = NO_RECOMPUTE if plan.is_parallel else self.recompute
+        x_keys = plan.key_rows(x)  # [h + L, d] (one rank: x)
+        # the query side reads the local rows as a VIEW of x_keys: under CP the projections then keep one [h + L, d]
+        # buffer for backward instead of x_keys and a second copy of the local rows
+        x = x_keys[plan.halo :] if plan.halo else x_keys  # [L, d]
+        entries = None
+        if self.core_attention.compressor is not None and plan.is_parallel:
+            # launch the entries' gather first: it overlaps the query / key projections (one rank: the core runs
+            # its compressors itself, inside their recompute regions)
+            entries = plan.start_entries(self.core_attention, x_keys)
+        q_pre = linear_out(self.linear_q_down_proj, x)  # [L, d_c]
+        q_lat = self.q_layernorm(q_pre)  # [L, d_c] shared latent
         if rc.selects("layernorm") and torch.is_grad_enabled():
             discard(q_lat, lambda: self.q_layernorm(q_pre))  # the norm keeps its input; its output is rebuilt
-        up = lambda xx, ql: self._up_projections(xx, ql, layout)
+        up = lambda xx, ql: self._up_projections(xx, ql, plan)
         if rc.selects("mla_up_proj"):
-            q, kv = checkpoint_region(up, x, q_lat, discard_outputs=True)
+            q, kv = checkpoint_region(up, x_keys, q_lat, discard_outputs=True)
         else:
-            q, kv = up(x, q_lat)
+            q, kv = up(x_keys, q_lat)
 
         o, loss = self.core_attention(
-            q, kv, x, q_lat, layout, dense=dense, indexer_loss_coeff=indexer_loss_coeff
-        )  # [T, n_h, c]
+            q, kv, x_keys, q_lat, plan, dense=dense, indexer_loss_coeff=indexer_loss_coeff, entries=entries
+        )  # [L, n_h, c]
         if loss is not None:
             o = attach_indexer_loss(o, loss)
-        pos, max_pos = layout.rope_positions, layout.max_rope_position
-        return self.project_output(o, pos, max_pos), loss
+        return self.project_output(o, plan.query_positions, plan.max_position), loss
 
     def project_output(self, o: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
         """``o [T, n_h, c]`` -> ``y [T, d]``: inverse RoPE at the query ``positions [T]``, ``wo_a``, ``wo_b``
@@ -266,10 +282,12 @@ class DSv4Attention(torch.nn.Module):
         u = linear_out(self.linear_o_group_proj, o.reshape(t, self.num_heads * self.head_dim))  # [T, g*d_g]
         return linear_out(self.linear_proj, u)  # [T, d] (no bias)
 
-    def _up_projections(self, x, q_lat, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, n_h, c]`` (up-projection, weightless per-head RMSNorm, RoPE) and ``kv [T, c]`` (projection,
-        ``kv_layernorm``, RoPE): the ``mla_up_proj`` recompute region."""
-        return self.project_qkv(x, q_lat, layout.rope_positions, layout.max_rope_position)
+    def _up_projections(self, x_keys, q_lat, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [L, n_h, c]`` (up-projection, weightless per-head RMSNorm, RoPE at the query positions) and
+        ``kv [h + L, c]`` (projection, ``kv_layernorm``, RoPE at the key positions): the ``mla_up_proj`` recompute
+        region."""
+        pos, max_pos = plan.query_positions, plan.max_position
+        return self.project_q(q_lat, pos, max_pos), self.project_kv(x_keys, plan.key_positions, max_pos)
 
     def project_qkv(
         self, x: torch.Tensor, q_lat: torch.Tensor, pos: torch.Tensor, max_pos: int
@@ -277,16 +295,21 @@ class DSv4Attention(torch.nn.Module):
         """``q [T, n_h, c]`` and ``kv [T, c]`` of ``x [T, d]`` and its query latent ``q_lat [T, d_c]``, rotated at
         ``pos [T]`` (``max_pos``: a host bound of the positions). Also the queries and new KV rows of a cached
         decode step (:mod:`dsv4_attention.decode`)."""
-        t = x.shape[0]
+        return self.project_q(q_lat, pos, max_pos), self.project_kv(x, pos, max_pos)
+
+    def project_q(self, q_lat: torch.Tensor, pos: torch.Tensor, max_pos: int) -> torch.Tensor:
+        """``q [T, n_h, c]``: up-projection of the query latent ``q_lat [T, d_c]``, weightless per-head RMSNorm,
+        RoPE at ``pos [T]``."""
+        t = q_lat.shape[0]
         q = linear_out(self.linear_q_up_proj, q_lat)  # [T, n_h*c]
         q = rms_norm(q.view(t, self.num_heads, self.head_dim), None, self.eps)  # [T, n_h, c] no weight
         # in place: the norm saved its input, not this output
-        q = rope(q, pos, self.rope_cfg, max_position=max_pos, inplace=True)
-        kv = linear_out(self.linear_kv_proj, x)  # [T, c]
-        kv = rope(
-            self.kv_layernorm(kv), pos, self.rope_cfg, max_position=max_pos, inplace=True
-        )  # [T, c]  K = V
-        return q, kv
+        return rope(q, pos, self.rope_cfg, max_position=max_pos, inplace=True)
+
+    def project_kv(self, x: torch.Tensor, pos: torch.Tensor, max_pos: int) -> torch.Tensor:
+        """``kv [N, c]`` (K = V): projection of ``x [N, d]``, ``kv_layernorm``, RoPE at ``pos [N]``."""
+        kv = linear_out(self.linear_kv_proj, x)  # [N, c]
+        return rope(self.kv_layernorm(kv), pos, self.rope_cfg, max_position=max_pos, inplace=True)
 
 
 def build_core_attention(cfg: AttentionConfig, *, device=None) -> CompressedSparseAttention:

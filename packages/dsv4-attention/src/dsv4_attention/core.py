@@ -16,6 +16,11 @@ CSA layers also compute the indexer KL loss (§5.2; teacher = the main attention
 denominator, summed over heads, L1-normalised over the loss set; student = softmax of the index scores over the same
 set; dense phase or ``use_sparse_loss=False``: all visible entries, else the selected top-k), returned times the
 ``indexer_loss_coeff`` argument. The phase (``dense``) and the loss weight are arguments of ``forward``, not config.
+
+The rows come with an :class:`~dsv4_attention.attention_plan.AttentionPlan`: one rank's query rows, the key rows
+before them (a context-parallel halo), where the compressed entries and indexer keys come from, the index maps and
+the indexer-loss count. A :class:`~dsv4_attention.layout.TokenLayout` is the trivial single-rank plan; the same code
+runs every plan (``T`` above is then ``L`` query rows and ``h + L`` key rows).
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from typing import Literal
 
 import torch
 
-from dsv4_attention._kernels import attention_indices, sparse_attn, visible_compressed_indices, window_indices
+from dsv4_attention._kernels import attention_indices, sparse_attn
+from dsv4_attention.attention_plan import AttentionPlan, Entries, attention_plan
 from dsv4_attention.compressor import Compressor
+from dsv4_attention.cp.layout import ContextParallelLayout
 from dsv4_attention.indexer import IndexerState, LightningIndexer
 from dsv4_attention.indexer_kl import indexer_kl_sum
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
 from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
+from dsv4_primitives.cp_partial_loss import partial_loss
 from dsv4_primitives.recompute import NO_RECOMPUTE, RecomputeConfig, checkpoint_region
 
 BACKENDS = ("auto", "triton", "reference")
@@ -123,73 +131,64 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         kv: torch.Tensor,
         x: torch.Tensor,
         q_latent: torch.Tensor,
-        layout: TokenLayout,
+        layout: TokenLayout | AttentionPlan,
         *,
         dense: bool = False,
         indexer_loss_coeff: float = 1.0,
+        entries: Entries | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend.
 
         Args:
-            q: ``[T, n_h, c]`` rotated, normalised queries.
-            kv: ``[T, c]`` rotated shared key/value rows.
-            x: ``[T, d]`` block input (compressor and indexer input).
-            q_latent: ``[T, d_c]`` query latent ``cQ`` (indexer input).
-            layout: token layout (segments, positions, padding rows).
+            q: ``[L, n_h, c]`` rotated, normalised queries.
+            kv: ``[h + L, c]`` rotated shared key/value rows (``h``: the plan's halo; 0 on one rank, ``L = T``).
+            x: ``[h + L, d]`` block input of the key rows (compressor and indexer input).
+            q_latent: ``[L, d_c]`` query latent ``cQ`` (indexer input).
+            layout: a token layout (the trivial single-rank plan) or an
+                :class:`~dsv4_attention.attention_plan.AttentionPlan` (``DSv4Attention.forward`` passes its plan).
             dense: dense phase (CSA attends every visible entry; the indexer loss runs over all of them).
             indexer_loss_coeff: weight of the returned indexer loss.
+            entries: the plan's entries when already started (the layer starts them before its projections so a
+                context-parallel gather overlaps them); ``None``: started here.
         Returns:
-            ``o [T, n_h, c]`` (before the inverse RoPE) and the indexer loss (scalar, times the coefficient) or
-            ``None`` when no loss is computed (not CSA, eval mode or grad disabled).
+            ``o [L, n_h, c]`` (before the inverse RoPE) and the indexer loss (scalar, times the coefficient; under
+            context parallelism this rank's partial) or ``None`` when no loss is computed (not CSA, eval mode or
+            grad disabled).
         """
-        rc = self.recompute
+        plan = self.plan(layout)
+        # selective recompute on one rank only: a region runs its forward again in backward, and under CP the
+        # regions would hold collectives
+        rc = NO_RECOMPUTE if plan.is_parallel else self.recompute
         region = lambda name, fn, *args: checkpoint_region(fn, *args) if rc.selects(name) else fn(*args)
         if self.compressor is None:
-            return region("core_attn", lambda qq, kk: self._attend(qq, kk, layout, dense, False, 1.0), q, kv)
-        entries = region("compressor", self._compress, x, layout)  # [Tc, c]
-        kv_all = torch.cat((kv, entries.to(kv.dtype)), 0)  # [T + Tc, c]
+            return region("core_attn", lambda qq, kk: self._attend(qq, kk, plan, dense, False, 1.0), q, kv)
+        if entries is None:
+            entries = plan.start_entries(self, x)
+        comp = region("compressor", entries.compressed, x)  # [Tc, c]
+        kv_all = torch.cat((kv, comp.to(kv.dtype)), 0)  # [h + L + Tc, c]
         want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
         state = None
         if self.indexer is not None:
-            state = IndexerState(*region("indexer", self._index, x, q_latent, layout))
+            x_q = x[plan.halo :] if plan.halo else x  # [L, d] the query rows (a view)
+            state = IndexerState(*region("indexer", entries.indexer_state, x_q, q_latent))
         args = (q, kv_all) + ((state.q, state.k, state.weights) if state else ())
 
         def attend(qq, kk, *st):
             s = IndexerState(*st) if st else None
-            return self._attend(qq, kk, layout, dense, want_loss, indexer_loss_coeff, s)
+            return self._attend(qq, kk, plan, dense, want_loss, indexer_loss_coeff, s)
 
         return region("core_attn", attend, *args)
 
-    def _compress(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-        """The KV compressor's entries ``[Tc, c]`` (the ``compressor`` recompute region; their boundaries are
-        ``layout.bounds.compressed(ratio)``)."""
-        entries, _ = self.compressor(
-            x,
-            layout.bounds,
-            backend=self.backend,
-            position_offset=layout.position_offset,
-            max_position=layout.max_rope_position,
-        )
-        return entries
-
-    def _index(self, x: torch.Tensor, q_latent: torch.Tensor, layout: TokenLayout) -> tuple:
-        """The indexer's ``(q, k, weights)`` (the ``indexer`` recompute region)."""
-        st = self.indexer(
-            x,
-            q_latent,
-            layout.rope_positions,
-            layout.bounds,
-            backend=self.backend,
-            position_offset=layout.position_offset,
-            max_position=layout.max_rope_position,
-        )
-        return st.q, st.k, st.weights
+    def plan(self, layout: TokenLayout | ContextParallelLayout | AttentionPlan) -> AttentionPlan:
+        """This core's :class:`~dsv4_attention.attention_plan.AttentionPlan` on ``layout`` (its kind and window; a
+        plan is returned as it is)."""
+        return attention_plan(layout, self.kind, self.window)
 
     def _attend(
         self,
         q: torch.Tensor,
         kv_all: torch.Tensor,
-        layout: TokenLayout,
+        plan: AttentionPlan,
         dense: bool,
         want_loss: bool,
         indexer_loss_coeff: float,
@@ -199,33 +198,32 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
 
         ``want_loss`` is decided by the caller (a recompute region runs without autograd in forward and must still
         compute the same loss value)."""
-        t = q.shape[0]
+        n_keys = plan.halo + q.shape[0]  # token rows of kv_all (before the entries)
         # host boundaries: every op plans from their host copy (no device-to-host read); static ones (CUDA graphs):
         # device-side plans with capacity shapes
-        bounds = layout.bounds
         backend = self.backend
-        win = window_indices(bounds, self.window)  # [T, W]
+        win = plan.window_indices()  # [L, W] rows of the key buffer
         if self.compressor is None:
             o, _ = sparse_attn(
                 q, kv_all, self.attn_sink, win, self.softmax_scale, backend=backend, check_indices=False
             )
             return o, None
-        max_c = layout.max_compressed_entries(self.compress_ratio)  # host int (a capacity if static): no sync
         dense = self.indexer is None or dense
         topk_scores = None
         if dense:
-            comp = visible_compressed_indices(bounds, self.compress_ratio, max_c)  # [T, max_c]
+            comp = plan.visible_entries()  # [L, max_c]
         else:
             with torch.set_grad_enabled(want_loss and torch.is_grad_enabled()):
-                comp, topk_scores = self.indexer.select(state, bounds, backend=backend)  # [T, k]
-        idx = attention_indices(win, comp, t)  # [T, W + K] rows of kv_all
+                comp, topk_scores = plan.select_topk(self.indexer, state, backend, want_loss)  # [L, k]
+        idx = attention_indices(win, comp, n_keys)  # [L, W + K] rows of kv_all
         o, lse = sparse_attn(
             q, kv_all, self.attn_sink, idx, self.softmax_scale, backend=backend, check_indices=False
         )
         loss = None
         if want_loss:
-            kl = self._indexer_kl(q, kv_all, lse, comp, topk_scores, state, max_c, layout, dense)
-            loss = kl * indexer_loss_coeff
+            loss = (
+                self._indexer_kl(q, kv_all, lse, comp, topk_scores, state, plan, dense) * indexer_loss_coeff
+            )
         return o, loss
 
     def _indexer_kl(
@@ -236,25 +234,21 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
         comp: torch.Tensor,
         topk_scores: torch.Tensor | None,
         state: IndexerState,
-        max_c: int,
-        layout: TokenLayout,
+        plan: AttentionPlan,
         dense: bool,
     ) -> torch.Tensor:
-        """KL(teacher || softmax(index scores)) over the loss set, mean over real rows with entries.
+        """KL(teacher || softmax(index scores)) over the loss set, summed over the counted rows, divided by the
+        plan's count of them: the mean at CP=1, this rank's partial under CP (:func:`partial_loss`).
 
         Loss set: every visible entry (dense phase, or ``use_sparse_loss=False``), else the selected top-k. The
-        student logits come from ``indexer_scores`` (column = local entry, aligned with
-        ``visible_compressed_indices``) or are the top-k scores themselves.
+        student logits are the plan's dense scores (column aligned with the visible entries) or the top-k scores
+        themselves.
         """
-        t = q.shape[0]
-        backend = self.backend
         if dense or not self.cfg.use_sparse_loss:
-            loss_set = (
-                comp if dense else visible_compressed_indices(layout.bounds, self.compress_ratio, max_c)
-            )
-            student = self.indexer.scores(state, layout.bounds, max_c, backend=backend)  # [T, max_c]
+            loss_set = comp if dense else plan.visible_entries()  # [L, max_c]
+            student = plan.dense_student(self.indexer, state, loss_set, self.backend)  # [L, max_c]
         else:
-            loss_set, student = comp, topk_scores  # [T, k]
+            loss_set, student = comp, topk_scores  # [L, k]
         total, rows = indexer_kl_sum(
             q,
             kv_all,
@@ -263,8 +257,8 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
             loss_set,
             student,
             self.softmax_scale,
-            t,
-            layout.real_rows,
-            backend,
+            plan.halo + q.shape[0],
+            plan.real_rows,
+            self.backend,
         )
-        return total / rows.sum().clamp(min=1)
+        return partial_loss(total, plan.loss_count(rows))

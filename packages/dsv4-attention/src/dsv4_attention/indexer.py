@@ -142,17 +142,25 @@ class LightningIndexer(torch.nn.Module):
         the layer's boundaries (host ones: no device sync in the compressor).
         """
         x = x.detach()
-        q_latent = q_latent.detach()
-        t = x.shape[0]
-        q = linear_out(self.linear_wq_b, q_latent)  # [T, n_I*c_I]
-        q = rope(
-            q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg, max_position=max_position
-        )  # [T, n_I, c_I]
+        q, w = self.queries(x, q_latent, positions, max_position)  # [T, n_I, c_I], [T, n_I]
         k, _ = self.compressor(
             x, bounds, backend=backend, position_offset=position_offset, max_position=max_position
         )  # [Tc, c_I]
-        w = linear_out(self.linear_weights_proj, x)  # [T, n_I]
-        return IndexerState(q, k, w * self.weight_scale)
+        return IndexerState(q, k, w)
+
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, max_position: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query side of rows ``x [T, d]`` / ``q_latent [T, d_c]`` (both detached here): ``qI [T, n_I, c_I]``
+        rotated at ``positions [T]`` and the scaled weights ``wI [T, n_I]`` (the keys are the compressor's entries:
+        the layer's own at CP=1, the gathered global ones under context parallelism)."""
+        t = x.shape[0]
+        q = linear_out(self.linear_wq_b, q_latent.detach())  # [T, n_I*c_I]
+        q = rope(
+            q.view(t, self.n_heads, self.head_dim), positions, self.rope_cfg, max_position=max_position
+        )  # [T, n_I, c_I]
+        w = linear_out(self.linear_weights_proj, x.detach())  # [T, n_I]
+        return q, w * self.weight_scale
 
     def select(
         self, state: IndexerState, bounds: SeqBoundaries, backend: str = "auto"

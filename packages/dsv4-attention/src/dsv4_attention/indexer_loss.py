@@ -9,12 +9,15 @@ schedule sets ``scale`` every micro-batch through ``config.experimental_attentio
     scale = grad_scale_func(1)                                  if calculate_per_token_loss
     scale = grad_scale_func(1) * cp_size / num_microbatches     otherwise   (gradient accumulation)
 
+(under context parallelism the loss of a rank is its partial and ``cp_size`` its gradient scale:
+:mod:`dsv4_primitives.cp_partial_loss`).
+
 :class:`IndexerLossTracker` records the (unscaled, detached) loss per layer. Main layer ``n`` (1-based) uses slot
 ``n - 1``; MTP layer ``n`` uses slot ``num_layers + n - 1`` (MTP layers get their own slots). For logging,
 :meth:`IndexerLossTracker.reduce` sums across the pipeline group (ranks without an indexer take part with zeros,
-after negotiating a common tracker length), applies the optional CP reduce/avg groups, and averages over the
-data-parallel group, all taken from the explicit ``ProcessGroupCollection``; :meth:`IndexerLossTracker.track_metrics`
-then logs ``"indexer loss"`` = mean over the ratio-4 (CSA) layers.
+after negotiating a common tracker length), sums the CP partials over the optional ``reduce_group``, applies the
+optional ``avg_group`` and averages over the data-parallel group, all taken from the explicit
+``ProcessGroupCollection``; :meth:`IndexerLossTracker.track_metrics` then logs ``"indexer loss"`` = mean over the ratio-4 (CSA) layers.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+
+from dsv4_primitives.cp_partial_loss import sum_partials
 
 
 class IndexerLossAutoScaler(torch.autograd.Function):
@@ -156,8 +161,7 @@ class IndexerLossTracker:
         if dist.is_initialized():
             if pp is not None:
                 dist.all_reduce(vals, group=pp)
-            if self.reduce_group is not None:
-                dist.all_reduce(vals, group=self.reduce_group)
+            vals = sum_partials(vals, self.reduce_group)  # the CP partials of a layer: its replica's loss
             if self.avg_group is not None:
                 _all_reduce_mean(vals, self.avg_group)
             dp = getattr(pg_collection, "dp", None)

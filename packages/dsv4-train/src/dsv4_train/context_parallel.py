@@ -1,5 +1,5 @@
-"""``dsv4 train --cp N``: static contiguous context parallelism around the model (the attention side lives in
-dsv4-attention, ``dsv4_attention.cp``).
+"""``dsv4 train --cp N``: static contiguous context parallelism around the model: the groups and the batch each CP
+rank feeds the model.
 
 - Process groups: megatron's ``initialize_model_parallel(context_parallel_size=N)``; the model reads its CP group
   from ``ProcessGroupCollection.cp``; DP = world / (TP·PP·CP).
@@ -12,8 +12,11 @@ dsv4-attention, ``dsv4_attention.cp``).
   then the same contiguous slicing. At CP = 1 they stay ``[B, S]``.
 - Only the contiguous layout: zigzag (or any layout that gives a rank non-adjacent rows) would cut DSv4's
   compression groups (4 / 128 consecutive tokens) and its sliding window across non-neighbouring ranks.
-- Losses: per-rank partials over the CP group's token count (:mod:`hybrid_model.context_parallel`); the reported
-  metrics are the global values (:class:`~dsv4_train.step.StepRunner`).
+- Losses: every loss of a CP rank is its partial (:mod:`dsv4_primitives.cp_partial_loss`); the reported metrics
+  are the global values (:meth:`~dsv4_train.step.StepRunner.reduced_losses`).
+
+The trainer's one context-parallel module: the model side (its CP group, the MTP roll across rank edges) is
+``hybrid_model.context_parallel`` / ``hybrid_model.mtp``, the attention side ``dsv4_attention.cp``.
 """
 
 from __future__ import annotations

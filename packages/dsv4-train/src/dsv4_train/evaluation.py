@@ -17,7 +17,7 @@ over its rolled mask, the positions that have a ``t + 2`` target; under CP over 
 across the CP ranks' edges as in training); one all-reduce of the sums over the world adds the DP replicas, the CP
 ranks (each holds other rows of the same packs) and the EP ranks (which hold their own data) of the last pipeline
 stage, where the losses are; other stages add zeros. This is the token weighting of training (a CP rank's loss is
-its partial sum over the CP group's token count). ``eval_lm_loss = sum / tokens`` (nats per token) and ``eval_ppl = exp(eval_lm_loss)``, the
+its partial, :mod:`dsv4_primitives.cp_partial_loss`). ``eval_lm_loss = sum / tokens`` (nats per token) and ``eval_ppl = exp(eval_lm_loss)``, the
 same numbers at every parallel layout.
 
 Record, one line of ``metrics.jsonl`` after the step's training row (strict JSON; training rows never carry
@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from dsv4_primitives.cp_partial_loss import cp_token_count, loss_denominator
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import TrainConfig
 from dsv4_train.data import build_batches
 from dsv4_train.virtual_pipeline import ddp_chunks
-from hybrid_model.context_parallel import cp_token_count
 from hybrid_model.mtp import mtp_roll_left
 
 
@@ -88,9 +88,8 @@ class Evaluator:
             report = {"lm_sum": lm_sum, "lm_tokens": tokens}
             if core.mtp_process and core.last_mtp_loss is not None:
                 mtp_mask = mtp_roll_left(mask, lb.packed_seq_params, cp_group)
-                # the model's MTP loss is the sum over its rolled mask divided by the token count over CP (clamped
-                # at one token): this rank's partial under CP, the mean at CP = 1
-                denominator = cp_token_count(mtp_mask, cp_group).clamp(min=1.0)
+                # the model's MTP loss is a partial over its rolled mask: times its denominator, this rank's sum
+                denominator = loss_denominator(cp_token_count(mtp_mask, cp_group))
                 report["mtp_sum"] = core.last_mtp_loss.double() * denominator
                 report["mtp_tokens"] = mtp_mask.sum()
             return lm_sum / tokens.clamp(min=1.0), report

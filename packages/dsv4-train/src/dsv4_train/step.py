@@ -13,6 +13,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from dsv4_attention import get_indexer_loss_tracker
+from dsv4_primitives.cp_partial_loss import cp_partial_mean, sum_partials
 from dsv4_primitives.megatron import cuda_as_cpu, release_autograd_graphs
 from dsv4_train.config import TrainConfig
 from dsv4_train.context_parallel import local_batch
@@ -25,7 +26,6 @@ from dsv4_train.graph_data_parallel import (
 from dsv4_train.graph_packs import static_packed_seq_params
 from dsv4_train.virtual_pipeline import check_vpp_microbatches, ddp_chunks
 from hash_moe.megatron import update_selection_biases
-from hybrid_model.context_parallel import cp_partial_mean
 from hybrid_model.latent_attention import drain_dsa_indexer_losses
 from mhc.megatron import make_mhc_adjust_tensor_shapes_fn, mhc_folded_seq_length
 
@@ -129,9 +129,7 @@ class StepRunner:
 
         def loss_func(output):
 
-            # under CP this rank's partial over the CP group's token count (megatron multiplies it by the CP size,
-            # its DDP averages over DP x CP: the gradients equal CP=1's); reduced_losses sums the partials
-            loss = cp_partial_mean(output, loss_mask.float(), cp_group)
+            loss = cp_partial_mean(output, loss_mask.float(), cp_group)  # under CP this rank's partial
             report = {"lm loss": loss.detach().clone()}  # megatron divides the returned loss in place
             if unwrapped.mtp_process and unwrapped.last_mtp_loss is not None:
                 report["mtp loss"] = unwrapped.last_mtp_loss
@@ -272,9 +270,9 @@ class StepRunner:
         (sum, count) pairs over the world; each rank holds its own stage's layers and its own data); and the number
         of ranks whose gradients are not finite (``nonfinite_grads``, in the same all-reduce).
 
-        Under CP every loss of a rank is its partial (the CP ranks' partials add up to the replica's value): the
-        LM/MTP partials enter the world sums as they are with a count of ``1 / CP`` each, the per-layer balance and
-        indexer partials are summed over the CP group first (one small all-reduce), so every value is the global
+        Under CP every loss of a rank is its partial (:mod:`dsv4_primitives.cp_partial_loss`): the LM/MTP partials
+        enter the world sums as they are with a count of ``1 / CP`` each, the per-layer balance and indexer partials
+        are summed over the CP group first (``sum_partials``, one small all-reduce), so every value is the global
         one, equal to CP=1's."""
         keys = loss_keys(self.model_config.parsed_pattern.mtp_num_depths)
         local = torch.zeros(2 * len(keys) + 1, dtype=torch.float64, device=self.device)
@@ -286,21 +284,20 @@ class StepRunner:
             local[2 * i + 1] += len(values) * weight
 
         for key in ("lm loss", "mtp loss") + tuple(k.replace("_", " ") for k in keys[len(LOSS_KEYS) :]):
-            # CP partials: the CP values sum to one replica's loss
             add(key.replace(" ", "_"), [float(r[key]) for r in reports if key in r], 1.0 / self.cp_size)
         # per-layer trackers accumulate one value per micro-batch; layers of other stages stay 0
 
         moe_tracker = get_moe_metrics_tracker()
         entry = moe_tracker.metrics.get("seq_load_balancing_loss")
         if entry is not None:  # recorded as loss / coeff: report the applied (coefficient-scaled) loss
-            values = self._cp_summed(entry.values)
+            values = sum_partials(entry.values, self.cp_group)
             vals = values[values != 0].double() * self.tc.loss.balance_loss_coeff / num_microbatches
             add("balance_loss", vals.tolist())
         moe_tracker.clear()
         tracker = get_indexer_loss_tracker()
         vals = getattr(tracker, "values", None)
         if isinstance(vals, torch.Tensor) and vals.numel():
-            vals = self._cp_summed(vals)
+            vals = sum_partials(vals, self.cp_group)
             add("indexer_loss", (vals[vals != 0].double() / num_microbatches).tolist())
             tracker.clean()
 
@@ -313,11 +310,3 @@ class StepRunner:
             key: float(local[2 * i] / local[2 * i + 1]) for i, key in enumerate(keys) if local[2 * i + 1] > 0
         }
         return losses, int(local[-1])
-
-    def _cp_summed(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-layer partial losses summed over the CP group (a copy; ``values`` unchanged at CP = 1)."""
-        if self.cp_group is None:
-            return values
-        total = values.detach().clone()
-        dist.all_reduce(total, group=self.cp_group)
-        return total

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dsv4_primitives.cp_partial_loss import partial_loss
 from dsv4_primitives.varlen import document_ids
 
 
@@ -117,8 +118,8 @@ def sequence_balance_loss(
         num_sequences: ``D``.
         valid: ``[N]`` bool, False marks padding tokens.
         group: ranks holding other tokens of the same sequences (sequence/context parallel); the counts and
-            lengths are summed over it and each rank returns its partial loss (the partials add up to the full
-            loss).
+            lengths are summed over it and each rank returns its partial loss
+            (:mod:`dsv4_primitives.cp_partial_loss`: the partials add up to the full loss).
     """
     n, num_experts = scores.shape
     topk = experts.shape[1]
@@ -145,5 +146,5 @@ def sequence_balance_loss(
         t = lengths.clamp_min(1.0).unsqueeze(-1)
         f = counts * (num_experts / topk) / t  # [D, E]
     per_seq = (f * p_sum / t).sum(dim=-1)  # [D]
-    num_present = present.sum().clamp_min(1)
-    return coeff * (per_seq * present).sum() / num_present
+    # under a group, this rank's partial over the global count of sequences (dsv4_primitives.cp_partial_loss)
+    return partial_loss(coeff * (per_seq * present).sum(), present.sum())

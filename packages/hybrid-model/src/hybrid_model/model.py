@@ -33,8 +33,9 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from dsv4_attention.megatron import DSv4HybridAttention
 from dsv4_primitives import linear_cross_entropy, vocab_parallel_cross_entropy
+from dsv4_primitives.cp_partial_loss import cp_partial_mean, partial_loss_gradient_scale
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.context_parallel import context_parallel_group, cp_token_count
+from hybrid_model.context_parallel import context_parallel_group
 from hybrid_model.mtp import (
     DSv4MultiTokenPrediction,
     mtp_full_recompute,
@@ -297,24 +298,19 @@ class DSv4Model(HybridModel):
             else:
                 logits, _ = self.output_layer(h)  # [s, b, V]
                 per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
-            # under CP: this rank's partial (its rows' sum over the CP group's token count; the partials add up
-            # to the CP=1 loss)
-            losses.append((per_token * mask).sum() / cp_token_count(mask, cp).clamp(min=1.0))
+            losses.append(cp_partial_mean(per_token, mask, cp))  # under CP this rank's partial
         self.last_mtp_losses = [x.detach() for x in losses]
         self.last_mtp_loss = torch.stack(self.last_mtp_losses).mean()
-        # megatron's scaling: mtp_loss_scaling_factor / mtp_num_layers per depth. megatron scales the main and MoE
-        # losses by the CP size (its DDP averages gradients over DP x CP), not the MTP loss: scale it here so that
-        # CP=P gradients equal CP=1 gradients
-        scale = self._step_state.mtp_loss_weight / len(losses)
-        if cp is not None:
-            scale = scale * cp.size()
+        # megatron's scaling: mtp_loss_scaling_factor / mtp_num_layers per depth; its schedule does not scale the
+        # MTP loss by the CP size as it does the main and MoE losses, so the partial's gradient scale is applied here
+        scale = self._step_state.mtp_loss_weight / len(losses) * partial_loss_gradient_scale(cp)
         return MTPLossAutoScaler.apply(hidden, scale * torch.stack(losses).sum())
 
     @property
     def context_parallel_group(self):
         """The context-parallel group (``pg_collection.cp``) when its size is > 1, else ``None``. Under CP every
         forward takes this rank's contiguous rows ``[1, L]`` of a THD pack and the *global* ``packed_seq_params``;
-        ``last_mtp_loss`` is then this rank's partial (the partials of the CP ranks add up to the CP=1 loss)."""
+        ``last_mtp_loss`` is then this rank's partial (:mod:`dsv4_primitives.cp_partial_loss`)."""
 
         return context_parallel_group(self.pg_collection)
 

@@ -16,34 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_attention._kernels import indexer_scores_at
-from dsv4_attention._linears import linear_out
-from dsv4_attention._rope import rope
 from dsv4_attention.indexer import LightningIndexer
 
 
 @dataclass
 class LocalIndexerQueries:
-    """Local indexer queries ``q [L, n_I, c_I]`` and scaled weights ``w [L, n_I]``."""
+    """Local indexer queries ``q [L, n_I, c_I]`` and scaled weights ``w [L, n_I]`` (``LightningIndexer.queries`` of
+    the local rows)."""
 
     q: torch.Tensor
     weights: torch.Tensor
-
-
-def local_queries(
-    indexer: LightningIndexer,
-    x: torch.Tensor,
-    q_latent: torch.Tensor,
-    positions: torch.Tensor,
-    max_position: int,
-) -> LocalIndexerQueries:
-    """The indexer's query side on local rows (inputs detached, as at CP=1)."""
-    t = x.shape[0]
-    q = linear_out(indexer.linear_wq_b, q_latent.detach())  # [L, n_I*c_I]
-    q = rope(
-        q.view(t, indexer.n_heads, indexer.head_dim), positions, indexer.rope_cfg, max_position=max_position
-    )
-    w = linear_out(indexer.linear_weights_proj, x.detach())  # [L, n_I]
-    return LocalIndexerQueries(q, w * indexer.weight_scale)
 
 
 def scores_at(iq: LocalIndexerQueries, keys: torch.Tensor, ids: torch.Tensor, backend: str) -> torch.Tensor:

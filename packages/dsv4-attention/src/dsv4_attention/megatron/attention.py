@@ -195,31 +195,20 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         coeff = self.config.dsa_indexer_loss_coeff
         cp = getattr(self.pg_collection, "cp", None)
         if cp is not None and cp.size() > 1:  # static contiguous CP: local rows, global PackedSeqParams
-            cp_layout = packed_context_parallel_layout(hidden_states, packed_seq_params, cp)
-            y, loss = DSv4Attention.forward(
-                self,
-                hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2]),
-                cp_layout,
-                dense=self.dense_attention,
-                indexer_loss_coeff=coeff or 0.0,
-            )  # [L, d]
-            if (
-                loss is not None and coeff
-            ):  # a CP partial: the tracker sums the partials over CP when it reduces
-                get_indexer_loss_tracker().save(
-                    loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp
-                )
-            return y.unsqueeze(1), None
-        layout = token_layout(hidden_states, packed_seq_params)
-        y, loss = self.forward_tokens(
-            layout.to_tokens(hidden_states),
-            layout,
-            dense=self.dense_attention,
-            indexer_loss_coeff=coeff or 0.0,
-        )  # [T, d]
-        if loss is not None and coeff:
-            get_indexer_loss_tracker().save(loss, self.tracker_slot, self.config.tracker_num_layers)
-        return layout.from_tokens(y), None
+            layout = packed_context_parallel_layout(hidden_states, packed_seq_params, cp)
+            x = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2])  # [L, d]
+            from_tokens = lambda y: y.unsqueeze(1)
+        else:
+            cp = None
+            layout = token_layout(hidden_states, packed_seq_params)
+            x, from_tokens = layout.to_tokens(hidden_states), layout.from_tokens  # [T, d]
+        y, loss = DSv4Attention.forward(
+            self, x, layout, dense=self.dense_attention, indexer_loss_coeff=coeff or 0.0
+        )  # [T, d] (under CP [L, d])
+        if loss is not None and coeff:  # under CP a partial: the tracker sums it over CP (reduce_group)
+            tracker = get_indexer_loss_tracker()
+            tracker.save(loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp)
+        return from_tokens(y), None
 
     def _reject_unsupported(self, mask, kv_states, inference, rotary, bias, seq_offset) -> None:
         if mask is not None:

@@ -113,7 +113,7 @@ class _DSv4Router(Router):
         ``[1, L]`` and ``cu_seqlens`` the *global* documents clipped to the rank's rows (every rank keeps all ``D + 1``
         entries, documents without a row here being empty; :func:`hybrid_model.mtp.router_cu_seqlens`): the balance
         loss's per-document counts and lengths are then summed over the CP group and each rank returns its partial
-        (the partials add up to the CP=1 loss)."""
+        (:mod:`dsv4_primitives.cp_partial_loss`)."""
         self._input_ids = input_ids
         self._cu_seqlens = cu_seqlens
 
