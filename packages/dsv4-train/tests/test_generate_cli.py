@@ -53,6 +53,12 @@ def test_generate_from_a_train_run_equals_the_api(megatron_cpu, run_dir, capsys)
     model = load_megatron_checkpoint(run_dir, model_config=get_preset("tiny"))
     assert got["ids"] == generate(model, [[5, 6, 7], [9]], 6)
     assert got["text"] == [ByteTokenizer().decode(ids) for ids in got["ids"]]
+    static = _json(
+        capsys,
+        ["--checkpoint", str(run_dir), "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-new-tokens", "6"]
+        + ["--decode", "static"],
+    )
+    assert static["ids"] == got["ids"]
     text = _json(capsys, ["--checkpoint", str(run_dir), "--prompt", "def f(", "--max-new-tokens", "4"])
     assert text["ids"] == generate(model, [ByteTokenizer().encode("def f(")], 4)
 
@@ -76,6 +82,11 @@ def test_generate_from_an_hf_directory(megatron_cpu, run_dir, capsys):
             "exceeds the model's max_position_embeddings=4096",
         ),
         (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
+        pytest.param(
+            ["--prompt-ids", "1", "--decode", "graph"],
+            "needs the model on a CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CLI decodes on CUDA there"),
+        ),
     ],
 )
 def test_bad_inputs_exit_2_with_one_message(megatron_cpu, run_dir, capsys, argv, match):
