@@ -83,7 +83,7 @@ def measure_prefill(model, length: int, device: torch.device) -> dict:
     _reset_peak(device)
     _sync(device)
     t0 = time.perf_counter()
-    dec.extend([ids])
+    dec.extend([ids], last_only=True)
     _sync(device)
     dt = time.perf_counter() - t0
     return {
@@ -100,15 +100,14 @@ def measure_decode(model, batch: int, prompt: int, new: int, mode: str, device: 
     prompts = torch.randint(0, vocab, (batch, prompt)).tolist()
     dec = CachedDecoder(model, batch, prompt + new + 2)
     _reset_peak(device)
-    last = torch.stack([rows[-1] for rows in dec.extend(prompts)])  # [B, V]
+    last = torch.cat(dec.extend(prompts, last_only=True))  # [B, V]
     step = None if mode == "eager" else StaticDecodeStep(dec, cuda_graph=mode == "graph")
 
     def one(logits):
         tok = logits.argmax(-1)  # [B] on the device
         if step is not None:
             return step(tok)
-        rows = dec.extend([[t] for t in tok.tolist()])
-        return torch.stack([r[-1] for r in rows])
+        return torch.cat(dec.extend([[t] for t in tok.tolist()], last_only=True))
 
     for _ in range(2):
         last = one(last)

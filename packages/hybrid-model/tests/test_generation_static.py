@@ -84,3 +84,19 @@ def test_cuda_graph_decode_replays_the_static_step(megatron_cpu):
         )
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_last_only_logits_are_the_last_rows(megatron_cpu):
+    """``extend(last_only=True)`` runs the output layer on each sequence's last new row only (ragged, a 0 count)."""
+    model = tiny_model()
+    full, last = CachedDecoder(model, 3, 20), CachedDecoder(model, 3, 20)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    for a, b in zip(full.extend(prompts), last.extend(prompts, last_only=True)):
+        assert b.shape == (1, 512)
+        assert_close("last_only prefill", b, a[-1:])  # the head's GEMM on fewer rows: rounding only
+    feed = [[10, 11], [], [12]]
+    got = last.extend(feed, last_only=True)
+    assert [tuple(g.shape) for g in got] == [(1, 512), (0, 512), (1, 512)]
+    for a, b in zip(full.extend(feed), got):
+        if len(a):
+            assert_close("last_only step", b, a[-1:])

@@ -109,7 +109,7 @@ def generate(
         raise ValueError(f"decode must be one of {', '.join(map(repr, DECODE_MODES))}, got {decode!r}")
     # the last generated token is never fed back: the caches hold at most prompt + max_new_tokens - 1 tokens
     decoder = CachedDecoder(model, len(prompts), max(len(p) for p in prompts) + max_new_tokens - 1)
-    last = torch.stack([rows[-1] for rows in decoder.extend(prompts)])  # [B, V] prefill
+    last = torch.cat(decoder.extend(prompts, last_only=True))  # [B, V] prefill
     static = None if decode == "eager" else StaticDecodeStep(decoder, cuda_graph=decode == "graph")
     generator = sampling.generator(last.device)
     out: list[list[int]] = [[] for _ in prompts]
@@ -129,7 +129,7 @@ def generate(
             last = static(chosen_t)  # [B, V] the step's output buffer
             continue
         feed = [[seq[-1]] if alive else [] for seq, alive in zip(out, active)]
-        rows = decoder.extend(feed)
+        rows = decoder.extend(feed, last_only=True)
         last = torch.stack(
             [r[-1] if len(r) else prev for r, prev in zip(rows, last)]
         )  # finished rows: unused
