@@ -53,6 +53,12 @@ def test_generate_from_a_train_run_equals_the_api(megatron_cpu, run_dir, capsys)
     model = load_megatron_checkpoint(run_dir, model_config=get_preset("tiny"))
     assert got["ids"] == generate(model, [[5, 6, 7], [9]], 6)
     assert got["text"] == [ByteTokenizer().decode(ids) for ids in got["ids"]]
+    static = _json(
+        capsys,
+        ["--checkpoint", str(run_dir), "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-new-tokens", "6"]
+        + ["--decode", "static"],
+    )
+    assert static["ids"] == got["ids"]
     text = _json(capsys, ["--checkpoint", str(run_dir), "--prompt", "def f(", "--max-new-tokens", "4"])
     assert text["ids"] == generate(model, [ByteTokenizer().encode("def f(")], 4)
 
@@ -76,6 +82,11 @@ def test_generate_from_an_hf_directory(megatron_cpu, run_dir, capsys):
             "exceeds the model's max_position_embeddings=4096",
         ),
         (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
+        pytest.param(
+            ["--prompt-ids", "1", "--decode", "graph"],
+            "needs the model on a CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the CLI decodes on CUDA there"),
+        ),
     ],
 )
 def test_bad_inputs_exit_2_with_one_message(megatron_cpu, run_dir, capsys, argv, match):
@@ -83,3 +94,62 @@ def test_bad_inputs_exit_2_with_one_message(megatron_cpu, run_dir, capsys, argv,
     assert main(["generate", *where, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dsv4 generate: error: ") and match in err, err
+
+
+def test_generate_from_transformers_equals_its_full_forward_greedy(megatron_cpu, tmp_path, capsys):
+    """``dsv4 generate --checkpoint HFDIR --prompt-ids ...`` on a tiny random transformers DeepSeek-V4 (W C H, hash
+    MoE, mHC) continues the prompt as transformers' full forward (no cache) does greedily, up to near ties (a top-2
+    gap under twice the fp32 parity bound ends the comparison; the full oracle is hybrid-model's
+    ``test_generation_hf_oracle.py``)."""
+    import transformers
+
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=64,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=16,
+        q_lora_rank=16,
+        partial_rotary_factor=0.5,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=4,
+    )
+    torch.manual_seed(3)
+    hf_model = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.add_(
+                torch.randn(p.shape, generator=g)
+                * (1.0 if name.endswith(("sinks", "position_bias")) else 0.15)
+            )
+        for name, b in hf_model.named_buffers():
+            if name.endswith("tid2eid"):  # HF's placeholder table is all zeros: distinct experts per token
+                b.copy_(
+                    torch.stack([torch.randperm(8, generator=g)[: b.shape[1]] for _ in range(b.shape[0])])
+                )
+    hf_model.save_pretrained(tmp_path)
+    prompt = torch.randint(0, 64, (130,), generator=g).tolist()  # past the first ratio-128 block
+    got = _json(
+        capsys,
+        ["--checkpoint", str(tmp_path), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "12"],
+    )
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            logits = hf_model(torch.tensor([ids]), use_cache=False).logits[0, -1]  # [V]
+            top2 = logits.topk(2).values
+            if top2[0] - top2[1] < 2e-5 * max(1.0, float(logits.abs().max())):
+                break  # a near tie: the argmaxes may differ from here
+            ids.append(int(logits.argmax()))
+    assert len(ids) - len(prompt) >= 6, "near ties end the comparison too early"
+    assert got["ids"][0][: len(ids) - len(prompt)] == ids[len(prompt) :]

@@ -18,7 +18,7 @@ from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
 from dsv4_train.convert_cli import run_model_config
 from dsv4_train.setup import init_distributed
-from hybrid_model.generation import generate
+from hybrid_model.generation import DECODE_MODES, generate
 from hybrid_model.hf import load_hf_checkpoint, load_megatron_checkpoint
 from thd_packing import load_tokenizer
 
@@ -48,6 +48,13 @@ def add_generate_parser(sub) -> None:
     p.add_argument(
         "--tokenizer",
         help="HF tokenizers JSON file for --prompt and the text output (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--decode",
+        choices=DECODE_MODES,
+        default="eager",
+        help="how decode steps run: eager (host plans), static (static shapes, device-side lengths) or graph (the "
+        "static step as a CUDA graph; CUDA only); all give the same tokens (default: eager)",
     )
     p.add_argument(
         "--json", action="store_true", help='print {"ids": [[...]], "text": [...]} and nothing else'
@@ -120,6 +127,7 @@ def run_generate(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         on_token=on_token if stream else None,
+        decode=args.decode,
     )
     texts = [tokenizer.decode(ids) for ids in out] if tokenizer is not None else None
     if args.json:

@@ -5,6 +5,8 @@
 - :class:`AttentionCache`: one layer's cache (window ring; CSA / HCA compressor state and entries; CSA indexer keys
   and the top-k recomputed for every row); :meth:`AttentionCache.extend` returns the layer output of the new rows,
   equal to the training forward (the same modules and csa-kernels ops).
+- :func:`extend_static` (:meth:`AttentionCache.extend_static`): a lockstep decode step with device-side lengths and
+  static shapes (CUDA-graph capturable); :func:`bind_static_decode_step` binds it like :func:`bind_decode_step`.
 - :func:`bind_decode_step`: route a megatron ``DSv4HybridAttention`` through its cache (whole-model decoding:
   ``hybrid_model.generation``).
 - :func:`decode_cache_bytes`: a layer cache's size from the layer sizes; :func:`select_topk`: the top-k tie rule.
@@ -12,12 +14,13 @@
 
 from __future__ import annotations
 
-from dsv4_attention.decode.binding import bind_decode_step
+from dsv4_attention.decode.binding import bind_decode_step, bind_static_decode_step
 from dsv4_attention.decode.cache import AttentionCache, visible_entries
 from dsv4_attention.decode.compressed import CompressorCache
 from dsv4_attention.decode.indexer import IndexerCache, select_topk
 from dsv4_attention.decode.plan import ExtendPlan
 from dsv4_attention.decode.sizes import decode_cache_bytes
+from dsv4_attention.decode.static import extend_static
 from dsv4_attention.decode.window import WindowCache
 
 __all__ = [
@@ -27,7 +30,9 @@ __all__ = [
     "IndexerCache",
     "WindowCache",
     "bind_decode_step",
+    "bind_static_decode_step",
     "decode_cache_bytes",
+    "extend_static",
     "select_topk",
     "visible_entries",
 ]

@@ -18,6 +18,26 @@ from dsv4_attention.decode.cache import AttentionCache
 from dsv4_attention.decode.plan import ExtendPlan
 
 
+def _check_unbound(layer: torch.nn.Module) -> None:
+    if not hasattr(type(layer), "decode_step"):
+        raise ValueError(
+            f"{type(layer).__name__} has no decode_step hook: bind a dsv4_attention.megatron.DSv4HybridAttention "
+            "(a core DSv4Attention is decoded by calling AttentionCache.extend directly)"
+        )
+    if layer.decode_step is not None:
+        raise ValueError(
+            f"{type(layer).__name__} (layer {getattr(layer, 'layer_number', '?')}) is already bound"
+        )
+
+
+def _rows(hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+        raise ValueError(
+            f"a bound decode step takes the THD rows [R, 1, d] of its plan, got {tuple(hidden_states.shape)}"
+        )
+    return hidden_states[:, 0]
+
+
 @contextlib.contextmanager
 def bind_decode_step(
     layer: torch.nn.Module, cache: AttentionCache, plan: Callable[[], ExtendPlan]
@@ -30,26 +50,34 @@ def bind_decode_step(
         plan: returns the :class:`ExtendPlan` of the current call (read at every forward, so one binding serves a
             whole generation); the CSA phase is the layer's own (``dense_attention``).
     """
-    if not hasattr(type(layer), "decode_step"):
-        raise ValueError(
-            f"{type(layer).__name__} has no decode_step hook: bind a dsv4_attention.megatron.DSv4HybridAttention "
-            "(a core DSv4Attention is decoded by calling AttentionCache.extend directly)"
-        )
-    if layer.decode_step is not None:
-        raise ValueError(
-            f"{type(layer).__name__} (layer {getattr(layer, 'layer_number', '?')}) is already bound"
-        )
+    _check_unbound(layer)
 
     def step(attn: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
-            raise ValueError(
-                f"a bound decode step takes the THD rows [R, 1, d] of its plan, got {tuple(hidden_states.shape)}"
-            )
         dense = bool(getattr(attn, "dense_attention", False))
-        return cache.extend(attn, hidden_states[:, 0], plan(), dense=dense).unsqueeze(1)  # [R, 1, d]
+        return cache.extend(attn, _rows(hidden_states), plan(), dense=dense).unsqueeze(1)  # [R, 1, d]
 
     layer.decode_step = step
     try:
         yield
     finally:
         del layer.decode_step  # back to the class default (None): the training forward
+
+
+@contextlib.contextmanager
+def bind_static_decode_step(
+    layer: torch.nn.Module, cache: AttentionCache, lengths: torch.Tensor
+) -> Iterator[None]:
+    """Inside the block, ``layer``'s forward on ``[B, 1, d]`` (one row per sequence) is the static-shape step
+    :meth:`AttentionCache.extend_static` at the device positions ``lengths [B]`` (read when the forward runs, so
+    a captured CUDA graph replays with the values the buffer holds then)."""
+    _check_unbound(layer)
+
+    def step(attn: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        dense = bool(getattr(attn, "dense_attention", False))
+        return cache.extend_static(attn, _rows(hidden_states), lengths, dense=dense).unsqueeze(1)  # [B, 1, d]
+
+    layer.decode_step = step
+    try:
+        yield
+    finally:
+        del layer.decode_step

@@ -36,6 +36,7 @@ from dsv4_attention.attention import DSv4Attention
 from dsv4_attention.decode.compressed import CompressorCache
 from dsv4_attention.decode.indexer import IndexerCache
 from dsv4_attention.decode.plan import ExtendPlan
+from dsv4_attention.decode.static import extend_static
 from dsv4_attention.decode.window import WindowCache
 
 
@@ -83,6 +84,14 @@ class AttentionCache:
         self.indexer = (
             None if core.indexer is None else IndexerCache(core.indexer, batch, max_length, **buffers)
         )
+        # one key buffer [B W | B | B C, c]: the ring and the entries are views of it, the B rows between them a
+        # static decode step's new rows (extend_static attends it without concatenating)
+        ring = batch * core.window
+        entries = 0 if self.compressed is None else batch * self.compressed.capacity
+        self.keys = torch.zeros(ring + batch + entries, attn.head_dim, **buffers)  # [B W + B + B C, c]
+        self.window.kv = self.keys[:ring].view(self.window.kv.shape)
+        if self.compressed is not None:
+            self.compressed.entries = self.keys[ring + batch :].view(self.compressed.entries.shape)
 
     @property
     def batch(self) -> int:
@@ -90,7 +99,7 @@ class AttentionCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache's buffers."""
+        """Bytes held by the cache's buffers (the ``B`` step rows of :attr:`keys` not counted)."""
         parts = (self.window, self.compressed, self.indexer)
         return sum(p.nbytes for p in parts if p is not None)
 
@@ -129,7 +138,9 @@ class AttentionCache:
             if self.indexer is not None:
                 self.indexer.extend(core.indexer, x, plan, core.backend)
             if self.indexer is not None and not dense:
-                comp = self.indexer.select(core.indexer, x, q_lat, plan, pos, comp, core.backend)  # [R, k]
+                comp = self.indexer.select(
+                    core.indexer, x, q_lat, plan.max_position, pos, comp, core.backend
+                )  # [R, k]
             idx = attention_indices(idx, comp, self.batch * self.window.window + plan.num_rows)
             keys.append(entries.view(-1, entries.shape[-1]).to(kv.dtype))
         o, _ = sparse_attn(
@@ -145,3 +156,21 @@ class AttentionCache:
         self.window.append(kv, plan, pos, seq)
         self.lengths = plan.new_lengths
         return y
+
+    def extend_static(
+        self, attn: DSv4Attention, x: torch.Tensor, lengths: torch.Tensor, *, dense: bool = False
+    ) -> torch.Tensor:
+        """One static-shape decode step (:func:`~dsv4_attention.decode.static.extend_static`): one row per
+        sequence ``x [B, d]`` at the device positions ``lengths [B]``; returns ``[B, d]``. The host :attr:`lengths`
+        are not read or advanced (the caller keeps them: :meth:`advance`)."""
+        if attn.kind is not self.kind:
+            raise ValueError(f"this cache belongs to a {self.kind.name} layer, got a {attn.kind.name} layer")
+        return extend_static(self, attn, x, lengths, dense=dense)
+
+    def advance(self, lengths: tuple[int, ...]) -> None:
+        """Record the host lengths after static steps (the device lengths are the caller's)."""
+        if len(lengths) != self.batch or max(lengths) > self.max_length:
+            raise ValueError(
+                f"advance needs {self.batch} lengths of at most max_length={self.max_length}, got {lengths}"
+            )
+        self.lengths = tuple(int(n) for n in lengths)

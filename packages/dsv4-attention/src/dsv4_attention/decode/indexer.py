@@ -69,13 +69,13 @@ class IndexerCache:
         indexer: LightningIndexer,
         x: torch.Tensor,
         q_latent: torch.Tensor,
-        plan: ExtendPlan,
+        max_position: int,
         positions: torch.Tensor,
         visible: torch.Tensor,
         backend: str = "auto",
     ) -> torch.Tensor:
-        """The entries selected for the call's rows (``x [R, d]``, ``q_latent [R, d_c]`` at ``positions [R]``;
-        after :meth:`extend`): int64 ``[R, k]`` global rows of the ``[B * capacity]`` entry buffer (``-1`` = none).
+        """The entries selected for the call's rows (``x [R, d]``, ``q_latent [R, d_c]`` at ``positions [R]``,
+        ``max_position`` a host bound of them; after :meth:`extend`): int64 ``[R, k]`` global rows of the ``[B * capacity]`` entry buffer (``-1`` = none).
 
         ``visible [R, V]``: every visible entry of each row in increasing order (``-1`` after), global rows.
         """
@@ -84,7 +84,7 @@ class IndexerCache:
             return visible.new_full((visible.shape[0], k), -1)
         r = x.shape[0]
         q = linear_out(indexer.linear_wq_b, q_latent).view(r, indexer.n_heads, indexer.head_dim)
-        q = rope(q, positions, indexer.rope_cfg, max_position=plan.max_position)  # [R, n_I, c_I]
+        q = rope(q, positions, indexer.rope_cfg, max_position=max_position)  # [R, n_I, c_I]
         w = linear_out(indexer.linear_weights_proj, x) * indexer.weight_scale  # [R, n_I]
         keys = self.keys.entries.view(-1, self.keys.entries.shape[-1])  # [B * capacity, c_I]
         scores = indexer_scores_at(q, keys, w, visible, backend=backend, check_indices=False)  # [R, V]

@@ -4,6 +4,8 @@
   eos_token_id=None, on_token=None) -> list[list[int]]`` (the generated tokens of each prompt).
 - :class:`CachedDecoder`: the step API under it (``extend(tokens per sequence) -> logits of the new rows``), for
   teacher forcing, scoring or custom loops.
+- :class:`StaticDecodeStep`: a lockstep decode step on static shapes (device-side lengths), optionally captured in a
+  CUDA graph (``generate(decode="static" | "graph")``).
 - :class:`SamplingConfig`, :func:`next_tokens`: greedy / temperature / top-p choice.
 - :func:`check_generation_support`: what is supported (DSv4 ``W``/``C``/``H`` attention and ``E`` MoE on one
   process; megatron's own symbols are refused); :func:`generation_cache_bytes`: the caches' size.
@@ -13,14 +15,17 @@ from __future__ import annotations
 
 from hybrid_model.generation.cache_size import generation_cache_bytes
 from hybrid_model.generation.decoder import CachedDecoder
-from hybrid_model.generation.generate import generate
+from hybrid_model.generation.generate import DECODE_MODES, generate
 from hybrid_model.generation.sampling import SamplingConfig, next_tokens
+from hybrid_model.generation.static_step import StaticDecodeStep
 from hybrid_model.generation.support import SUPPORTED_SYMBOLS, check_generation_support
 
 __all__ = [
+    "DECODE_MODES",
     "SUPPORTED_SYMBOLS",
     "CachedDecoder",
     "SamplingConfig",
+    "StaticDecodeStep",
     "check_generation_support",
     "generate",
     "generation_cache_bytes",

@@ -64,9 +64,11 @@ class CachedDecoder:
         return sum(cache.nbytes for cache in self.caches)
 
     @torch.no_grad()
-    def extend(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def extend(self, tokens: Sequence[Sequence[int]], *, last_only: bool = False) -> list[torch.Tensor]:
         """Append ``tokens[b]`` to sequence ``b``; return each sequence's logits ``[len(tokens[b]), V]`` (fp32)
-        at the new positions (the model runs in eval mode for the call)."""
+        at the new positions (the model runs in eval mode for the call). ``last_only``: only each sequence's last
+        new position ``[1, V]`` (``[0, V]`` for a sequence given no token): the output layer runs on those rows
+        only (a prefill of ``B`` prompts of ``T`` tokens would otherwise form ``B T x V`` logits)."""
         if self._broken:
             raise ValueError(
                 "an earlier extend() failed part-way; the caches are inconsistent: make a new CachedDecoder"
@@ -95,10 +97,30 @@ class CachedDecoder:
         with contextlib.ExitStack() as bound:
             for layer, cache in zip(self.layers, self.caches):
                 bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan))
+            if last_only:
+                ends = [end - 1 for count, end in zip(plan.counts, plan.row_starts[1:]) if count]
+                bound.enter_context(_head_rows(self.model, torch.tensor(ends, device=device)))
             self.model.eval()
             try:
                 logits = self.model(ids, None, None, packed_seq_params=psp)[0].float()  # [R, V]
             finally:
                 self.model.train(was_training)
         self.lengths, self._broken = plan.new_lengths, False
+        if last_only:
+            rows = iter(logits)
+            return [next(rows)[None] if count else logits[:0] for count in plan.counts]
         return [logits[a:b] for a, b in zip(plan.row_starts, plan.row_starts[1:])]
+
+
+@contextlib.contextmanager
+def _head_rows(model, rows: torch.Tensor):
+    """Inside the block, the model's output layer sees only the hidden rows ``rows`` (of ``[s, 1, d]``)."""
+
+    def select(_module, args, kwargs):
+        return (args[0].index_select(0, rows), *args[1:]), kwargs
+
+    handle = model.output_layer.register_forward_pre_hook(select, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -15,7 +15,11 @@ import torch
 
 from hybrid_model.generation.decoder import CachedDecoder
 from hybrid_model.generation.sampling import SamplingConfig, next_tokens
+from hybrid_model.generation.static_step import StaticDecodeStep
 from hybrid_model.generation.support import check_generation_support
+
+#: ``generate(decode=...)``: how the decode steps run
+DECODE_MODES = ("eager", "static", "graph")
 
 
 def _check_prompts(prompt_ids, vocab_size: int, max_positions: int, max_new_tokens) -> list[list[int]]:
@@ -61,6 +65,7 @@ def generate(
     *,
     eos_token_id: int | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    decode: str = "eager",
 ) -> list[list[int]]:
     """Continue every prompt by up to ``max_new_tokens`` tokens with cached decoding.
 
@@ -78,6 +83,10 @@ def generate(
         eos_token_id: a sequence stops after generating this token (it is included in the output).
         on_token: streaming callback ``on_token(sequence_index, token_id)``, called for every generated token in
             order (per step: sequence 0 first).
+        decode: how the decode steps run (the prefill is always one eager call): ``"eager"`` (host plans; a
+            finished sequence is no longer fed), ``"static"`` (:class:`~hybrid_model.generation.StaticDecodeStep`:
+            every sequence fed each step, device-side lengths, no host reads), ``"graph"`` (``"static"`` captured
+            in a CUDA graph; CUDA only). All three give the same tokens (fp32: the same logits within 1e-5).
     Returns:
         the generated tokens of each sequence (prompts not included).
     Raises:
@@ -96,14 +105,18 @@ def generate(
         raise ValueError(
             f"eos_token_id must be None or a token id in [0, {cfg.vocab_size}), got {eos_token_id!r}"
         )
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(map(repr, DECODE_MODES))}, got {decode!r}")
     # the last generated token is never fed back: the caches hold at most prompt + max_new_tokens - 1 tokens
     decoder = CachedDecoder(model, len(prompts), max(len(p) for p in prompts) + max_new_tokens - 1)
-    last = torch.stack([rows[-1] for rows in decoder.extend(prompts)])  # [B, V] prefill
+    last = torch.cat(decoder.extend(prompts, last_only=True))  # [B, V] prefill
+    static = None if decode == "eager" else StaticDecodeStep(decoder, cuda_graph=decode == "graph")
     generator = sampling.generator(last.device)
     out: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
     for step in range(max_new_tokens):
-        chosen = next_tokens(last, sampling, generator).tolist()  # [B]
+        chosen_t = next_tokens(last, sampling, generator)  # [B] on the logits' device
+        chosen = chosen_t.tolist()
         for b, tok in enumerate(chosen):
             if active[b]:
                 out[b].append(tok)
@@ -112,8 +125,11 @@ def generate(
                 active[b] = tok != eos_token_id
         if step + 1 == max_new_tokens or not any(active):
             break
+        if static is not None:  # every sequence fed (a finished one: its logits are unused)
+            last = static(chosen_t)  # [B, V] the step's output buffer
+            continue
         feed = [[seq[-1]] if alive else [] for seq, alive in zip(out, active)]
-        rows = decoder.extend(feed)
+        rows = decoder.extend(feed, last_only=True)
         last = torch.stack(
             [r[-1] if len(r) else prev for r, prev in zip(rows, last)]
         )  # finished rows: unused

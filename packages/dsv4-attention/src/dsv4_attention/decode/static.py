@@ -1,0 +1,129 @@
+"""Static-shape decode step of one layer (:func:`extend_static`): one new token for EVERY sequence, the lengths a
+device tensor, no host reads, so a whole-model step can be captured in a CUDA graph (issue 37).
+
+The eager :meth:`AttentionCache.extend <dsv4_attention.decode.cache.AttentionCache.extend>` takes a host
+:class:`~dsv4_attention.decode.plan.ExtendPlan` (any counts, prefill included): its shapes (visible entries up to the
+longest sequence, which entries a call completes) and its per-sequence compressor loop depend on host lengths. In
+lockstep decoding (``counts`` all 1) every shape is fixed by ``B`` and the cache capacity, so with ``n = lengths
+[B]`` (device int64, the position of each new row) the same math runs on fixed shapes::
+
+    keys     the layer's combined key buffer [B W | B | B C, c]: ring, this step's rows, entries (no concatenation)
+    window   slot j of row b: s = n_b - W + 1 + j;  s = n_b -> B W + b;  0 <= s < n_b -> b W + s mod W;  s < 0 -> -1
+    comp     every entry w < C = capacity, visible iff w < floor((n_b + 1) / m)  (-1 otherwise; HCA and dense CSA)
+             CSA: the indexer's top-k over the same C columns (invisible -> -inf, never selected)
+    held     the new projected row at slot n_b - start(n_b) (held rows keep the eager layout: positions
+             [start(L), L)); a block completes iff (n_b + 1) mod m = 0, its entry w = (n_b + 1) / m - 1 pooled from
+             the held rows as one document (CSA: blocks w - 1 and w, the document's entry 1; entry 0 when w = 0;
+             HCA: block w) with csa-kernels' compressor_pool on [H, B, Dk], normed, rotated at w m and written
+             where complete; CSA then moves block w to the front of the held rows (w >= 1)
+    RoPE     every table sized by the capacity (max_position = max_length - 1, a host constant)
+
+so the outputs equal the eager step's (the same ops on the same rows; only the masked tails of the index lists are
+longer). Refused: a sequence at its capacity (the caller checks the host lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_attention._kernels import attention_indices, compressor_pool_sbhd, sparse_attn
+from dsv4_attention._linears import linear_out
+from dsv4_attention._rope import rope
+from dsv4_attention.compressor import Compressor
+from dsv4_attention.decode.compressed import CompressorCache
+
+
+def static_window_indices(lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """int32 ``[B, W]``: the window slots of each sequence's new row at position ``lengths[b]`` as rows of the
+    combined key buffer (module docstring)."""
+    b = torch.arange(lengths.shape[0], device=lengths.device)[:, None]  # [B, 1]
+    s = lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)[None, :]  # [B, W] key positions
+    idx = torch.where(s == lengths[:, None], lengths.shape[0] * window + b, b * window + s.remainder(window))
+    return torch.where(s >= 0, idx, -1).to(torch.int32)
+
+
+def static_visible_entries(lengths: torch.Tensor, ratio: int, capacity: int) -> torch.Tensor:
+    """int64 ``[B, C]``: every entry slot ``b * C + w`` of each sequence, ``-1`` unless ``w < floor((n_b + 1) /
+    m)`` (spec §3.4; the static form of :func:`~dsv4_attention.decode.cache.visible_entries`)."""
+    w = torch.arange(capacity, device=lengths.device)[None, :]  # [1, C]
+    rows = torch.arange(lengths.shape[0], device=lengths.device)[:, None] * capacity + w  # [B, C]
+    return torch.where(w < ((lengths + 1) // ratio)[:, None], rows, -1)
+
+
+def compress_static(
+    cache: CompressorCache,
+    compressor: Compressor,
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    max_position: int,
+    backend: str = "auto",
+) -> None:
+    """Consume one row per sequence ``x [B, d]`` at positions ``lengths [B]``: hold its projections, emit the
+    entries the step completes (module docstring)."""
+    m, bsz = cache.ratio, x.shape[0]
+    b = torch.arange(bsz, device=x.device)
+    block = lengths // m * m
+    start = (block - m).clamp(min=0) if cache.overlap else block
+    slot = lengths - start  # [B]
+    cache.held_kv[b, slot] = linear_out(compressor.linear_wkv, x).to(cache.held_kv.dtype)  # [B, Dk]
+    cache.held_score[b, slot] = linear_out(compressor.linear_wgate, x).to(cache.held_score.dtype)
+    doc = compressor_pool_sbhd(
+        cache.held_kv.transpose(0, 1).contiguous(),
+        cache.held_score.transpose(0, 1).contiguous(),
+        compressor.ape,
+        m,
+        cache.overlap,
+        backend=backend,
+    )  # [H / m, B, c] fp32
+    w = (lengths + 1) // m - 1  # [B] the entry a completing step emits
+    complete = (lengths + 1) % m == 0  # [B]
+    pooled = torch.where((w == 0)[:, None], doc[0], doc[-1]) if cache.overlap else doc[0]  # [B, c]
+    entry = w.clamp(min=0)
+    out = rope(compressor.norm(pooled), entry * m, compressor.rope_cfg, max_position=max_position)  # at w * m
+    if cache.capacity:  # (no block completes within a capacity of 0 entries)
+        current = cache.entries[b, entry]  # [B, c]
+        cache.entries[b, entry] = torch.where(complete[:, None], out.to(cache.entries.dtype), current)
+    if cache.overlap:  # the completed block becomes the held previous block
+        shift = (complete & (w >= 1))[:, None, None]
+        cache.held_kv[:, :m] = torch.where(shift, cache.held_kv[:, m:], cache.held_kv[:, :m])
+        cache.held_score[:, :m] = torch.where(shift, cache.held_score[:, m:], cache.held_score[:, :m])
+
+
+@torch.no_grad()
+def extend_static(
+    cache, attn, x: torch.Tensor, lengths: torch.Tensor, *, dense: bool = False
+) -> torch.Tensor:
+    """The layer output ``[B, d]`` of one new row per sequence ``x [B, d]`` at positions ``lengths [B]`` (device
+    int64; the caller advances them after the step). ``cache``: the layer's
+    :class:`~dsv4_attention.decode.cache.AttentionCache`; ``dense``: CSA's dense phase."""
+    core = attn.core_attention
+    bsz, ring = cache.batch, cache.window
+    if x.dim() != 2 or x.shape[0] != bsz or lengths.shape != (bsz,):
+        raise ValueError(
+            f"a static decode step takes one row per sequence: x [{bsz}, d] and lengths [{bsz}], got "
+            f"{tuple(x.shape)} and {tuple(lengths.shape)}"
+        )
+    max_position = cache.max_length - 1
+    q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [B, d_c]
+    q, kv = attn.project_qkv(x, q_lat, lengths, max_position)  # [B, n_h, c], [B, c]
+    offset = bsz * ring.window
+    cache.keys[offset : offset + bsz] = kv.to(cache.keys.dtype)  # this step's rows
+    idx = static_window_indices(lengths, ring.window)  # [B, W]
+    if cache.compressed is not None:
+        compress_static(cache.compressed, core.compressor, x, lengths, max_position, core.backend)
+        comp = static_visible_entries(lengths, cache.compressed.ratio, cache.compressed.capacity)  # [B, C]
+        if cache.indexer is not None:
+            compress_static(
+                cache.indexer.keys, core.indexer.compressor, x, lengths, max_position, core.backend
+            )
+            if not dense:
+                comp = cache.indexer.select(
+                    core.indexer, x, q_lat, max_position, lengths, comp, core.backend
+                )  # [B, k]
+        idx = attention_indices(idx, comp, offset + bsz)
+    o, _ = sparse_attn(
+        q, cache.keys, core.attn_sink, idx, core.softmax_scale, backend=core.backend, check_indices=False
+    )  # [B, n_h, c]
+    y = attn.project_output(o, lengths, max_position)  # [B, d]
+    ring.kv[torch.arange(bsz, device=x.device), lengths.remainder(ring.window)] = kv.to(ring.kv.dtype)
+    return y
