@@ -14,10 +14,12 @@ import json
 import sys
 from pathlib import Path
 
+from dsv4_train.atomic_save import CheckpointSaveError
 from dsv4_train.config import TrainConfig
 from dsv4_train.convert_cli import add_convert_parser, run_convert
 from dsv4_train.flags import add_config_flags, config_from_flags, given_flags
 from dsv4_train.generate_cli import add_generate_parser, run_generate
+from dsv4_train.lost_rank import RankLost
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
 from dsv4_train.setup import check_run
@@ -36,7 +38,7 @@ def _train_parser(sub) -> None:
         description="Train a DSv4 preset with megatron-core. Every flag maps onto a field of a TrainConfig section; "
         "flags given on the command line win over a --config file. Exit codes: 0 completed; 130 / 143 interrupted "
         "by SIGINT / SIGTERM (a checkpoint of the last step is saved: continue with --resume); 1 failed (e.g. the "
-        "run diverged); 2 invalid settings.",
+        "run diverged, a checkpoint could not be saved, a rank was lost); 2 invalid settings or a damaged checkpoint.",
     )
     p.add_argument(
         "--config",
@@ -94,8 +96,10 @@ def _cmd_train(args) -> int:
         raise
     try:
         metrics = trainer.run()
-    except TrainingDiverged as e:
+    except (TrainingDiverged, CheckpointSaveError) as e:
         print(f"dsv4 train: error: {e}", file=sys.stderr)
+        return 1
+    except RankLost:  # printed by the rank that found it (dsv4_train.lost_rank)
         return 1
     finally:
         trainer.close()
