@@ -129,7 +129,9 @@ def test_failed_save_keeps_latest_and_resume_is_exact(runs):
     assert runs["fail_losses"] == runs["ref"]  # the failed save changed nothing of the training itself
     msg = runs["enospc"]
     assert f"saving the checkpoint of step 4 into {ckpt / 'iter_0000004'} failed" in msg, msg
-    assert "([Errno 28] No space left on device)" in msg and f"{ckpt / 'latest'} still names iter_0000002" in msg
+    assert (
+        "([Errno 28] No space left on device)" in msg and f"{ckpt / 'latest'} still names iter_0000002" in msg
+    )
     assert "\n" not in msg
     for key in ("after_enospc", "after_interrupt"):  # nothing partial or half-published
         assert runs[key] == ["iter_0000002", "latest"], (key, runs[key])
@@ -185,7 +187,9 @@ def test_damaged_checkpoint_is_refused_naming_the_file(runs, name):
 def test_init_from_and_convert_refuse_a_damaged_checkpoint(runs, capsys, tmp_path):
     out = _damaged(runs, "flip-init", _flip)
     t = None
-    with pytest.raises(ValueError, match=r"^--init-from .*: checkpoint .*iter_0000004: its file __0_0.distcp was"):
+    with pytest.raises(
+        ValueError, match=r"^--init-from .*: checkpoint .*iter_0000004: its file __0_0.distcp was"
+    ):
         t = _trainer(out=str(tmp_path / "new"), init_from=out, save_interval=0)
         try:
             t.run()

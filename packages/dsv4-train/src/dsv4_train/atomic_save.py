@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_train.ckpt_integrity import checkpoint_files, file_entries, write_manifest
+from dsv4_train.lost_rank import kill_self, test_kill_point
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -157,6 +158,7 @@ def save_atomically(
     latest = checkpoints / "latest"
     error: BaseException | None = None
     published, logged = False, _WriterErrors()
+    rank_of_world = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         try:
             checkpoints.mkdir(parents=True, exist_ok=True)
@@ -171,9 +173,11 @@ def save_atomically(
                     write_shards(tmp)
             except (Exception, KeyboardInterrupt, CheckpointException) as e:
                 error = e
+            if test_kill_point(rank_of_world, "save") == step:  # the fault tests' hook (dsv4_train.lost_rank)
+                kill_self()
             if not _any_failed(error is not None):
                 # each rank hashes the shard files it wrote (``__{rank}_*``); rank 0 the rest
-                mine = f"__{dist.get_rank() if dist.is_initialized() else 0}_"
+                mine = f"__{rank_of_world}_"
                 try:
                     entries = file_entries(tmp, [n for n in checkpoint_files(tmp) if n.startswith(mine)])
                 except OSError as e:

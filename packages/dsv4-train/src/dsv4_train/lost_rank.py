@@ -8,8 +8,9 @@ count did not move are lost, and :meth:`RankWatch.explain` gives the :class:`Ran
 rank prints it at once, since torchrun's agent terminates the survivors once it notices the lost worker).
 
 Test hook (only for the fault tests, documented in the README): ``DSV4_TRAIN_TEST_KILL_RANK_AT_STEP=R:N`` makes
-rank ``R`` send itself SIGKILL at the start of step ``N`` (1-based, as the progress lines count), i.e. between
-the others' collectives of that step.
+rank ``R`` send itself SIGKILL at the start of step ``N`` (1-based, as the progress lines count: the others then
+wait for it in that step's gradient reduction); ``R:N:save`` in the checkpoint save of step ``N``, after its shard
+files are written and before the ranks agree to publish them.
 """
 
 from __future__ import annotations
@@ -27,24 +28,30 @@ import torch.distributed as dist
 HEARTBEAT_S = 1.0
 #: heartbeats a rank may miss before it counts as lost
 PROBE_BEATS = 3
-#: the test hook: ``R:N`` = rank R kills itself (SIGKILL) at the start of step N
+#: the test hook: ``R:N`` = rank R kills itself (SIGKILL) at the start of step N, ``R:N:save`` in its save
 KILL_HOOK_ENV = "DSV4_TRAIN_TEST_KILL_RANK_AT_STEP"
+KILL_POINTS = ("step", "save")
 
 
 class RankLost(RuntimeError):
     """A rank of the run stopped responding (or a collective timed out); already printed by the rank that found it."""
 
 
-def test_kill_step(rank: int) -> int | None:
-    """The step at which :data:`KILL_HOOK_ENV` asks this rank to kill itself (``None``: never)."""
+def test_kill_point(rank: int, point: str) -> int | None:
+    """The step at whose ``point`` (``"step"``: its start, ``"save"``: its checkpoint save) :data:`KILL_HOOK_ENV`
+    asks this rank to kill itself (``None``: never)."""
     spec = os.environ.get(KILL_HOOK_ENV)
     if not spec:
         return None
+    parts = spec.split(":")
     try:
-        r, n = (int(x) for x in spec.split(":"))
-    except ValueError as e:
-        raise ValueError(f"{KILL_HOOK_ENV}={spec!r}: expected RANK:STEP, e.g. 1:3") from e
-    return n if r == rank else None
+        r, n = int(parts[0]), int(parts[1])
+        where = parts[2] if len(parts) == 3 else "step"
+        if len(parts) > 3 or where not in KILL_POINTS:
+            raise ValueError(where)
+    except (ValueError, IndexError) as e:
+        raise ValueError(f"{KILL_HOOK_ENV}={spec!r}: expected RANK:STEP or RANK:STEP:save, e.g. 1:3") from e
+    return n if r == rank and where == point else None
 
 
 def kill_self() -> None:

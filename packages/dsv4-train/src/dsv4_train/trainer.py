@@ -43,7 +43,7 @@ from dsv4_train.cuda_graph import use_capture_stream
 from dsv4_train.determinism import prepare_deterministic_environment
 from dsv4_train.evaluation import Evaluator
 from dsv4_train.gloo_cuda import host_staged_collectives
-from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_step
+from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_point
 from dsv4_train.model_config import model_config_for
 from dsv4_train.outputs import RunOutputs
 from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
@@ -94,7 +94,9 @@ class Trainer:
         check_world(tc, self.world)
         # several processes: a heartbeat, so that the survivors of a lost rank can name it (dsv4_train.lost_rank)
         self.watch = RankWatch(self.rank, self.world) if self.world > 1 else None
-        self._kill_at = test_kill_step(self.rank)  # the fault tests' hook (DSV4_TRAIN_TEST_KILL_RANK_AT_STEP)
+        self._kill_at = test_kill_point(
+            self.rank, "step"
+        )  # the fault tests' hook (DSV4_TRAIN_TEST_KILL_RANK_AT_STEP)
         if not self.resuming and (tc.checkpoint.overwrite or tc.checkpoint.resume == "auto"):
             dist.barrier()  # every rank has looked at the directory before rank 0 clears it
             if self.rank == 0:
@@ -127,6 +129,7 @@ class Trainer:
             destroy_model_parallel(keep=self._groups_before)
             raise
         self.step = 0
+        self._current = 1  # the step the loop is at (its training, evaluation and save)
         self.metrics: list[dict] = []
         self.interrupted_by: int | None = None  # the signal that stopped the run (its checkpoint is saved)
         self.nonfinite_steps = 0  # steps skipped for a non-finite loss or gradient (in total)
@@ -335,6 +338,7 @@ class Trainer:
 
         tc = self.tc
         resumed = self.resuming and self.load_checkpoint()
+        self._current = self.step + 1
         if not resumed and tc.checkpoint.init_from:
             self.load_model_weights(tc.checkpoint.init_from)
         self._announce_start(resumed)
@@ -376,13 +380,14 @@ class Trainer:
             else "no checkpoint was saved yet"
         )
         return self.watch.explain(
-            error, step=self.step + 1, timeout_s=self.tc.parallel.dist_timeout, latest=kept
+            error, step=self._current, timeout_s=self.tc.parallel.dist_timeout, latest=kept
         )
 
     def _loop(self, outputs: RunOutputs, peak: float) -> None:
         """The steps, evaluations and saves of :meth:`run`."""
         tc = self.tc
         while self.step < tc.schedule.steps:
+            self._current = self.step + 1  # the step this iteration trains, evaluates and saves
             batch = next(self.batches)
             t0 = time.perf_counter()
             m = self._train_step(batch)
