@@ -107,10 +107,14 @@ def runs(tmp_path_factory):
         mp.undo()
         t.close()
 
+    killed = tmp / "fail" / "checkpoints" / ".iter_0000003.partial"  # what a save killed outright leaves
+    killed.mkdir()
+    (killed / "__0_0.distcp").write_bytes(b"\0" * 100)
     t = _trainer(out=str(tmp / "fail"), resume=True)  # continues from step 2
     try:
         res["resumed"] = [m["lm_loss"] for m in t.run()]
         res["resumed_steps"] = [m["step"] for m in t.metrics]
+        res["after_resume"] = sorted(p.name for p in (tmp / "fail" / "checkpoints").iterdir())
         # the format before manifests: megatron's files, the run config and latest (what the earlier save wrote)
         legacy = tmp / "legacy" / "checkpoints" / "iter_0000004"
         legacy.mkdir(parents=True)
@@ -139,6 +143,11 @@ def test_failed_save_keeps_latest_and_resume_is_exact(runs):
     # the resumed run trains steps 3 and 4 from the step-2 checkpoint: bitwise the uninterrupted run's losses
     assert runs["resumed_steps"] == [3, 4]
     assert runs["resumed"] == runs["ref"][2:]
+    assert runs["after_resume"] == [
+        "iter_0000002",
+        "iter_0000004",
+        "latest",
+    ]  # the killed save's leftovers: gone
     manifest = read_manifest(ckpt / "iter_0000004")
     assert {"__0_0.distcp", ".metadata", "metadata.json", TRAIN_CONFIG_FILE} <= set(manifest)
     shard = ckpt / "iter_0000004" / "__0_0.distcp"
@@ -212,3 +221,10 @@ def test_checkpoint_without_manifest_loads_with_a_note(runs, capsys):
     assert f"dsv4 train: note: checkpoint {out}/checkpoints/iter_0000004 has no {MANIFEST_FILE}" in printed
     assert not (out / "checkpoints" / "iter_0000004" / MANIFEST_FILE).exists()
     assert json.loads((out / "checkpoints" / "iter_0000004" / TRAIN_CONFIG_FILE).read_text())["data"]
+
+
+def test_dist_timeout_flag(capsys, tmp_path):
+    assert TrainConfig.from_flat().parallel.dist_timeout == 600.0
+    assert TrainConfig.from_flat(dist_timeout=30).parallel.dist_timeout == 30
+    assert main(["train", "--dist-timeout", "0", "--out", str(tmp_path / "run")]) == 2
+    assert "--dist-timeout must be > 0 seconds, got 0" in capsys.readouterr().err
