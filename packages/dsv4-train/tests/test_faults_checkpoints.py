@@ -151,7 +151,7 @@ def test_failed_save_keeps_latest_and_resume_is_exact(runs):
     manifest = read_manifest(ckpt / "iter_0000004")
     assert {"__0_0.distcp", ".metadata", "metadata.json", TRAIN_CONFIG_FILE} <= set(manifest)
     shard = ckpt / "iter_0000004" / "__0_0.distcp"
-    assert manifest["__0_0.distcp"] == {"bytes": shard.stat().st_size, "blake2b": file_digest(shard)}
+    assert manifest["__0_0.distcp"] == {"bytes": shard.stat().st_size, "sha256": file_digest(shard)}
 
 
 def _damaged(runs, name: str, damage) -> str:
@@ -175,7 +175,7 @@ def _truncate(d):
 
 
 DAMAGES = {
-    "flip": (_flip, "its file __0_0.distcp was altered (its blake2b-256 digest differs"),
+    "flip": (_flip, "its file __0_0.distcp was altered (its sha256 digest differs"),
     "truncate": (_truncate, "its file __0_0.distcp is truncated ("),
     "delete-shard": (lambda d: (d / "__0_0.distcp").unlink(), "its file __0_0.distcp is missing"),
     "delete-manifest": (lambda d: (d / MANIFEST_FILE).unlink(), f"its {MANIFEST_FILE} is missing"),

