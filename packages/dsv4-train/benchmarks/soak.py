@@ -53,7 +53,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--interval", type=int, default=100, help="evaluate and save every N steps")
-    p.add_argument("--warmup", type=int, default=300, help="steps before the slope is measured")
+    p.add_argument("--warmup", type=int, default=500, help="steps before the slope is measured")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--pattern", default=None, help="layer pattern replacing tiny's (e.g. W- for a fast step)")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -168,7 +168,11 @@ def _agree_on_damage(message: str | None) -> str | None:
     return next((m for m in found if m), None)
 
 
-def verify_loaded(path: Path, *, what: str, remedy: str | None = None, note=print) -> bool:
+def _note(line: str) -> None:
+    print(f"dsv4 train: note: {line}", flush=True)
+
+
+def verify_loaded(path: Path, *, what: str, remedy: str | None = None, note=_note) -> bool:
     """:func:`verify_checkpoint` of the checkpoint ``path`` that ``what`` (``--init-from X``, ``dsv4 convert``)
     is about to load, shared over the ranks of the default process group when there is one (every rank raises
     the same ``ValueError``); ``note`` (rank 0) receives the line for a checkpoint without manifest.
@@ -183,7 +187,7 @@ def verify_loaded(path: Path, *, what: str, remedy: str | None = None, note=prin
         fix = remedy or "load another checkpoint (e.g. an older iter_XXXXXXX of that run)"
         raise CheckpointDamaged(f"{what}: {damage}; it cannot be loaded: {fix}")
     if not verified and rank == 0 and note is not None:
-        note(f"dsv4: note: {unverified_note(path)}")
+        note(unverified_note(path))
     return verified
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def _cmd_train(args) -> int:
             out.rmdir()
         raise
     try:
-        metrics = trainer.run()
+        trainer.run()
     except (TrainingDiverged, CheckpointSaveError) as e:
         print(f"dsv4 train: error: {e}", file=sys.stderr)
         return 1
@@ -110,13 +111,13 @@ def _cmd_train(args) -> int:
                 f"{tc.checkpoint.out}/checkpoints: continue with --resume"
             )
         return 128 + int(trainer.interrupted_by)
-    lm = [m for m in metrics if m.get("lm_loss") is not None]
+    lm = [x for x in trainer.lm_losses if math.isfinite(x)]  # every step's (metrics keeps the newest only)
     if lm and trainer.is_logger:
-        first, last = lm[0]["lm_loss"], lm[-1]["lm_loss"]
-        trend = loss_trend(metrics)
+        first, last = lm[0], lm[-1]
+        trend = loss_trend([{"lm_loss": x} for x in lm])
         skipped = f", {trainer.nonfinite_steps} non-finite steps skipped" if trainer.nonfinite_steps else ""
         print(
-            f"dsv4 train: {len(metrics)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
+            f"dsv4 train: {len(trainer.lm_losses)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
             f"outputs in {tc.checkpoint.out}"
         )
     return 0

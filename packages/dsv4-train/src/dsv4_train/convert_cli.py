@@ -72,12 +72,14 @@ def train_checkpoint(src: Path) -> Path | None:
     return src if (src / TRAIN_CONFIG_FILE).is_file() else None
 
 
-def verify_train_checkpoint(src: Path, what: str) -> None:
+def verify_train_checkpoint(src: Path, what: str, command: str) -> None:
     """The checksums of the ``dsv4 train`` checkpoint that ``src`` names, before ``what`` loads it (``ValueError``
     naming a damaged file; a note on stderr for a checkpoint saved without checksums)."""
     ckpt = train_checkpoint(src)
     if ckpt is not None:
-        verify_loaded(ckpt, what=what, note=lambda line: print(line, file=sys.stderr))
+        verify_loaded(
+            ckpt, what=what, note=lambda line: print(f"dsv4 {command}: note: {line}", file=sys.stderr)
+        )
 
 
 def run_model_config(src: Path) -> DSv4ModelConfig | None:
@@ -114,7 +116,7 @@ def run_convert(args) -> int:
         cfg = run_model_config(src)
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
-    verify_train_checkpoint(src, f"dsv4 convert {src}")
+    verify_train_checkpoint(src, f"dsv4 convert {src}", "convert")
     files = convert_megatron_to_hf(
         src, out, model_config=cfg, max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite
     )

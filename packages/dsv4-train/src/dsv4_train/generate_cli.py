@@ -85,7 +85,7 @@ def _load_model(path: Path, device: torch.device):
             f"--checkpoint {path} is neither an HF checkpoint (config.json) nor a megatron dist checkpoint or dsv4 "
             "train run (metadata.json, checkpoints/latest)"
         )
-    verify_train_checkpoint(path, f"dsv4 generate --checkpoint {path}")
+    verify_train_checkpoint(path, f"dsv4 generate --checkpoint {path}", "generate")
     init_distributed()  # megatron's checkpoint reader needs a process group (one local process)
     with cuda_as_cpu():
         return load_megatron_checkpoint(path, device, model_config=run_model_config(path))

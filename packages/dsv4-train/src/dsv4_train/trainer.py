@@ -19,6 +19,8 @@ import json
 import math
 import signal
 import time
+from array import array
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -65,6 +67,10 @@ from hybrid_model.flops import forward_flops_from_stats
 from hybrid_model.mixers.gdn import check_gdn_training
 from hybrid_model.mixers.registry import check_packed_graph_pattern
 
+#: per-step metric rows a :class:`Trainer` keeps in memory (the newest; every row is in ``metrics.jsonl``), so that
+#: a long run's memory does not grow with its step count (a row is about 1.5 KB)
+METRICS_KEPT = 1000
+
 
 class Trainer:
     """Builds everything from a :class:`TrainConfig`; :meth:`run` trains and returns the per-step metrics."""
@@ -92,8 +98,6 @@ class Trainer:
         apply_cpu_shims()
         self.rank, self.world = init_distributed(tc.parallel.dist_backend, tc.parallel.dist_timeout)
         check_world(tc, self.world)
-        # several processes: a heartbeat, so that the survivors of a lost rank can name it (dsv4_train.lost_rank)
-        self.watch = RankWatch(self.rank, self.world) if self.world > 1 else None
         self._kill_at = test_kill_point(
             self.rank, "step"
         )  # the fault tests' hook (DSV4_TRAIN_TEST_KILL_RANK_AT_STEP)
@@ -117,6 +121,8 @@ class Trainer:
             staging.__enter__()
             self._unstage = functools.partial(staging.__exit__, None, None, None)
         self._previous_stream = None
+        # several processes: a heartbeat, so that the survivors of a lost rank can name it (dsv4_train.lost_rank)
+        self.watch = RankWatch(self.rank, self.world) if self.world > 1 else None
         try:
             self._build(tc, ps)
         except BaseException:  # leave no half-initialised megatron state behind
@@ -130,7 +136,9 @@ class Trainer:
             raise
         self.step = 0
         self._current = 1  # the step the loop is at (its training, evaluation and save)
-        self.metrics: list[dict] = []
+        self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)  # the newest rows (all in metrics.jsonl)
+        # every step's LM loss on this rank (NaN when absent or not finite; 8 bytes a step): the run summary
+        self.lm_losses = array("d")
         self.interrupted_by: int | None = None  # the signal that stopped the run (its checkpoint is saved)
         self.nonfinite_steps = 0  # steps skipped for a non-finite loss or gradient (in total)
         self._nonfinite_run: list[int] = []  # the current run of consecutive non-finite steps
@@ -219,7 +227,7 @@ class Trainer:
                 device=self.device,
                 world=self.world,
             )
-        self.eval_metrics: list[dict] = []
+        self.eval_metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
 
     @property
     def _graphed(self):
@@ -335,6 +343,7 @@ class Trainer:
             )
 
     def run(self) -> list[dict]:
+        """Train to ``--steps``; the per-step metrics of this process (the newest :data:`METRICS_KEPT`)."""
 
         tc = self.tc
         resumed = self.resuming and self.load_checkpoint()
@@ -366,7 +375,7 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
             outputs.close()
-        return self.metrics
+        return list(self.metrics)
 
     def _explain_failure(self, error: Exception):
         """Several processes: the :class:`~dsv4_train.lost_rank.RankLost` error naming the rank that stopped
@@ -398,6 +407,8 @@ class Trainer:
             m["mfu"] = flops.training / dt / peak / self.world
             m["step_time_s"] = dt
             self.metrics.append(m)
+            lm = m.get("lm_loss")
+            self.lm_losses.append(lm if lm is not None else math.nan)
             outputs.log(m)
             self._count_nonfinite(m, outputs)
             if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
