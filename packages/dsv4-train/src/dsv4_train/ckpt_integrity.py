@@ -154,8 +154,8 @@ def env_share() -> tuple[int, int]:
 
 def unverified_note(path: Path) -> str:
     return (
-        f"checkpoint {path} has no {MANIFEST_FILE} (saved before checkpoints recorded checksums): loading it "
-        "unverified"
+        f"checkpoint {path} has no {MANIFEST_FILE} (saved before dsv4 train recorded checksums, or not by dsv4 "
+        "train): loading it unverified"
     )
 
 
