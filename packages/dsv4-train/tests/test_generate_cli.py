@@ -37,7 +37,8 @@ def run_dir(tmp_path_factory):
     (ck / MODEL_CONFIG_FILE).unlink()  # as dsv4 train writes it: the model comes from the run config
     (ck / TRAIN_CONFIG_FILE).write_text(json.dumps(TrainConfig.from_flat().to_dict()))
     (ck.parent / "latest").write_text(ck.name)
-    write_manifest(ck, file_entries(ck, checkpoint_files(ck)))  # its checksums, written last like dsv4 train's
+    # its checksums, written last like dsv4 train's
+    write_manifest(ck, file_entries(ck, checkpoint_files(ck)))
     return run
 
 
