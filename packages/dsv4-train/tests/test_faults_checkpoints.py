@@ -228,3 +228,31 @@ def test_dist_timeout_flag(capsys, tmp_path):
     assert TrainConfig.from_flat(dist_timeout=30).parallel.dist_timeout == 30
     assert main(["train", "--dist-timeout", "0", "--out", str(tmp_path / "run")]) == 2
     assert "--dist-timeout must be > 0 seconds, got 0" in capsys.readouterr().err
+
+
+def test_cli_reports_a_failed_save_in_one_line(monkeypatch, capsys, tmp_path):
+    """``dsv4 train`` whose (final) save runs out of disk space: exit 1, one error line naming the checkpoint path,
+    no partial directory, no ``latest``."""
+    monkeypatch.setattr(
+        filesystem_async, "_write_item", _failing_writer(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    )
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--pattern",
+        "W-",
+        "--seq-len",
+        "32",
+        "--global-batch-size",
+        "1",
+        "--micro-batch-size",
+        "1",
+    ]
+    assert main([*argv, "--steps", "1", "--no-progress", "--out", str(out)]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("dsv4 train:")]
+    assert err == [
+        f"dsv4 train: error: saving the checkpoint of step 1 into {out}/checkpoints/iter_0000001 failed ([Errno 28] "
+        "No space left on device); nothing was published (there is no earlier checkpoint): fix the cause (e.g. free "
+        "disk space) and start again with --resume auto"
+    ], err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == []

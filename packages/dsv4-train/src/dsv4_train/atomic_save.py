@@ -202,15 +202,17 @@ def save_atomically(
         return final
     if isinstance(error, KeyboardInterrupt):
         raise error
-    kept = (
-        f"{latest} still names {latest.read_text().strip()}"
-        if latest.is_file()
-        else "no checkpoint was saved"
-    )
+    if latest.is_file():  # every suggested command works: --resume needs a checkpoint, --resume auto does not
+        kept = (
+            f"{latest} still names {latest.read_text().strip()}): fix the cause (e.g. free disk space) and "
+        )
+        kept += "continue with --resume"
+    else:
+        kept = "there is no earlier checkpoint): fix the cause (e.g. free disk space) and start again with "
+        kept += "--resume auto"
     cause = describe_failure(error, logged.messages) if error is not None else "another rank failed"
     raise CheckpointSaveError(
-        f"saving the checkpoint of step {step} into {final} failed ({cause}); nothing was published ({kept}): "
-        "fix the cause (e.g. free disk space) and continue with --resume"
+        f"saving the checkpoint of step {step} into {final} failed ({cause}); nothing was published ({kept}"
     ) from error
 
 

@@ -116,9 +116,10 @@ class RankWatch:
             return None
         return [r for r in range(self.world) if r != self.rank and (after[r] == before[r] or after[r] < 0)]
 
-    def explain(self, error: BaseException, *, step: int, timeout_s: float, latest: str) -> RankLost | None:
-        """The :class:`RankLost` for ``error`` raised during step ``step`` (printed now, on stderr), or ``None``
-        when every rank still beats and ``error`` is no timeout (then it is not a lost rank's doing)."""
+    def explain(self, error: BaseException, *, step: int, timeout_s: float, then: str) -> RankLost | None:
+        """The :class:`RankLost` for ``error`` raised during step ``step`` (printed now, on stderr; ``then``: what
+        the checkpoints hold and how to go on), or ``None`` when every rank still beats and ``error`` is no timeout
+        (then it is not a lost rank's doing)."""
         lost = self.lost_ranks()
         if lost:
             names = ", ".join(str(r) for r in lost)
@@ -133,7 +134,7 @@ class RankWatch:
             )
         else:
             return None
-        message = f"{what}; {latest}: start the run again with --resume"
+        message = f"{what}; {then}"
         print(f"dsv4 train: error: {message}", file=sys.stderr, flush=True)
         return RankLost(message)
 

@@ -383,13 +383,13 @@ class Trainer:
         if self.watch is None or isinstance(error, ValueError | TrainingDiverged | CheckpointSaveError):
             return None
         latest = self.checkpointer.dir / "latest"
-        kept = (
-            f"{latest} names {latest.read_text().strip()}"
+        then = (
+            f"{latest} names {latest.read_text().strip()}: start the run again with --resume"
             if latest.is_file()
-            else "no checkpoint was saved yet"
+            else "no checkpoint was saved yet: start the run again with --resume auto"
         )
         return self.watch.explain(
-            error, step=self._current, timeout_s=self.tc.parallel.dist_timeout, latest=kept
+            error, step=self._current, timeout_s=self.tc.parallel.dist_timeout, then=then
         )
 
     def _loop(self, outputs: RunOutputs, peak: float) -> None:
