@@ -194,25 +194,21 @@ def save_atomically(
                             error = e
                     published = not _any_failed(error is not None)  # the others wait for the publication
     finally:
-        if (
-            rank == 0 and tmp.exists()
-        ):  # whatever failed (also a collective with a lost rank): no partial left
+        # whatever failed (also a collective with a lost rank): no partial directory is left behind
+        if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if published:
         return final
     if isinstance(error, KeyboardInterrupt):
         raise error
     if latest.is_file():  # every suggested command works: --resume needs a checkpoint, --resume auto does not
-        kept = (
-            f"{latest} still names {latest.read_text().strip()}): fix the cause (e.g. free disk space) and "
-        )
-        kept += "continue with --resume"
+        kept, then = f"{latest} still names {latest.read_text().strip()}", "continue with --resume"
     else:
-        kept = "there is no earlier checkpoint): fix the cause (e.g. free disk space) and start again with "
-        kept += "--resume auto"
+        kept, then = "there is no earlier checkpoint", "start again with --resume auto"
     cause = describe_failure(error, logged.messages) if error is not None else "another rank failed"
     raise CheckpointSaveError(
-        f"saving the checkpoint of step {step} into {final} failed ({cause}); nothing was published ({kept}"
+        f"saving the checkpoint of step {step} into {final} failed ({cause}); nothing was published ({kept}): "
+        f"fix the cause (e.g. free disk space) and {then}"
     ) from error
 
 
