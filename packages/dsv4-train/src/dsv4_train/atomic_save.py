@@ -129,6 +129,16 @@ def _any_failed(failed: bool, group=None) -> bool:
     return bool(flag.item())
 
 
+def _causes(mine: str | None) -> str:
+    """Every rank's cause of a failed save, one line (every rank calls this: all of them agreed that it failed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine or "unknown cause"
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    causes = [f"rank {r}: {c}" for r, c in enumerate(found) if c]
+    return "; ".join(causes[:3]) + (f"; {len(causes) - 3} more ranks" if len(causes) > 3 else "")
+
+
 def remove_partial_saves(checkpoints: Path) -> list[str]:
     """Delete the ``.iter_*.partial`` directories of saves that were killed; returns their names."""
     gone = []
@@ -205,7 +215,11 @@ def save_atomically(
         kept, then = f"{latest} still names {latest.read_text().strip()}", "continue with --resume"
     else:
         kept, then = "there is no earlier checkpoint", "start again with --resume auto"
-    cause = describe_failure(error, logged.messages) if error is not None else "another rank failed"
+    # this rank's cause: its exception, else what its shard writers logged (megatron raises on the coordinator only)
+    mine = describe_failure(error, logged.messages) if error is not None else None
+    if isinstance(error, CheckpointException) and rank_of_world not in error.failures:
+        mine = None  # the coordinator's report of other ranks' write failures: they name their own causes
+    cause = _causes(mine or (logged.messages[0].splitlines()[0][:300] if logged.messages else None))
     raise CheckpointSaveError(
         f"saving the checkpoint of step {step} into {final} failed ({cause}); nothing was published ({kept}): "
         f"fix the cause (e.g. free disk space) and {then}"
