@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
+from dsv4_train.ckpt_integrity import checkpoint_files, file_entries, write_manifest
 from dsv4_train.cli import main
 from dsv4_train.config import TrainConfig
 from hybrid_model.generation import generate
@@ -36,6 +37,8 @@ def run_dir(tmp_path_factory):
     (ck / MODEL_CONFIG_FILE).unlink()  # as dsv4 train writes it: the model comes from the run config
     (ck / TRAIN_CONFIG_FILE).write_text(json.dumps(TrainConfig.from_flat().to_dict()))
     (ck.parent / "latest").write_text(ck.name)
+    # its checksums, written last like dsv4 train's
+    write_manifest(ck, file_entries(ck, checkpoint_files(ck)))
     return run
 
 

@@ -87,7 +87,7 @@ _RUNNER = textwrap.dedent(
         except ValueError as e:
             res["lr_change"] = str(e)
 
-        # a truncated shard: the error names the checkpoint and what to do
+        # a truncated shard: the error names the file, the checkpoint and what to do (dsv4_train.ckpt_integrity)
         shard = sorted((out / "one" / "checkpoints" / "iter_0000003").glob("*.distcp"))[0]
         shard.write_bytes(shard.read_bytes()[:100])
         try:
@@ -136,7 +136,8 @@ def test_nonfinite_steps_checkpoints_and_resume_checks(tmp_path):
     assert one["saves"] == [3] and one["latest"] == "iter_0000003"  # interval and final save: one write
     assert "--lr 0.001 (checkpoint: 0.003; it defines the LR schedule)" in res["lr_change"]
     assert "--init-from" in res["lr_change"]
-    assert "iter_0000003 cannot be read" in res["corrupt"] and "latest" in res["corrupt"]
+    assert "iter_0000003: its file __0_0.distcp is truncated (100 bytes" in res["corrupt"], res["corrupt"]
+    assert "latest" in res["corrupt"]
     two = res["two"]
     assert isinstance(two, dict), two
     assert "steps 2-3" in two["error"] and "lower --lr" in two["error"]

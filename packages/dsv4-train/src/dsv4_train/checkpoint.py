@@ -17,6 +17,8 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_primitives.megatron import cuda_as_cpu
+from dsv4_train.atomic_save import save_atomically
+from dsv4_train.ckpt_integrity import MANIFEST_MARKER, verify_loaded
 from dsv4_train.config import TrainConfig, flag_name, flat_settings
 from dsv4_train.eval_data import heldout_conflict
 from dsv4_train.step import TrainingDiverged
@@ -317,17 +319,15 @@ class Checkpointer:
                 "last finite checkpoint)"
             )
         sync_saver_queue()
-        path = self.dir / f"iter_{step:07d}"
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        with cuda_as_cpu():
-            dist_checkpointing.save(self.sharded_state(step, loading=False), str(path))
-        dist.barrier()
-        if self.rank == 0:
-            (path / TRAIN_CONFIG_FILE).write_text(json.dumps(self.tc.to_dict(), indent=1) + "\n")
-            (self.dir / "latest").write_text(path.name)
-        return path
+
+        def write_shards(directory: Path) -> None:
+            with cuda_as_cpu():
+                state = self.sharded_state(step, loading=False)
+                dist_checkpointing.save({**state, MANIFEST_MARKER: True}, str(directory))
+
+        # written into a partial directory and published atomically with its manifest (dsv4_train.atomic_save)
+        config = json.dumps(self.tc.to_dict(), indent=1) + "\n"
+        return save_atomically(self.dir, step, write_shards, {TRAIN_CONFIG_FILE: config}, rank=self.rank)
 
     def load_latest(self) -> int | None:
         """Restore model, optimizer (Adam moments + per-param step), LR scheduler, data position and RNG state of
@@ -374,7 +374,7 @@ class Checkpointer:
                 f"--init-from {path}: not a megatron dist checkpoint (give an iter_XXXXXXX directory or a run "
                 "directory with checkpoints/latest)"
             )
-        from torch.distributed.checkpoint.api import CheckpointException
+        verify_loaded(p, what=f"--init-from {path}")  # checksums (dsv4_train.ckpt_integrity)
 
         with cuda_as_cpu():
             try:

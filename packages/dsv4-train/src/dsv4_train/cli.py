@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from dsv4_train.atomic_save import CheckpointSaveError
 from dsv4_train.config import TrainConfig
 from dsv4_train.convert_cli import add_convert_parser, run_convert
 from dsv4_train.flags import add_config_flags, config_from_flags, given_flags
 from dsv4_train.generate_cli import add_generate_parser, run_generate
+from dsv4_train.lost_rank import RankLost
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
 from dsv4_train.setup import check_run
@@ -36,7 +39,7 @@ def _train_parser(sub) -> None:
         description="Train a DSv4 preset with megatron-core. Every flag maps onto a field of a TrainConfig section; "
         "flags given on the command line win over a --config file. Exit codes: 0 completed; 130 / 143 interrupted "
         "by SIGINT / SIGTERM (a checkpoint of the last step is saved: continue with --resume); 1 failed (e.g. the "
-        "run diverged); 2 invalid settings.",
+        "run diverged, a checkpoint could not be saved, a rank was lost); 2 invalid settings or a damaged checkpoint.",
     )
     p.add_argument(
         "--config",
@@ -93,9 +96,11 @@ def _cmd_train(args) -> int:
             out.rmdir()
         raise
     try:
-        metrics = trainer.run()
-    except TrainingDiverged as e:
+        trainer.run()
+    except (TrainingDiverged, CheckpointSaveError) as e:
         print(f"dsv4 train: error: {e}", file=sys.stderr)
+        return 1
+    except RankLost:  # printed by the rank that found it (dsv4_train.lost_rank)
         return 1
     finally:
         trainer.close()
@@ -106,13 +111,13 @@ def _cmd_train(args) -> int:
                 f"{tc.checkpoint.out}/checkpoints: continue with --resume"
             )
         return 128 + int(trainer.interrupted_by)
-    lm = [m for m in metrics if m.get("lm_loss") is not None]
+    lm = [x for x in trainer.lm_losses if math.isfinite(x)]  # every step's (metrics keeps the newest only)
     if lm and trainer.is_logger:
-        first, last = lm[0]["lm_loss"], lm[-1]["lm_loss"]
-        trend = loss_trend(metrics)
+        first, last = lm[0], lm[-1]
+        trend = loss_trend([{"lm_loss": x} for x in lm])
         skipped = f", {trainer.nonfinite_steps} non-finite steps skipped" if trainer.nonfinite_steps else ""
         print(
-            f"dsv4 train: {len(metrics)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
+            f"dsv4 train: {len(trainer.lm_losses)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
             f"outputs in {tc.checkpoint.out}"
         )
     return 0

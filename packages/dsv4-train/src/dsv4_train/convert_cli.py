@@ -10,9 +10,11 @@ empty unless ``--overwrite``; it is written in a temporary directory and renamed
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
+from dsv4_train.ckpt_integrity import verify_loaded
 from dsv4_train.config import TrainConfig
 from dsv4_train.model_config import model_config_for
 from hybrid_model.config import DSv4ModelConfig
@@ -60,6 +62,26 @@ def _direction(src: Path) -> str:
     )
 
 
+def train_checkpoint(src: Path) -> Path | None:
+    """The checkpoint directory of a ``dsv4 train`` run directory or ``iter_XXXXXXX`` ``src`` (``checkpoints/latest``
+    followed); ``None`` when ``src`` is no train checkpoint (e.g. a ``dsv4 convert`` output)."""
+    for latest in (src / "checkpoints" / "latest", src / "latest"):
+        if latest.is_file():
+            src = latest.parent / latest.read_text().strip()
+            break
+    return src if (src / TRAIN_CONFIG_FILE).is_file() else None
+
+
+def verify_train_checkpoint(src: Path, what: str, command: str) -> None:
+    """The checksums of the ``dsv4 train`` checkpoint that ``src`` names, before ``what`` loads it (``ValueError``
+    naming a damaged file; a note on stderr for a checkpoint saved without checksums)."""
+    ckpt = train_checkpoint(src)
+    if ckpt is not None:
+        verify_loaded(
+            ckpt, what=what, note=lambda line: print(f"dsv4 {command}: note: {line}", file=sys.stderr)
+        )
+
+
 def run_model_config(src: Path) -> DSv4ModelConfig | None:
     """The model of a ``dsv4 train`` run directory or checkpoint ``src`` from the run config saved with the
     checkpoint (``None`` when it holds none: a convert output carries its own model config)."""
@@ -94,6 +116,7 @@ def run_convert(args) -> int:
         cfg = run_model_config(src)
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    verify_train_checkpoint(src, f"dsv4 convert {src}", "convert")
     files = convert_megatron_to_hf(
         src, out, model_config=cfg, max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite
     )

@@ -16,7 +16,7 @@ import torch
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
-from dsv4_train.convert_cli import run_model_config
+from dsv4_train.convert_cli import run_model_config, verify_train_checkpoint
 from dsv4_train.setup import init_distributed
 from hybrid_model.generation import DECODE_MODES, generate
 from hybrid_model.hf import load_hf_checkpoint, load_megatron_checkpoint
@@ -92,6 +92,7 @@ def _load_model(path: Path, device: torch.device):
             f"--checkpoint {path} is neither an HF checkpoint (config.json) nor a megatron dist checkpoint or dsv4 "
             "train run (metadata.json, checkpoints/latest)"
         )
+    verify_train_checkpoint(path, f"dsv4 generate --checkpoint {path}", "generate")
     init_distributed()  # megatron's checkpoint reader needs a process group (one local process)
     with cuda_as_cpu():
         return load_megatron_checkpoint(path, device, model_config=run_model_config(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -92,20 +93,22 @@ def resolve_dist_backend(backend: str | None) -> str:
     return backend
 
 
-def init_distributed(backend: str | None = None) -> tuple[int, int]:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """``(rank, world)`` of the default process group, created when missing with ``backend`` (see
     :func:`resolve_dist_backend`): from torchrun's environment, else one local process on a free loopback port.
     Each torchrun process takes the GPU ``LOCAL_RANK``; with gloo on CUDA, ``LOCAL_RANK`` modulo the visible GPUs
-    (several ranks may share one GPU, which NCCL refuses). An existing process group is used as it is."""
+    (several ranks may share one GPU, which NCCL refuses). ``timeout_s``: how long a collective may wait for the
+    other ranks (``--dist-timeout``; torch's default when ``None``). An existing process group is used as it is."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = resolve_dist_backend(backend)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local % torch.cuda.device_count() if backend == "gloo" else local)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world, **timeout)
         return rank, world
     import socket
 
@@ -114,7 +117,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
         port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(backend, rank=0, world_size=1)
+    dist.init_process_group(backend, rank=0, world_size=1, **timeout)
     return 0, 1
 
 

@@ -19,6 +19,8 @@ import json
 import math
 import signal
 import time
+from array import array
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -35,12 +37,15 @@ from dsv4_primitives.megatron import (
     remove_grad_accumulator_hooks,
 )
 from dsv4_train import determinism
-from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, preflight_resume
+from dsv4_train.atomic_save import CheckpointSaveError
+from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, latest_checkpoint, preflight_resume
+from dsv4_train.ckpt_integrity import unverified_note, verify_resume
 from dsv4_train.config import TrainConfig
 from dsv4_train.cuda_graph import use_capture_stream
 from dsv4_train.determinism import prepare_deterministic_environment
 from dsv4_train.evaluation import Evaluator
 from dsv4_train.gloo_cuda import host_staged_collectives
+from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_point
 from dsv4_train.model_config import model_config_for
 from dsv4_train.outputs import RunOutputs
 from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
@@ -62,6 +67,10 @@ from hybrid_model.flops import forward_flops_from_stats
 from hybrid_model.mixers.gdn import check_gdn_training
 from hybrid_model.mixers.registry import check_packed_graph_pattern
 
+#: per-step metric rows a :class:`Trainer` keeps in memory (the newest; every row is in ``metrics.jsonl``), so that
+#: a long run's memory does not grow with its step count (a row is about 1.5 KB)
+METRICS_KEPT = 1000
+
 
 class Trainer:
     """Builds everything from a :class:`TrainConfig`; :meth:`run` trains and returns the per-step metrics."""
@@ -75,7 +84,11 @@ class Trainer:
         if (self.out / "checkpoints").exists():  # found now, not at the first save after the work is done
             check_writable(self.out / "checkpoints", "the checkpoint directory")
         self.resuming = decide_resume(tc)
-        if self.resuming:
+        self.verified = True  # False: the resumed checkpoint has no manifest of checksums (older checkpoints)
+        if (
+            self.resuming
+        ):  # its files against their checksums first (dsv4_train.ckpt_integrity), then its settings
+            self.verified = verify_resume(latest_checkpoint(self.out / "checkpoints"))
             preflight_resume(tc)
         self.cleared: list[str] = []
         if (
@@ -83,8 +96,11 @@ class Trainer:
         ):  # cuBLAS / NCCL read their variables at their first use: before any CUDA work
             prepare_deterministic_environment()
         apply_cpu_shims()
-        self.rank, self.world = init_distributed(tc.parallel.dist_backend)
+        self.rank, self.world = init_distributed(tc.parallel.dist_backend, tc.parallel.dist_timeout)
         check_world(tc, self.world)
+        self._kill_at = test_kill_point(
+            self.rank, "step"
+        )  # the fault tests' hook (DSV4_TRAIN_TEST_KILL_RANK_AT_STEP)
         if not self.resuming and (tc.checkpoint.overwrite or tc.checkpoint.resume == "auto"):
             dist.barrier()  # every rank has looked at the directory before rank 0 clears it
             if self.rank == 0:
@@ -97,6 +113,7 @@ class Trainer:
             virtual_pipeline_model_parallel_size=tc.parallel.vpp if tc.parallel.vpp > 1 else None,
             expert_model_parallel_size=tc.parallel.ep,
             context_parallel_size=tc.parallel.cp,
+            distributed_timeout_minutes=tc.parallel.dist_timeout / 60,  # the groups' timeout: --dist-timeout
         )
         self._unstage = None  # gloo on CUDA: megatron's coalesced collectives staged through host memory
         if torch.cuda.is_available() and dist.get_backend() == "gloo":
@@ -104,9 +121,13 @@ class Trainer:
             staging.__enter__()
             self._unstage = functools.partial(staging.__exit__, None, None, None)
         self._previous_stream = None
+        # several processes: a heartbeat, so that the survivors of a lost rank can name it (dsv4_train.lost_rank)
+        self.watch = RankWatch(self.rank, self.world) if self.world > 1 else None
         try:
             self._build(tc, ps)
         except BaseException:  # leave no half-initialised megatron state behind
+            if self.watch is not None:
+                self.watch.close()
             if self._previous_stream is not None:
                 torch.cuda.set_stream(self._previous_stream)
             if self._unstage is not None:
@@ -114,7 +135,10 @@ class Trainer:
             destroy_model_parallel(keep=self._groups_before)
             raise
         self.step = 0
-        self.metrics: list[dict] = []
+        self._current = 1  # the step the loop is at (its training, evaluation and save)
+        self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)  # the newest rows (all in metrics.jsonl)
+        # every step's LM loss on this rank (NaN when absent or not finite; 8 bytes a step): the run summary
+        self.lm_losses = array("d")
         self.interrupted_by: int | None = None  # the signal that stopped the run (its checkpoint is saved)
         self.nonfinite_steps = 0  # steps skipped for a non-finite loss or gradient (in total)
         self._nonfinite_run: list[int] = []  # the current run of consecutive non-finite steps
@@ -203,7 +227,7 @@ class Trainer:
                 device=self.device,
                 world=self.world,
             )
-        self.eval_metrics: list[dict] = []
+        self.eval_metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
 
     @property
     def _graphed(self):
@@ -213,6 +237,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _train_step(self, batch) -> dict:
         tc = self.tc
+        if self._kill_at == self.step + 1:
+            kill_self()
         self.core.set_step_state(
             dense_attention=self.step < tc.schedule.dense_steps,
             mtp_loss_weight=tc.mtp_weight_at(self.step, self.model_config.mtp_loss_weight),
@@ -258,6 +284,8 @@ class Trainer:
         print(
             f"dsv4 train: config {self.out / CONFIG_FILE}: {', '.join(changed) or 'the defaults'}", flush=True
         )
+        if resumed and not self.verified:
+            print(f"dsv4 train: note: {unverified_note(self.out / 'checkpoints' / f'iter_{self.step:07d}')}")
         if resumed:
             ignored = (
                 f"; --init-from {tc.checkpoint.init_from} is not used (the checkpoint has the weights)"
@@ -315,9 +343,11 @@ class Trainer:
             )
 
     def run(self) -> list[dict]:
+        """Train to ``--steps``; the per-step metrics of this process (the newest :data:`METRICS_KEPT`)."""
 
         tc = self.tc
         resumed = self.resuming and self.load_checkpoint()
+        self._current = self.step + 1
         if not resumed and tc.checkpoint.init_from:
             self.load_model_weights(tc.checkpoint.init_from)
         self._announce_start(resumed)
@@ -335,48 +365,74 @@ class Trainer:
             outputs.start(initial=self.step)
             for chunk in ddp_chunks(self.model):
                 chunk.train()
-            while self.step < tc.schedule.steps:
-                batch = next(self.batches)
-                t0 = time.perf_counter()
-                m = self._train_step(batch)
-                dt = time.perf_counter() - t0
-                self.step += 1
-                flops = forward_flops_from_stats(
-                    self.model_config, batch.seqlen_sum, batch.seqlen_squared_sum
-                )
-                m["tokens_per_s"] = batch.seqlen_sum / dt
-                m["mfu"] = flops.training / dt / peak / self.world
-                m["step_time_s"] = dt
-                self.metrics.append(m)
-                outputs.log(m)
-                self._count_nonfinite(m, outputs)
-                if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
-                    self.eval_metrics.append(self.evaluator(self.step))
-                    outputs.log_eval(self.eval_metrics[-1])
-                if tc.checkpoint.save_interval and self.step % tc.checkpoint.save_interval == 0:
-                    if m["exploded"]:  # never the weights that made the loss explode
-                        outputs.note(f"step {self.step}: not saved (its loss exploded: --max-loss-growth)")
-                    else:
-                        self.save_checkpoint()
-                if self._stop:
-                    name = signal.Signals(self.interrupted_by).name if self.interrupted_by else "signal"
-                    outputs.note(f"{name} received: saving a checkpoint at step {self.step} and stopping")
-                    self.save_checkpoint()
-                    break
-            else:  # a finished run leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
-                if self.metrics and self.metrics[-1]["exploded"]:
-                    raise TrainingDiverged(
-                        f"the run ended with an exploding loss (steps {self._nonfinite_run[0]}-"
-                        f"{self._nonfinite_run[-1]} over --max-loss-growth); its weights are not saved. Start again "
-                        "with a lower --lr or a longer --warmup-steps"
-                    )
-                if tc.checkpoint.save_final:
-                    self.save_checkpoint()
+            self._loop(outputs, peak)
+        except Exception as e:
+            lost = self._explain_failure(e)
+            if lost is None:
+                raise
+            raise lost from e
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
             outputs.close()
-        return self.metrics
+        return list(self.metrics)
+
+    def _explain_failure(self, error: Exception):
+        """Several processes: the :class:`~dsv4_train.lost_rank.RankLost` error naming the rank that stopped
+        responding (or the collective that timed out) behind ``error``; ``None`` otherwise."""
+        if self.watch is None or isinstance(error, ValueError | TrainingDiverged | CheckpointSaveError):
+            return None
+        latest = self.checkpointer.dir / "latest"
+        then = (
+            f"{latest} names {latest.read_text().strip()}: start the run again with --resume"
+            if latest.is_file()
+            else "no checkpoint was saved yet: start the run again with --resume auto"
+        )
+        return self.watch.explain(
+            error, step=self._current, timeout_s=self.tc.parallel.dist_timeout, then=then
+        )
+
+    def _loop(self, outputs: RunOutputs, peak: float) -> None:
+        """The steps, evaluations and saves of :meth:`run`."""
+        tc = self.tc
+        while self.step < tc.schedule.steps:
+            self._current = self.step + 1  # the step this iteration trains, evaluates and saves
+            batch = next(self.batches)
+            t0 = time.perf_counter()
+            m = self._train_step(batch)
+            dt = time.perf_counter() - t0
+            self.step += 1
+            flops = forward_flops_from_stats(self.model_config, batch.seqlen_sum, batch.seqlen_squared_sum)
+            m["tokens_per_s"] = batch.seqlen_sum / dt
+            m["mfu"] = flops.training / dt / peak / self.world
+            m["step_time_s"] = dt
+            self.metrics.append(m)
+            lm = m.get("lm_loss")
+            self.lm_losses.append(lm if lm is not None else math.nan)
+            outputs.log(m)
+            self._count_nonfinite(m, outputs)
+            if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
+                self.eval_metrics.append(self.evaluator(self.step))
+                outputs.log_eval(self.eval_metrics[-1])
+            if tc.checkpoint.save_interval and self.step % tc.checkpoint.save_interval == 0:
+                if m["exploded"]:  # never the weights that made the loss explode
+                    outputs.note(f"step {self.step}: not saved (its loss exploded: --max-loss-growth)")
+                else:
+                    self.save_checkpoint()
+            if self._stop:
+                name = signal.Signals(self.interrupted_by).name if self.interrupted_by else "signal"
+                outputs.note(f"{name} received: saving a checkpoint at step {self.step} and stopping")
+                self.save_checkpoint()
+                break
+        else:  # a finished run leaves a final checkpoint (`--resume` / `--init-from` / `dsv4 convert`)
+            if self.metrics and self.metrics[-1]["exploded"]:
+                raise TrainingDiverged(
+                    f"the run ended with an exploding loss (steps {self._nonfinite_run[0]}-"
+                    f"{self._nonfinite_run[-1]} over --max-loss-growth); its weights are not saved. Start again "
+                    "with a lower --lr or a longer --warmup-steps"
+                )
+            if tc.checkpoint.save_final:
+                self.save_checkpoint()
 
     def close(self) -> None:
         """Release everything the run holds: graphs, streams, determinism settings, megatron's parallel state and
@@ -393,6 +449,8 @@ class Trainer:
         if self._unstage is not None:
             self._unstage()
             self._unstage = None
+        if self.watch is not None:
+            self.watch.close()
         # break the reference cycles through C++ autograd nodes that keep the model, its DDP and its process groups
         # (gloo threads polling at 100 Hz) alive after the trainer (dsv4_primitives.megatron.groups)
         for chunk in ddp_chunks(self.model):

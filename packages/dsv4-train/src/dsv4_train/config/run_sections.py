@@ -53,9 +53,20 @@ class ParallelSection:
         ),
     )
 
+    dist_timeout: float = field(
+        default=600.0,
+        metadata=option(
+            "seconds a collective may wait for the other ranks before the run stops (the process groups' timeout); "
+            "the survivors of a lost rank stop at once with gloo (its connection closes) and after this with NCCL "
+            "or a rank that hangs, naming the lost rank (dsv4-train README, Faults and integrity)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         check_types(self)
         at_least(self, 1, "tp", "pp", "vpp", "ep", "cp")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
         one_of(self, "dist_backend")
         if self.cp_layout != "contiguous":
             raise ValueError(
