@@ -112,12 +112,13 @@ class SafetensorsFile:
 
 
 class SafetensorsWriter:
-    """Write a safetensors file whose tensors (``name -> (dtype, shape)``) are known before their data: the header
-    goes first, then :meth:`write` each tensor in ``sorted(name)`` order; :meth:`close` checks all were written."""
+    """Write a safetensors file whose tensors (``name -> (dtype, shape)``, data in the dict's order) are known
+    before their data: the header goes first, then :meth:`write` each tensor in that order; :meth:`close` checks
+    all were written."""
 
     def __init__(self, path: str | Path, plan: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata=None):
         self.path = Path(path)
-        self.order = sorted(plan)
+        self.order = list(plan)
         self.plan = plan
         header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
         off = 0
