@@ -11,7 +11,8 @@ Memory: one output file is one job; a job reads one source tensor at a time with
 it and appends it to the output file, whose header was written first (:mod:`hybrid_model.hf.safetensors_io`). A
 job holds at most one source tensor, its scale, the converted tensor and fp32 temporaries (about 4 bytes per element
 of the largest tensor, x 3): the bound depends on the largest tensor, not on shard or checkpoint size; ``workers``
-jobs run at once (processes). Resumable: ``DST/.dsv4-convert-progress.json`` lists the finished files of a plan;
+jobs run at once (threads: reading, converting and writing release the GIL; fork-started processes deadlock
+in torch's thread pools, spawned ones pay a full import each). Resumable: ``DST/.dsv4-convert-progress.json`` lists the finished files of a plan;
 rerunning the same conversion skips them (files are written as ``NAME.partial`` and renamed when complete); the
 index, ``config.json`` and removal of the progress file come last.
 """
@@ -20,11 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,7 +312,7 @@ def run_plan(
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> StreamReport:
-    """Run the jobs (``workers`` processes), resuming an interrupted run of the same plan; index + config last."""
+    """Run the jobs (``workers`` threads), resuming an interrupted run of the same plan; index + config last."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     dst = Path(dst)
@@ -334,11 +334,9 @@ def run_plan(
         for j in todo:
             finished(*run_job(j, ctx, dst))
     else:
-        method = "spawn" if torch.cuda.is_available() and torch.cuda.is_initialized() else "fork"
-        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=mp.get_context(method)) as pool:
-            futures = [pool.submit(run_job, j, ctx, dst) for j in todo]
-            for fut in futures:
-                finished(*fut.result())
+        with ThreadPoolExecutor(min(workers, len(todo))) as pool:  # torch ops and file I/O release the GIL
+            for name, nbytes in pool.map(lambda j: run_job(j, ctx, dst), todo):
+                finished(name, nbytes)
     outputs = {n: j.file for j in jobs for n in _outputs(j)}
     if len(jobs) > 1 or jobs[0].file != "model.safetensors":
         total_size = sum(_nbytes(d, s) for j in jobs for d, s in _outputs(j).values())
