@@ -11,7 +11,7 @@ from pathlib import Path
 from hybrid_model.hf.io import read_config
 from hybrid_model.hf.names import canonical_name
 from hybrid_model.hf.quant import QuantConfig
-from hybrid_model.hf.released import pair_scales, scan
+from hybrid_model.hf.released import pair_scales, quant_config_of, scan
 
 _LAYER = re.compile(r"^(layers|mtp)\.(\d+)\.")
 
@@ -43,8 +43,7 @@ def checkpoint_report(path: str | Path) -> dict:
 
 def _hf_report(p: Path) -> dict:
     config = read_config(p)
-    q = config.get("quantization_config")
-    quant = QuantConfig.from_hf(q) if q is not None else None
+    quant = quant_config_of(config)
     stored, files = scan(p)
     pairs, problems = pair_scales(stored, quant or QuantConfig())
     scales = {x.scale for x in pairs.values()}

@@ -58,6 +58,17 @@ class Quantized:
     kind: str
 
 
+def quant_config_of(config: dict, where: str = "config.json") -> QuantConfig | None:
+    """The :class:`QuantConfig` of a ``config.json`` (``None`` when not quantized); a top-level ``expert_dtype``
+    (how the V4 release may give it) is folded in, as transformers does."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if isinstance(q, dict) and "expert_dtype" not in q and config.get("expert_dtype") is not None:
+        q = {**q, "expert_dtype": config["expert_dtype"]}
+    return QuantConfig.from_hf(q, where=where)
+
+
 def scan(path: str | Path) -> tuple[dict[str, Stored], dict[Path, SafetensorsFile]]:
     """Every stored tensor of a checkpoint directory (headers only) and the parsed files."""
     files = {f: SafetensorsFile(f) for f in safetensors_files(path)}
@@ -157,8 +168,7 @@ def check_inventory(path: str | Path, *, mtp: bool | None = None):
     Raises one ``ValueError`` listing every problem (one line each) if there is any.
     """
     config = read_config(path)
-    q = config.get("quantization_config")
-    quant = QuantConfig.from_hf(q, where=f"{Path(path) / 'config.json'}") if q is not None else None
+    quant = quant_config_of(config, where=f"{Path(path) / 'config.json'}")
     stored, _ = scan(path)
     pairs, problems = pair_scales(stored, quant or QuantConfig())
     if quant is None and pairs:

@@ -33,7 +33,7 @@ import torch
 from hybrid_model.hf.io import INDEX, read_config
 from hybrid_model.hf.quant.formats import QuantConfig, fp4_scale_shape, fp8_scale_shape, scale_from_float
 from hybrid_model.hf.quant.reference import quantize_fp4_ref, quantize_fp8_ref
-from hybrid_model.hf.released import Quantized, check_inventory, dequantize_stored, scan
+from hybrid_model.hf.released import Quantized, check_inventory, dequantize_stored, quant_config_of, scan
 from hybrid_model.hf.safetensors_io import SafetensorsFile, SafetensorsWriter
 
 PROGRESS = ".dsv4-convert-progress.json"
@@ -360,7 +360,7 @@ def dequantize_checkpoint(
     """Released directory ``src`` -> plain directory ``dst`` (module docstring)."""
     src = Path(src)
     jobs, config = plan_dequantize(src, dtype)
-    quant = QuantConfig.from_hf(read_config(src)["quantization_config"])
+    quant = quant_config_of(read_config(src))
     ctx = Ctx(src, None, quant, backend)
     return run_plan(jobs, config, dst, ctx, workers=workers, overwrite=overwrite, progress=progress)
 
