@@ -26,6 +26,7 @@ from dsv4_testkit.megatron_cpu import megatron_cpu_context
 from hybrid_model.hf.config_map import hf_config_from_model_config
 from hybrid_model.hf.released import expected_shapes
 from hybrid_model.hf.safetensors_io import SafetensorsWriter
+from hybrid_model.hf.stream import quantize_checkpoint
 from hybrid_model.presets import get_preset
 
 RESULTS = Path(__file__).parent / "results" / "stream_convert.json"
@@ -118,9 +119,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--shard-mb", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true", help="reuse OUT/plain and OUT/released of an earlier run")
     a = ap.parse_args()
     root = Path(a.out)
-    shutil.rmtree(root, ignore_errors=True)
     cfg = get_preset("tiny").replace(
         name="bench",
         hidden_size=a.hidden,
@@ -129,12 +130,17 @@ def main() -> None:
         vocab_size=a.vocab,
     )
     t = time.perf_counter()
-    plain, largest = write_synthetic_plain(root, cfg, a.shard_mb << 20)
-    from hybrid_model.hf.stream import quantize_checkpoint
-
-    with megatron_cpu_context():
-        quantize_checkpoint(plain, root / "released", max_shard_bytes=a.shard_mb << 20)
-    print(f"synthetic checkpoint built in {time.perf_counter() - t:.1f} s")
+    if a.reuse and (root / "released" / "config.json").is_file():
+        with megatron_cpu_context():
+            largest = max(int(torch.tensor(s).prod()) for s in expected_shapes(cfg).values() if s)
+        for d in ("bf16", "back"):
+            shutil.rmtree(root / d, ignore_errors=True)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+        plain, largest = write_synthetic_plain(root, cfg, a.shard_mb << 20)
+        with megatron_cpu_context():
+            quantize_checkpoint(plain, root / "released", max_shard_bytes=a.shard_mb << 20)
+        print(f"synthetic checkpoint built in {time.perf_counter() - t:.1f} s")
     bound = 3 * 4 * largest * a.workers
     rows = []
     for mode, src, dst, like in (
