@@ -149,7 +149,7 @@ def _set(path: str, value):
     ("edit", "match"),
     [
         (_set("compress_rates", {"compressed_sparse_attention": 8}), "only CSA ratio 4 and HCA ratio 128"),
-        (_set("quantization_config", {"quant_method": "fp8"}), "dequantize"),
+        (_set("quantization_config", {"quant_method": "awq"}), "only the released"),
         (_set("num_key_value_heads", 2), "num_key_value_heads"),
         (_set("mlp_layer_types", ["moe", "hash_moe", "moe", "moe", "moe", "moe"]), "first MoE layers"),
         (_set("rope_parameters.compress.attention_factor", 1.277), "mscale"),

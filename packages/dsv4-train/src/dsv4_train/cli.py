@@ -20,6 +20,7 @@ from dsv4_train.config import TrainConfig
 from dsv4_train.convert_cli import add_convert_parser, run_convert
 from dsv4_train.flags import add_config_flags, config_from_flags, given_flags
 from dsv4_train.generate_cli import add_generate_parser, run_generate
+from dsv4_train.inspect_checkpoint import checkpoint_report, print_report
 from dsv4_train.lost_rank import RankLost
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
@@ -133,6 +134,13 @@ def _model_config(args):
 
 
 def _cmd_inspect(args) -> int:
+    if args.checkpoint:
+        report = checkpoint_report(args.checkpoint)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print_report(report)
+        return 0
     cfg = _model_config(args)
     counts = analytic_param_counts(cfg)
     layers = [
@@ -202,7 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd")
     _train_parser(sub)
     presets = "tiny | v4-flash | v4-pro | flash-smoke"
-    p = sub.add_parser("inspect", help="layer pattern, per-layer kinds and parameter counts of a preset")
+    p = sub.add_parser(
+        "inspect",
+        help="layer pattern, per-layer kinds and parameter counts of a preset, or what a checkpoint holds",
+    )
+    p.add_argument(
+        "--checkpoint",
+        help="report on this checkpoint directory instead (HF, released FP8/FP4, or megatron dist): format, "
+        "quantization, dtypes, tensor count and bytes, layers, MTP, hash tables",
+    )
     p.add_argument("--preset", default="tiny", help=f"{presets} (default: tiny)")
     add_model_flags(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")

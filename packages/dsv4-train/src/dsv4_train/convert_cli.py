@@ -5,20 +5,31 @@ megatron checkpoint; a megatron dist checkpoint (``metadata.json``; or a ``dsv4 
 ``checkpoints/latest`` is used) converts to an HF checkpoint directory. The model of a ``dsv4 train`` checkpoint is
 the one its saved run config names (preset + overrides); ``--preset`` replaces it. ``OUT`` must be new or
 empty unless ``--overwrite``; it is written in a temporary directory and renamed into place once complete.
+
+Released FP8 / FP4 checkpoints (``quantization_config`` in ``config.json``): ``--to megatron`` (the default)
+dequantizes them while loading; ``--to hf-bf16`` streams them to a plain bf16 (``--dtype fp32``) directory shard by
+shard (bounded memory, ``--workers``, resumable: rerun the same command after an interruption);
+``--to released`` streams a plain HF directory (or a megatron checkpoint, exported first) back to the released
+format, ``--like RELEASED_DIR`` taking that checkpoint's layout and scales so an unchanged model reproduces its
+bytes (:mod:`hybrid_model.hf.stream`).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
+
+import torch
 
 from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
 from dsv4_train.ckpt_integrity import verify_loaded
 from dsv4_train.config import TrainConfig
 from dsv4_train.model_config import model_config_for
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.hf.convert import convert_hf_to_megatron, convert_megatron_to_hf
+from hybrid_model.hf.convert import check_output_dir, convert_hf_to_megatron, convert_megatron_to_hf
+from hybrid_model.hf.stream import dequantize_checkpoint, quantize_checkpoint
 from hybrid_model.presets import get_preset
 
 
@@ -35,7 +46,24 @@ def add_convert_parser(sub) -> None:
         action="store_true",
         help="replace a non-empty output directory (as a whole, once the conversion has succeeded)",
     )
-    p.add_argument("--to", choices=("megatron", "hf"), help="target format (default: the other one)")
+    p.add_argument(
+        "--to",
+        choices=("megatron", "hf", "hf-bf16", "released"),
+        help="target format (default: the other one); hf-bf16: a released FP8/FP4 checkpoint dequantized, streamed; "
+        "released: the FP8/FP4 released format, streamed",
+    )
+    p.add_argument("--like", help="--to released: copy the layout and scales of this released checkpoint")
+    p.add_argument(
+        "--workers", type=int, default=1, help="hf-bf16 / released: shards converted at once (threads)"
+    )
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="hf-bf16: dequantized dtype")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallel size of the target layout: only 1 (the trainer has no TP); megatron dist checkpoints "
+        "are layout-free, dsv4 train --init-from reads them at any PP/EP/DP",
+    )
     p.add_argument(
         "--mtp",
         choices=("auto", "yes", "no"),
@@ -99,21 +127,40 @@ def run_model_config(src: Path) -> DSv4ModelConfig | None:
     return model_config_for(tc)
 
 
+def _progress(line: str) -> None:
+    print(f"dsv4 convert: {line}", file=sys.stderr, flush=True)
+
+
 def run_convert(args) -> int:
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
         raise ValueError(f"{src} is not a directory")
+    if args.tp != 1:
+        raise ValueError(
+            f"--tp {args.tp}: tensor parallelism is not supported by dsv4 train yet; convert with --tp 1 (the "
+            "megatron checkpoint is layout-free: --init-from loads it at any PP/EP/DP)"
+        )
     to = args.to or _direction(src)
+    if args.like and to != "released":
+        raise ValueError("--like applies to --to released only")
+    if to == "hf-bf16":
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        check_output_dir(out, overwrite=True, source=src)  # overlap only: the stream resumes or refuses
+        rep = dequantize_checkpoint(
+            src, out, dtype=dtype, workers=args.workers, overwrite=args.overwrite, progress=_progress
+        )
+        print(
+            f"dsv4 convert: {src} (released) -> {out} ({args.dtype}, {rep.files} file(s), {rep.gb_per_s:.3f} GB/s)"
+        )
+        return 0
+    if to == "released":
+        return _to_released(src, out, args)
     if to == "megatron":
         mtp = {"auto": None, "yes": True, "no": False}[args.mtp]
         path = convert_hf_to_megatron(src, out, mtp=mtp, overwrite=args.overwrite)
         print(f"dsv4 convert: {src} (HF) -> {path} (megatron dist checkpoint)")
         return 0
-    cfg = None
-    if args.preset:
-        cfg = get_preset(args.preset)
-    else:
-        cfg = run_model_config(src)
+    cfg = _megatron_model_config(src, args)
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     verify_train_checkpoint(src, f"dsv4 convert {src}", "convert")
@@ -121,4 +168,33 @@ def run_convert(args) -> int:
         src, out, model_config=cfg, max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite
     )
     print(f"dsv4 convert: {src} (megatron) -> {out} (HF, {len(files)} safetensors file(s))")
+    return 0
+
+
+def _megatron_model_config(src: Path, args) -> DSv4ModelConfig | None:
+    if args.preset:
+        return get_preset(args.preset)
+    return run_model_config(src)
+
+
+def _to_released(src: Path, out: Path, args) -> int:
+    """HF plain directory (or megatron checkpoint, exported to a temporary HF directory first) -> released format."""
+    check_output_dir(out, overwrite=True, source=src)  # overlap only: the stream resumes or refuses
+    shard = int(args.max_shard_gb * 1024**3)
+    kw = dict(
+        like=args.like,
+        max_shard_bytes=shard,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        progress=_progress,
+    )
+    if (src / "config.json").is_file():
+        rep = quantize_checkpoint(src, out, **kw)
+    else:
+        with tempfile.TemporaryDirectory(
+            prefix=f".{out.name}.hf-", dir=out.parent if out.parent.is_dir() else None
+        ) as tmp:
+            convert_megatron_to_hf(src, Path(tmp) / "hf", model_config=_megatron_model_config(src, args))
+            rep = quantize_checkpoint(Path(tmp) / "hf", out, **kw)
+    print(f"dsv4 convert: {src} -> {out} (released FP8/FP4, {rep.files} file(s), {rep.gb_per_s:.3f} GB/s)")
     return 0

@@ -4,7 +4,7 @@ Accepted spellings (spec §9.1): transformers 5.x (``layer_types`` + ``compress_
 ``partial_rotary_factor``, ``rope_parameters = {main, compress}``), the released ``config.json`` (``compress_ratios``,
 ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``) and the official inference ``ModelArgs`` names (``dim``,
 ``n_layers``, ``window_size``, ``rope_factor``, ...). Every architecture field is mapped; anything this model cannot
-run (other ratios, grouped routing, quantized weights, mscale, tied embeddings, ...) raises ``ValueError`` saying
+run (other ratios, grouped routing, quantization other than the released FP8 / FP4 format, mscale, tied embeddings, ...) raises ``ValueError`` saying
 which key and what is supported. :func:`hf_config_from_model_config` writes the transformers 5.x form.
 """
 
@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from hybrid_model.config import DSv4ModelConfig, YarnScaling
+from hybrid_model.hf.quant.formats import QuantConfig
 
 #: official inference ``ModelArgs`` name -> HF name
 _MODEL_ARGS_ALIASES = {
@@ -98,11 +99,8 @@ def _check_unsupported(c: dict[str, Any]) -> None:
         "sliding_window" not in c or c["sliding_window"] is not None,
         "sliding_window=null (every DSv4 attention layer has the window branch; give its size, e.g. 128)",
     )
-    q = c.get("quantization_config")
-    _require(
-        q is None,
-        f"quantization_config={q!r}: FP8/FP4 checkpoints are not loaded; dequantize the weights to BF16/FP32 first",
-    )
+    if c.get("quantization_config") is not None:  # the released FP8 / FP4 format (hybrid_model.hf.released)
+        QuantConfig.from_hf(c["quantization_config"])
 
 
 def _normalize_keys(config: dict[str, Any]) -> dict[str, Any]:

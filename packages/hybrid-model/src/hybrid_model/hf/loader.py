@@ -13,6 +13,7 @@ import torch
 from dsv4_attention import LightningIndexer
 from hybrid_model.hf.config_map import model_config_from_hf
 from hybrid_model.hf.io import read_config, read_tensors
+from hybrid_model.hf.released import read_released
 from hybrid_model.hf.runtime import ensure_single_stage_parallel_state
 from hybrid_model.hf.weights import canonicalize, load_official_state_dict
 from hybrid_model.model import build_model
@@ -21,14 +22,19 @@ from hybrid_model.model import build_model
 def read_official_checkpoint(path: str | Path, *, mtp: bool | None = None):
     """``(DSv4ModelConfig, official tensors)`` of a checkpoint directory.
 
+    A released quantized checkpoint (``quantization_config``) is checked (:func:`~hybrid_model.hf.released.
+    check_inventory`) and its FP8 / FP4 weights dequantized to fp32 (:func:`~hybrid_model.hf.released.read_released`).
     ``mtp``: ``None`` builds the MTP module iff the checkpoint holds ``mtp.*`` tensors (and ``config.json`` asks for
     one; transformers' ``save_pretrained`` never writes them), ``True`` requires them, ``False`` drops them.
     """
     config = read_config(path)
+    if config.get("quantization_config") is not None:  # the released FP8 / FP4 format: dequantized to fp32
+        return read_released(path, mtp=mtp)
     official, unknown = canonicalize(read_tensors(path))
     if unknown:
         hint = (
-            " (FP8/FP4 scale tensors? dequantize the checkpoint first)"
+            " (FP8/FP4 scale tensors, but config.json has no quantization_config: restore the released config.json "
+            "or dequantize the checkpoint)"
             if any(u.endswith("scale") for u in unknown)
             else ""
         )

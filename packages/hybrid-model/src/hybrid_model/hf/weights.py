@@ -243,3 +243,17 @@ def load_official_state_dict(model, official: dict[str, torch.Tensor], *, strict
             "(config.json and weights disagree?)"
         )
     model.load_state_dict(new, strict=True)
+
+
+def official_shapes(model_config, state_dict) -> dict[str, tuple[int, ...]]:
+    """``official name -> shape`` of every tensor a model of ``model_config`` loads (``state_dict`` may live on the
+    meta device: only shapes are read)."""
+    names = official_to_ours_names(model_config, state_dict.keys())
+    out = {off: tuple(state_dict[ours].shape) for off, ours in names.items()}
+    for scope, _, moe in _blocks(model_config):
+        e, f2, d = state_dict[f"{moe}.{_GATE_UP}"].shape
+        for i in range(e):
+            out[f"{scope}.ffn.experts.{i}.w1.weight"] = (f2 // 2, d)
+            out[f"{scope}.ffn.experts.{i}.w3.weight"] = (f2 // 2, d)
+            out[f"{scope}.ffn.experts.{i}.w2.weight"] = (d, f2 // 2)
+    return out
