@@ -58,7 +58,9 @@ def test_rules_are_megatrons_and_values_depend_on_seed_and_name_only(megatron_cp
             assert _std_ok(p.detach(), std), (name, float(p.std()), std)
     seed_parameters(model, 12)
     assert all(
-        not torch.equal(p, first[n]) for n, p in model.named_parameters() if expected_std(model, n) is not None
+        not torch.equal(p, first[n])
+        for n, p in model.named_parameters()
+        if expected_std(model, n) is not None
     )
 
 

@@ -154,7 +154,9 @@ def seed_parameters(model, seed: int) -> list[str]:
                 if not _is_constant(p):
                     kept.append(name)
                 continue
-            if isinstance(module, ClampedSwiGLUExperts):  # [G_local, ...]: expert e is global expert first + e
+            if isinstance(
+                module, ClampedSwiGLUExperts
+            ):  # [G_local, ...]: expert e is global expert first + e
                 first = _group_rank_size(module.ep_group)[0] * p.shape[0]
                 for e in range(p.shape[0]):
                     p[e].copy_(_draw(p.shape[1:], std, parameter_seed(seed, name, first + e), p.device))
