@@ -10,13 +10,20 @@ confuse (``σ`` and ``σ/sqrt(2L)``, L the layer count) differ by a factor >= 2.
 
 import functools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_draw_workers import tp_shards
+
+from dsv4_testkit import run_distributed
 from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
-from hybrid_model.seeded_init import expected_std, normal_std, parameter_seed, seed_parameters
+from hybrid_model.seeded_draw import parameter_seed
+from hybrid_model.seeded_init import expected_std, normal_std, seed_parameters
 
 # the DSv4 symbols (C/H/W, hash + learned E, mHC, MTP) and megatron's '-' / '+' / 'D' (local modules)
 PATTERNS = ("WEC-HE/WE", "W+D-E/+E")
@@ -91,3 +98,13 @@ def test_non_normal_initialiser_is_refused():
         normal_std(torch.nn.init.xavier_uniform_, "config.init_method")
     with pytest.raises(ValueError, match="normal"):
         normal_std(functools.partial(torch.nn.init.normal_, mean=1.0, std=0.5), "x")
+
+
+@pytest.mark.distributed
+def test_tp_shards_are_slices_of_the_tp1_tensor():
+    """Two gloo ranks as one TP group: each rank's shard of a column- (dim 0) or row-parallel (dim 1) weight is its
+    slice of the TP=1 tensor drawn from the same key."""
+    shards = run_distributed(tp_shards, 2, timeout=300)
+    whole = torch.empty(6, 4).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(99))
+    for dim in (0, 1):
+        assert torch.equal(torch.cat([shards[r][dim] for r in (0, 1)], dim=dim), whole)

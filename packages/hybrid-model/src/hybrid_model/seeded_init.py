@@ -35,14 +35,12 @@ device type. The one-process model changes too (its draws no longer follow const
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
-from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
 from hash_moe.megatron import ClampedSwiGLUExperts
+from hybrid_model.seeded_draw import group_rank_size, normal_draw, parameter_seed, tp_shard_draw
 from mhc import MHCConfig
 
 #: modules whose ``weight`` megatron initialises with ``output_layer_init_method`` (the residual-branch outputs)
@@ -51,13 +49,6 @@ OUTPUT_PROJECTIONS = frozenset({"linear_proj", "linear_fc2", "linear_down", "out
 NON_NORMAL = frozenset({"A_log", "dt_bias", "conv1d", "conv1d_weight", "conv1d_bias"})
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def parameter_seed(seed: int, name: str, index: int | None = None) -> int:
-    """The generator seed of parameter ``name`` (its one-process name; ``index``: a routed expert's global index):
-    the first 63 bits of ``blake2b("{seed}/{name}[/{index}]")`` (stable across processes and Python versions)."""
-    key = f"{int(seed)}/{name}" + ("" if index is None else f"/{int(index)}")
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def normal_std(init_method, what: str) -> float:
@@ -89,32 +80,6 @@ def global_parameter_names(model) -> dict[int, str]:
 def _is_constant(p: torch.Tensor) -> bool:
     flat = p.detach().reshape(-1)
     return flat.numel() <= 1 or bool((flat == flat[0]).all())
-
-
-def _group_rank_size(group) -> tuple[int, int]:
-    if group is None or not dist.is_initialized():
-        return 0, 1
-    return group.rank(), group.size()
-
-
-def _draw(shape: Iterable[int], std: float, seed: int, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.empty(tuple(shape), dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
-
-
-def _full_and_slice(p: torch.Tensor, tp_group) -> tuple[list[int], tuple[slice, ...]]:
-    """The TP=1 shape of ``p`` and this rank's slice of it (stride-1 ``partition_dim`` shards)."""
-    shape = list(p.shape)
-    index = [slice(None)] * p.dim()
-    if getattr(p, "tensor_model_parallel", False):
-        rank, size = _group_rank_size(tp_group)
-        if size > 1:
-            if int(getattr(p, "partition_stride", 1)) != 1:
-                raise ValueError("layout-independent initialisation of strided TP shards is not supported")
-            dim = int(p.partition_dim)
-            shape[dim] *= size
-            index[dim] = slice(rank * p.shape[dim], (rank + 1) * p.shape[dim])
-    return shape, tuple(index)
 
 
 def _rule(model, module, module_name: str, attr: str, p: torch.Tensor) -> float | None:
@@ -157,12 +122,11 @@ def seed_parameters(model, seed: int) -> list[str]:
             if isinstance(
                 module, ClampedSwiGLUExperts
             ):  # [G_local, ...]: expert e is global expert first + e
-                first = _group_rank_size(module.ep_group)[0] * p.shape[0]
+                first = group_rank_size(module.ep_group)[0] * p.shape[0]
                 for e in range(p.shape[0]):
-                    p[e].copy_(_draw(p.shape[1:], std, parameter_seed(seed, name, first + e), p.device))
+                    p[e].copy_(normal_draw(p.shape[1:], std, parameter_seed(seed, name, first + e), p.device))
                 continue
-            shape, index = _full_and_slice(p, tp_group)
-            p.copy_(_draw(shape, std, parameter_seed(seed, name), p.device)[index])
+            p.copy_(tp_shard_draw(p, std, parameter_seed(seed, name), tp_group))
     return kept
 
 
@@ -180,6 +144,5 @@ __all__ = [
     "expected_std",
     "global_parameter_names",
     "normal_std",
-    "parameter_seed",
     "seed_parameters",
 ]
