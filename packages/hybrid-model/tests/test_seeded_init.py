@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_draw_workers import tp_shards
+from tp_model_workers import tp_model_params
 
 from dsv4_testkit import run_distributed
 from hybrid_model.model import build_model
@@ -108,3 +109,26 @@ def test_tp_shards_are_slices_of_the_tp1_tensor():
     whole = torch.empty(6, 4).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(99))
     for dim in (0, 1):
         assert torch.equal(torch.cat([shards[r][dim] for r in (0, 1)], dim=dim), whole)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_model_shards_are_parts_of_the_tp1_model():
+    """megatron's own TP layers (``*`` fused QKV and output, ``-`` fused SwiGLU ``linear_fc1`` of stride 2 and
+    ``linear_fc2``, the vocab-parallel embedding and head) built at TP=2: each rank's shard is its part of the TP=1
+    model's tensor by megatron's stride rule (chunks of ``shard / stride`` rows, rank r holding r, r + 2, ...), and
+    every replicated parameter equals the TP=1 one, bit for bit."""
+    ranks = run_distributed(tp_model_params, 2, "*-/*-", 7, timeout=900)
+    tp1 = ranks[0][1]
+    split = 0
+    for name, (whole, _) in tp1.items():
+        (s0, part), (s1, _) = ranks[0][2][name], ranks[1][2][name]
+        if part is None:
+            assert torch.equal(s0, whole) and torch.equal(s1, whole), name
+            continue
+        dim, stride = part
+        c0, c1 = s0.chunk(stride, dim), s1.chunk(stride, dim)
+        rebuilt = torch.cat([c for j in range(stride) for c in (c0[j], c1[j])], dim=dim)
+        assert torch.equal(rebuilt, whole), name
+        split += 1
+    assert split == 10  # embedding, head, and per layer QKV, output, fc1, fc2 (main + MTP)

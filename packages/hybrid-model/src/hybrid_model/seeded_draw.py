@@ -33,25 +33,24 @@ def normal_draw(shape: Iterable[int], std: float, seed: int, device: torch.devic
 
 def tp_shard_draw(p: torch.Tensor, std: float, key: int, tp_group) -> torch.Tensor:
     """``normal(0, std)`` values for ``p`` (fp32) from the generator seeded ``key``: for a tensor-parallel shard
-    (megatron's ``tensor_model_parallel`` / ``partition_dim``, stride 1) this rank's slice of the whole TP=1 tensor
-    drawn at once, so the shards of every TP size are slices of the same tensor."""
-    shape, index = _full_and_slice(p, tp_group)
-    return normal_draw(shape, std, key, p.device)[index]
-
-
-def _full_and_slice(p: torch.Tensor, tp_group) -> tuple[list[int], tuple[slice, ...]]:
-    """The TP=1 shape of ``p`` and this rank's slice of it (stride-1 ``partition_dim`` shards)."""
+    (megatron's ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``) this rank's part of the whole
+    TP=1 tensor drawn at once, taken by megatron's rule (``_initialize_affine_weight_cpu``: the TP=1 tensor cut along
+    ``partition_dim`` into chunks of ``shard / stride`` rows, rank ``r`` holding chunks ``r, r + TP, ...``; stride 2
+    is the fused SwiGLU ``[gate; up]`` projection), so the shards of every TP size are parts of the same tensor."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return normal_draw(p.shape, std, key, p.device)
+    rank, size = group_rank_size(tp_group)
+    if size == 1:
+        return normal_draw(p.shape, std, key, p.device)
+    dim, stride = int(p.partition_dim), int(getattr(p, "partition_stride", 1))
+    if p.shape[dim] % stride:
+        raise ValueError(
+            f"a TP shard of {p.shape[dim]} rows along dim {dim} does not split into stride {stride}"
+        )
     shape = list(p.shape)
-    index = [slice(None)] * p.dim()
-    if getattr(p, "tensor_model_parallel", False):
-        rank, size = group_rank_size(tp_group)
-        if size > 1:
-            if int(getattr(p, "partition_stride", 1)) != 1:
-                raise ValueError("layout-independent initialisation of strided TP shards is not supported")
-            dim = int(p.partition_dim)
-            shape[dim] *= size
-            index[dim] = slice(rank * p.shape[dim], (rank + 1) * p.shape[dim])
-    return shape, tuple(index)
+    shape[dim] *= size
+    chunks = normal_draw(shape, std, key, p.device).split(p.shape[dim] // stride, dim=dim)
+    return torch.cat(chunks[rank::size], dim=dim)
 
 
 __all__ = ["group_rank_size", "normal_draw", "parameter_seed", "tp_shard_draw"]
