@@ -14,8 +14,9 @@ generator of its own, seeded by :func:`parameter_seed` ``(seed, global name)``:
   locally), the MTP block, embedding (and the last stage's MTP copy of it) and output layer keep their names;
 * routed experts ``[G_local, ...]`` (EP): expert ``e`` of EP rank ``r`` is global expert ``r·G_local + e``, drawn
   from ``(seed, name, global expert)``: EP ranks hold slices of the EP=1 tensor;
-* tensor-parallel shards (``partition_dim``, stride 1): the whole ``[TP=1]`` tensor is drawn and this rank's slice
-  kept, so TP shards are slices of the TP=1 tensor.
+* tensor-parallel shards (``partition_dim``, ``partition_stride``): the whole ``[TP=1]`` tensor is drawn and this
+  rank's part kept by megatron's stride rule (:func:`~hybrid_model.seeded_draw.tp_shard_draw`), so TP shards are
+  parts of the TP=1 tensor.
 
 The distributions are megatron's (the ones each module applied at construction, read from the config, never
 re-chosen): ``normal(0, σ)`` with ``σ = config.init_method``'s std, the output projections (``linear_proj``,
