@@ -92,7 +92,8 @@ def run_trainer(kw: dict):
 
 def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_initial: bool = False) -> dict:
     """Train each ``(name, TrainConfig kwargs)`` in turn (:func:`run_trainer`); ``{name: {"metrics": [...],
-    "grads": {...}}}``."""
+    "grads": {...}, "initial": {...}, ...}}`` (``grads`` / ``initial``: the first step's reduced gradients and the
+    initial parameters, keyed like :func:`capture_first_step_grads`)."""
     from dsv4_primitives import is_keep_in_fp32
 
     results = {}
@@ -103,6 +104,7 @@ def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_init
                 trainer.save_checkpoint()  # iter_0000000: the initial weights every layout starts from
             grads = capture_first_step_grads(trainer)
             names = global_grad_names(trainer.core)
+            initial = {names[id(p)]: p.detach().float().clone() for p in trainer.core.parameters()}
             keep = [p for p in trainer.core.parameters() if is_keep_in_fp32(p)]
             keep_init = {names[id(p)][0]: p.detach().clone() for p in keep}
             metrics = trainer.run()
@@ -113,6 +115,7 @@ def train_layouts(rank: int, world: int, runs: list[tuple[str, dict]], save_init
         results[name] = {
             "metrics": [{"step": m["step"]} | {k: m.get(k) for k in METRIC_KEYS} for m in metrics],
             "grads": grads,
+            "initial": initial,  # every parameter before the first step, like "grads" (merge_rank_grads)
             "keep_fp32_init": keep_init,  # keep-in-fp32 params (mHC, sinks, ape) before and after training
             "keep_fp32_final": keep_final,
             "other_param_dtypes": other_dtypes,

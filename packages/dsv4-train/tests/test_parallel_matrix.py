@@ -4,9 +4,11 @@ Cells: DP2, PP2, PP2xVPP2 (interleaved schedule, 2 virtual stages per rank: 4 se
 the schedule's p2p shape, including the wrap-around from rank 1's first chunk to rank 0's second), PP2 on packed
 THD batches, EP2 (2 processes) and DP2xEP2, PP2xEP2, DP2xPP2 (4 processes), each in fp32 and in bf16, against the
 single-process run of the same global batch (4 sequences of 160 tokens, micro-batches of 1, 3 steps; the packed
-cell against the single-process packed run: 4 packs of 160 rows). Every run
-starts from the same weights: the single-process reference saves its initial model (step 0) and the parallel runs
-read it with ``init_from`` (megatron resharding to their PP/EP layout). The comparison isolates the parallel path:
+cell against the single-process packed run: 4 packs of 160 rows). Every run starts from the same weights, two ways:
+the DP2, PP2, PP2xVPP2 and EP2 cells build their model from ``--seed`` as users do (layout-independent
+initialisation, ``hybrid_model.seeded_init``: their initial parameters are checked bitwise equal to the
+single-process model's), the other cells read the single-process reference's initial model (step 0) with
+``init_from`` (megatron resharding to their PP/EP layout). The comparison isolates the parallel path:
 data sharding over DP, the mHC stream transport between pipeline stages (``n·d`` channels in the stream dtype), MTP
 on the last stage with its embedding copy, hash layers on the first, expert dispatch over EP, gradient reduction,
 the distributed optimizer and the metric reductions. 160 tokens give HCA (ratio 128) entries and sparse CSA top-k.
@@ -58,7 +60,7 @@ _BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 
 # cell: (world size, TrainConfig layout); DP is the rest of the world (EP splits the experts inside DP). A layout
 # with packed=True trains on packed THD batches (4 packs of 160 token rows per step, one pack per micro-batch) and
-# is compared with the single-process packed run.
+# is compared with the single-process packed run. SEEDED cells build their model from the seed (no init_from).
 CELLS = {
     "dp2": (2, dict()),
     "pp2": (2, dict(pp=2)),
@@ -69,6 +71,7 @@ CELLS = {
     "pp2xep2": (4, dict(pp=2, ep=2)),
     "dp2xpp2": (4, dict(pp=2)),
 }
+SEEDED = frozenset({"dp2", "pp2", "pp2xvpp2", "ep2"})
 DTYPES = ("fp32", "bf16")
 
 
@@ -97,6 +100,7 @@ def reference(tmp_path_factory):
     for key in results:
         results[key]["init"] = str(out / key / "checkpoints" / "iter_0000000")
         results[key]["grads"] = merge_rank_grads([results[key]["grads"]])
+        results[key]["initial"] = merge_rank_grads([results[key]["initial"]])
     return results
 
 
@@ -116,7 +120,7 @@ def parallel(reference, tmp_path_factory):
                         dt,
                         layout,
                         out=str(out / f"{name}-{dt}"),
-                        init_from=reference[_ref_key(dt, layout)]["init"],
+                        **({} if name in SEEDED else {"init_from": reference[_ref_key(dt, layout)]["init"]}),
                     ),
                 )
                 for name, (w, layout) in CELLS.items()
@@ -185,3 +189,16 @@ def test_pp2_bf16_gradients_bitwise_but_the_shared_embedding(reference, parallel
     assert differing in ([], ["embedding.word_embeddings.weight"]), differing
     got = per_rank[-1]["metrics"][0]
     assert (got["lm_loss"], got["mtp_loss"]) == (ref["metrics"][0]["lm_loss"], ref["metrics"][0]["mtp_loss"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cell", sorted(SEEDED))
+def test_seeded_layout_starts_from_the_single_process_model(reference, parallel, cell, dtype):
+    """Built from ``--seed`` alone, the layout's initial parameters (PP stages and VPP chunks renumbered to global
+    layers, EP ranks' experts concatenated, DP replicas and the MTP embedding copy bitwise equal) are the
+    single-process model's, bit for bit (each parameter drawn from its own ``(seed, global name)`` generator)."""
+    initial = merge_rank_grads([r["initial"] for r in parallel(cell, dtype)])
+    ref = reference[_ref_key(dtype, CELLS[cell][1])]["initial"]
+    assert set(initial) == set(ref)
+    differing = sorted(name for name, p in ref.items() if not torch.equal(initial[name], p))
+    assert differing == [], differing

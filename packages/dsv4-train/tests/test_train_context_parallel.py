@@ -1,6 +1,8 @@
 """``dsv4 train --cp 2`` on CPU (gloo) trains the tiny preset like ``--cp 1`` on the same global batch.
 
-Runs (every run starts from the single-process reference's initial weights through ``init_from``):
+Runs (every run starts from the single-process reference's initial weights: the ``--cp 2`` ``[B, S]`` runs build
+them from ``--seed`` as users do (layout-independent initialisation, checked bitwise), the others read the
+reference's step-0 checkpoint through ``init_from``):
 
 * 1 process: the references ``--cp 1`` for packed THD and ``[B, S]`` batches, fp32 and bf16 (4 documents of up to
   256 tokens per global batch, 2 steps; ``[B, S]``: micro-batches of 2 rows).
@@ -52,6 +54,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
@@ -88,10 +91,11 @@ def runs(tmp_path_factory):
     init = {key: str(tmp / f"ref-{key}" / "checkpoints" / "iter_0000000") for key in ref}
     for key in ref:
         ref[key]["grads"] = merge_rank_grads([ref[key]["grads"]])
+        ref[key]["initial"] = merge_rank_grads([ref[key]["initial"]])
     cp2_runs = [
         (
             f"{f}-{d}",
-            _kw(f, d, tmp / f"cp2-{f}-{d}", cp=2, init_from=init[f"{f}-{d}"])
+            _kw(f, d, tmp / f"cp2-{f}-{d}", cp=2, **({} if f == "bs" else {"init_from": init[f"{f}-{d}"]}))
             | (dict(save_interval=1) if (f, d) == ("packed", "fp32") else {}),
         )
         for f, d in names
@@ -156,6 +160,9 @@ def _check_bf16(
 def test_cp2_matches_cp1(runs, fmt, dtype):
     ref = runs["ref"][f"{fmt}-{dtype}"]
     per_rank = [r[f"{fmt}-{dtype}"] for r in runs["cp2"]]
+    if fmt == "bs":  # built from --seed: the single-process model, bit for bit
+        initial = merge_rank_grads([r["initial"] for r in per_rank])
+        assert [n for n, p in ref["initial"].items() if not torch.equal(initial[n], p)] == []
     if dtype == "fp32":
         _check_fp32(per_rank, ref, f"cp2-{fmt}")
     else:

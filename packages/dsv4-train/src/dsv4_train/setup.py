@@ -36,6 +36,7 @@ from dsv4_train.virtual_pipeline import VirtualPipelineChunks, check_vpp_config,
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.latent_attention import reset_dsa_indexer_loss_state
 from hybrid_model.model import build_model as build_dsv4_model
+from hybrid_model.seeded_init import seed_parameters
 
 
 def machine_for(tc: TrainConfig) -> Machine:
@@ -161,8 +162,9 @@ class ModelParts:
 
 
 def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: torch.device) -> ModelParts:
-    """The DSv4 model of this rank's pipeline stage (``--vpp``: its chunks), seeded with ``tc.schedule.seed``, wrapped for
-    bf16 and in DDP."""
+    """The DSv4 model of this rank's pipeline stage (``--vpp``: its chunks), wrapped for bf16 and in DDP. Its
+    parameters are functions of ``(tc.schedule.seed, global name)`` (:func:`hybrid_model.seeded_init.seed_parameters`):
+    the same initial model under every PP / VPP / EP / DP / CP layout."""
 
     torch.manual_seed(tc.schedule.seed)
     vpp_kw = {"virtual_pipeline_model_parallel_size": tc.parallel.vpp} if tc.parallel.vpp > 1 else {}
@@ -192,6 +194,8 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
                 recompute=recompute_config(tc),
                 **vpp_kw,
             ).to(device)
+        # every parameter a function of (seed, its one-process name): the same model under every layout
+        seed_parameters(core, tc.schedule.seed)
         model = core
         if tc.precision.bf16:
             model = Float16ModuleKeepFP32(core.config, model)

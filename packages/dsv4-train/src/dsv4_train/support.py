@@ -181,13 +181,36 @@ RELATIONS: tuple[Relation, ...] = (
         "tests/test_train_cuda_graph.py::test_data_parallel_is_accepted_model_parallel_is_not",
     ),
     # supported, with the test that runs the combination
-    Relation(("dp",), "supported", "DP2 equals one process (fp32, bf16)", _MATRIX),
-    Relation(("pp",), "supported", "PP2 equals one process (fp32, bf16)", _MATRIX),
-    Relation(("ep",), "supported", "EP2 equals one process (fp32, bf16)", _MATRIX),
     Relation(
-        ("cp",), "supported", "CP2 equals CP1 (packed and [B, S], fp32, bf16)", _CP + "test_cp2_matches_cp1"
+        ("dp",),
+        "supported",
+        "DP2 equals one process, from the same --seed (same initial model, fp32, bf16)",
+        _MATRIX,
     ),
-    Relation(("pp", "vpp"), "supported", "PP2 x VPP2 equals one process", _MATRIX),
+    Relation(
+        ("pp",),
+        "supported",
+        "PP2 equals one process, from the same --seed (same initial model, fp32, bf16)",
+        _MATRIX,
+    ),
+    Relation(
+        ("ep",),
+        "supported",
+        "EP2 equals one process, from the same --seed (same initial model, fp32, bf16)",
+        _MATRIX,
+    ),
+    Relation(
+        ("cp",),
+        "supported",
+        "CP2 equals CP1 (packed and [B, S], fp32, bf16); [B, S] from the same --seed (same initial model)",
+        _CP + "test_cp2_matches_cp1",
+    ),
+    Relation(
+        ("pp", "vpp"),
+        "supported",
+        "PP2 x VPP2 equals one process, from the same --seed (same initial model; also from the CLI)",
+        _MATRIX,
+    ),
     Relation(("pp", "packed"), "supported", "PP2 on packed batches equals one process", _MATRIX),
     Relation(("dp", "ep"), "supported", "DP2 x EP2 equals one process", _MATRIX),
     Relation(("dp", "pp"), "supported", "DP2 x PP2 equals one process", _MATRIX),
