@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import TrainConfig, flag_name, flat_settings
+from dsv4_train.data_identity import write_data_identity
 from dsv4_train.eval_data import heldout_conflict
 from dsv4_train.step import TrainingDiverged
 from hybrid_model.hf.convert import describe_load_error
@@ -277,10 +278,22 @@ class Checkpointer:
     """Saves and restores the whole training state of one rank (``core``: the unwrapped DSv4 model)."""
 
     def __init__(
-        self, *, core, optimizer, scheduler, batches, ps, out: Path, rank: int, tc: TrainConfig
+        self,
+        *,
+        core,
+        optimizer,
+        scheduler,
+        batches,
+        ps,
+        out: Path,
+        rank: int,
+        tc: TrainConfig,
+        data_identity: dict[str, Any] | None = None,
     ) -> None:
         self.core, self.optimizer, self.scheduler, self.batches = core, optimizer, scheduler, batches
         self.ps, self.dir, self.rank, self.tc = ps, Path(out) / "checkpoints", rank, tc
+        # the training data's identity at the run's start (dsv4_train.data_identity), written with every checkpoint
+        self.data_identity = data_identity
 
     def sharded_state(
         self, step: int, loading: bool, *, with_rng: bool = True, distopt_format: str | None = None
@@ -326,6 +339,8 @@ class Checkpointer:
         dist.barrier()
         if self.rank == 0:
             (path / TRAIN_CONFIG_FILE).write_text(json.dumps(self.tc.to_dict(), indent=1) + "\n")
+            if self.data_identity is not None:
+                write_data_identity(path, self.data_identity)
             (self.dir / "latest").write_text(path.name)
         return path
 

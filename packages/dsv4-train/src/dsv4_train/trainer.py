@@ -38,6 +38,7 @@ from dsv4_train import determinism
 from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, preflight_resume
 from dsv4_train.config import TrainConfig
 from dsv4_train.cuda_graph import use_capture_stream
+from dsv4_train.data_identity import check_same_data, data_identity
 from dsv4_train.determinism import prepare_deterministic_environment
 from dsv4_train.evaluation import Evaluator
 from dsv4_train.gloo_cuda import host_staged_collectives
@@ -75,8 +76,12 @@ class Trainer:
         if (self.out / "checkpoints").exists():  # found now, not at the first save after the work is done
             check_writable(self.out / "checkpoints", "the checkpoint directory")
         self.resuming = decide_resume(tc)
+        # what the training stream is read from (recorded with every checkpoint; a resume checks it is unchanged)
+        self.data_notes: list[str] = []
         if self.resuming:
-            preflight_resume(tc)
+            self.data_identity, self.data_notes = check_same_data(preflight_resume(tc), tc)
+        else:
+            self.data_identity = data_identity(tc)
         self.cleared: list[str] = []
         if (
             tc.precision.deterministic
@@ -177,6 +182,7 @@ class Trainer:
             out=self.out,
             rank=self.rank,
             tc=tc,
+            data_identity=self.data_identity,
         )
         self.stepper = StepRunner(
             tc,
@@ -258,6 +264,8 @@ class Trainer:
         print(
             f"dsv4 train: config {self.out / CONFIG_FILE}: {', '.join(changed) or 'the defaults'}", flush=True
         )
+        for note in self.data_notes:
+            print(note, flush=True)
         if resumed:
             ignored = (
                 f"; --init-from {tc.checkpoint.init_from} is not used (the checkpoint has the weights)"
