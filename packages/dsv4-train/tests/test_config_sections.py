@@ -16,7 +16,7 @@ from dsv4_train.config import (
     flag_name,
     flat_settings,
 )
-from dsv4_train.trainer import loss_trend
+from dsv4_train.loss_trend import loss_trend
 
 
 def test_sections_are_frozen_and_hold_no_lists():

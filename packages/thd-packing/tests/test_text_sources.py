@@ -107,10 +107,13 @@ def test_parquet_errors(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    raw = pa.DictionaryArray.from_arrays(pa.array([0, 1], pa.int8()), pa.array([b"\x00", b"\x01"]))
+    pq.write_table(pa.table({"text": raw}), tmp_path / "bytesdict.parquet")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     cases = {
         "nocol": "no 'text' column",
-        "ints": "column 'text' has type int64, expected string",
+        "ints": "column 'text' has type int64, expected text: string, large_string, string_view or a dictionary",
+        "bytesdict": "column 'text' has type dictionary<values=binary, indices=int8, ordered=0>, expected text",
         "null": "null.parquet row 1: field 'text' is null",
         "empty": "empty file (no rows)",
         "junk": "not a readable Parquet file",
@@ -119,6 +122,45 @@ def test_parquet_errors(tmp_path):
         with pytest.raises(TextRecordError) as err:
             _read(tmp_path / f"{name}.parquet")
         assert message in str(err.value), name
+
+
+def test_parquet_text_columns_of_every_string_type_and_dictionary_encoded(tmp_path):
+    """Dictionary-encoded text columns (an explicit dictionary array, written with ``use_dictionary=True``; string
+    and large_string values; row groups with different dictionaries) decode to their values, as do large_string
+    and string_view columns; a null index is a null record."""
+    words = ["alpha", "beta", "alpha", "gamma"]
+    idx = pa.array([0, 1, 0, 2], pa.int32())
+    chunks = pa.chunked_array(
+        [
+            pa.DictionaryArray.from_arrays(pa.array([1, 0], pa.int32()), pa.array(["x", "y"])),
+            pa.DictionaryArray.from_arrays(pa.array([0, 0, 1], pa.int32()), pa.array(["z", "w"])),
+        ]
+    )
+    columns = {
+        "dict": (pa.DictionaryArray.from_arrays(idx, pa.array(["alpha", "beta", "gamma"])), words),
+        "dict_large": (
+            pa.DictionaryArray.from_arrays(idx, pa.array(["alpha", "beta", "gamma"], pa.large_string())),
+            words,
+        ),
+        "dict_encoded": (pa.array(words).dictionary_encode(), words),
+        "chunked": (chunks, ["y", "x", "z", "z", "w"]),
+        "large": (pa.array(words, pa.large_string()), words),
+        "view": (pa.array(words, pa.string_view()), words),
+    }
+    for name, (column, expected) in columns.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"text": column}), path, use_dictionary=True, row_group_size=2)
+        recs, report = _read(path)
+        assert [r.text for r in recs] == expected and report.records == len(expected), name
+        assert [r.line for r in recs] == list(range(len(expected))), name
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "chunked.parquet").field("text").type)
+
+    nulls = pa.DictionaryArray.from_arrays(pa.array([0, None, 1], pa.int32()), pa.array(["a", "b"]))
+    pq.write_table(pa.table({"text": nulls}), tmp_path / "dictnull.parquet")
+    with pytest.raises(TextRecordError, match="dictnull.parquet row 1: field 'text' is null"):
+        _read(tmp_path / "dictnull.parquet")
+    recs, report = _read(tmp_path / "dictnull.parquet", errors="skip")
+    assert [r.text for r in recs] == ["a", "b"] and report.num_skipped == 1
 
 
 def test_skip_mode_counts_every_bad_record(tmp_path):

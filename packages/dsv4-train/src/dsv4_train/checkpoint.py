@@ -20,6 +20,7 @@ from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.atomic_save import save_atomically
 from dsv4_train.ckpt_integrity import MANIFEST_MARKER, verify_loaded
 from dsv4_train.config import TrainConfig, flag_name, flat_settings
+from dsv4_train.data_identity import DATA_IDENTITY_FILE
 from dsv4_train.eval_data import heldout_conflict
 from dsv4_train.step import TrainingDiverged
 from hybrid_model.hf.convert import describe_load_error
@@ -279,10 +280,22 @@ class Checkpointer:
     """Saves and restores the whole training state of one rank (``core``: the unwrapped DSv4 model)."""
 
     def __init__(
-        self, *, core, optimizer, scheduler, batches, ps, out: Path, rank: int, tc: TrainConfig
+        self,
+        *,
+        core,
+        optimizer,
+        scheduler,
+        batches,
+        ps,
+        out: Path,
+        rank: int,
+        tc: TrainConfig,
+        data_identity: dict[str, Any] | None = None,
     ) -> None:
         self.core, self.optimizer, self.scheduler, self.batches = core, optimizer, scheduler, batches
         self.ps, self.dir, self.rank, self.tc = ps, Path(out) / "checkpoints", rank, tc
+        # the training data's identity at the run's start (dsv4_train.data_identity), written with every checkpoint
+        self.data_identity = data_identity
 
     def sharded_state(
         self, step: int, loading: bool, *, with_rng: bool = True, distopt_format: str | None = None
@@ -326,8 +339,12 @@ class Checkpointer:
                 dist_checkpointing.save({**state, MANIFEST_MARKER: True}, str(directory))
 
         # written into a partial directory and published atomically with its manifest (dsv4_train.atomic_save)
-        config = json.dumps(self.tc.to_dict(), indent=1) + "\n"
-        return save_atomically(self.dir, step, write_shards, {TRAIN_CONFIG_FILE: config}, rank=self.rank)
+        files = {TRAIN_CONFIG_FILE: json.dumps(self.tc.to_dict(), indent=1) + "\n"}
+        if (
+            self.data_identity is not None
+        ):  # what the training stream was read from (dsv4_train.data_identity)
+            files[DATA_IDENTITY_FILE] = json.dumps(self.data_identity, indent=1) + "\n"
+        return save_atomically(self.dir, step, write_shards, files, rank=self.rank)
 
     def load_latest(self) -> int | None:
         """Restore model, optimizer (Adam moments + per-param step), LR scheduler, data position and RNG state of

@@ -21,11 +21,12 @@ from dsv4_train.convert_cli import add_convert_parser, run_convert
 from dsv4_train.flags import add_config_flags, config_from_flags, given_flags
 from dsv4_train.generate_cli import add_generate_parser, run_generate
 from dsv4_train.inspect_checkpoint import checkpoint_report, print_report
+from dsv4_train.loss_trend import loss_trend
 from dsv4_train.lost_rank import RankLost
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
 from dsv4_train.setup import check_run
-from dsv4_train.trainer import Trainer, TrainingDiverged, loss_trend
+from dsv4_train.trainer import Trainer, TrainingDiverged
 from hybrid_model.flops import forward_flops_sbhd, summarize_by_kind
 from hybrid_model.model_flags import add_model_flags, apply_model_overrides, overrides_from_args
 from hybrid_model.params import analytic_param_counts

@@ -42,9 +42,11 @@ from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, latest_checkpoin
 from dsv4_train.ckpt_integrity import unverified_note, verify_resume
 from dsv4_train.config import TrainConfig
 from dsv4_train.cuda_graph import use_capture_stream
+from dsv4_train.data_identity import check_same_data, data_identity
 from dsv4_train.determinism import prepare_deterministic_environment
 from dsv4_train.evaluation import Evaluator
 from dsv4_train.gloo_cuda import host_staged_collectives
+from dsv4_train.loss_trend import loss_is_falling, loss_trend
 from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_point
 from dsv4_train.model_config import model_config_for
 from dsv4_train.outputs import RunOutputs
@@ -85,11 +87,15 @@ class Trainer:
             check_writable(self.out / "checkpoints", "the checkpoint directory")
         self.resuming = decide_resume(tc)
         self.verified = True  # False: the resumed checkpoint has no manifest of checksums (older checkpoints)
+        # what the training stream is read from (recorded with every checkpoint; a resume checks it is unchanged)
+        self.data_notes: list[str] = []
         if (
             self.resuming
         ):  # its files against their checksums first (dsv4_train.ckpt_integrity), then its settings
             self.verified = verify_resume(latest_checkpoint(self.out / "checkpoints"))
-            preflight_resume(tc)
+            self.data_identity, self.data_notes = check_same_data(preflight_resume(tc), tc)
+        else:
+            self.data_identity = data_identity(tc)
         self.cleared: list[str] = []
         if (
             tc.precision.deterministic
@@ -201,6 +207,7 @@ class Trainer:
             out=self.out,
             rank=self.rank,
             tc=tc,
+            data_identity=self.data_identity,
         )
         self.stepper = StepRunner(
             tc,
@@ -286,6 +293,8 @@ class Trainer:
         )
         if resumed and not self.verified:
             print(f"dsv4 train: note: {unverified_note(self.out / 'checkpoints' / f'iter_{self.step:07d}')}")
+        for note in self.data_notes:
+            print(note, flush=True)
         if resumed:
             ignored = (
                 f"; --init-from {tc.checkpoint.init_from} is not used (the checkpoint has the weights)"
@@ -466,24 +475,6 @@ def train(tc: TrainConfig) -> list[dict]:
         return trainer.run()
     finally:
         trainer.close()
-
-
-#: finite losses a run needs before its trend is reported
-MIN_STEPS_FOR_TREND = 4
-
-
-def loss_trend(metrics: list[dict], key: str = "lm_loss") -> str:
-    """``"falling"`` / ``"NOT falling"`` (the mean of the last fifth of the finite losses against the first), or
-    ``"too few steps to tell"`` below :data:`MIN_STEPS_FOR_TREND` finite losses."""
-    vals = [m[key] for m in metrics if key in m and m[key] is not None and math.isfinite(m[key])]
-    if len(vals) < MIN_STEPS_FOR_TREND:
-        return "too few steps to tell"
-    k = max(1, len(vals) // 5)
-    return "falling" if sum(vals[-k:]) / k < sum(vals[:k]) / k else "NOT falling"
-
-
-def loss_is_falling(metrics: list[dict], key: str = "lm_loss") -> bool:
-    return loss_trend(metrics, key) == "falling"
 
 
 __all__ = [

@@ -10,7 +10,8 @@ Formats (by file extension, case-insensitive: ``a.TXT`` is a text file):
 
 - ``.jsonl``: one JSON object per line; blank lines are not records and are ignored.
 - ``.json``: one top-level array of objects (or a single object); line numbers point at each element's start.
-- ``.parquet``: a string column ``text``.
+- ``.parquet``: a text column ``text`` of Arrow type ``string``, ``large_string`` or ``string_view``, or
+  dictionary-encoded with values of one of these (decoded; each row group may have its own dictionary).
 - ``.txt`` / ``.md``: the whole file is one document.
 - a directory: every file of a supported format below it (recursively), sorted by relative path. Everything else
   below it is *ignored and listed* in :attr:`ReadReport.ignored` with the reason: files of other types, hidden
@@ -334,6 +335,14 @@ def _read_json(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord]:
         )
 
 
+def _is_text_type(pa, kind) -> bool:
+    """Whether a Parquet column of Arrow type ``kind`` holds text: ``string``, ``large_string``, ``string_view``
+    or a dictionary whose values are one of them (what ``use_dictionary`` / categorical columns read back as)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
 def _read_parquet(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -347,9 +356,15 @@ def _read_parquet(path: Path, text_key: str, sink: _Sink) -> Iterator[TextRecord
         sink.problem(path, None, f"no {text_key!r} column (columns: {schema.names})")
         return
     kind = schema.field(text_key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        sink.problem(path, None, f"column {text_key!r} has type {kind}, expected string")
+    if not _is_text_type(pa, kind):
+        sink.problem(
+            path,
+            None,
+            f"column {text_key!r} has type {kind}, expected text: string, large_string, string_view or a "
+            "dictionary of them",
+        )
         return
+    # dictionary-encoded chunks (each row group may have its own dictionary) decode to their values here
     column = pq.read_table(path, columns=[text_key]).column(text_key).to_pylist()
     if not column:
         sink.problem(path, None, "empty file (no rows)")
