@@ -23,7 +23,9 @@ version was released and the tag is missing. ``list`` prints every package's rel
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +92,12 @@ def dependants(package: str, root: Path) -> list[str]:
     return result
 
 
+def uv_command() -> list[str]:
+    """uv: the binary that started us (``uv run`` sets ``UV``), else the one on PATH, else ``python3 -m uv``."""
+    found = os.environ.get("UV") or shutil.which("uv")
+    return [found] if found else ["python3", "-m", "uv"]
+
+
 def run(cmd: list[str], root: Path) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=root, check=True)
@@ -140,6 +148,17 @@ def release(package: str, root: Path, minor: bool | None, dry_run: bool, tag: bo
         print(f"  dependant {dep}: range on {package} becomes '{sibling_range(new)}' (release it next)")
     if dry_run:
         return 0
+    try:
+        return _apply(package, new, notes, deps, root, tag, build)
+    except BaseException:
+        # leave nothing half-done: the files the release edits go back to the last commit
+        files = [f"packages/{p}" for p in (package, *deps)] + ["uv.lock"]
+        rh.git("checkout", "HEAD", "--", *files, root=root)
+        print(f"release: {package} {new} failed; {', '.join(files)} restored", file=sys.stderr)
+        raise
+
+
+def _apply(package: str, new: str, notes: str, deps: list[str], root: Path, tag: bool, build: bool) -> int:
     pkg_dir = root / "packages" / package
     pyproject = pkg_dir / "pyproject.toml"
     pyproject.write_text(set_version(pyproject.read_text(), new))
@@ -156,7 +175,7 @@ def release(package: str, root: Path, minor: bool | None, dry_run: bool, tag: bo
             add_unreleased_note((dep_dir / "CHANGELOG.md").read_text(), note)
         )
         touched += [dep_dir / "pyproject.toml", dep_dir / "CHANGELOG.md"]
-    uv = [sys.executable, "-m", "uv"]
+    uv = uv_command()
     run([*uv, "lock"], root)
     touched.append(root / "uv.lock")
     if build:
