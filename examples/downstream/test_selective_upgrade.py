@@ -50,33 +50,13 @@ def _current_version(package: str) -> str:
     return tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]["version"]
 
 
+def _workspace_packages() -> list[str]:
+    return sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+
+
 def _installed(project: Path, package: str) -> str:
     code = f"import importlib.metadata as m; print(m.version({package!r}))"
     return _run([str(project / ".venv" / "bin" / "python"), "-c", code], project).strip()
-
-
-def _corpus(path: Path) -> Path:
-    words = [
-        "one",
-        "slice",
-        "of",
-        "the",
-        "model",
-        "moves",
-        "to",
-        "its",
-        "next",
-        "release",
-        "while",
-        "every",
-        "other",
-        "slice",
-        "stays",
-        "pinned",
-    ]
-    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(300)) for i in range(24)]
-    path.write_text("\n\n".join(docs))
-    return path
 
 
 def test_upgrade_one_slice_then_downgrade(tmp_path: Path) -> None:
@@ -93,24 +73,36 @@ def test_upgrade_one_slice_then_downgrade(tmp_path: Path) -> None:
     _run([uv, "lock", "--locked"], project, env)
     before = _packages(committed)
     previous, current = before[SLICE]["version"], _current_version(SLICE)
-    assert previous != current, f"the committed lock should pin {SLICE} below its current release {current}"
+    assert previous != current, (
+        f"the committed lock should pin {SLICE} below its current release {current}: after a release, re-lock the "
+        f"example (README 'Selective upgrade')"
+    )
 
     _run([uv, "lock", "--upgrade-package", SLICE], project, env)
     after = _packages((project / "uv.lock").read_text())
-    assert after[SLICE]["version"] == current, f"{SLICE} moved to {after[SLICE]['version']}, not {current}"
+    assert after[SLICE]["version"] == current, (
+        f"{SLICE} moved to {after[SLICE]['version']}, not {current}; if a breaking release moved the ranges, move "
+        f"the example's ranges and re-lock it (README 'Selective upgrade')"
+    )
+    ours = set(before) & set(_workspace_packages())
+    assert ours and all(after[p]["source"] == {"registry": "../../dist/index"} for p in ours), (
+        "every DSv4 package must come from the local index"
+    )
     changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
     assert changed == [SLICE], f"upgrading {SLICE} alone also changed {changed}"
 
     _run([uv, "sync", "--locked"], project, env)
     assert _installed(project, SLICE) == current
-    out = project / "runs" / "upgraded"
     train = [
         str(project / ".venv" / "bin" / "dsv4"), "train", "--steps", str(STEPS), "--seq-len", "64",
-        "--global-batch-size", "2", "--micro-batch-size", "2", "--data", str(_corpus(tmp_path / "corpus.txt")),
-        "--out", str(out), "--no-save-final", "--eval-interval", "0",
+        "--global-batch-size", "2", "--micro-batch-size", "2", "--data", "corpus.txt",
+        "--out", "runs/upgraded", "--no-save-final", "--eval-interval", "0",
     ]  # fmt: skip
     _run(train, project, {"OMP_NUM_THREADS": "2"})
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (project / "runs" / "upgraded" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["lm_loss"]) and not r["skipped"] for r in rows), rows
 
