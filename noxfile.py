@@ -164,8 +164,8 @@ def test_isolated(session: nox.Session, package: str) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff format check and ruff lint over packages/, tools/, ci/ and the noxfile (config at the root)."""
-    targets = ["packages", "tools", "ci", "noxfile.py"]
+    """ruff format check and ruff lint over packages/, tools/, ci/, examples/ and the noxfile (config at the root)."""
+    targets = ["packages", "tools", "ci", "examples", "noxfile.py"]
     session.run("ruff", "format", "--check", *targets, external=True)
     session.run("ruff", "check", *targets, external=True)
 

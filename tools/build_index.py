@@ -22,6 +22,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import release_history as rh
@@ -31,6 +32,7 @@ from packaging.version import Version
 from release import uv_command
 
 HATCHLING = "hatchling==1.33.0"
+JOBS = 2
 DEFAULT_OUT = rh.ROOT / "dist" / "index"
 
 
@@ -122,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build_index: {err}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    for release in wanted(args.root, args.all):
-        path = build_release(release, args.out, args.root)
+    todo = wanted(args.root, args.all)
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:  # builds wait on processes and files: two at a time
+        paths = list(pool.map(lambda r: build_release(r, args.out, args.root), todo))
+    for release, path in zip(todo, paths, strict=True):
         print(f"{release.package} {release.version} ({release.commit[:10]}): {path.name}", flush=True)
     return 0
 
