@@ -9,7 +9,8 @@
      equal to a released section, and a new version that was already released (history, tag or CHANGELOG section);
   2. picks the new version: a minor bump (0.N -> 0.N+1: breaking for 0.x) when the notes contain "Breaking" or with
      ``--minor``, else a patch bump (``--patch`` refuses notes that say "Breaking");
-  3. sets ``version`` in the package's pyproject, renames ``## Unreleased`` to ``## X.Y.Z``;
+  3. sets ``version`` in the package's pyproject and ``__version__`` in its modules, renames ``## Unreleased`` to
+     ``## X.Y.Z``;
   4. breaking: every sibling that depends on NAME gets the range ``>=X.Y,<X.Y+1`` and a note in its own
      ``## Unreleased`` (it needs a release of its own; the tool lists them);
   5. ``uv lock`` (the lock records the members' versions), ``uv build --package NAME`` (wheel and sdist in dist/);
@@ -54,6 +55,18 @@ def sibling_range(version: str) -> str:
 
 def set_version(pyproject: str, version: str) -> str:
     return rh.VERSION_LINE.sub(f'version = "{version}"', pyproject, count=1)
+
+
+def set_module_version(package_dir: Path, current: str, new: str) -> list[Path]:
+    """``__version__ = "<current>"`` -> ``"<new>"`` in the package's modules (its ``__init__.py``); the files changed."""
+    line = f'__version__ = "{current}"'
+    changed = []
+    for path in sorted((package_dir / "src").rglob("*.py")):
+        text = path.read_text()
+        if line in text:
+            path.write_text(text.replace(line, f'__version__ = "{new}"'))
+            changed.append(path)
+    return changed
 
 
 def release_changelog(text: str, version: str) -> str:
@@ -161,10 +174,11 @@ def release(package: str, root: Path, minor: bool | None, dry_run: bool, tag: bo
 def _apply(package: str, new: str, notes: str, deps: list[str], root: Path, tag: bool, build: bool) -> int:
     pkg_dir = root / "packages" / package
     pyproject = pkg_dir / "pyproject.toml"
+    current = rh.read_version(pyproject.read_text(), str(pyproject))
     pyproject.write_text(set_version(pyproject.read_text(), new))
     changelog = pkg_dir / "CHANGELOG.md"
     changelog.write_text(release_changelog(changelog.read_text(), new))
-    touched = [pyproject, changelog]
+    touched = [pyproject, changelog, *set_module_version(pkg_dir, current, new)]
     for dep in deps:
         dep_dir = root / "packages" / dep
         (dep_dir / "pyproject.toml").write_text(

@@ -47,7 +47,7 @@ def _git(repo: Path, *args: str) -> str:
 def _write_package(repo: Path, name: str, version: str, deps: str = "", notes: str = "") -> None:
     pkg = repo / "packages" / name
     (pkg / "src" / name).mkdir(parents=True, exist_ok=True)
-    (pkg / "src" / name / "__init__.py").write_text("")
+    (pkg / "src" / name / "__init__.py").write_text(f'__version__ = "{version}"\n')
     sources = "\n[tool.uv.sources]\nbase = { workspace = true }\n" if "base" in deps else ""
     (pkg / "pyproject.toml").write_text(
         PACKAGE.format(name=name, version=version, deps=deps, sources=sources)
@@ -160,6 +160,9 @@ def test_breaking_release_bumps_minor_and_moves_the_dependants_range(repo: Path)
     _commit(repo, "notes")
     assert release.main(["--root", str(repo), "release", "base", "--no-build"]) == 0
     assert rh.current_version("base", repo) == "0.2.0"
+    assert (
+        repo / "packages" / "base" / "src" / "base" / "__init__.py"
+    ).read_text() == '__version__ = "0.2.0"\n'
     assert rh.changelog_sections(path.read_text())["0.2.0"] == "- Breaking: renamed."
     top = (repo / "packages" / "top" / "pyproject.toml").read_text()
     assert '"base>=0.2,<0.3"' in top
