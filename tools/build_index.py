@@ -9,7 +9,7 @@ For every package it builds, from the commit that released them (``tools/release
 Each release's package folder is exported with ``git archive`` into a temporary directory and built there with
 ``uv build --wheel``, hatchling pinned (``HATCHLING``) so that a wheel rebuilt later, on another machine, has the
 same bytes and hash (hatchling's builds are reproducible: fixed timestamps); a downstream ``uv.lock`` that
-records those hashes then stays valid. A wheel already in the folder is kept (the folder is a cache).
+records those hashes then stays valid. A wheel already in the folder is kept when it was built from the same commit (the folder is a cache).
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ def wanted(root: Path, every: bool) -> list[rh.Release]:
 def build_release(release: rh.Release, out: Path, root: Path) -> Path:
     """The wheel of ``release``, built from its release commit into ``out`` (kept if already there)."""
     target = out / wheel_name(release.package, release.version)
-    if target.is_file():
+    stamp = out / f".{target.name}.commit"  # the commit the cached wheel was built from
+    if target.is_file() and stamp.is_file() and stamp.read_text().strip() == release.commit:
         return target
+    target.unlink(missing_ok=True)
     archive = subprocess.run(
         ["git", "archive", "--format=tar", release.commit, f"packages/{release.package}"],
         cwd=root,
@@ -105,6 +107,7 @@ def build_release(release: rh.Release, out: Path, root: Path) -> Path:
         meta = whl.read(f"{target.name.split('-py3')[0]}.dist-info/METADATA").decode()
     if f"\nVersion: {release.version}\n" not in meta:
         raise RuntimeError(f"{target}: metadata does not say version {release.version}")
+    stamp.write_text(release.commit + "\n")
     return target
 
 
