@@ -46,7 +46,7 @@ CORE_TESTS = {
     "hash-moe": ["tests/test_hash.py"],  # document ids through dsv4_primitives.varlen
     "dsv4-attention": ["tests/test_layout_host_bounds.py"],  # layouts -> csa-kernels ops on SeqBoundaries
     "hybrid-model": ["tests/test_symbols.py"],  # the pattern symbols over every sibling's layer
-    "dsv4-train": ["tests/test_train_validation.py"],  # the CLI and config over the model's presets
+    "dsv4-train": ["tests/test_vpp_config.py"],  # the trainer config over hybrid-model's pattern segments
     "dsv4-testkit": ["tests/test_poison.py", "tests/test_triton_env.py"],  # it has no test_public_api.py
     "dsv4-primitives": ["tests/test_varlen.py"],  # with the released testkit
 }
