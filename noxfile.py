@@ -5,7 +5,12 @@ Sessions:
   test_isolated(package=...) import smoke without extras, then the tests with them, in a venv holding only
                              that package's declared closure
   lint                       ruff format --check + ruff check
-  dag                        package dependency rules and import circles (tools/check_dag.py, its tests)
+  dag                        package dependency rules and import circles (tools/check_dag.py, its tests); released
+                             CHANGELOG sections never change (tools/check_changelogs.py)
+  release                    release one package: `nox -s release -- csa-kernels [--minor|--patch|--dry-run]`
+  downstream                 examples/downstream upgrades csa-kernels alone and trains (README 'Selective upgrade')
+  compat                     each package's fast tests on its siblings' released wheels at their range floors and
+                             previous releases (tools/compat.py)
   gpu                        gpu-marked tests (says so and exits 0 without CUDA)
   bench                      benchmark scripts (says so and exits 0 without CUDA)
 """
@@ -159,8 +164,8 @@ def test_isolated(session: nox.Session, package: str) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff format check and ruff lint over packages/, tools/, ci/ and the noxfile (config at the root)."""
-    targets = ["packages", "tools", "ci", "noxfile.py"]
+    """ruff format check and ruff lint over packages/, tools/, ci/, examples/ and the noxfile (config at the root)."""
+    targets = ["packages", "tools", "ci", "examples", "noxfile.py"]
     session.run("ruff", "format", "--check", *targets, external=True)
     session.run("ruff", "check", *targets, external=True)
 
@@ -168,9 +173,11 @@ def lint(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def dag(session: nox.Session) -> None:
     """Fail on undeclared, upward or private cross-package imports and on import circles between the files of one
-    package (the rule's own tests in tools/tests run first); lists first-party imports inside functions."""
+    package (the rule's own tests in tools/tests run first); lists first-party imports inside functions. Then: released
+    CHANGELOG sections never change (tools/check_changelogs.py, from the git history)."""
     session.run("python", "-m", "pytest", "tools/tests", "-q", external=True)
     session.run("python", "tools/check_dag.py", external=True)
+    session.run("python", "tools/check_changelogs.py", external=True)
 
 
 @nox.session(venv_backend="none")
@@ -192,3 +199,25 @@ def bench(session: nox.Session) -> None:
     env = {"PYTHONPATH": os.pathsep.join(str(p) for p in sorted((ROOT / "packages").glob("*/src")))}
     for script in sorted((ROOT / "packages").glob("*/benchmarks/bench_*.py")):
         session.run("python", str(script), *session.posargs, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
+def downstream(session: nox.Session) -> None:
+    """examples/downstream: a project on the released wheels (tools/build_index.py) upgrades csa-kernels alone,
+    trains a few steps, and downgrades it again (README 'Selective upgrade')."""
+    session.run("python", "-m", "pytest", "examples/downstream", "-q", *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def compat(session: nox.Session) -> None:
+    """Each package's fast tests (public API + fastest files) with its working-tree sources on its siblings' released
+    wheels: at the lowest releases its ranges allow and at their previous releases (tools/compat.py)."""
+    session.run("python", "tools/compat.py", *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def release(session: nox.Session) -> None:
+    """Release one package: `nox -s release -- NAME [--minor | --patch] [--dry-run] [--no-tag]` (tools/release.py)."""
+    if not session.posargs:
+        session.error("name the package: nox -s release -- NAME [--minor | --patch] [--dry-run] [--no-tag]")
+    session.run("python", "tools/release.py", "release", *session.posargs, external=True)
