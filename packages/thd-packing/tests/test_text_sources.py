@@ -157,7 +157,7 @@ def test_parquet_text_columns_of_every_string_type_and_dictionary_encoded(tmp_pa
 
     nulls = pa.DictionaryArray.from_arrays(pa.array([0, None, 1], pa.int32()), pa.array(["a", "b"]))
     pq.write_table(pa.table({"text": nulls}), tmp_path / "dictnull.parquet")
-    with pytest.raises(TextRecordError, match="dictnull.parquet row 1: field 'text' is null"):
+    with pytest.raises(TextRecordError, match=r"dictnull\.parquet row 1: field 'text' is null"):
         _read(tmp_path / "dictnull.parquet")
     recs, report = _read(tmp_path / "dictnull.parquet", errors="skip")
     assert [r.text for r in recs] == ["a", "b"] and report.num_skipped == 1

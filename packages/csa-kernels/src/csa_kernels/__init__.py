@@ -49,7 +49,7 @@ from csa_kernels.ops.visibility import (
     window_indices_sbhd,
 )
 
-__version__ = "0.5.1"
+__version__ = "0.5.2"
 
 __all__ = [
     "CompressorState",
