@@ -42,6 +42,7 @@ from dsv4_train.data_identity import check_same_data, data_identity
 from dsv4_train.determinism import prepare_deterministic_environment
 from dsv4_train.evaluation import Evaluator
 from dsv4_train.gloo_cuda import host_staged_collectives
+from dsv4_train.init_source import check_init_from
 from dsv4_train.model_config import model_config_for
 from dsv4_train.outputs import RunOutputs
 from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
@@ -76,6 +77,8 @@ class Trainer:
         if (self.out / "checkpoints").exists():  # found now, not at the first save after the work is done
             check_writable(self.out / "checkpoints", "the checkpoint directory")
         self.resuming = decide_resume(tc)
+        if not self.resuming:
+            check_init_from(tc)
         # what the training stream is read from (recorded with every checkpoint; a resume checks it is unchanged)
         self.data_notes: list[str] = []
         if self.resuming:
