@@ -161,3 +161,44 @@ def test_convert_of_a_train_run_reads_its_model_from_the_saved_run_config(megatr
     back = load_hf_checkpoint(tmp_path / "hf")
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
     assert torch.equal(back.compute_logits(ids), model.compute_logits(ids))
+
+
+def test_a_wrongly_typed_config_json_is_one_line_and_rc_2_in_every_command(hf_dir, tmp_path, capsys):
+    """``"num_hidden_layers": "4"`` (issue 29: a bare ``TypeError`` or a silent coercion) through ``dsv4 convert``,
+    ``dsv4 generate --checkpoint`` and ``dsv4 train --init-from``: rc 2, one line naming the file, key and types."""
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(config, num_hidden_layers="4")))
+    what = f"{bad / 'config.json'}: key 'num_hidden_layers' must be an integer, found a string ('4')"
+    runs = {
+        "convert": ["convert", str(bad), str(tmp_path / "out")],
+        "generate": ["generate", "--checkpoint", str(bad), "--prompt-ids", "1,2", "--max-new-tokens", "1"],
+        "train": ["train", "--init-from", str(bad), "--steps", "1", "--out", str(tmp_path / "run")],
+    }
+    for cmd, argv in runs.items():
+        capsys.readouterr()
+        assert main(argv) == 2, cmd
+        err = capsys.readouterr().err
+        assert err == f"dsv4 {cmd}: error: {what}\n", err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_init_from_an_hf_directory_gives_a_convert_command_that_works(hf_dir, tmp_path, capsys):
+    """``dsv4 train --init-from HFDIR`` is refused at start (before the data are read) with the conversion to run;
+    the suggested commands, run as given, train from the HF weights."""
+    argv = ["train", "--seq-len", "32", "--global-batch-size", "2", "--micro-batch-size", "2", "--steps", "1"]
+    argv += ["--no-progress"]
+    assert main([*argv, "--init-from", str(hf_dir), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a Hugging Face checkpoint directory" in err, err
+    convert = err.split("convert it first with '")[1].split("'")[0].split()  # dsv4 convert HFDIR NEW_DIR
+    assert convert == ["dsv4", "convert", str(hf_dir), "NEW_DIR"]
+    new = tmp_path / "NEW_DIR"
+    from dsv4_testkit.megatron_cpu import megatron_cpu_context
+
+    with megatron_cpu_context():  # in this process: the conversion's parallel state is torn down before the run
+        assert main([*convert[1:3], str(new)]) == 0
+    assert main([*argv, "--init-from", str(new), "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()

@@ -46,6 +46,7 @@ from dsv4_train.data_identity import check_same_data, data_identity
 from dsv4_train.determinism import prepare_deterministic_environment
 from dsv4_train.evaluation import Evaluator
 from dsv4_train.gloo_cuda import host_staged_collectives
+from dsv4_train.init_source import check_init_from
 from dsv4_train.loss_trend import loss_is_falling, loss_trend
 from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_point
 from dsv4_train.model_config import model_config_for
@@ -87,6 +88,8 @@ class Trainer:
             check_writable(self.out / "checkpoints", "the checkpoint directory")
         self.resuming = decide_resume(tc)
         self.verified = True  # False: the resumed checkpoint has no manifest of checksums (older checkpoints)
+        if not self.resuming:
+            check_init_from(tc)
         # what the training stream is read from (recorded with every checkpoint; a resume checks it is unchanged)
         self.data_notes: list[str] = []
         if (

@@ -14,23 +14,11 @@ import math
 from typing import Any
 
 from hybrid_model.config import DSv4ModelConfig, YarnScaling
+from hybrid_model.hf.config_types import MODEL_ARGS_KEYS, check_hf_config_types
 from hybrid_model.hf.quant.formats import QuantConfig
 
 #: official inference ``ModelArgs`` name -> HF name
-_MODEL_ARGS_ALIASES = {
-    "dim": "hidden_size",
-    "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads",
-    "rope_head_dim": "qk_rope_head_dim",
-    "window_size": "sliding_window",
-    "n_activated_experts": "num_experts_per_tok",
-    "moe_inter_dim": "moe_intermediate_size",
-    "n_hash_layers": "num_hash_layers",
-    "n_mtp_layers": "num_nextn_predict_layers",
-    "score_func": "scoring_func",
-    "route_scale": "routed_scaling_factor",
-    "norm_eps": "rms_norm_eps",
-}
+_MODEL_ARGS_ALIASES = MODEL_ARGS_KEYS
 _LAYER_TYPE_RATIO_KEYS = {
     "sliding_attention": None,
     "compressed_sparse_attention": "csa",
@@ -234,15 +222,18 @@ def _yarn(c: dict[str, Any]) -> tuple[float, float, YarnScaling | None]:
 
 
 def model_config_from_hf(
-    config: dict[str, Any], *, with_mtp: bool = True, name: str = "hf"
+    config: dict[str, Any], *, with_mtp: bool = True, name: str = "hf", source: str = "config.json"
 ) -> DSv4ModelConfig:
     """The :class:`DSv4ModelConfig` of a DeepSeek-V4 ``config.json`` (any accepted spelling, module docstring).
 
     ``with_mtp=False`` builds the main model only (``num_nextn_predict_layers = 0``), e.g. for checkpoints saved by
-    transformers, which never hold MTP weights.
+    transformers, which never hold MTP weights. ``source`` names the file in the messages; a value of the wrong JSON
+    type raises ``ValueError`` naming the file, the key, the expected and the found type
+    (:mod:`hybrid_model.hf.config_types`).
     """
     if not isinstance(config, dict):
-        raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
+        raise ValueError(f"{source} must hold a JSON object, got {type(config).__name__}")
+    check_hf_config_types(config, source)
     mt = config.get("model_type")
     if mt is not None and mt != "deepseek_v4":
         raise ValueError(f"config.json model_type={mt!r}; expected 'deepseek_v4'")

@@ -12,6 +12,7 @@ import torch
 
 from dsv4_attention import LightningIndexer
 from hybrid_model.hf.config_map import model_config_from_hf
+from hybrid_model.hf.config_types import check_hf_config_types
 from hybrid_model.hf.io import read_config, read_tensors
 from hybrid_model.hf.released import read_released
 from hybrid_model.hf.runtime import ensure_single_stage_parallel_state
@@ -28,6 +29,8 @@ def read_official_checkpoint(path: str | Path, *, mtp: bool | None = None):
     one; transformers' ``save_pretrained`` never writes them), ``True`` requires them, ``False`` drops them.
     """
     config = read_config(path)
+    source = str(Path(path) / "config.json")
+    check_hf_config_types(config, source)  # before any value is used
     if config.get("quantization_config") is not None:  # the released FP8 / FP4 format: dequantized to fp32
         return read_released(path, mtp=mtp)
     official, unknown = canonicalize(read_tensors(path))
@@ -50,7 +53,9 @@ def read_official_checkpoint(path: str | Path, *, mtp: bool | None = None):
     with_mtp = has_mtp and wants if mtp is None else bool(mtp)
     if not with_mtp:
         official = {k: v for k, v in official.items() if not k.startswith("mtp.")}
-    return model_config_from_hf(config, with_mtp=with_mtp, name=Path(path).name), official
+    return model_config_from_hf(
+        config, with_mtp=with_mtp, name=Path(path).name, source=source
+    ), official
 
 
 def build_empty_model(model_config, device: str | torch.device = "cpu"):
