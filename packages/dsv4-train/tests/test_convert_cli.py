@@ -198,7 +198,9 @@ def test_init_from_an_hf_directory_gives_a_convert_command_that_works(hf_dir, tm
     new = tmp_path / "NEW_DIR"
     from dsv4_testkit.megatron_cpu import megatron_cpu_context
 
-    with megatron_cpu_context():  # in this process: the conversion's parallel state is torn down before the run
+    with (
+        megatron_cpu_context()
+    ):  # in this process: the conversion's parallel state is torn down before the run
         assert main([*convert[1:3], str(new)]) == 0
     assert main([*argv, "--init-from", str(new), "--out", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "checkpoints" / "latest").is_file()

@@ -47,6 +47,9 @@ def test_data_parallel_is_accepted_model_parallel_is_not(fake_cuda, monkeypatch)
     """Several processes are data parallel (the DP gradient reduction runs beside the graph:
     test_train_graph_dp.py); PP, EP and CP stay refused with their reasons."""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    # the world comes from torchrun's WORLD_SIZE only while no default group exists: an in-process trainer run by an
+    # earlier test of the same process may have left its one-process group initialised
+    monkeypatch.setattr("dsv4_train.setup.dist.is_initialized", lambda: False)
     assert check_run(TrainConfig.from_flat(cuda_graph=True, bf16=True)).graphs.cuda_graph
     for kwargs, match in (({"pp": 2}, "one model-parallel rank"), ({"ep": 2}, "one model-parallel rank")):
         with pytest.raises(ValueError, match=match):
