@@ -20,7 +20,7 @@ from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.atomic_save import save_atomically
 from dsv4_train.ckpt_integrity import MANIFEST_MARKER, verify_loaded
 from dsv4_train.config import TrainConfig, flag_name, flat_settings
-from dsv4_train.data_identity import DATA_IDENTITY_FILE
+from dsv4_train.data_identity import DATA_IDENTITY_FILE, identity_text
 from dsv4_train.eval_data import heldout_conflict
 from dsv4_train.step import TrainingDiverged
 from hybrid_model.hf.convert import describe_load_error
@@ -343,7 +343,7 @@ class Checkpointer:
         if (
             self.data_identity is not None
         ):  # what the training stream was read from (dsv4_train.data_identity)
-            files[DATA_IDENTITY_FILE] = json.dumps(self.data_identity, indent=1) + "\n"
+            files[DATA_IDENTITY_FILE] = identity_text(self.data_identity)
         return save_atomically(self.dir, step, write_shards, files, rank=self.rank)
 
     def load_latest(self) -> int | None:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4_train.ckpt_integrity import file_digest as whole_file_digest
 from dsv4_train.config import TrainConfig
 from dsv4_train.mock_data import check_mock_data
 from thd_packing.text_sources import resolve_text_files
@@ -44,7 +45,6 @@ SAMPLE_BYTES = 1 << 20
 FORMAT_VERSION = 1
 #: changed files listed one by one in the refusal (the rest are counted)
 LIST_LIMIT = 3
-_READ_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -84,16 +84,14 @@ def sample_offsets(size: int, scheme: DigestScheme) -> list[int]:
 def file_digest(path: Path, size: int, scheme: DigestScheme) -> str:
     """Hex SHA-256 of ``path``'s whole content, or (``scheme.sampled(size)``) of its size (8 bytes, little
     endian) followed by the blocks at :func:`sample_offsets`."""
+    if not scheme.sampled(size):
+        return whole_file_digest(path)
     h = hashlib.sha256()
+    h.update(size.to_bytes(8, "little"))
     with open(path, "rb") as f:
-        if not scheme.sampled(size):
-            while chunk := f.read(_READ_CHUNK):
-                h.update(chunk)
-        else:
-            h.update(size.to_bytes(8, "little"))
-            for offset in sample_offsets(size, scheme):
-                f.seek(offset)
-                h.update(f.read(scheme.block_bytes))
+        for offset in sample_offsets(size, scheme):
+            f.seek(offset)
+            h.update(f.read(scheme.block_bytes))
     return h.hexdigest()
 
 
@@ -135,7 +133,12 @@ def data_identity(tc: TrainConfig, scheme: DigestScheme | None = None) -> dict[s
 
 def write_data_identity(directory: Path, identity: dict[str, Any]) -> None:
     """Write ``identity`` into ``directory / DATA_IDENTITY_FILE``."""
-    (Path(directory) / DATA_IDENTITY_FILE).write_text(json.dumps(identity, indent=1) + "\n")
+    (Path(directory) / DATA_IDENTITY_FILE).write_text(identity_text(identity))
+
+
+def identity_text(identity: dict[str, Any]) -> str:
+    """The text of :data:`DATA_IDENTITY_FILE` for ``identity`` (what a checkpoint save writes)."""
+    return json.dumps(identity, indent=1) + "\n"
 
 
 def read_data_identity(checkpoint: Path) -> dict[str, Any] | None:
@@ -229,6 +232,7 @@ __all__ = [
     "data_changes",
     "data_identity",
     "file_digest",
+    "identity_text",
     "read_data_identity",
     "sample_offsets",
     "stream_files",
