@@ -30,7 +30,13 @@ def _with(config: dict, path: str, value) -> dict:
     [
         ("num_hidden_layers", "4", "num_hidden_layers", "an integer", "a string ('4')"),
         ("num_hidden_layers", [4], "num_hidden_layers", "an integer", "an array ([4])"),
-        ("num_hidden_layers", 4.0, "num_hidden_layers", "an integer", "a number written with a fraction (.0)"),
+        (
+            "num_hidden_layers",
+            4.0,
+            "num_hidden_layers",
+            "an integer",
+            "a number written with a fraction (.0)",
+        ),
         ("num_hidden_layers", True, "num_hidden_layers", "an integer", "a boolean (True)"),
         ("hidden_size", "64", "hidden_size", "an integer or null", "a string ('64')"),
         ("rope_theta", None, "rope_theta", "a number", "null (None)"),
@@ -47,7 +53,13 @@ def _with(config: dict, path: str, value) -> dict:
             "an integer",
             "a string ('4')",
         ),
-        ("rope_parameters.compress.factor", "4", "rope_parameters.compress.factor", "a number or null", "a string"),
+        (
+            "rope_parameters.compress.factor",
+            "4",
+            "rope_parameters.compress.factor",
+            "a number or null",
+            "a string",
+        ),
         ("rope_parameters.main", [], "rope_parameters.main", "an object or null", "an array ([])"),
     ],
 )
@@ -64,7 +76,9 @@ def test_official_model_args_names_and_released_rope_scaling_are_checked():
     with pytest.raises(ValueError, match="key 'n_layers' must be an integer, found a string"):
         check_hf_config_types(args, "inference/config.json")
     released = {"rope_scaling": {"type": "yarn", "factor": "16", "original_max_position_embeddings": 65536}}
-    with pytest.raises(ValueError, match=r"key 'rope_scaling\.factor' must be a number or null, found a string"):
+    with pytest.raises(
+        ValueError, match=r"key 'rope_scaling\.factor' must be a number or null, found a string"
+    ):
         check_hf_config_types(released)
     check_hf_config_types({"compress_ratios": None, "rope_theta": 10000, "unknown_key": [object()]})
     assert str(JsonType("array", JsonType("integer"), nullable=True)) == "an array of integers or null"
@@ -73,9 +87,7 @@ def test_official_model_args_names_and_released_rope_scaling_are_checked():
 
 def test_loading_a_directory_names_its_config_json_before_reading_any_tensor(tmp_path):
     """The check runs before the weights are read (here there are none) and before any value is used."""
-    (tmp_path / "config.json").write_text(
-        json.dumps(_with(_tiny(), "num_nextn_predict_layers", [1]))
-    )
+    (tmp_path / "config.json").write_text(json.dumps(_with(_tiny(), "num_nextn_predict_layers", [1])))
     with pytest.raises(ValueError) as err:
         read_official_checkpoint(tmp_path)
     assert str(err.value) == (

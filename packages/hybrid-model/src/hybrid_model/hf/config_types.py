@@ -115,10 +115,7 @@ CONFIG_KEYS: dict[str, JsonType] = {
     "scoring_func": STR_OR_NULL,
     "hidden_act": STR_OR_NULL,
     "topk_method": STR_OR_NULL,
-    **{
-        k: BOOL_OR_NULL
-        for k in ("attention_bias", "mlp_bias", "tie_word_embeddings", "norm_topk_prob")
-    },
+    **{k: BOOL_OR_NULL for k in ("attention_bias", "mlp_bias", "tie_word_embeddings", "norm_topk_prob")},
     "compress_ratios": JsonType("array", INT, nullable=True),
     "layer_types": JsonType("array", STR, nullable=True),
     "mlp_layer_types": JsonType("array", STR, nullable=True),
@@ -153,7 +150,9 @@ def json_kind(value: Any) -> str:
     if isinstance(value, int):
         return "an integer"
     if isinstance(value, float):
-        return "a number with a fraction" if not value.is_integer() else "a number written with a fraction (.0)"
+        return (
+            "a number with a fraction" if not value.is_integer() else "a number written with a fraction (.0)"
+        )
     return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 

@@ -53,9 +53,7 @@ def read_official_checkpoint(path: str | Path, *, mtp: bool | None = None):
     with_mtp = has_mtp and wants if mtp is None else bool(mtp)
     if not with_mtp:
         official = {k: v for k, v in official.items() if not k.startswith("mtp.")}
-    return model_config_from_hf(
-        config, with_mtp=with_mtp, name=Path(path).name, source=source
-    ), official
+    return model_config_from_hf(config, with_mtp=with_mtp, name=Path(path).name, source=source), official
 
 
 def build_empty_model(model_config, device: str | torch.device = "cpu"):
