@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4_train.config import TrainConfig
-from dsv4_train.live_memory import live_tensor_bytes
+from dsv4_train.live_memory import census_growth, live_tensor_bytes, live_tensor_census
 from dsv4_train.trainer import Trainer
 
 STEPS = 2
@@ -19,7 +19,8 @@ STEPS = 2
 BYTES_PER_TOKEN_BOUND = 512
 
 
-def _bytes_after_each_step(tmp_path, seq_len: int, device: str, **settings) -> list[int]:
+def _bytes_after_each_step(tmp_path, seq_len: int, device: str, **settings):
+    """Live bytes after each step, and the census of live tensors after the last."""
     tc = TrainConfig.from_flat(
         preset="tiny",
         steps=STEPS,
@@ -44,7 +45,7 @@ def _bytes_after_each_step(tmp_path, seq_len: int, device: str, **settings) -> l
             trainer.step += 1
             assert not m["skipped"]
             after.append(live_tensor_bytes(device))
-        return after
+        return after, live_tensor_census(device)
     finally:
         trainer.close()
         if not initialised and torch.distributed.is_initialized():  # leave the process as this test found it
@@ -52,14 +53,16 @@ def _bytes_after_each_step(tmp_path, seq_len: int, device: str, **settings) -> l
 
 
 def _check(tmp_path, lengths, device, bound, **settings):
-    after = {s: _bytes_after_each_step(tmp_path, s, device, **settings) for s in lengths}
+    runs = {s: _bytes_after_each_step(tmp_path, s, device, **settings) for s in lengths}
+    after = {s: r[0] for s, r in runs.items()}
     for s, steps in after.items():
         assert steps[-1] == steps[0], f"S={s}: live bytes after each step {steps} (must not grow)"
     short, long = lengths
     grown = after[long][0] - after[short][0]
     assert grown <= bound * (long - short), (
         f"{grown} more bytes survive a step at S={long} than at S={short}: "
-        f"{grown / (long - short):.0f} per token (bound {bound})"
+        f"{grown / (long - short):.0f} per token (bound {bound}); grew most: "
+        + census_growth(runs[short][1], runs[long][1], short, long)
     )
 
 

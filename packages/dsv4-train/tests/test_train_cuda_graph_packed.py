@@ -149,9 +149,11 @@ _REPLAY_RUNNER = textwrap.dedent(
 
         torch.use_deterministic_algorithms(True, warn_only=True)
         out, results = sys.argv[1], {}
-        for name, graph in (("eager", False), ("graph", True)):
+        # "eager_nudged": eager with the learning rate changed by 2^-20 relative, so that from step 2 on the weights
+        # differ in their last fp32 bits: the yardstick of how far last-bit differences carry in 8 bf16 steps
+        for name, graph, lr in (("eager", False, 3e-3), ("graph", True, 3e-3), ("eager_nudged", False, 3e-3 * (1 + 2**-20))):
             tc = TrainConfig.from_flat(
-                preset="tiny", steps=8, seq_len=256, global_batch_size=6, warmup_steps=0, packed=True,
+                preset="tiny", steps=8, seq_len=256, global_batch_size=6, warmup_steps=0, packed=True, lr=lr,
                 cuda_graph=graph, out=f"{out}/{name}", progress=False, save_final=False, mtp_loss_weight_decay=None,
                 data=["mock:mean=60,min=3,max=256,docs=400"],  # several short documents per pack
                 max_docs_per_pack=40,  # the same packs in both runs (the --cuda-graph default would derive 86)
@@ -174,16 +176,22 @@ _REPLAY_RUNNER = textwrap.dedent(
 @pytest.mark.gpu
 def test_graphed_packed_training_matches_eager(tmp_path):
     """A short ``--cuda-graph --packed`` run equals eager ``--packed``: every step after the capture replays a graph
-    captured on an earlier pack (other document boundaries). bf16 rule: per-step losses within 2e-2 relative (bf16
-    has 8 mantissa bits, 2^-8 = 3.9e-3 per rounding; the graphed and eager steps run the same kernels, but the dense
-    indexer scores go through another fp32 summation order, whose last-ulp differences reach the bf16 activations
-    of later layers and can flip single roundings: a few bf16 ulps over 8 steps); usually they are bitwise equal."""
+    captured on an earlier pack (other document boundaries). The graphed and eager steps run the same
+    (deterministic) kernels, but the static-shape graphed step computes the dense indexer scores over padded key
+    blocks, another fp32 summation order: last-bit differences that flip single bf16 roundings in later layers and
+    then carry through 8 training steps (usually the runs are bitwise equal). The bound is derived in the same
+    test, not assumed: a third, eager run whose weights differ from step 2 on only in their last fp32 bits (the
+    learning rate nudged by 2^-20) shows how far such differences carry; the graphed run may differ from eager by at
+    most 4x that spread (floor: 1e-3 relative) at every step and metric. (On an H100 a fixed 2e-2 relative bound
+    failed on the small indexer KL: 2.5% at step 6.)"""
     r = run_results_script(tmp_path, _REPLAY_RUNNER)
-    eager, graph = r["eager"], r["graph"]
+    eager, graph, nudged = r["eager"], r["graph"], r["eager_nudged"]
     assert graph["replayed"][:2] == [False, False] and any(graph["replayed"][2:])
     for key in ("lm", "mtp", "indexer", "grad_norm"):
+        spread = max(abs(n - e) / abs(e) for e, n in zip(eager[key], nudged[key], strict=True))
+        bound = max(4 * spread, 1e-3)
         for e, g in zip(eager[key], graph[key], strict=True):
-            assert g == pytest.approx(e, rel=2e-2), (key, eager[key], graph[key])
+            assert abs(g - e) <= bound * abs(e), (key, bound, eager[key], graph[key], nudged[key])
 
 
 @pytest.mark.gpu

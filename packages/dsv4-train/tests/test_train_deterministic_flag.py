@@ -25,7 +25,22 @@ def test_environment_defaults_and_user_values():
     prepare_deterministic_environment(kept)  # the user's deterministic choices stay
     assert kept == {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Ring"}
     for algo in ("Tree,Ring", "^nvls,nvlstree", "CollnetDirect"):
-        prepare_deterministic_environment({"NCCL_ALGO": algo})
+        env = {"NCCL_ALGO": algo}
+        prepare_deterministic_environment(env)
+        assert env["NCCL_ALGO"] == algo
+
+
+@pytest.mark.parametrize(
+    "algo, completed",
+    [("^NVLS", "^NVLS,NVLSTree"), ("^nvlstree", "^nvlstree,NVLS"), ("^Ring", "^Ring,NVLS,NVLSTree")],
+)
+def test_exclusion_list_completed_with_a_note(algo, completed, capsys):
+    """A cluster's ``NCCL_ALGO=^NVLS`` (it leaves NVLSTree allowed) is narrowed, not refused: the run still excludes
+    what the user excluded, and the note names both values."""
+    env = {"NCCL_ALGO": algo}
+    prepare_deterministic_environment(env)
+    assert env["NCCL_ALGO"] == completed
+    assert f"using NCCL_ALGO={completed!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -34,7 +49,6 @@ def test_environment_defaults_and_user_values():
         ({"CUBLAS_WORKSPACE_CONFIG": ":0:0"}, r"CUBLAS_WORKSPACE_CONFIG=':0:0' makes cuBLAS GEMMs"),
         ({"NCCL_ALGO": "NVLS"}, r"NCCL_ALGO='NVLS' .*it allows nvls"),
         ({"NCCL_ALGO": "Ring,NVLSTree"}, r"it allows nvlstree"),
-        ({"NCCL_ALGO": "^NVLS"}, r"it does not exclude nvlstree"),
     ],
 )
 def test_environment_refusals(env, match):

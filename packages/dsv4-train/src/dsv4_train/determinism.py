@@ -24,7 +24,9 @@ for the same inputs, so two runs with the same seed give bitwise-identical losse
   process: :func:`prepare_deterministic_environment` sets it (the CLI calls it before anything touches CUDA) and
   :func:`use_deterministic_training` checks with one tiny GEMM that it took effect;
 * NCCL (several GPUs): ``NCCL_ALGO`` must not allow NVLS / NVLSTree (NVLink SHARP reduces inside the switch, in
-  no fixed order); unset, it becomes ``^NVLS,NVLSTree``;
+  no fixed order); unset, it becomes ``^NVLS,NVLSTree``; a user's exclusion list that leaves one of them out (a
+  cluster's ``^NVLS``) gets the missing one appended, with a note (it only narrows what the user already excluded);
+  an explicit list that names one of them is refused;
 * the seeds of Python's and PyTorch's generators (the model init and data order already follow ``--seed``).
 
 Uninitialised memory is not filled (``torch.utils.deterministic.fill_uninitialized_memory = False``): every kernel
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections.abc import Callable
 
 import torch
@@ -47,20 +50,31 @@ NCCL_DEFAULT_ALGO = "^NVLS,NVLSTree"  # NCCL's exclusion syntax: every algorithm
 
 
 def _nccl_algo_problem(value: str) -> str | None:
-    """Why ``NCCL_ALGO=value`` may reduce in a varying order (``None`` when it cannot). megatron's deterministic
-    mode allows the same set: Ring, Tree, CollNet, or an exclusion list ``^...`` that removes NVLS."""
-    names = {a.strip().lower() for a in value.strip().removeprefix("^").split(",") if a.strip()}
+    """Why an explicit ``NCCL_ALGO=value`` list may reduce in a varying order (``None`` when it cannot, and for
+    exclusion lists ``^...``, which :func:`_completed_exclusion` completes). megatron's deterministic mode allows
+    the same set: Ring, Tree, CollNet, or an exclusion list that removes NVLS."""
     if value.strip().startswith("^"):
-        missing = [a for a in NCCL_NONDETERMINISTIC_ALGOS if a not in names]
-        return f"it does not exclude {', '.join(missing)}" if missing else None
+        return None
+    names = {a.strip().lower() for a in value.split(",") if a.strip()}
     bad = sorted(names & set(NCCL_NONDETERMINISTIC_ALGOS))
     return f"it allows {', '.join(bad)}" if bad else None
+
+
+def _completed_exclusion(value: str) -> str | None:
+    """An exclusion list ``^A,B`` with the in-switch algorithms it leaves out appended (``None`` when it already
+    excludes both, or is not an exclusion list): ``^NVLS`` -> ``^NVLS,NVLSTree``."""
+    if not value.strip().startswith("^"):
+        return None
+    names = {a.strip().lower() for a in value.strip()[1:].split(",") if a.strip()}
+    missing = [a for a in NCCL_DEFAULT_ALGO[1:].split(",") if a.lower() not in names]
+    return ",".join([value.strip(), *missing]) if missing else None
 
 
 def prepare_deterministic_environment(environ: dict[str, str] | None = None) -> None:
     """Set the environment ``--deterministic`` needs before any CUDA work: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` and
     (for NCCL) an ``NCCL_ALGO`` without in-switch reductions, unless the user set them. ``ValueError`` when the user
-    set a value that cannot be deterministic. ``environ`` defaults to ``os.environ``."""
+    set a list that names an in-switch algorithm; an exclusion list that leaves one out is completed (with a note on
+    stderr). ``environ`` defaults to ``os.environ``."""
     env = os.environ if environ is None else environ
     cublas, algo = env.get(CUBLAS_VAR), env.get("NCCL_ALGO")
     if cublas is not None and cublas not in CUBLAS_DETERMINISTIC:
@@ -75,6 +89,13 @@ def prepare_deterministic_environment(environ: dict[str, str] | None = None) -> 
         )
     env.setdefault(CUBLAS_VAR, CUBLAS_DETERMINISTIC[0])
     env.setdefault("NCCL_ALGO", NCCL_DEFAULT_ALGO)
+    if algo is not None and (completed := _completed_exclusion(algo)) is not None:
+        env["NCCL_ALGO"] = completed
+        print(
+            f"dsv4 train: --deterministic: NCCL_ALGO={algo!r} still allows an in-switch (NVLink SHARP) reduction, "
+            f"which has no fixed order; using NCCL_ALGO={completed!r}",
+            file=sys.stderr,
+        )
 
 
 def _check_cublas_took_effect() -> None:
