@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from hybrid_model.config import DSv4ModelConfig, YarnScaling
-from hybrid_model.hf.config_types import MODEL_ARGS_KEYS, check_hf_config_types
+from hybrid_model.hf.config_types import DIRECT_KEYS, MODEL_ARGS_KEYS, check_hf_config_types
 from hybrid_model.hf.quant.formats import QuantConfig
 
 #: official inference ``ModelArgs`` name -> HF name
@@ -25,30 +25,7 @@ _LAYER_TYPE_RATIO_KEYS = {
     "heavily_compressed_attention": "hca",
 }
 _SUPPORTED_RATIOS = {"csa": 4, "hca": 128}
-_DIRECT = (
-    "vocab_size",
-    "hidden_size",
-    "num_attention_heads",
-    "q_lora_rank",
-    "o_groups",
-    "o_lora_rank",
-    "sliding_window",
-    "max_position_embeddings",
-    "index_n_heads",
-    "index_head_dim",
-    "index_topk",
-    "hc_mult",
-    "hc_sinkhorn_iters",
-    "hc_eps",
-    "rms_norm_eps",
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "routed_scaling_factor",
-    "swiglu_limit",
-    "scoring_func",
-)
+_DIRECT = tuple(DIRECT_KEYS)  # one list: config_types holds the keys with their JSON types
 
 
 def _require(cond: bool, msg: str) -> None:

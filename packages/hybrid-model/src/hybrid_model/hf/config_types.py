@@ -60,15 +60,8 @@ ROPE_KEYS: dict[str, JsonType] = {
     "truncate": BOOL_OR_NULL,
 }
 
-#: top-level keys (HF spelling; the official ``ModelArgs`` aliases are checked under their own names)
-CONFIG_KEYS: dict[str, JsonType] = {
-    "model_type": STR_OR_NULL,
-    "num_hidden_layers": INT,
-    "head_dim": INT,
-    "num_hash_layers": INT,
-    "num_nextn_predict_layers": INT_OR_NULL,
-    "qk_rope_head_dim": INT_OR_NULL,
-    "partial_rotary_factor": NUM_OR_NULL,
+#: keys that map one to one onto a ``DSv4ModelConfig`` field of the same name (``config_map`` copies them)
+DIRECT_KEYS: dict[str, JsonType] = {
     **{
         k: INT_OR_NULL
         for k in (
@@ -89,6 +82,25 @@ CONFIG_KEYS: dict[str, JsonType] = {
             "n_shared_experts",
             "num_experts_per_tok",
             "moe_intermediate_size",
+        )
+    },
+    **{k: NUM_OR_NULL for k in ("hc_eps", "rms_norm_eps", "routed_scaling_factor", "swiglu_limit")},
+    "scoring_func": STR_OR_NULL,
+}
+
+#: top-level keys (HF spelling; the official ``ModelArgs`` aliases are checked under their own names)
+CONFIG_KEYS: dict[str, JsonType] = {
+    "model_type": STR_OR_NULL,
+    "num_hidden_layers": INT,
+    "head_dim": INT,
+    "num_hash_layers": INT,
+    "num_nextn_predict_layers": INT_OR_NULL,
+    "qk_rope_head_dim": INT_OR_NULL,
+    "partial_rotary_factor": NUM_OR_NULL,
+    **DIRECT_KEYS,
+    **{
+        k: INT_OR_NULL
+        for k in (
             "num_key_value_heads",
             "n_group",
             "topk_group",
@@ -100,10 +112,6 @@ CONFIG_KEYS: dict[str, JsonType] = {
     **{
         k: NUM_OR_NULL
         for k in (
-            "hc_eps",
-            "rms_norm_eps",
-            "routed_scaling_factor",
-            "swiglu_limit",
             "attention_dropout",
             "rope_factor",
             "beta_fast",
@@ -112,7 +120,6 @@ CONFIG_KEYS: dict[str, JsonType] = {
     },
     "rope_theta": NUM,
     "compress_rope_theta": NUM,
-    "scoring_func": STR_OR_NULL,
     "hidden_act": STR_OR_NULL,
     "topk_method": STR_OR_NULL,
     **{k: BOOL_OR_NULL for k in ("attention_bias", "mlp_bias", "tie_word_embeddings", "norm_topk_prob")},
