@@ -100,7 +100,9 @@ def _kernel_family(ops: set[str]) -> str:
     """Which torch Adam kernel ran, read from the dispatched ops (not from how it rounds)."""
     if any(o.startswith("_fused_adam") for o in ops):
         return "fused"
-    if any(o.startswith("_foreach_") for o in ops):
+    # Adam's own multi-tensor ops (the gradient norm and clipping run ``_foreach_norm`` / ``_foreach_mul_`` through
+    # dsv4_primitives.megatron.multi_tensor whatever the Adam kernel)
+    if ops & {"_foreach_lerp_", "_foreach_addcdiv_", "_foreach_addcmul_"}:
         return "foreach"
     return "unfused"
 

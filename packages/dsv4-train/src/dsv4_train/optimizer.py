@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 from megatron.core.optimizer import ChainedOptimizer
 
+from dsv4_primitives.megatron.multi_tensor import install_foreach_multi_tensor_ops
 from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
 from dsv4_train.config.sections import OPTIMIZER_IMPLS
 from dsv4_train.offload import MEGATRON_ADAM_FLAGS, check_cpu_offload, offload_distributed_optimizer
@@ -155,9 +156,14 @@ def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwa
 
     With ``opt_config.optimizer_cpu_offload`` (fields from :func:`dsv4_train.offload.offload_config_fields`)
     megatron's ``HybridDeviceOptimizer`` inside :class:`~dsv4_train.offload.DistributedOptimizerCpuOffload`
-    (validated by :func:`~dsv4_train.offload.check_cpu_offload`; ``impl`` must be auto / unfused)."""
+    (validated by :func:`~dsv4_train.offload.check_cpu_offload`; ``impl`` must be auto / unfused).
+
+    Installs :func:`dsv4_primitives.megatron.multi_tensor.install_foreach_multi_tensor_ops` (process-wide): without
+    transformer-engine / apex, megatron's gradient norm synchronised with the host once per gradient tensor."""
     first = next((p for m in model_chunks for p in m.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
+    # gradient-norm / clipping / copies without a host sync per tensor (megatron's fallback without TE / apex)
+    install_foreach_multi_tensor_ops()
     if opt_config.optimizer_cpu_offload:  # megatron's HybridDeviceOptimizer (dsv4_train.offload)
         check_cpu_offload(opt_config, impl=impl, params_on_cuda=first is not None and first.is_cuda)
         with offload_distributed_optimizer():

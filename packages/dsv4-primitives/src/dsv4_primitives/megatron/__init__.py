@@ -10,6 +10,9 @@
 - :mod:`dsv4_primitives.megatron.precision`: selective FP32 for megatron-core (``Float16ModuleKeepFP32``, the
   native-FP32 optimizer fixes, ``get_megatron_optimizer_keep_fp32``); imports megatron-core (seconds), so it is
   not imported here.
+- :mod:`dsv4_primitives.megatron.multi_tensor`: sync-free ``_foreach`` replacements of megatron's local
+  multi-tensor L2 norm and scale (used when neither transformer-engine nor apex is installed),
+  :func:`install_foreach_multi_tensor_ops`; imports megatron-core's optimizer, so it is not imported here.
 
 Importing this subpackage without megatron-core raises an ``ImportError`` naming the extra.
 """
