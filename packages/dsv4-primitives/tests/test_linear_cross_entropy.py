@@ -121,7 +121,7 @@ def test_weight_only_and_hidden_only_gradients():
 
 
 def test_default_chunk_is_bounded():
-    from dsv4_primitives.linear_cross_entropy.apply import _chunk_rows
+    from dsv4_primitives.linear_cross_entropy.chunks import vocab_chunk_rows as _chunk_rows
 
     assert _chunk_rows(4096, 129280, None) == 65536
     assert _chunk_rows(65536, 129280, None) == 4096
