@@ -72,9 +72,10 @@ def lce_row_grad_kernel(
 
 
 def row_loss_grad_ref(z: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager fp32 reference (module doc): returns ``(loss [R], lse [R])`` fp32 and overwrites ``z [R, V]`` with
-    ``dz``."""
-    zf = z.float()  # [R, V]
+    """Eager fp32 reference (module doc; fp64 for fp64 ``z``): returns ``(loss [R], lse [R])`` and overwrites
+    ``z [R, V]`` with ``dz``."""
+    ct = torch.promote_types(z.dtype, torch.float32)
+    zf = z.to(ct)  # [R, V]
     v = zf.shape[1]
     m = zf.amax(-1) if zf.shape[0] else zf.new_empty(0)
     lse = m + torch.log(torch.exp(zf - m[:, None]).sum(-1))  # [R]
@@ -83,8 +84,8 @@ def row_loss_grad_ref(z: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> tupl
     idx = torch.where(own, tl_, 0)[:, None]
     zt = torch.where(own, zf.gather(-1, idx).squeeze(-1), m)
     dz = torch.exp(zf - lse[:, None])
-    dz.scatter_add_(-1, idx, torch.where(own, -1.0, 0.0)[:, None])
-    z.copy_(dz * w.float()[:, None])
+    dz.scatter_add_(-1, idx, torch.where(own, -1.0, 0.0).to(ct)[:, None])
+    z.copy_(dz * w.to(ct)[:, None])
     return lse - zt, lse
 
 
