@@ -149,21 +149,24 @@ def test_fused_cross_entropy_matches_megatron(megatron_cpu, monkeypatch, backend
 def test_fused_linear_cross_entropy_matches_unfused_head(megatron_cpu, monkeypatch, backend):
     """The default fused head (``linear_cross_entropy``: no [s, b, V] logits) gives the unfused head's (output layer
     logits + megatron's cross entropy) per-token LM and MTP losses and the same gradients of every parameter,
-    the shared head weight included; without labels the model still returns the logits."""
+    the shared head weight included; without labels the model still returns the logits. The loss is reduced with the
+    loss mask the model is given (the trainer's masked mean: the fused head's gradient-in-forward mode with the mask
+    declared; zeros included)."""
     from hybrid_model.model import build_model
 
     monkeypatch.setenv("DSV4_PRIMITIVES_BACKEND", backend)
     cfg = get_preset("tiny")
     ids = torch.randint(0, cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(3))
     labels = torch.roll(ids, -1, 1)
+    mask = (torch.arange(23) % 5 != 3).float().expand(2, 23).contiguous()  # [b, s]
     runs = []
     for fused in (False, True):
         torch.manual_seed(0)
         model = build_model(cfg, cross_entropy_loss_fusion=False, fused_linear_cross_entropy=fused).train()
         assert model.fused_linear_cross_entropy is fused
-        loss = model(ids, None, None, labels=labels)
+        loss = model(ids, None, None, labels=labels, loss_mask=mask)
         assert loss.shape == (2, 23) and loss.dtype == torch.float32
-        (loss * torch.linspace(0, 1, 23)).mean().backward()  # per-token weights, zeros included
+        ((loss * mask).sum() / mask.sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         with torch.no_grad():
             logits = model.eval()(ids, None, None)

@@ -237,7 +237,7 @@ class DSv4Model(HybridModel):
                 router_cu,
             )
         if labels is not None and self._fused_head():
-            return self.head_loss(hidden, labels)  # [b, s]
+            return self.head_loss(hidden, labels, loss_mask)  # [b, s]
         logits, _ = self.output_layer(hidden, runtime_gather_output=runtime_gather_output)  # [s, b, V]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V]
@@ -294,7 +294,7 @@ class DSv4Model(HybridModel):
             mtp_labels = mtp_roll_left(mtp_labels, psp, cp)  # depth k: labels[t] = ids[t+1] -> ids[t+1+k]
             mask = mtp_roll_left(mask, psp, cp)  # a document's last k positions have no target
             if self._fused_head():
-                per_token = self.head_loss(h, mtp_labels)  # [b, s]
+                per_token = self.head_loss(h, mtp_labels, mask)  # [b, s]
             else:
                 logits, _ = self.output_layer(h)  # [s, b, V]
                 per_token = self.compute_language_model_loss(mtp_labels, logits)  # [b, s]
@@ -319,12 +319,17 @@ class DSv4Model(HybridModel):
         sequence parallelism, whose gathered head input only the output layer makes)."""
         return self.fused_linear_cross_entropy and not self.config.sequence_parallel
 
-    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def head_loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Per-token cross entropy ``[b, s]`` of the shared output head on ``hidden [s, b, d]`` against ``labels
-        [b, s]``, fused: dsv4-primitives' ``linear_cross_entropy`` walks this rank's vocabulary shard of the head
-        weight ``[V/tp, d]`` in chunks (bf16 GEMMs with fp32 accumulation, the fused cross-entropy kernels per
-        chunk, vocab-parallel reductions over the tensor-parallel group) and recomputes each chunk's logits in the
-        backward. Same values as the output layer + :meth:`compute_language_model_loss` up to the rounding of the
+        [b, s]``, fused: dsv4-primitives' ``linear_cross_entropy`` (bf16 GEMMs with fp32 accumulation, the fused
+        cross-entropy kernels, vocab-parallel reductions over the tensor-parallel group). Under autograd it runs its
+        gradient-in-forward mode (3 head GEMMs, both gradients formed in the forward), declaring ``loss_mask [b, s]``
+        (``None``: all ones) as the per-token gradient weights: the caller must reduce the returned loss with that
+        mask up to one scalar, as :func:`~dsv4_primitives.cp_partial_loss.cp_partial_mean` does for the LM and MTP
+        losses (another reduction is still exact eagerly, through a recompute backward, and NaN under CUDA-graph
+        capture). Same values as the output layer + :meth:`compute_language_model_loss` up to the rounding of the
         chunked GEMMs."""
 
         tp = self.pg_collection.tp
@@ -333,6 +338,9 @@ class DSv4Model(HybridModel):
             self.output_layer.weight,
             labels.transpose(0, 1),  # [s, b]
             tp_group=tp if tp is not None and tp.size() > 1 else None,
+            grad_weight=None
+            if loss_mask is None
+            else loss_mask.reshape(labels.shape).transpose(0, 1).float(),
         )  # [s, b] fp32
         return loss.transpose(0, 1).contiguous()  # [b, s]
 

@@ -1,8 +1,20 @@
-"""Fused output head + cross entropy: ``linear_cross_entropy(hidden, weight, target)`` (autograd), vocab-chunked.
+"""Fused output head + cross entropy: ``linear_cross_entropy(hidden, weight, target)`` (autograd), two modes.
 
 Same math as :func:`dsv4_primitives.linear_cross_entropy.reference.linear_cross_entropy_ref` (see its docstring);
-the ``[T, V]`` logits are never materialised. The vocabulary (this rank's shard ``weight [V_local, d]``) is walked
-in chunks of ``C`` rows of ``weight``; each chunk's logits ``z_c = h W_c^T`` ``[T, C]`` live only inside its step.
+the ``[T, V]`` logits are never materialised.
+
+Mode choice (``mode="auto"``, the default): when autograd will ask for a gradient (grad mode on and ``hidden`` or
+``weight`` requires grad) the **gradient-in-forward** mode runs
+(:mod:`dsv4_primitives.linear_cross_entropy.grad_in_forward`: token chunks over the whole local vocabulary, both
+gradients formed in the forward, 3 head GEMMs; the backward scales them by the upstream gradient, which must be
+proportional to the declared ``grad_weight`` (default: ones, i.e. ``loss.sum()`` / ``loss.mean()``); otherwise an
+exact recompute backward runs eagerly, NaN under CUDA-graph capture). Without a gradient (evaluation, no-grad
+forward of activation checkpointing) the forward of the **recompute** mode below runs: one GEMM per vocabulary chunk
+and the row statistics. ``mode="recompute"`` forces the recompute mode (4 head GEMMs, nothing but the inputs held
+from the forward to the backward: the choice when memory is short). Neither mode is twice differentiable.
+
+Recompute mode: the vocabulary (this rank's shard ``weight [V_local, d]``) is walked in chunks of ``C`` rows of
+``weight``; each chunk's logits ``z_c = h W_c^T`` ``[T, C]`` live only inside its step.
 
 Forward, per chunk: one GEMM ``z_c = h W_c^T`` in the input dtype (bf16 operands, fp32 accumulation: the logits the
 unfused output layer would produce), then the fused cross-entropy statistics kernel of
@@ -31,25 +43,16 @@ from torch.autograd.function import once_differentiable
 
 from dsv4_primitives.cross_entropy.apply import _IMPLS, vocab_shard
 from dsv4_primitives.dispatch import resolve_backend
+from dsv4_primitives.linear_cross_entropy.chunks import (
+    recompute_backward,
+    token_chunk_rows,
+    tp_lse_loss,
+    vocab_chunk_rows,
+)
+from dsv4_primitives.linear_cross_entropy.grad_in_forward import LinearCrossEntropyGradInForward
 
-_CHUNK_ELEMENTS = 1 << 28  # logits elements of one vocabulary chunk (512 MiB in bf16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _chunk_rows(tokens: int, v_local: int, vocab_chunk: int | None) -> int:
-    if vocab_chunk is not None:
-        return min(vocab_chunk, v_local)
-    c = max(128, _CHUNK_ELEMENTS // max(tokens, 1))
-    return min(v_local, c - c % 128 if c < v_local else v_local)
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with fp32 output (fp32 accumulation) for low-precision ``a``, ``b``."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+MODES = ("auto", "grad_in_forward", "recompute")
 
 
 def _combine(m, s, m_c, s_c):
@@ -62,6 +65,8 @@ def _combine(m, s, m_c, s_c):
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """The recompute mode (module doc); also the forward-only path."""
+
     @staticmethod
     def forward(ctx, hidden, weight, target, tp_group, world, vocab_start, ignore_index, chunk, impl):
         tokens, v_local = hidden.shape[0], weight.shape[0]
@@ -77,20 +82,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             m, s = _combine(m, s, st[0], st[1])
             zt += st[2]
             del z
-        if world > 1 and tokens:
-            m_local = m.clone()
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-        m_ref = torch.where(torch.isinf(m) & (m < 0), 0.0, m)
-        if world > 1 and tokens:
-            s = s * torch.exp(torch.where(torch.isinf(m_local) & (m_local < 0), 0.0, m_local) - m_ref)
-        local = t.long() - vocab_start
-        owned = (local >= 0) & (local < v_local)
-        both = torch.stack([s, torch.where(owned, zt - m_ref, 0.0)])  # [2, T]
-        if world > 1 and tokens:
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=tp_group)
-        log_s = torch.log(both[0])
-        lse = m_ref + log_s  # [T]
-        loss = torch.where(ignored, 0.0, log_s - both[1])
+        lse, loss = tp_lse_loss(m, s, zt, t, vocab_start, v_local, tp_group, world)
+        loss = torch.where(ignored, 0.0, loss)
         ctx.save_for_backward(hidden, weight, t, lse, ignored)
         ctx.meta = (tp_group, world, vocab_start, chunk, impl)
         return loss
@@ -100,38 +93,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, t, lse, ignored = ctx.saved_tensors
         tp_group, world, vocab_start, chunk, impl = ctx.meta
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_fn = _IMPLS[impl][1]
         g = torch.where(ignored, 0.0, grad_loss.to(torch.float32)).contiguous()  # [T]
-        v_local = weight.shape[0]
-        dh = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        dw = torch.empty_like(weight) if need_w else None
-        for c0 in range(0, v_local, chunk):
-            w_c = weight[c0 : c0 + chunk]  # [C, d]
-            z = hidden @ w_c.t()  # [T, C] recomputed logits
-            layout = (1, z.shape[1], 0)
-            grad_fn(z, layout, z, layout[1:], t, lse, g, vocab_start + c0, 1.0, 0.0)  # z <- dz in place
-            if need_w:
-                torch.mm(z.t(), hidden, out=dw[c0 : c0 + chunk])  # [C, d]
-            if need_h:
-                dh += _mm_fp32(z, w_c)  # [T, d]
-            del z
-        if need_h and world > 1:
-            dist.all_reduce(dh, group=tp_group)
-        return (
-            dh.to(hidden.dtype) if need_h else None,
-            dw,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+        dh, dw = recompute_backward(
+            hidden,
+            weight,
+            t,
+            lse,
+            g,
+            tp_group,
+            world,
+            vocab_start,
+            chunk,
+            impl,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
         )
+        return dh, dw, None, None, None, None, None, None, None
 
 
-def _check_inputs(hidden, weight, target, tp_group, vocab_start, ignore_index, vocab_chunk):
+def _positive_or_none(name, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _check_inputs(hidden, weight, target, tp_group, vocab_start, ignore_index, chunks, grad_weight, mode):
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _DTYPES:
         raise ValueError(
             f"linear_cross_entropy needs hidden of dtype bf16/fp16/fp32, got {getattr(hidden, 'dtype', hidden)}"
@@ -159,11 +144,32 @@ def _check_inputs(hidden, weight, target, tp_group, vocab_start, ignore_index, v
         )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    if vocab_chunk is not None and (
-        isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int) or vocab_chunk < 1
-    ):
-        raise ValueError(f"vocab_chunk must be a positive int or None, got {vocab_chunk!r}")
+    for name, value in zip(("vocab_chunk", "token_chunk"), chunks, strict=True):
+        _positive_or_none(name, value)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if grad_weight is not None:
+        if not isinstance(grad_weight, torch.Tensor) or not grad_weight.dtype.is_floating_point:
+            raise ValueError(
+                "grad_weight must be a floating tensor of per-token gradient weights (e.g. the loss mask), got "
+                f"{getattr(grad_weight, 'dtype', grad_weight)!r}"
+            )
+        if grad_weight.shape != target.shape or grad_weight.device != target.device:
+            raise ValueError(
+                f"grad_weight must have the target's shape {tuple(target.shape)} and device {target.device}, got "
+                f"{tuple(grad_weight.shape)} on {grad_weight.device}"
+            )
     return vocab_shard(tp_group, weight.shape[0], vocab_start)
+
+
+def resolve_mode(mode: str, hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """The mode a call runs (module doc): ``"auto"`` is ``"grad_in_forward"`` when autograd will ask for a gradient
+    (grad mode on and ``hidden`` or ``weight`` requires grad) and ``"recompute"`` otherwise (its forward alone:
+    one GEMM per vocabulary chunk and the row statistics, nothing of size ``T x V`` kept)."""
+    if mode != "auto":
+        return mode
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return "grad_in_forward" if wants_grad else "recompute"
 
 
 def linear_cross_entropy(
@@ -174,6 +180,9 @@ def linear_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     ignore_index: int = -100,
+    grad_weight: torch.Tensor | None = None,
+    mode: str = "auto",
+    token_chunk: int | None = None,
     vocab_chunk: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -187,19 +196,46 @@ def linear_cross_entropy(
         tp_group: the tensor-parallel group the vocabulary is split over, or ``None`` (whole vocabulary).
         vocab_start: first token id of this shard; default ``rank * V_local`` (megatron's equal shards).
         ignore_index: target id of rows without a loss (default ``-100``, torch's).
-        vocab_chunk: weight rows per chunk; default: ``2**28 / T`` rounded down to a multiple of 128 (at least 128),
-            i.e. at most 512 MiB of bf16 logits per chunk.
+        grad_weight: ``[*]`` per-token weights the caller reduces the returned loss with, up to one scalar (the
+            loss mask of a masked mean; ``None``: all ones, i.e. ``loss.sum()`` / ``loss.mean()``). Only the
+            gradient-in-forward mode reads it; a backward whose upstream gradient is not proportional to it is
+            still exact eagerly (recompute fallback) and NaN under CUDA-graph capture (module doc).
+        mode: ``"auto"`` (gradient-in-forward when a gradient will be asked for, else the forward alone),
+            ``"grad_in_forward"`` (3 head GEMMs, gradients held from the forward to the backward), ``"recompute"``
+            (4 head GEMMs, the logits recomputed in the backward; nothing but the inputs held).
+        token_chunk: gradient-in-forward: token rows per chunk; default ``2**29 / V_local`` rows, balanced, a
+            multiple of 64 (4096 at ``V = 129280``: at most 1 GiB of bf16 logits).
+        vocab_chunk: recompute: weight rows per chunk; default ``2**28 / T`` rounded down to a multiple of 128 (at
+            least 128), i.e. at most 512 MiB of bf16 logits per chunk.
         backend: the cross-entropy kernels per chunk (:mod:`dsv4_primitives.dispatch`): ``"auto"`` (Triton on
             CUDA, eager PyTorch otherwise; ``DSV4_PRIMITIVES_BACKEND`` / ``DSV4_BACKEND`` override), ``"triton"``,
             ``"reference"`` (eager PyTorch statistics and gradient per chunk; the GEMMs are the same).
     Returns:
-        ``loss [*]`` fp32; gradients flow to ``hidden`` and ``weight`` in their dtype.
+        ``loss [*]`` fp32; gradients flow to ``hidden`` and ``weight`` in their dtype (not twice differentiable).
     """
-    world, start = _check_inputs(hidden, weight, target, tp_group, vocab_start, ignore_index, vocab_chunk)
+    world, start = _check_inputs(
+        hidden,
+        weight,
+        target,
+        tp_group,
+        vocab_start,
+        ignore_index,
+        (vocab_chunk, token_chunk),
+        grad_weight,
+        mode,
+    )
     chosen = resolve_backend(backend, hidden, weight, op="dsv4_primitives.linear_cross_entropy")
     impl = "triton" if chosen == "triton" else "torch"
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [T, d]
     t = target.reshape(-1)  # [T]
-    chunk = _chunk_rows(h.shape[0], weight.shape[0], vocab_chunk)
-    loss = _LinearCrossEntropy.apply(h, weight, t, tp_group, world, start, ignore_index, chunk, impl)
+    tokens, v_local = h.shape[0], weight.shape[0]
+    v_chunk = vocab_chunk_rows(tokens, v_local, vocab_chunk)
+    if resolve_mode(mode, hidden, weight) == "recompute":
+        loss = _LinearCrossEntropy.apply(h, weight, t, tp_group, world, start, ignore_index, v_chunk, impl)
+    else:
+        gw = torch.ones_like(t, dtype=torch.float32) if grad_weight is None else grad_weight.reshape(-1)
+        chunks = (token_chunk_rows(tokens, v_local, token_chunk), v_chunk)
+        loss = LinearCrossEntropyGradInForward.apply(
+            h, weight, t, gw, tp_group, world, start, ignore_index, chunks, impl
+        )
     return loss.view(target.shape)
