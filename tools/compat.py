@@ -186,7 +186,13 @@ def check_fits(root: Path, package: str, chosen: dict[str, str]) -> None:
 
 
 def run_mode(
-    root: Path, mode: str, chosen: dict[str, str], packages: list[str], index: Path, out: io.TextIOBase
+    root: Path,
+    mode: str,
+    chosen: dict[str, str],
+    packages: list[str],
+    index: Path,
+    out: io.TextIOBase,
+    reports: Path | None = None,
 ) -> list[str]:
     """Failed packages of one mode (its output goes to ``out``)."""
 
@@ -224,6 +230,8 @@ def run_mode(
         subprocess.run([*install, "-e", f"packages/{package}"], cwd=root, env=env, check=True)
         try:
             cmd = [str(python), "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-m", CPU_MARKERS]
+            if reports is not None:
+                cmd.append(f"--junitxml={reports / f'compat-{mode}-{package}.xml'}")
             proc = subprocess.run(
                 cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
@@ -240,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=MODES, action="append", help="default: both")
     parser.add_argument("--package", action="append", help="default: every package with siblings")
+    parser.add_argument(
+        "--reports", type=Path, help="write junit XML per run here (compat-MODE-PACKAGE.xml; nox: .reports)"
+    )
     parser.add_argument("--root", type=Path, default=rh.ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     root = args.root
+    if args.reports is not None:
+        args.reports.mkdir(parents=True, exist_ok=True)
     try:
         rh.require_history(root)
     except rh.HistoryMissing as err:
@@ -272,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(run: tuple[str, dict[str, str]]) -> tuple[list[str], str]:
         out = io.StringIO()
-        return run_mode(root, run[0], run[1], packages, index, out), out.getvalue()
+        return run_mode(root, run[0], run[1], packages, index, out, args.reports), out.getvalue()
 
     failed: list[str] = []
     with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:  # the modes' venvs are separate: at once
