@@ -205,14 +205,26 @@ def bench(session: nox.Session) -> None:
 def downstream(session: nox.Session) -> None:
     """examples/downstream: a project on the released wheels (tools/build_index.py) upgrades csa-kernels alone,
     trains a few steps, and downgrades it again (README 'Selective upgrade')."""
-    session.run("python", "-m", "pytest", "examples/downstream", "-q", *session.posargs, external=True)
+    junit = ROOT / ".reports" / "downstream.xml"
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "examples/downstream",
+        "-q",
+        f"--junitxml={junit}",
+        *session.posargs,
+        external=True,
+    )
 
 
 @nox.session(venv_backend="none")
 def compat(session: nox.Session) -> None:
     """Each package's fast tests (public API + fastest files) with its working-tree sources on its siblings' released
     wheels: at the lowest releases its ranges allow and at their previous releases (tools/compat.py)."""
-    session.run("python", "tools/compat.py", *session.posargs, external=True)
+    session.run(
+        "python", "tools/compat.py", "--reports", str(ROOT / ".reports"), *session.posargs, external=True
+    )
 
 
 @nox.session(venv_backend="none")

@@ -13,7 +13,12 @@ Third-party packages are pinned to the workspace's ``uv.lock`` (``uv export``), 
 the ordinary test run. One venv per mode holds every package's released wheel at its pin; for each package in turn
 its working tree replaces its wheel (an editable install, without dependencies), its tests run, and its pinned wheel
 goes back: the package under test is the new code, everything it imports from a sibling is a released wheel. A mode
-whose pins equal an earlier mode's is not run twice.
+whose pins equal an earlier mode's is not run twice, and the modes run at the same time (each in its own venv).
+
+A package is tested in a mode only when a sibling in its closure (its dependencies, extras and test group, followed
+through the siblings' own) is pinned to a release whose code differs from the working tree's (``git diff`` of the
+sibling's ``src/`` and ``pyproject.toml`` against the release commit): otherwise it would run on the working-tree
+code of every sibling, which is what ``nox -s test`` already does, and the run is skipped with a line saying so.
 
 The tests are a fast subset (CI time): each package's ``tests/test_public_api.py`` and the core tests of
 ``CORE_TESTS`` (quick files that call into the siblings).
@@ -22,11 +27,13 @@ The tests are a fast subset (CI time): each package's ``tests/test_public_api.py
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import subprocess
 import sys
 import tempfile
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import build_index
@@ -51,6 +58,37 @@ CORE_TESTS = {
     "dsv4-primitives": ["tests/test_varlen.py"],  # with the released testkit
 }
 CPU_MARKERS = "not gpu and not benchmark and not distributed"
+#: bytecode of the compat venvs' torch / megatron, written by the first pytest process and read by the others (as
+#: in noxfile.py's test sessions: CI sets PYTHONDONTWRITEBYTECODE=1)
+PYCACHE = rh.ROOT / ".nox" / "pycache"
+
+
+def closure(root: Path, package: str) -> set[str]:
+    """The siblings ``package`` needs, directly or through other siblings (dependencies, extras, test group)."""
+    names = set(rh.package_names(root))
+    seen: set[str] = set()
+    todo = [package]
+    while todo:
+        current = todo.pop()
+        text = (root / "packages" / current / "pyproject.toml").read_text()
+        for line in rh.sibling_requirements(text):
+            dep = canonicalize_name(Requirement(line).name)
+            if dep in names and dep != package and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def differing(root: Path, chosen: dict[str, str]) -> set[str]:
+    """The pinned siblings whose released code differs from the working tree (src/ or pyproject.toml)."""
+    result = set()
+    for package, version in chosen.items():
+        commit = {r.version: r.commit for r in rh.releases(package, root)}[version]
+        paths = [f"packages/{package}/src", f"packages/{package}/pyproject.toml"]
+        same = subprocess.run(["git", "diff", "--quiet", commit, "--", *paths], cwd=root).returncode == 0
+        if not same:
+            result.add(package)
+    return result
 
 
 def sibling_ranges(root: Path) -> dict[str, SpecifierSet]:
@@ -147,28 +185,62 @@ def check_fits(root: Path, package: str, chosen: dict[str, str]) -> None:
             raise ValueError(f"{package} requires {line}, but the pinned {dep} is {chosen[dep]}")
 
 
-def run_mode(root: Path, mode: str, chosen: dict[str, str], packages: list[str], index: Path) -> list[str]:
-    """Failed packages of one mode."""
-    print(
-        f"compat[{mode}]: siblings at {', '.join(f'{p} {v}' for p, v in sorted(chosen.items()))}", flush=True
-    )
-    python = make_env(root, root / ".nox" / f"compat-{mode}", chosen, index)
-    install = [*uv_command(), "pip", "install", "--quiet", "--python", str(python), "--no-deps"]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "UV_PYTHON_DOWNLOADS": "never"}
-    failed = []
+def run_mode(
+    root: Path,
+    mode: str,
+    chosen: dict[str, str],
+    packages: list[str],
+    index: Path,
+    out: io.TextIOBase,
+    reports: Path | None = None,
+) -> list[str]:
+    """Failed packages of one mode (its output goes to ``out``)."""
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    say(f"compat[{mode}]: siblings at {', '.join(f'{p} {v}' for p, v in sorted(chosen.items()))}")
+    changed = differing(root, chosen)
+    todo = []
     for package in packages:
         check_fits(root, package, chosen)
+        if closure(root, package) & changed:
+            todo.append(package)
+        else:
+            say(
+                f"compat[{mode}] {package}: skipped, every sibling it needs is pinned to a release with the working "
+                "tree's code (the same run as `nox -s test`)"
+            )
+    if not todo:
+        return []
+    python = make_env(root, root / ".nox" / f"compat-{mode}", chosen, index)
+    install = [*uv_command(), "pip", "install", "--quiet", "--python", str(python), "--no-deps"]
+    env = {
+        **os.environ,
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "UV_PYTHON_DOWNLOADS": "never",
+        "PYTHONDONTWRITEBYTECODE": "",
+        "PYTHONPYCACHEPREFIX": str(PYCACHE),
+    }
+    failed = []
+    for package in todo:
         files = test_files(root, package)
-        print(f"compat[{mode}] {package} (working tree) on released siblings: {' '.join(files)}", flush=True)
+        released = sorted(closure(root, package) & changed)
+        say(f"compat[{mode}] {package} (working tree) on released {', '.join(released)}: {' '.join(files)}")
         subprocess.run([*install, "-e", f"packages/{package}"], cwd=root, env=env, check=True)
         try:
-            cmd = [str(python), "-m", "pytest", *files, "-q", "-m", CPU_MARKERS]
-            code = subprocess.run(cmd, cwd=root, env=env).returncode
+            cmd = [str(python), "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-m", CPU_MARKERS]
+            if reports is not None:
+                cmd.append(f"--junitxml={reports / f'compat-{mode}-{package}.xml'}")
+            proc = subprocess.run(
+                cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            say(proc.stdout.rstrip())
         finally:
             wheel = [*install, "--find-links", str(index), "--reinstall-package", package]
             subprocess.run([*wheel, f"{package}=={chosen[package]}"], cwd=root, env=env, check=True)
-        if code not in (0, 5):
-            failed.append(f"{mode}: {package} (exit {code})")
+        if proc.returncode not in (0, 5):
+            failed.append(f"{mode}: {package} (exit {proc.returncode})")
     return failed
 
 
@@ -176,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=MODES, action="append", help="default: both")
     parser.add_argument("--package", action="append", help="default: every package with siblings")
+    parser.add_argument(
+        "--reports", type=Path, help="write junit XML per run here (compat-MODE-PACKAGE.xml; nox: .reports)"
+    )
     parser.add_argument("--root", type=Path, default=rh.ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     root = args.root
+    if args.reports is not None:
+        args.reports.mkdir(parents=True, exist_ok=True)
     try:
         rh.require_history(root)
     except rh.HistoryMissing as err:
@@ -195,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     ]
     packages = args.package or with_siblings
-    failed: list[str] = []
+    runs: list[tuple[str, dict[str, str]]] = []
     done: dict[tuple, str] = {}
     for mode in args.mode or MODES:
         chosen = pins(root, mode)
@@ -204,7 +281,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compat[{mode}]: the same sibling versions as [{done[key]}]; not run again", flush=True)
             continue
         done[key] = mode
-        failed += run_mode(root, mode, chosen, packages, index)
+        runs.append((mode, chosen))
+
+    def one(run: tuple[str, dict[str, str]]) -> tuple[list[str], str]:
+        out = io.StringIO()
+        return run_mode(root, run[0], run[1], packages, index, out, args.reports), out.getvalue()
+
+    failed: list[str] = []
+    with ThreadPoolExecutor(max_workers=len(runs) or 1) as pool:  # the modes' venvs are separate: at once
+        for fails, text in pool.map(one, runs):
+            print(text, end="", flush=True)
+            failed += fails
     print("compat: " + ("FAILED: " + "; ".join(failed) if failed else "all passed"), flush=True)
     return 1 if failed else 0
 
