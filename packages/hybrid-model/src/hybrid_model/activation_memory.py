@@ -80,8 +80,9 @@ def _moe(cfg: DSv4ModelConfig, b: int) -> float:
     return out + b * (d + 3 * fs)
 
 
-def layer_activation_bytes(cfg: DSv4ModelConfig, symbol: str, seq_len: int, *, bf16: bool = True,
-                           path: Path = "kernels") -> float:
+def layer_activation_bytes(
+    cfg: DSv4ModelConfig, symbol: str, seq_len: int, *, bf16: bool = True, path: Path = "kernels"
+) -> float:
     """Bytes saved for backward per token by one layer of ``symbol`` (``W``, ``C``, ``H``, ``E``), its mHC
     included, in a sequence of ``seq_len`` tokens (module formula)."""
     if path not in PATHS:
