@@ -22,8 +22,8 @@ from dsv4_train.flags import add_config_flags, config_from_flags, given_flags
 from dsv4_train.generate_cli import add_generate_parser, run_generate
 from dsv4_train.inspect_checkpoint import checkpoint_report, print_report
 from dsv4_train.loss_trend import loss_trend
-from dsv4_train.memory_cli import add_memory_parser, run_memory
 from dsv4_train.lost_rank import RankLost
+from dsv4_train.memory_cli import add_memory_parser, run_memory
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
 from dsv4_train.setup import check_run

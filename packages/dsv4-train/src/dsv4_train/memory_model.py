@@ -58,7 +58,7 @@ class MemoryReport:
         return self.static.total + sum(self.activations.values()) + sum(self.transient.values())
 
     def to_dict(self) -> dict:
-        gib = lambda parts: {k: v / GIB for k, v in parts.items()}  # noqa: E731
+        gib = lambda parts: {k: v / GIB for k, v in parts.items()}
         return {
             "stage": self.stage,
             "static_gib": self.static.total / GIB,
