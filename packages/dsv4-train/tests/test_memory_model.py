@@ -93,7 +93,7 @@ def test_saved_activations_match_the_model(tmp_path, seq_len, settings):
 
 
 def test_static_memory_matches_the_built_model_and_optimizer(tmp_path):
-    """Parameters and fp32 main params exactly; the gradient buffers up to megatron's alignment padding (each
+    """(S = 128, no recompute.) Parameters and fp32 main params exactly; the gradient buffers up to megatron's alignment padding (each
     parameter starts at a multiple of 64 elements); the Adam moments exactly (8 B per trained parameter)."""
     tc = _config(tmp_path, 128)
     saved, trainer = _step_saved_bytes(tc)
@@ -122,6 +122,9 @@ def test_static_memory_matches_the_built_model_and_optimizer(tmp_path):
     assert est.main_params == main
     assert est.adam == adam
     assert 0 <= grads - est.grads < 64 * 4 * n_params
+    # the same step's saved activations: the second length without recompute
+    model = sum(estimate_memory(tc, dp=1, path="reference").activations.values())
+    assert abs(model / saved - 1) <= ACTIVATION_TOLERANCE, f"S=128: model {model}, saved {saved}"
 
 
 def test_model_within_ten_percent_of_the_h200_peaks():
