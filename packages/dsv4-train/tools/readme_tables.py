@@ -1,5 +1,6 @@
 """Write the generated tables of the dsv4-train README between their markers: the support matrix
-(``dsv4_train.support``) and the config reference (``dsv4_train.config.reference``); with ``--check`` exit 1 when
+(``dsv4_train.support``), the config reference (``dsv4_train.config.reference``) and the memory model's tables
+(``dsv4_train.memory_tables``); with ``--check`` exit 1 when
 the README differs from them instead.
 
     python3 -m uv run --locked python packages/dsv4-train/tools/readme_tables.py [--check]
@@ -11,10 +12,16 @@ import sys
 from pathlib import Path
 
 from dsv4_train.config.reference import render_config_reference
+from dsv4_train.memory_tables import render_measured, render_presets
 from dsv4_train.support import render_matrix
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-TABLES = {"support-matrix": render_matrix, "config-reference": render_config_reference}
+TABLES = {
+    "support-matrix": render_matrix,
+    "config-reference": render_config_reference,
+    "memory-measured": render_measured,
+    "memory-presets": render_presets,
+}
 
 
 def with_tables(text: str) -> str:

@@ -1,4 +1,4 @@
-"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``, ``convert`` (:mod:`dsv4_train.convert_cli`), ``generate``
+"""The ``dsv4`` command: ``train``, ``inspect``, ``flops``, ``memory`` (:mod:`dsv4_train.memory_cli`), ``convert`` (:mod:`dsv4_train.convert_cli`), ``generate``
 (:mod:`dsv4_train.generate_cli`). The console
 script and ``python -m dsv4_train`` enter through :mod:`dsv4_train.__main__`, which installs the warning filters
 (:mod:`dsv4_train.quiet`) before this module imports megatron-core.
@@ -23,6 +23,7 @@ from dsv4_train.generate_cli import add_generate_parser, run_generate
 from dsv4_train.inspect_checkpoint import checkpoint_report, print_report
 from dsv4_train.loss_trend import loss_trend
 from dsv4_train.lost_rank import RankLost
+from dsv4_train.memory_cli import add_memory_parser, run_memory
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
 from dsv4_train.setup import check_run
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dense", action="store_true", help="dense-attention phase (CSA attends every visible entry)"
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_memory_parser(sub, add_train_flags=lambda p: (add_model_flags(p), add_config_flags(p)))
     add_convert_parser(sub)
     add_generate_parser(sub)
     return parser
@@ -250,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             "train": _cmd_train,
             "inspect": _cmd_inspect,
             "flops": _cmd_flops,
+            "memory": lambda a: run_memory(a, train_config_from_args),
             "convert": run_convert,
             "generate": run_generate,
         }
