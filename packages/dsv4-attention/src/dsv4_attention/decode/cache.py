@@ -34,9 +34,9 @@ later call reads, the cache of a call that appended only the kept rows.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from dsv4_attention._kernels import attention_indices, sparse_attn
 from dsv4_attention._linears import linear_out
