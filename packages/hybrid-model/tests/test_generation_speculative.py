@@ -13,10 +13,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from hybrid_model.generation import SamplingConfig, SpeculationStats, generate
 from hybrid_model.generation.decoder import CachedDecoder
 from hybrid_model.generation.mtp_draft import MTPDrafter
+from hybrid_model.generation.spec_sampling import accept_drafts
+from hybrid_model.generation.speculative import speculative_generate
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_generation import RTOL, tiny_model
@@ -86,9 +90,6 @@ class ScriptedDrafter:
 def test_greedy_speculative_equals_plain_greedy(megatron_cpu):
     """The random MTP head (drafts mostly rejected) and a scripted drafter (2 of 3 drafts right): both give
     plain greedy decoding's tokens for a batch of prompts of different lengths (crossing 128)."""
-    from hybrid_model.generation import SamplingConfig, SpeculationStats, generate
-    from hybrid_model.generation.speculative import speculative_generate
-
     model = tiny_model()
     prompts = prompts_of(PROMPT_LENGTHS)
     plain = generate(model, prompts, 7)
@@ -119,8 +120,6 @@ def test_greedy_speculative_equals_plain_greedy(megatron_cpu):
 
 def test_acceptance_rule_samples_the_target_distribution():
     """20,000 rows of one (p, q) pair over 5 tokens: the tokens that come out follow p (not q)."""
-    from hybrid_model.generation.spec_sampling import accept_drafts
-
     n = 20_000
     p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
     q = torch.tensor([0.1, 0.4, 0.1, 0.0, 0.4])
@@ -134,10 +133,6 @@ def test_acceptance_rule_samples_the_target_distribution():
 
 
 def test_speculative_sampling_seed_top_p_and_refusals(megatron_cpu):
-    import pytest
-
-    from hybrid_model.generation import SpeculationStats, generate
-
     model = tiny_model()
     prompts = [[1, 2, 3], [7]]
     a = generate(model, prompts, 4, temperature=1.0, seed=3, speculative="mtp")
