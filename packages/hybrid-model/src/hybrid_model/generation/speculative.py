@@ -52,10 +52,6 @@ class SpeculationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def _choose(logits: torch.Tensor, sampling: SamplingConfig, generator) -> torch.Tensor:
-    return next_tokens(logits, sampling, generator)
-
-
 def speculative_generate(
     model,
     prompts: list[list[int]],
@@ -88,7 +84,7 @@ def speculative_generate(
         if tok == eos_token_id or len(out[b]) == max_new_tokens:
             active[b] = False
 
-    for b, tok in enumerate(_choose(torch.cat(logits), sampling, generator).tolist()):
+    for b, tok in enumerate(next_tokens(torch.cat(logits), sampling, generator).tolist()):
         emit(b, tok)
     # the drafter takes every prompt row: row t with the token at t + 1 (the last row: the first chosen token)
     feed_ids = [p[1:] + [o[0]] for p, o in zip(prompts, out)]
@@ -101,7 +97,7 @@ def speculative_generate(
         q_logits = torch.cat([draft_logits[b] for b in live])  # [B', V]
         q = None if sampling.greedy else token_probabilities(q_logits, sampling)
         drafts = (
-            _choose(q_logits, sampling, generator)
+            next_tokens(q_logits, sampling, generator)
             if q is None
             else torch.multinomial(q, 1, generator=generator)[:, 0]
         )
@@ -118,7 +114,7 @@ def speculative_generate(
             accepted, first = target == drafts, target
         else:
             accepted, first = accept_drafts(token_probabilities(p_rows, sampling), q, drafts, generator)
-        bonus = _choose(bonus_rows, sampling, generator)
+        bonus = next_tokens(bonus_rows, sampling, generator)
         lengths = list(decoder.lengths)
         feed_ids = [[] for _ in range(batch)]
         for i, b in enumerate(live):
