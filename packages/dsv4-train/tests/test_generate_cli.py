@@ -62,6 +62,19 @@ def test_generate_from_a_train_run_equals_the_api(megatron_cpu, run_dir, capsys)
         + ["--decode", "static"],
     )
     assert static["ids"] == got["ids"]
+    spec = _json(
+        capsys,
+        ["--checkpoint", str(run_dir), "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-new-tokens", "6"]
+        + ["--speculative", "mtp"],
+    )
+    assert spec["ids"] == got["ids"]  # greedy speculative decoding: plain greedy's tokens
+    report = spec["speculative"]
+    assert (
+        report["mode"] == "mtp"
+        and 0 < report["drafted"] <= 10
+        and 0 <= report["accepted"] <= report["drafted"]
+    )
+    assert report["acceptance_rate"] == round(report["accepted"] / report["drafted"], 4)
     text = _json(capsys, ["--checkpoint", str(run_dir), "--prompt", "def f(", "--max-new-tokens", "4"])
     assert text["ids"] == generate(model, [ByteTokenizer().encode("def f(")], 4)
 
@@ -85,6 +98,10 @@ def test_generate_from_an_hf_directory(megatron_cpu, run_dir, capsys):
             "exceeds the model's max_position_embeddings=4096",
         ),
         (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
+        (
+            ["--prompt-ids", "1", "--speculative", "mtp", "--decode", "static"],
+            "runs with --decode eager only",
+        ),
         pytest.param(
             ["--prompt-ids", "1", "--decode", "graph"],
             "needs the model on a CUDA device",

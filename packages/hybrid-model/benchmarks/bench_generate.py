@@ -16,6 +16,14 @@ new tokens of the whole batch per second; argmax on the device included), per de
 token: ours (``generation_cache_bytes``, the marginal bytes of one more token at the prompt length) vs a dense
 MLA-style cache (every attention layer keeps its ``c = head_dim`` shared K = V row for every token). Writes
 ``bench_generate.json`` to ``--out``.
+
+``--speculative``: MTP speculative decoding against plain decoding, side by side in one table per batch: greedy
+``generate(..., decode="eager")`` and ``generate(..., speculative="mtp")`` of ``--new-tokens`` tokens after a
+``--decode-prompt`` prompt (end-to-end time of the decode phase: a whole ``generate`` minus its prefill-only run),
+tokens/s, speed-up and the acceptance rate. With random weights the MTP head's drafts are almost never accepted:
+that row is the worst case (the overhead of one 2-row verify + one MTP depth per token). ``--checkpoint DIR`` (an
+HF DeepSeek-V4 directory, e.g. ``dsv4 convert`` output of a trained run) benchmarks a trained model instead of
+random weights of ``--preset`` (prompts: random token ids either way).
 """
 
 from __future__ import annotations
@@ -30,7 +38,14 @@ from pathlib import Path
 
 import torch
 
-from hybrid_model.generation import CachedDecoder, StaticDecodeStep, generation_cache_bytes
+from hybrid_model.generation import (
+    CachedDecoder,
+    SpeculationStats,
+    StaticDecodeStep,
+    generate,
+    generation_cache_bytes,
+)
+from hybrid_model.hf import load_hf_checkpoint
 from hybrid_model.hf.runtime import ensure_single_stage_parallel_state
 from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
@@ -127,6 +142,62 @@ def measure_decode(model, batch: int, prompt: int, new: int, mode: str, device: 
     }
 
 
+def measure_speculative(model, batch: int, prompt: int, new: int, device: torch.device) -> dict:
+    """Plain greedy vs MTP speculative greedy ``generate`` on the same prompts: decode-phase tokens/s of each
+    (a ``max_new_tokens=1`` run's time, the prefill, subtracted), speed-up, acceptance rate, same tokens."""
+    vocab = model.model_config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, prompt)).tolist()
+
+    def timed(**kw):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = generate(model, prompts, kw.pop("n"), **kw)
+        _sync(device)
+        return out, time.perf_counter() - t0
+
+    generate(model, [p[:64] for p in prompts], 4, speculative="mtp")  # warm-up
+    _, prefill = timed(n=1)
+    plain, t_plain = timed(n=new)
+    stats = SpeculationStats()
+    spec, t_spec = timed(n=new, speculative="mtp", stats=stats)
+    plain_tps = batch * (new - 1) / max(t_plain - prefill, 1e-9)
+    spec_tps = batch * (new - 1) / max(t_spec - prefill, 1e-9)
+    return {
+        "batch": batch,
+        "prompt_len": prompt,
+        "plain_tokens_per_s": round(plain_tps, 1),
+        "mtp_tokens_per_s": round(spec_tps, 1),
+        "speedup": round(spec_tps / plain_tps, 3),
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "tokens_per_verify_step": round(sum(map(len, spec)) / max(stats.steps + 1, 1) / batch, 3),
+        "same_tokens": spec == plain,
+    }
+
+
+def speculative_table(rows: list[dict]) -> str:
+    head = ["batch", "prompt", "plain tok/s", "mtp tok/s", "speed-up", "acceptance", "same tokens"]
+    cells = [head] + [
+        [
+            str(r.get("batch")),
+            str(r.get("prompt_len")),
+            *(
+                [r.get("error", "")[:40], "", "", "", ""]
+                if "error" in r
+                else [
+                    _fmt(r["plain_tokens_per_s"]),
+                    _fmt(r["mtp_tokens_per_s"]),
+                    f"{r['speedup']:.2f}x",
+                    f"{100 * r['acceptance_rate']:.1f}%",
+                    str(r["same_tokens"]),
+                ]
+            ),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
 def _guarded(fn, *args, **info) -> dict:
     try:
         return fn(*args)
@@ -140,13 +211,25 @@ def _guarded(fn, *args, **info) -> dict:
 def run_ours(args, device: torch.device) -> dict:
     torch.manual_seed(0)
     bf16 = device.type == "cuda"
-    model = build_model(
-        get_preset(args.preset), bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32
-    )
-    model = model.to(device).eval()
+    if args.checkpoint:
+        model = load_hf_checkpoint(args.checkpoint, device)
+        model = (model.bfloat16() if bf16 else model).eval()
+    else:
+        model = build_model(
+            get_preset(args.preset), bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32
+        )
+        model = model.to(device).eval()
     cfg = model.model_config
     measure_prefill(model, min(256, args.prefill_lens[0]), device)  # warm-up (Triton compilation)
     out: dict = {"prefill": [], "decode": []}
+    if args.speculative:
+        out["speculative"] = []
+        for b in args.batches:
+            row = _guarded(
+                measure_speculative, model, b, args.decode_prompt, args.new_tokens, device, batch=b
+            )
+            out["speculative"].append({"prompt_len": args.decode_prompt, **row})
+            print(json.dumps({"speculative": row}), flush=True)
     for n in args.prefill_lens:
         out["prefill"].append(_guarded(measure_prefill, model, n, device, prompt_len=n))
         print(json.dumps({"ours": out["prefill"][-1]}), flush=True)
@@ -282,6 +365,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--modes", nargs="+", default=["eager", "static", "graph"], choices=["eager", "static", "graph"]
     )
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="also compare MTP speculative decoding with plain decoding (table: speed-up, acceptance rate)",
+    )
+    p.add_argument("--checkpoint", help="an HF DeepSeek-V4 directory to benchmark instead of random weights")
     p.add_argument("--quick", action="store_true", help="smoke: prefill 4K, batches 1 8, 16 new tokens")
     p.add_argument("--out", help="folder for bench_generate.json")
     args = p.parse_args(argv)
@@ -310,6 +399,9 @@ def main(argv=None) -> int:
     ours = run_ours(args, device)
     hf = run_hf(args) if args.hf_anchors else None
     print(table(ours, hf, args.modes), flush=True)
+    if args.speculative:
+        print("\nMTP speculative decoding vs plain (greedy, eager decode, same prompts)", flush=True)
+        print(speculative_table(ours["speculative"]), flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

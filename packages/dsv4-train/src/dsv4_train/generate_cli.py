@@ -18,7 +18,7 @@ from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
 from dsv4_train.convert_cli import run_model_config, verify_train_checkpoint
 from dsv4_train.setup import init_distributed
-from hybrid_model.generation import DECODE_MODES, generate
+from hybrid_model.generation import DECODE_MODES, SpeculationStats, generate
 from hybrid_model.hf import load_hf_checkpoint, load_megatron_checkpoint
 from thd_packing import load_tokenizer
 
@@ -55,6 +55,13 @@ def add_generate_parser(sub) -> None:
         default="eager",
         help="how decode steps run: eager (host plans), static (static shapes, device-side lengths) or graph (the "
         "static step as a CUDA graph; CUDA only); all give the same tokens (default: eager)",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=["mtp"],
+        help="speculative decoding: mtp = the model's MTP head drafts one token per step, the model verifies it "
+        "(greedy: the same tokens as plain decoding; sampling: the same distribution); eager decode only; the "
+        "acceptance rate is printed (--json: its 'speculative' field)",
     )
     p.add_argument(
         "--json", action="store_true", help='print {"ids": [[...]], "text": [...]} and nothing else'
@@ -110,6 +117,12 @@ def run_generate(args) -> int:
     prompts = [tokenizer.encode(t) for t in args.prompt] + prompts if args.prompt else prompts
     if not prompts:
         raise ValueError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
+    speculative = args.speculative
+    stats = SpeculationStats() if speculative is not None else None
+    if speculative is not None and args.decode != "eager":
+        raise ValueError(
+            f"--speculative {speculative} runs with --decode eager only, got --decode {args.decode}"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = _load_model(path, device)
     stream = sys.stdout.isatty() and not args.json and len(prompts) == 1 and tokenizer is not None
@@ -129,13 +142,34 @@ def run_generate(args) -> int:
         seed=args.seed,
         on_token=on_token if stream else None,
         decode=args.decode,
+        speculative=speculative,
+        stats=stats,
     )
     texts = [tokenizer.decode(ids) for ids in out] if tokenizer is not None else None
+    report = None
+    if speculative is not None:
+        report = {
+            "mode": speculative,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "verify_steps": stats.steps,
+        }
     if args.json:
-        print(json.dumps({"ids": out, "text": texts}))
-    elif stream:
+        result = {"ids": out, "text": texts}
+        if report is not None:
+            result["speculative"] = report
+        print(json.dumps(result))
+        return 0
+    if stream:
         print()
     else:
         for i, ids in enumerate(out):
             print(f"[{i}] {texts[i] if texts is not None else ','.join(map(str, ids))}")
+    if report is not None:
+        print(
+            f"speculative {speculative}: {report['accepted']}/{report['drafted']} drafts accepted "
+            f"({100 * stats.acceptance_rate:.1f}%), {report['verify_steps']} verify steps",
+            file=sys.stderr,
+        )
     return 0

@@ -40,7 +40,11 @@ def _rows(hidden_states: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def bind_decode_step(
-    layer: torch.nn.Module, cache: AttentionCache, plan: Callable[[], ExtendPlan]
+    layer: torch.nn.Module,
+    cache: AttentionCache,
+    plan: Callable[[], ExtendPlan],
+    *,
+    undo: bool = False,
 ) -> Iterator[None]:
     """Inside the block, ``layer``'s forward extends ``cache`` with its input rows.
 
@@ -49,12 +53,14 @@ def bind_decode_step(
         cache: the layer's :class:`AttentionCache`.
         plan: returns the :class:`ExtendPlan` of the current call (read at every forward, so one binding serves a
             whole generation); the CSA phase is the layer's own (``dense_attention``).
+        undo: every call keeps what :meth:`AttentionCache.rollback` needs (speculative decoding's verify step).
     """
     _check_unbound(layer)
 
     def step(attn: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         dense = bool(getattr(attn, "dense_attention", False))
-        return cache.extend(attn, _rows(hidden_states), plan(), dense=dense).unsqueeze(1)  # [R, 1, d]
+        y = cache.extend(attn, _rows(hidden_states), plan(), dense=dense, undo=undo)  # [R, d]
+        return y.unsqueeze(1)  # [R, 1, d]
 
     layer.decode_step = step
     try:

@@ -24,9 +24,17 @@ HCA      the ring + entries ``[C, c]`` + the partial block's projected rows ``[m
 CSA      the ring + entries ``[C, c]`` + indexer keys ``[C, c_I]`` + the last complete and the partial block's
          projected rows of both compressors ``[2m, 2 x 2c]`` and ``[2m, 2 x 2c_I]``
 =======  ====================================================================================================
+
+Speculative decoding verifies several drafted rows per call and keeps only a prefix of them: a call with
+``undo=True`` keeps what :meth:`AttentionCache.rollback` needs to drop the newest rows again, exactly (the ring slots
+the call overwrote and its rows, the compressors' document rows; :mod:`~dsv4_attention.decode.window`,
+:mod:`~dsv4_attention.decode.compressed`). After ``rollback(lengths)`` the cache equals, buffer for buffer where a
+later call reads, the cache of a call that appended only the kept rows.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +60,17 @@ def visible_entries(
     return torch.where(w < ((positions + 1) // ratio)[:, None], rows, -1)
 
 
+@dataclass(frozen=True)
+class _WindowUndo:
+    """What :meth:`AttentionCache.rollback` needs of the last ``undo=True`` call's window rows."""
+
+    plan: ExtendPlan
+    positions: torch.Tensor  # [R]
+    sequences: torch.Tensor  # [R]
+    before: torch.Tensor  # [R, c] the ring slots' values before the call
+    kv: torch.Tensor  # [R, c] the call's rows
+
+
 class AttentionCache:
     """The decode cache of one :class:`~dsv4_attention.attention.DSv4Attention` (module docstring).
 
@@ -75,6 +94,7 @@ class AttentionCache:
         self.kind = attn.kind
         self.max_length = max_length
         self.lengths: tuple[int, ...] = (0,) * batch
+        self._undo: _WindowUndo | None = None
         self.window = WindowCache(batch, core.window, attn.head_dim, **buffers)
         self.compressed = (
             None
@@ -120,11 +140,19 @@ class AttentionCache:
 
     @torch.no_grad()
     def extend(
-        self, attn: DSv4Attention, x: torch.Tensor, plan: ExtendPlan, *, dense: bool = False
+        self,
+        attn: DSv4Attention,
+        x: torch.Tensor,
+        plan: ExtendPlan,
+        *,
+        dense: bool = False,
+        undo: bool = False,
     ) -> torch.Tensor:
         """The layer output ``[R, d]`` of the call's rows ``x [R, d]`` (module docstring); the cache then holds
-        ``plan.new_lengths`` tokens per sequence. ``dense``: CSA's dense phase (every visible entry, no top-k)."""
+        ``plan.new_lengths`` tokens per sequence. ``dense``: CSA's dense phase (every visible entry, no top-k).
+        ``undo``: keep what :meth:`rollback` needs to drop some of the call's rows again."""
         self._check(attn, x, plan)
+        self._undo = None
         core = attn.core_attention
         pos, seq = plan.row_positions(x.device), plan.row_sequences(x.device)  # [R], [R]
         q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [R, d_c]
@@ -132,11 +160,11 @@ class AttentionCache:
         keys = [self.window.kv.view(-1, kv.shape[-1]).to(kv.dtype), kv]
         idx = self.window.indices(plan, pos, seq)  # [R, W] rows of cat(ring, kv)
         if self.compressed is not None:
-            self.compressed.extend(core.compressor, x, plan, core.backend)
+            self.compressed.extend(core.compressor, x, plan, core.backend, undo=undo)
             entries = self.compressed.entries  # [B, C, c]
             comp = visible_entries(plan, pos, seq, self.compressed.ratio, self.compressed.capacity)  # [R, V]
             if self.indexer is not None:
-                self.indexer.extend(core.indexer, x, plan, core.backend)
+                self.indexer.extend(core.indexer, x, plan, core.backend, undo=undo)
             if self.indexer is not None and not dense:
                 comp = self.indexer.select(
                     core.indexer, x, q_lat, plan.max_position, pos, comp, core.backend
@@ -153,9 +181,35 @@ class AttentionCache:
             check_indices=False,
         )  # [R, n_h, c]
         y = attn.project_output(o, pos, plan.max_position)  # [R, d]
+        if undo:
+            self._undo = _WindowUndo(plan, pos, seq, self.window.overwritten(pos, seq), kv)
         self.window.append(kv, plan, pos, seq)
         self.lengths = plan.new_lengths
         return y
+
+    def rollback(self, lengths: tuple[int, ...]) -> None:
+        """Drop the newest rows of the last call, made with ``undo=True``: sequence ``b`` keeps ``lengths[b]``
+        tokens, between its length before and after that call (module docstring). One rollback per call."""
+        undo = self._undo
+        if undo is None:
+            raise ValueError(
+                "rollback needs the cache's last call to be extend(..., undo=True) (and no rollback since)"
+            )
+        lengths = tuple(int(n) for n in lengths)
+        if len(lengths) != self.batch or not all(
+            a <= n <= b for a, n, b in zip(undo.plan.lengths, lengths, undo.plan.new_lengths)
+        ):
+            raise ValueError(
+                f"rollback lengths must lie between the last call's lengths {undo.plan.lengths} and "
+                f"{undo.plan.new_lengths} per sequence, got {lengths}"
+            )
+        kept = tuple(n - a for n, a in zip(lengths, undo.plan.lengths))
+        self.window.rollback(undo.plan, undo.positions, undo.sequences, undo.before, undo.kv, kept)
+        if self.compressed is not None:
+            self.compressed.rollback(lengths)
+        if self.indexer is not None:
+            self.indexer.keys.rollback(lengths)
+        self.lengths, self._undo = lengths, None
 
     def extend_static(
         self, attn: DSv4Attention, x: torch.Tensor, lengths: torch.Tensor, *, dense: bool = False
@@ -165,6 +219,7 @@ class AttentionCache:
         are not read or advanced (the caller keeps them: :meth:`advance`)."""
         if attn.kind is not self.kind:
             raise ValueError(f"this cache belongs to a {self.kind.name} layer, got a {attn.kind.name} layer")
+        self._undo = None
         return extend_static(self, attn, x, lengths, dense=dense)
 
     def advance(self, lengths: tuple[int, ...]) -> None:

@@ -16,6 +16,12 @@ slots, overlap), so the document's entry ``j`` is the sequence's entry ``start(L
 ``floor(L / m) <= w < floor((L + n) / m)`` are new; they are normed with the compressor's RMSNorm and rotated at
 ``w m`` as in ``Compressor.forward``. (For CSA the document's first entry is an already-emitted block pooled
 without its previous block: never kept.)
+
+Speculative decoding (:meth:`CompressorCache.rollback`): a call made with ``undo=True`` keeps each sequence's
+document rows (held + new, positions ``[start(L), L + n)``); dropping all but the first ``k`` new rows sets the held
+rows to that document's positions ``[start(L + k), L + k)``, the held rows of a call of ``k`` rows. The entries the
+dropped rows completed (``w >= floor((L + k) / m)``) stay written but are invisible (``w < floor((p + 1) / m)``)
+until the call that completes block ``w`` again writes them before any row attends them.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ class CompressorCache:
         self.held_kv = torch.zeros(batch, held, width, device=device, dtype=dtype)  # [B, H, Dk]
         self.held_score = torch.zeros(batch, held, width, device=device, dtype=dtype)  # [B, H, Dk]
         self.capacity = max_length // self.ratio
+        self.undo: list[tuple[int, torch.Tensor, torch.Tensor]] | None = (
+            None  # per sequence (start, kv, score)
+        )
         self.entries = torch.zeros(
             batch, self.capacity, compressor.head_dim, device=device, dtype=dtype
         )  # [B, C, c]
@@ -59,14 +68,21 @@ class CompressorCache:
         return max(block - self.ratio, 0) if self.overlap else block
 
     def extend(
-        self, compressor: Compressor, x: torch.Tensor, plan: ExtendPlan, backend: str = "auto"
+        self,
+        compressor: Compressor,
+        x: torch.Tensor,
+        plan: ExtendPlan,
+        backend: str = "auto",
+        *,
+        undo: bool = False,
     ) -> None:
         """Consume the call's block-input rows ``x [R, d]``: emit the entries their blocks complete, keep the new
-        held rows."""
+        held rows. ``undo``: keep what :meth:`rollback` needs (module docstring)."""
         m = self.ratio
         kv = linear_out(compressor.linear_wkv, x)  # [R, Dk]
         score = linear_out(compressor.linear_wgate, x)  # [R, Dk]
         pooled, seq, entry = [], [], []
+        self.undo = [] if undo else None
         for b, (n, k, r0) in enumerate(zip(plan.lengths, plan.counts, plan.row_starts)):
             first, held = self.start(n), n - self.start(n)
             kv_b = torch.cat((self.held_kv[b, :held], kv[r0 : r0 + k]))  # [S, Dk] positions [first, n + k)
@@ -80,6 +96,8 @@ class CompressorCache:
                 pooled.append(doc[new.start - first // m :])
                 seq += [b] * len(new)
                 entry += list(new)
+            if self.undo is not None:
+                self.undo.append((first, kv_b, score_b))
             keep = self.start(n + k) - first  # the new held positions [start(n + k), n + k)
             self.held_kv[b, : kv_b.shape[0] - keep] = kv_b[keep:]
             self.held_score[b, : kv_b.shape[0] - keep] = score_b[keep:]
@@ -88,6 +106,17 @@ class CompressorCache:
             normed = compressor.norm(torch.cat(pooled))  # [N, c] weighted RMSNorm (fp32 math)
             out = rope(normed, entry_t * m, compressor.rope_cfg, max_position=plan.max_position)  # at w * m
             self.entries[torch.tensor(seq, device=x.device), entry_t] = out.to(self.entries.dtype)
+
+    def rollback(self, lengths: tuple[int, ...]) -> None:
+        """After an ``undo=True`` :meth:`extend`: hold the rows of sequences of ``lengths[b]`` tokens (between
+        the call's old and new lengths; module docstring)."""
+        if self.undo is None:
+            raise ValueError("rollback needs the last extend() to be called with undo=True")
+        for b, (n, (first, kv_b, score_b)) in enumerate(zip(lengths, self.undo)):
+            lo, held = self.start(n) - first, n - self.start(n)
+            self.held_kv[b, :held] = kv_b[lo : lo + held]
+            self.held_score[b, :held] = score_b[lo : lo + held]
+        self.undo = None
 
     @property
     def nbytes(self) -> int:

@@ -58,11 +58,17 @@ class IndexerCache:
         self.keys = CompressorCache(indexer.compressor, batch, max_length, device=device, dtype=dtype)
 
     def extend(
-        self, indexer: LightningIndexer, x: torch.Tensor, plan: ExtendPlan, backend: str = "auto"
+        self,
+        indexer: LightningIndexer,
+        x: torch.Tensor,
+        plan: ExtendPlan,
+        backend: str = "auto",
+        *,
+        undo: bool = False,
     ) -> None:
         """Consume the call's rows ``x [R, d]``: the keys of the blocks they complete (every call, dense phase too,
-        so a later sparse step finds every key)."""
-        self.keys.extend(indexer.compressor, x, plan, backend)
+        so a later sparse step finds every key). ``undo``: as :meth:`CompressorCache.extend`."""
+        self.keys.extend(indexer.compressor, x, plan, backend, undo=undo)
 
     def select(
         self,

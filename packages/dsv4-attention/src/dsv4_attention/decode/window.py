@@ -13,6 +13,10 @@ the query itself last, the ``-1`` slots first), at::
     s < 0            -> -1                                   (before the sequence start)
     s >= lengths[b]  -> B*W + row_starts[b] + s - lengths[b]  (a new row of this call)
     otherwise        -> b*W + s % W                           (the ring: s >= lengths[b] - W + 1 always)
+
+Speculative decoding drops a call's newest rows again (:meth:`WindowCache.rollback`): the slots the call wrote get
+their values from before the call back (:meth:`WindowCache.overwritten`, read before :meth:`WindowCache.append`),
+then the kept rows are appended again, so the ring is exactly the one of a call that appended only the kept rows.
 """
 
 from __future__ import annotations
@@ -58,6 +62,29 @@ class WindowCache:
         new_len = torch.tensor(plan.new_lengths, dtype=torch.int64, device=positions.device)[sequences]  # [R]
         keep = positions >= new_len - self.window  # [R]: one row per ring slot at most
         self.kv[sequences[keep], positions[keep].remainder(self.window)] = kv_new[keep].to(self.kv.dtype)
+
+    def overwritten(self, positions: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """``[R, c]``: what the ring slots of the call's rows hold now (a copy; read it before :meth:`append`)."""
+        return self.kv[sequences, positions.remainder(self.window)]
+
+    def rollback(
+        self,
+        plan: ExtendPlan,
+        positions: torch.Tensor,
+        sequences: torch.Tensor,
+        before: torch.Tensor,
+        kv_new: torch.Tensor,
+        kept: tuple[int, ...],
+    ) -> None:
+        """Undo :meth:`append` of ``plan``'s rows ``kv_new [R, c]`` (``before``: :meth:`overwritten` of them)
+        but for the first ``kept[b]`` new rows of each sequence b: the ring then equals the ring of a call that
+        appended only those rows. (Rows sharing a slot all hold its value from before the call.)"""
+        self.kv[sequences, positions.remainder(self.window)] = before
+        if sum(kept):
+            lengths = torch.tensor(plan.lengths, dtype=torch.int64, device=positions.device)[sequences]
+            counts = torch.tensor(kept, dtype=torch.int64, device=positions.device)[sequences]
+            keep = positions - lengths < counts  # [R] the first kept[b] rows of sequence b
+            self.append(kv_new[keep], ExtendPlan(plan.lengths, kept), positions[keep], sequences[keep])
 
     @property
     def nbytes(self) -> int:

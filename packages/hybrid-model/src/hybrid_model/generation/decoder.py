@@ -13,7 +13,13 @@ model's own forward on the new tokens only, as a THD pack with one document per 
 
 Everything but attention is per token, so the logits of the new rows equal the training forward's logits of the
 whole sequences at those positions (fp32: within 1e-5 relative; ``tests/test_generation.py``). Prefill is the first
-call (the prompts), a decode step a call of one token per unfinished sequence. MTP depths are not run.
+call (the prompts), a decode step a call of one token per unfinished sequence. MTP depths are not run here
+(:class:`~hybrid_model.generation.mtp_draft.MTPDrafter` runs depth 1 for speculative decoding).
+
+Speculative decoding verifies drafted tokens in one call with ``extend(..., undo=True)`` and drops the rejected
+rows with :meth:`CachedDecoder.rollback` (every layer cache's exact
+:meth:`~dsv4_attention.decode.AttentionCache.rollback`). ``extend(..., streams=True)`` also returns the main mHC
+streams of the new rows (``[k, n, d]`` per sequence, the MTP depth's input).
 """
 
 from __future__ import annotations
@@ -64,11 +70,20 @@ class CachedDecoder:
         return sum(cache.nbytes for cache in self.caches)
 
     @torch.no_grad()
-    def extend(self, tokens: Sequence[Sequence[int]], *, last_only: bool = False) -> list[torch.Tensor]:
+    def extend(
+        self,
+        tokens: Sequence[Sequence[int]],
+        *,
+        last_only: bool = False,
+        undo: bool = False,
+        streams: bool = False,
+    ):
         """Append ``tokens[b]`` to sequence ``b``; return each sequence's logits ``[len(tokens[b]), V]`` (fp32)
         at the new positions (the model runs in eval mode for the call). ``last_only``: only each sequence's last
         new position ``[1, V]`` (``[0, V]`` for a sequence given no token): the output layer runs on those rows
-        only (a prefill of ``B`` prompts of ``T`` tokens would otherwise form ``B T x V`` logits)."""
+        only (a prefill of ``B`` prompts of ``T`` tokens would otherwise form ``B T x V`` logits). ``undo``: the
+        call's rows can be dropped again with :meth:`rollback`. ``streams``: return ``(logits, streams)``, the
+        main streams before the HyperHead ``[len(tokens[b]), n, d]`` per sequence too (models with MTP only)."""
         if self._broken:
             raise ValueError(
                 "an earlier extend() failed part-way; the caches are inconsistent: make a new CachedDecoder"
@@ -92,11 +107,18 @@ class CachedDecoder:
         psp = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
+        if streams and not self.model.mtp_process:
+            raise ValueError(
+                "extend(streams=True) needs a model with MTP depths (its decoder returns the streams)"
+            )
         self._plan, self._broken = plan, True
         was_training = self.model.training
+        kept: list[torch.Tensor] = []
         with contextlib.ExitStack() as bound:
             for layer, cache in zip(self.layers, self.caches):
-                bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan))
+                bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan, undo=undo))
+            if streams:
+                bound.enter_context(_decoder_streams(self.model, kept))
             if last_only:
                 ends = [end - 1 for count, end in zip(plan.counts, plan.row_starts[1:]) if count]
                 bound.enter_context(_head_rows(self.model, torch.tensor(ends, device=device)))
@@ -108,8 +130,36 @@ class CachedDecoder:
         self.lengths, self._broken = plan.new_lengths, False
         if last_only:
             rows = iter(logits)
-            return [next(rows)[None] if count else logits[:0] for count in plan.counts]
-        return [logits[a:b] for a, b in zip(plan.row_starts, plan.row_starts[1:])]
+            out = [next(rows)[None] if count else logits[:0] for count in plan.counts]
+        else:
+            out = [logits[a:b] for a, b in zip(plan.row_starts, plan.row_starts[1:])]
+        if not streams:
+            return out
+        x = kept[0][:, 0]  # [R, n, d]
+        return out, [x[a:b] for a, b in zip(plan.row_starts, plan.row_starts[1:])]
+
+    def rollback(self, lengths: Sequence[int]) -> None:
+        """Drop the newest rows of the last :meth:`extend`, made with ``undo=True``: sequence ``b`` keeps
+        ``lengths[b]`` tokens (between its lengths before and after that call), exactly as if that call had
+        appended only the kept rows."""
+        lengths = tuple(int(n) for n in lengths)
+        for cache in self.caches:
+            cache.rollback(lengths)  # checks the lengths against the call (the first cache refuses bad ones)
+        self.lengths = lengths
+
+
+@contextlib.contextmanager
+def _decoder_streams(model, kept: list):
+    """Inside the block, the main decoder's output streams ``[s, 1, n, d]`` are appended to ``kept``."""
+
+    def grab(_module, _args, output):
+        kept.append(output[1])
+
+    handle = model.decoder.register_forward_hook(grab)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager

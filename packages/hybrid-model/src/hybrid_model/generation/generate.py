@@ -15,6 +15,7 @@ import torch
 
 from hybrid_model.generation.decoder import CachedDecoder
 from hybrid_model.generation.sampling import SamplingConfig, next_tokens
+from hybrid_model.generation.speculative import SPECULATIVE_MODES, SpeculationStats, speculative_generate
 from hybrid_model.generation.static_step import StaticDecodeStep
 from hybrid_model.generation.support import check_generation_support
 
@@ -66,6 +67,8 @@ def generate(
     eos_token_id: int | None = None,
     on_token: Callable[[int, int], None] | None = None,
     decode: str = "eager",
+    speculative: str | None = None,
+    stats: SpeculationStats | None = None,
 ) -> list[list[int]]:
     """Continue every prompt by up to ``max_new_tokens`` tokens with cached decoding.
 
@@ -87,6 +90,12 @@ def generate(
             finished sequence is no longer fed), ``"static"`` (:class:`~hybrid_model.generation.StaticDecodeStep`:
             every sequence fed each step, device-side lengths, no host reads), ``"graph"`` (``"static"`` captured
             in a CUDA graph; CUDA only). All three give the same tokens (fp32: the same logits within 1e-5).
+        speculative: ``None`` (plain decoding) or ``"mtp"``: the model's MTP depth 1 drafts one token per step and
+            the main model verifies it (:mod:`~hybrid_model.generation.speculative`; greedy: plain greedy's tokens,
+            sampling: the speculative-sampling rule, the main model's distribution). Eager decode only; the model
+            needs an MTP depth.
+        stats: a :class:`~hybrid_model.generation.SpeculationStats` that a speculative generation fills
+            (drafts, accepted drafts, verify steps; ``acceptance_rate``).
     Returns:
         the generated tokens of each sequence (prompts not included).
     Raises:
@@ -107,6 +116,25 @@ def generate(
         )
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(map(repr, DECODE_MODES))}, got {decode!r}")
+    if speculative not in SPECULATIVE_MODES:
+        raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
+    if stats is not None and speculative is None:
+        raise ValueError("stats counts speculative drafts: pass it with speculative='mtp'")
+    if speculative is not None:
+        if decode != "eager":
+            raise ValueError(
+                f"speculative='mtp' verifies drafts with eager (host-planned) decode steps; decode={decode!r} is "
+                "not supported with it: use decode='eager'"
+            )
+        return speculative_generate(
+            model,
+            prompts,
+            max_new_tokens,
+            sampling,
+            eos_token_id=eos_token_id,
+            on_token=on_token,
+            stats=stats,
+        )
     # the last generated token is never fed back: the caches hold at most prompt + max_new_tokens - 1 tokens
     decoder = CachedDecoder(model, len(prompts), max(len(p) for p in prompts) + max_new_tokens - 1)
     last = torch.cat(decoder.extend(prompts, last_only=True))  # [B, V] prefill

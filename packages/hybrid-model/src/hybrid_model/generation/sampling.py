@@ -53,17 +53,24 @@ class SamplingConfig:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
-def next_tokens(
-    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """int64 ``[B]``: the next token of each row of ``logits [B, V]`` (module docstring)."""
-    logits = logits.float()
+def token_probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """fp32 ``[B, V]``: the distribution sampling draws from (temperature softmax restricted to the nucleus,
+    renormalised by ``torch.multinomial``; module docstring). Not for greedy configurations."""
     if cfg.greedy:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / cfg.temperature, dim=-1)  # [B, V]
+        raise ValueError("token_probabilities is the sampling distribution: temperature must be > 0")
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # [B, V]
     if cfg.top_p < 1:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the more probable tokens
         sorted_p = torch.where(before < cfg.top_p, sorted_p, 0.0)  # the first token always stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def next_tokens(
+    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """int64 ``[B]``: the next token of each row of ``logits [B, V]`` (module docstring)."""
+    if cfg.greedy:
+        return logits.float().argmax(dim=-1)
+    return torch.multinomial(token_probabilities(logits, cfg), 1, generator=generator)[:, 0]
