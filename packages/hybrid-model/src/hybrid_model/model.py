@@ -229,6 +229,8 @@ class DSv4Model(HybridModel):
                 "packed THD batches under tensor (sequence) parallelism are not supported yet: use [B, S] batches "
                 "(drop --packed) or --tp 1"
             )
+        if padding_mask is not None:  # [b, s] -> this rank's [b, s/tp] under SP (the layers' token rows)
+            padding_mask = sequence_shard(padding_mask, self.sequence_parallel_group)
         router_cu = None
         if input_ids is not None:
             router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
