@@ -34,6 +34,11 @@ def _finalize_tp_grads(model, group) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
+def tp_steps(rank: int, world: int, pattern: str, seed: int, cases: list[tuple[bool, bool]]) -> dict:
+    """:func:`tp_step` of every ``(bf16, fused)`` case, keyed by the case."""
+    return {case: tp_step(rank, world, pattern, seed, *case) for case in cases}
+
+
 def tp_step(rank: int, world: int, pattern: str, seed: int, bf16: bool, fused: bool) -> dict[int, dict]:
     """``{tp: {"loss": per-token loss [b, s], "mtp": MTP loss, "grads": {name: whole gradient}, "marked": n}}``
     for TP 1 and 2. Gradients are of ``loss.mean()`` plus the MTP and balance losses the model attaches."""

@@ -152,7 +152,9 @@ def transformer_config(
             beta_slow=cfg.yarn.beta_slow,
         )
     kw.update(transformer_config_fields(tensor_model_parallel_size, overrides))
-    kw.update({k: v for k, v in overrides.items() if k not in ("sequence_parallel", "expert_tensor_parallel_size")})
+    kw.update(
+        {k: v for k, v in overrides.items() if k not in ("sequence_parallel", "expert_tensor_parallel_size")}
+    )
     return ModelTransformerConfig(**kw)
 
 

@@ -19,10 +19,13 @@ DIST_BACKENDS = ("nccl", "gloo")
 class ParallelSection:
     """The parallel layout (DP is the rest of the world) and the process-group backend."""
 
-    tp: int = field(default=1, metadata=option(
+    tp: int = field(
+        default=1,
+        metadata=option(
             "tensor parallel size, with sequence parallelism (patterns of megatron's '*' attention, '-' MLP and 'E' "
             "MoE; DSv4 attention W/C/H and the combinations the support table refuses need 1)"
-        ))
+        ),
+    )
     pp: int = field(default=1, metadata=option("pipeline stages"))
     vpp: int = field(
         default=1,
