@@ -10,8 +10,11 @@ Bounds:
 
 * fp32 (fused linear-CE head: the head input gathered over the sequence): TP only reorders fp32 sums (the
   row-parallel products' two halves, the vocab shards' softmax statistics, the two sequence shards of a replicated
-  parameter's gradient): the loss within ``1e-5`` relative, each gradient within ``2e-5·max|g|`` (as the parallel
-  matrix of dsv4-train; measured: loss ``5e-7`` absolute at 6.2, gradients ``1e-7`` relative).
+  parameter's gradient): the loss within ``1e-5`` relative, each gradient within ``2e-5·max|g| + 1e-8`` (as the
+  parallel matrix of dsv4-train; measured: loss ``5e-7`` absolute at 6.2, gradients ``1e-7`` relative). The
+  absolute ``1e-8``: the HyperHead gradients are ``~1e-10``, sums of cancelling terms of the size of the other
+  gradients (``<= 0.15`` here), so their reordering error is ``u·0.15 ≈ 1e-8`` absolute, not relative to their own
+  size (measured with the unfused head: ``6e-12`` at ``2.5e-10``).
 * bf16 (unfused head: megatron's output layer + vocab-parallel cross entropy): the project rule against the TP=1
   fp32 run, with TP=1 bf16 as the same-dtype yardstick: ``max|x_tp2 - x_fp32| <= 2·max|x_tp1 - x_fp32| + atol``
   (:func:`dsv4_testkit.assert_close_to_ref`), for the losses and every gradient.
@@ -49,7 +52,7 @@ def test_tp2_equals_tp1_losses_and_gradients():
     assert set(two["grads"]) == set(one["grads"])
     for name, g in one["grads"].items():
         err = float((two["grads"][name] - g).abs().max())
-        assert err <= 2e-5 * float(g.abs().max()) + 1e-12, (name, err)
+        assert err <= 2e-5 * float(g.abs().max()) + 1e-8, (name, err)
     ref, same = fp32[1], bf16[1]  # the TP=1 fp32 reference and its bf16 yardstick
     got = bf16[2]
     assert_close_to_ref("loss", got["loss"], ref["loss"], same["loss"])
