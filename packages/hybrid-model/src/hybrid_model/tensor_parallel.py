@@ -114,22 +114,10 @@ def sequence_shard(x: torch.Tensor, tp_group, dim: int = -1) -> torch.Tensor:
     return x.narrow(dim, tp_group.rank() * (n // size), n // size)
 
 
-def shard_cu_seqlens(cu: torch.Tensor | None, num_tokens: int, tp_group) -> torch.Tensor | None:
-    """Row intervals ``[D + 1]`` covering ``num_tokens`` rows (:func:`hybrid_model.mtp.router_cu_seqlens`) clipped to
-    this TP rank's sequence shard and shifted to its local rows: every rank keeps all ``D + 1`` entries (documents
-    without a row here are empty), so document ``d`` is the same on every rank (the balance loss sums over TP)."""
-    size = tp_group.size() if tp_group is not None else 1
-    if cu is None or size == 1:
-        return cu
-    local = num_tokens // size
-    return (cu.long() - tp_group.rank() * local).clamp(0, local).to(cu.dtype)
-
-
 __all__ = [
     "ModelTransformerConfig",
     "check_tensor_parallel_pattern",
     "mark_sequence_parallel_parameters",
     "sequence_shard",
-    "shard_cu_seqlens",
     "transformer_config_fields",
 ]
