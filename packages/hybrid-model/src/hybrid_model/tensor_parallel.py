@@ -109,7 +109,7 @@ def sequence_shard(x: torch.Tensor, tp_group, dim: int = -1) -> torch.Tensor:
     if n % size:
         raise ValueError(
             f"sequence parallelism over {size} TP ranks needs a sequence length divisible by {size}, got {n} tokens "
-            "per rank: pick --seq-length (and, under CP, the pack length) as a multiple of tp·cp"
+            "per rank: pick --seq-len as a multiple of --tp"
         )
     return x.narrow(dim, tp_group.rank() * (n // size), n // size)
 
