@@ -24,6 +24,8 @@ import sys
 import pytest
 
 from dsv4_train.cli import main
+from hybrid_model.mixers.record import Layout
+from hybrid_model.mixers.registry import REGISTRY
 
 _ARGS = [
     "--preset", "tiny", "--pattern", "*E*E/*E", "--seed", "11", "--no-bf16", "--steps", "1", "--seq-len", "64",
@@ -58,9 +60,6 @@ def test_tp2_from_the_cli_starts_like_one_process(tmp_path):
 
 def test_dsv4_attention_refuses_tp_with_its_record_reason(tmp_path, capsys):
     """The tiny preset's pattern holds ``W C H``: ``--tp 2`` stops before any work (rc 2, one line)."""
-    from hybrid_model.mixers.record import Layout
-    from hybrid_model.mixers.registry import REGISTRY
-
     rc = main(["train", "--preset", "tiny", "--tp", "2", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
