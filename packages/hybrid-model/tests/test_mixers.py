@@ -22,6 +22,7 @@ from hybrid_model.mixers.registry import (
 )
 from hybrid_model.standard_attention import CausalSoftmaxAttention
 from hybrid_model.symbols import KIND_NAMES, LAYER_SYMBOLS, SEQUENCE_MIXERS
+from hybrid_model.tensor_parallel import check_tensor_parallel_pattern
 
 REFUSALS = [(s, r.layout) for s, rec in REGISTRY.items() for r in rec.refusals]
 DEPENDENCIES = [(s, dep) for s, rec in REGISTRY.items() for dep in rec.dependencies]
@@ -88,13 +89,26 @@ def test_each_refusal_raises_the_records_reason(monkeypatch, symbol, layout):
 
 
 def test_supported_layouts_are_not_refused():
-    for symbol in "WCHE-":
+    for symbol in "E-":
         assert not REGISTRY[symbol].refusals
-        REGISTRY[symbol].check_single_rank(_config(tp=2), _pg(2))  # (TP is dsv4-attention's own refusal)
-    for layout in (Layout.CP, Layout.TP):
-        assert symbols_refusing(layout) >= {"+", "D", "G"}
+        REGISTRY[symbol].check_single_rank(_config(tp=2), _pg(2))
+    for symbol in "WCH":  # DSv4 attention: context parallelism yes, tensor parallelism not yet
+        assert [r.layout for r in REGISTRY[symbol].refusals] == [Layout.TP]
+        REGISTRY[symbol].check_single_rank(_config(), _pg(2))
+    REGISTRY["*"].check_single_rank(_config(tp=2), _pg(1))
+    assert symbols_refusing(Layout.CP) >= {"+", "D", "G"}
+    assert symbols_refusing(Layout.TP) == {"W", "C", "H", "+", "D", "G"}
     check_gdn_training("WCE-", packed=True, deterministic=True, cuda_graph=True)
     check_packed_graph_pattern("WCHE-")
+
+
+def test_the_pattern_check_raises_unconditional_tp_refusals_only():
+    check_tensor_parallel_pattern("*E-/*E", 2)
+    check_tensor_parallel_pattern("WCHE", 1)
+    check_tensor_parallel_pattern("+D-", 2)  # the local spec's refusal: raised when the layer is built
+    with pytest.raises(ValueError) as info:
+        check_tensor_parallel_pattern("*EW", 4)
+    assert str(info.value) == "--tp 4: " + REGISTRY["W"].message(Layout.TP)
 
 
 def test_the_local_latent_layer_refuses_before_it_builds():

@@ -14,7 +14,7 @@ def tp_model_params(rank: int, world: int, pattern: str, seed: int) -> dict[int,
     out = {}
     for tp in (1, 2):
         with megatron_cpu_context(tp=tp):
-            model = build_model(get_preset("tiny").with_pattern(pattern))
+            model = build_model(get_preset("tiny").with_pattern(pattern), tensor_model_parallel_size=tp)
             seed_parameters(model, seed)
             out[tp] = {
                 n: (

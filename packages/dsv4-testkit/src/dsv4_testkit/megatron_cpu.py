@@ -19,13 +19,21 @@ from dsv4_testkit.distributed import free_port
 
 @contextlib.contextmanager
 def megatron_cpu_context(
-    tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234, vpp: int | None = None
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    seed: int = 1234,
+    vpp: int | None = None,
+    etp: int = 1,
 ):
     """Initialise megatron-core's parallel state for the duration of the block.
 
     If no process group exists yet, a world-size-1 group is created (gloo on CPU, NCCL on CUDA) and destroyed on
     exit; inside :func:`dsv4_testkit.run_distributed` workers the existing group is reused. The process groups
-    megatron creates are destroyed on exit (``dsv4_primitives.megatron.destroy_model_parallel``).
+    megatron creates are destroyed on exit (``dsv4_primitives.megatron.destroy_model_parallel``). ``etp``: the
+    expert tensor-parallel size (1: routed experts whole on their EP rank, as DSv4's experts need; megatron's own
+    default would follow ``tp``).
     """
     # here, not at module top: dsv4_primitives.megatron needs the [megatron] extra, and the pytest plugin imports
     # dsv4_testkit before it sets TRITON_INTERPRET (importing dsv4_primitives creates its Triton kernels, which read it)
@@ -50,6 +58,7 @@ def megatron_cpu_context(
             virtual_pipeline_model_parallel_size=vpp,
             context_parallel_size=cp,
             expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
         init_rng_tracker(seed)
         try:

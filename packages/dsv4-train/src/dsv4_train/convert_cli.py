@@ -137,8 +137,9 @@ def run_convert(args) -> int:
         raise ValueError(f"{src} is not a directory")
     if args.tp != 1:
         raise ValueError(
-            f"--tp {args.tp}: tensor parallelism is not supported by dsv4 train yet; convert with --tp 1 (the "
-            "megatron checkpoint is layout-free: --init-from loads it at any PP/EP/DP)"
+            f"--tp {args.tp}: tensor parallelism is not supported by dsv4 convert (loading a converted checkpoint at "
+            "--tp > 1 is untested, and every preset's DSv4 attention refuses TP); convert with --tp 1 (the megatron "
+            "checkpoint is layout-free: --init-from loads it at any PP/EP/DP)"
         )
     to = args.to or _direction(src)
     if args.like and to != "released":

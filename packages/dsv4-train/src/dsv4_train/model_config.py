@@ -6,11 +6,13 @@ from dsv4_train.config import TrainConfig
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.model_flags import apply_model_overrides
 from hybrid_model.presets import get_preset
+from hybrid_model.tensor_parallel import check_tensor_parallel_pattern
 
 
 def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
     """The preset of ``tc`` with its ``model_overrides`` (and ``pipeline_stages`` = ``--pp`` x ``--vpp`` unless
-    overridden)."""
+    overridden). ``ValueError`` when ``--tp > 1`` and a symbol of the pattern refuses tensor parallelism (its
+    record's reason: DSv4 attention ``W C H``)."""
     cfg = get_preset(tc.model.preset)
     changes = dict(tc.model.model_overrides)
     if tc.parallel.pp > 1 and "hybrid_layer_pattern" not in changes:
@@ -18,7 +20,7 @@ def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
             "pipeline_stages", tc.parallel.pp * tc.parallel.vpp
         )  # VPP: P·V segments (virtual_pipeline.py)
     try:
-        return apply_model_overrides(cfg, changes, pp=tc.parallel.pp * tc.parallel.vpp)
+        cfg = apply_model_overrides(cfg, changes, pp=tc.parallel.pp * tc.parallel.vpp)
     except TypeError as e:  # dataclasses.replace: a key that is not a DSv4ModelConfig field
         raise ValueError(f"--model-overrides: {e} (the keys are DSv4ModelConfig fields)") from e
     except ValueError as e:
@@ -26,3 +28,5 @@ def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
             raise
         layout = f"--pp {tc.parallel.pp}" + (f" --vpp {tc.parallel.vpp}" if tc.parallel.vpp > 1 else "")
         raise ValueError(f"{layout} with --preset {tc.model.preset}: {e}") from e
+    check_tensor_parallel_pattern(cfg.layer_pattern, tc.parallel.tp)
+    return cfg

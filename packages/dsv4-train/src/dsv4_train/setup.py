@@ -182,6 +182,7 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
                 post_process=post,
                 pg_collection=pg,
                 vp_stage=vp_stage,
+                tensor_model_parallel_size=tc.parallel.tp,
                 pipeline_model_parallel_size=tc.parallel.pp,
                 expert_model_parallel_size=tc.parallel.ep,
                 context_parallel_size=tc.parallel.cp,

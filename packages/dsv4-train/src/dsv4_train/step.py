@@ -107,6 +107,10 @@ class StepRunner:
         cp = core.context_parallel_group
         self.cp_group = cp
         self.cp_size, self.cp_rank = (1, 0) if cp is None else (cp.size(), cp.rank())
+        # the routers' balance-loss partials cover this rank's tokens: its sequence shard under TP (sequence
+        # parallelism) and its rows under CP, so they are summed over the TP x CP group
+        tp_cp = ps.get_tensor_and_context_parallel_group()
+        self.balance_group = tp_cp if tp_cp.size() > 1 else None
 
     def forward_step(self, data_iterator, model):
         """megatron's ``forward_step_func``: one micro-batch through ``model``; returns its output and loss function."""
@@ -272,8 +276,9 @@ class StepRunner:
 
         Under CP every loss of a rank is its partial (:mod:`dsv4_primitives.cp_partial_loss`): the LM/MTP partials
         enter the world sums as they are with a count of ``1 / CP`` each, the per-layer balance and indexer partials
-        are summed over the CP group first (``sum_partials``, one small all-reduce), so every value is the global
-        one, equal to CP=1's."""
+        are summed over the CP group first (``sum_partials``, one small all-reduce; the balance partials over the
+        TP x CP group: under TP each rank routes its sequence shard), so every value is the global one, equal to
+        CP=1's. Under TP every rank of a TP group holds the same LM/MTP losses (each counts once)."""
         keys = loss_keys(self.model_config.parsed_pattern.mtp_num_depths)
         local = torch.zeros(2 * len(keys) + 1, dtype=torch.float64, device=self.device)
         local[-1] = float(nonfinite_grads)
@@ -290,7 +295,7 @@ class StepRunner:
         moe_tracker = get_moe_metrics_tracker()
         entry = moe_tracker.metrics.get("seq_load_balancing_loss")
         if entry is not None:  # recorded as loss / coeff: report the applied (coefficient-scaled) loss
-            values = sum_partials(entry.values, self.cp_group)
+            values = sum_partials(entry.values, self.balance_group)
             vals = values[values != 0].double() * self.tc.loss.balance_loss_coeff / num_microbatches
             add("balance_loss", vals.tolist())
         moe_tracker.clear()

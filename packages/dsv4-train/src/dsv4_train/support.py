@@ -19,6 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hybrid_model.mixers.record import Layout
+from hybrid_model.mixers.registry import REGISTRY
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -108,14 +111,37 @@ _GRAPH_ONE_RANK = (
 _MATRIX = "tests/test_parallel_matrix.py::test_cell_matches_single_process"
 _CP = "tests/test_train_context_parallel.py::"
 _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
+_TP_REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 
 RELATIONS: tuple[Relation, ...] = (
     # refused: decided by the config
     Relation(
-        ("tp",),
+        ("tp", "pp"),
         "refused",
-        "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)",
-        "tests/test_support_table.py::test_every_refusal_raises_its_reason",
+        "--tp {tp} with --pp {pp} is not supported yet: no parity test covers sequence-parallel mHC streams crossing "
+        "pipeline stages (use --tp or --pp)",
+        _TP_REFUSALS,
+    ),
+    Relation(
+        ("tp", "ep"),
+        "refused",
+        "--tp {tp} with --ep {ep} is not supported yet: no parity test covers the expert all-to-all over sequence-"
+        "parallel shards (use --tp or --ep)",
+        _TP_REFUSALS,
+    ),
+    Relation(
+        ("tp", "cp"),
+        "refused",
+        "--tp {tp} with --cp {cp}: context parallelism runs DSv4 attention, which does not split over tensor-"
+        "parallel ranks yet (use --tp 1 or --cp 1)",
+        _TP_REFUSALS,
+    ),
+    Relation(
+        ("tp", "packed"),
+        "refused",
+        "--tp {tp} with --packed is not supported yet: the packed documents' boundaries are not cut into sequence-"
+        "parallel shards (drop --packed: [B, S] batches, or --tp 1)",
+        _TP_REFUSALS,
     ),
     Relation(
         ("vpp",),
@@ -158,6 +184,7 @@ RELATIONS: tuple[Relation, ...] = (
         _GRAPH_ONE_RANK,
         "tests/test_train_cuda_graph.py::test_rejects_what_cannot_be_captured",
     ),
+    Relation(("cuda_graph", "tp"), "refused", _GRAPH_ONE_RANK, _TP_REFUSALS),
     # refused: decided when the run starts
     Relation(
         ("cuda_graph", "cpu"),
@@ -186,6 +213,13 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "DP2 equals one process, from the same --seed (same initial model, fp32, bf16)",
         _MATRIX,
+    ),
+    Relation(
+        ("tp",),
+        "supported",
+        "TP2 (sequence parallelism; patterns of '*', '-', 'E' and mHC + MTP, DSv4 attention refuses TP in its symbol "
+        "record) equals one process from the same --seed, from the CLI",
+        "tests/test_train_tensor_parallel.py::test_tp2_from_the_cli_starts_like_one_process",
     ),
     Relation(
         ("pp",),
@@ -295,7 +329,28 @@ def render_matrix() -> str:
         flags = ", ".join(FEATURES[n].flag for n in (*rel.features, *rel.without))
         reason = rel.reason.replace("|", "\\|")
         lines.append(f"| {feats} | {flags} | {rel.verdict} ({rel.when}) | {reason} | `{rel.tested_by}` |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *render_symbol_tp()])
+
+
+def render_symbol_tp() -> list[str]:
+    """The pattern symbols under ``--tp > 1`` (markdown lines), from each symbol's record in hybrid-model
+    (``hybrid_model.mixers``): refused with the record's reason (and its condition), or supported."""
+    lines = [
+        "Pattern symbols under `--tp > 1` (each symbol's record, `hybrid_model.mixers`; an unconditional refusal "
+        "stops the run before any work, a conditional one when the layer is built):",
+        "",
+        "| symbol | layer | `--tp > 1` |",
+        "|---|---|---|",
+    ]
+    for symbol, rec in REGISTRY.items():
+        refusal = rec.refusal(Layout.TP)
+        if refusal is None:
+            verdict = "supported (sequence parallelism)"
+        else:
+            when = f" ({refusal.condition})" if refusal.condition else ""
+            verdict = f"refused{when}: {refusal.reason}"
+        lines.append(f"| `{symbol}` | {rec.layer} | {verdict.replace('|', chr(92) + '|')} |")
+    return lines
 
 
 def _refusals(tc: Any, machine: Machine | None, when: tuple[str, ...]) -> None:

@@ -121,6 +121,7 @@ class Trainer:
             pipeline_model_parallel_size=tc.parallel.pp,
             virtual_pipeline_model_parallel_size=tc.parallel.vpp if tc.parallel.vpp > 1 else None,
             expert_model_parallel_size=tc.parallel.ep,
+            expert_tensor_parallel_size=1,  # routed experts are whole on their EP rank (hybrid_model.tensor_parallel)
             context_parallel_size=tc.parallel.cp,
             distributed_timeout_minutes=tc.parallel.dist_timeout / 60,  # the groups' timeout: --dist-timeout
         )

@@ -29,6 +29,7 @@ import torch
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from dsv4_attention.megatron import DSv4HybridAttention
@@ -45,6 +46,11 @@ from hybrid_model.mtp import (
 )
 from hybrid_model.spec import dsv4_stack_spec, dsv4_stack_submodules, mhc_config, transformer_config
 from hybrid_model.symbols import PIPE, register_dsv4_symbols
+from hybrid_model.tensor_parallel import (
+    check_tensor_parallel_pattern,
+    mark_sequence_parallel_parameters,
+    sequence_shard,
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,13 @@ class DSv4Model(HybridModel):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         parsed = model_config.parsed_pattern
+        tp_size = pg_collection.tp.size() if getattr(pg_collection, "tp", None) is not None else 1
+        if tp_size != config.tensor_model_parallel_size:
+            raise ValueError(
+                f"the tensor-parallel group has {tp_size} ranks but config.tensor_model_parallel_size is "
+                f"{config.tensor_model_parallel_size}: build the config with tensor_model_parallel_size={tp_size}"
+            )
+        check_tensor_parallel_pattern(parsed.all_symbols, tp_size)
         pp_size = pg_collection.pp.size() if getattr(pg_collection, "pp", None) is not None else 1
         stages = pp_size * (config.virtual_pipeline_model_parallel_size or 1)
         if len(parsed.segments) > 1 and len(parsed.segments) != stages:
@@ -142,6 +155,9 @@ class DSv4Model(HybridModel):
             )
         self._deferring_embedding_setup = False
         self.setup_embeddings_and_output_layer()
+        # under sequence parallelism every replicated parameter sees this rank's tokens only: its gradient is summed
+        # over the TP group by megatron's finalize_model_grads (hybrid_model.tensor_parallel)
+        mark_sequence_parallel_parameters(self, config.sequence_parallel)
         self.last_mtp_loss: torch.Tensor | None = None  # mean over the depths of the last training forward
         self.last_mtp_losses: list[
             torch.Tensor
@@ -208,10 +224,18 @@ class DSv4Model(HybridModel):
                 "the global packed_seq_params ([B, S] batches run under CP as a THD pack of B documents of S tokens: "
                 "dsv4_train.context_parallel.sbhd_as_thd_pack)"
             )
+        if self.config.sequence_parallel and packed_seq_params is not None:
+            raise ValueError(
+                "packed THD batches under tensor (sequence) parallelism are not supported yet: use [B, S] batches "
+                "(drop --packed) or --tp 1"
+            )
+        if padding_mask is not None:  # [b, s] -> this rank's [b, s/tp] under SP (the layers' token rows)
+            padding_mask = sequence_shard(padding_mask, self.sequence_parallel_group)
         router_cu = None
         if input_ids is not None:
             router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
-            self.decoder.bind_input_ids(input_ids, router_cu)
+            # the hash routers see this rank's sequence shard of the ids (SP cuts the activations the same way)
+            self.decoder.bind_input_ids(sequence_shard(input_ids, self.sequence_parallel_group), router_cu)
         try:
             out = self.decoder(
                 hidden_states=decoder_input,
@@ -274,6 +298,7 @@ class DSv4Model(HybridModel):
                 position_ids,
                 router_cu,
                 recompute=recompute,
+                sequence_parallel_group=self.sequence_parallel_group,
                 attention_mask=None,
                 packed_seq_params=packed_seq_params,
                 padding_mask=padding_mask,
@@ -314,25 +339,36 @@ class DSv4Model(HybridModel):
 
         return context_parallel_group(self.pg_collection)
 
+    @property
+    def sequence_parallel_group(self):
+        """The tensor-parallel group when the model runs sequence parallelism (activations ``[s/tp, b, ·]``), else
+        ``None``."""
+        return self.pg_collection.tp if self.config.sequence_parallel else None
+
     def _fused_head(self) -> bool:
-        """Whether losses go through :meth:`head_loss` (the fused head needs the whole sequence on every rank: no
-        sequence parallelism, whose gathered head input only the output layer makes)."""
-        return self.fused_linear_cross_entropy and not self.config.sequence_parallel
+        """Whether losses go through :meth:`head_loss` (else the output layer's logits and
+        :meth:`compute_language_model_loss`)."""
+        return self.fused_linear_cross_entropy
 
     def head_loss(
         self, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Per-token cross entropy ``[b, s]`` of the shared output head on ``hidden [s, b, d]`` against ``labels
-        [b, s]``, fused: dsv4-primitives' ``linear_cross_entropy`` (bf16 GEMMs with fp32 accumulation, the fused
-        cross-entropy kernels, vocab-parallel reductions over the tensor-parallel group). Under autograd it runs its
-        gradient-in-forward mode (3 head GEMMs, both gradients formed in the forward), declaring ``loss_mask [b, s]``
-        (``None``: all ones) as the per-token gradient weights: the caller must reduce the returned loss with that
-        mask up to one scalar, as :func:`~dsv4_primitives.cp_partial_loss.cp_partial_mean` does for the LM and MTP
-        losses (another reduction is still exact eagerly, through a recompute backward, and NaN under CUDA-graph
-        capture). Same values as the output layer + :meth:`compute_language_model_loss` up to the rounding of the
-        chunked GEMMs."""
+        [b, s]``, fused: dsv4-primitives' ``linear_cross_entropy`` walks this rank's vocabulary shard of the head
+        weight ``[V/tp, d]`` in chunks (bf16 GEMMs with fp32 accumulation, the fused cross-entropy kernels,
+        vocab-parallel reductions over the tensor-parallel group). Under autograd it runs its gradient-in-forward
+        mode (3 head GEMMs, both gradients formed in the forward), declaring ``loss_mask [b, s]`` (``None``: all
+        ones) as the per-token gradient weights: the caller must reduce the returned loss with that mask up to one
+        scalar, as :func:`~dsv4_primitives.cp_partial_loss.cp_partial_mean` does for the LM and MTP losses (another
+        reduction is still exact eagerly, through a recompute backward, and NaN under CUDA-graph capture). Same
+        values as the output layer + :meth:`compute_language_model_loss` up to the rounding of the chunked GEMMs.
+        Under sequence parallelism ``hidden`` is this rank's ``[s/tp, b, d]``: it is gathered first (the loss's
+        backward already sums the hidden gradient over TP, so the gather's backward only keeps this rank's
+        rows)."""
 
         tp = self.pg_collection.tp
+        if self.config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=tp)
         loss = linear_cross_entropy(
             hidden,
             self.output_layer.weight,

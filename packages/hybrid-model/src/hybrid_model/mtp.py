@@ -27,6 +27,7 @@ from dsv4_primitives.recompute import checkpoint_layers, recompute_config_of
 from hash_moe.megatron import DSv4MoELayer
 from hybrid_model.layers import build_hybrid_layer
 from hybrid_model.residual import SingleStreamHead
+from hybrid_model.tensor_parallel import sequence_shard
 from mhc import HyperHead
 from thd_packing import roll_left, roll_left_contiguous_cp
 
@@ -113,7 +114,16 @@ def mtp_full_recompute(config, num_decoder_layers: int) -> bool:
 
 
 def run_mtp_depth(
-    depth, embedding, streams, ids, position_ids, router_cu, *, recompute: bool, **layer_kwargs
+    depth,
+    embedding,
+    streams,
+    ids,
+    position_ids,
+    router_cu,
+    *,
+    recompute: bool,
+    sequence_parallel_group=None,
+    **layer_kwargs,
 ):
     """One MTP ``depth`` on ``streams [s, b, n, d]`` and the ids ``[b, s]`` rolled for it: binds the ids to the
     depth's MoE routers, embeds them, runs the depth. Returns ``(h [s, b, d], streams [s, b, n, d])``, the streams
@@ -122,13 +132,17 @@ def run_mtp_depth(
     ``recompute``: the whole depth (embedding lookup, projections, layers, HyperHead, norm) runs as one reentrant
     checkpoint (:func:`dsv4_primitives.recompute.checkpoint_layers`): only ``streams`` (kept by the main stack
     anyway) is saved, and backward rebinds the ids (a later micro-batch may have bound others) and runs the depth
-    again. Side effects guarded by ``torch.is_grad_enabled()`` (expert-load counters, loss trackers) run once."""
+    again. Side effects guarded by ``torch.is_grad_enabled()`` (expert-load counters, loss trackers) run once.
+
+    ``sequence_parallel_group``: the TP group under sequence parallelism (``streams`` are this rank's ``[s/tp, b, n,
+    d]``; the embedding scatters its output the same way, the routers get this rank's ids)."""
     last = depth.next_depth is None
+    router_ids = sequence_shard(ids, sequence_parallel_group)
 
     def run(x):
         for moe in depth.moe_layers():
-            moe.set_input_ids(ids, router_cu)
-        e = embedding(input_ids=ids, position_ids=position_ids)  # [s, b, d]
+            moe.set_input_ids(router_ids, router_cu)
+        e = embedding(input_ids=ids, position_ids=position_ids)  # [s(/tp), b, d]
         h, out = depth(x, e, return_streams=True, **layer_kwargs)  # [s, b, d], [s, b, n, d]
         return h if last else (h, out)
 

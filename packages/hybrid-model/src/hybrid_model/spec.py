@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dsv4_attention.megatron import DSv4AttentionConfig
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.latent_attention import set_indexer_loss_scales
 from hybrid_model.mixers.moe import hash_moe_layer_spec
 from hybrid_model.mixers.registry import records_of, require_symbol_dependencies, require_symbol_device
 from hybrid_model.stack import DSv4HybridStack
 from hybrid_model.symbols import DSA, MOE
+from hybrid_model.tensor_parallel import ModelTransformerConfig, transformer_config_fields
 from mhc import MHCConfig
 
 
@@ -54,6 +54,7 @@ def select_backend(prefer: str = "auto"):
 def transformer_config(
     cfg: DSv4ModelConfig,
     *,
+    tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
@@ -66,7 +67,11 @@ def transformer_config(
     recompute=None,
     **overrides: Any,
 ):
-    """The megatron ``DSv4AttentionConfig`` (an ``MLATransformerConfig``) carrying attention + MoE + MTP fields.
+    """The megatron ``DSv4AttentionConfig`` (an ``MLATransformerConfig``; :class:`~hybrid_model.tensor_parallel.
+    ModelTransformerConfig`) carrying attention + MoE + MTP fields.
+
+    ``tensor_model_parallel_size > 1`` turns on sequence parallelism with it and keeps expert TP at 1
+    (:func:`hybrid_model.tensor_parallel.transformer_config_fields`).
 
     ``num_layers`` is the number of *hybrid* layers of the main pattern (each symbol is one layer, so a DSv4 block
     counts twice), as megatron-core's ``HybridModel`` numbers them. ``recompute``: a
@@ -146,8 +151,11 @@ def transformer_config(
             beta_fast=cfg.yarn.beta_fast,
             beta_slow=cfg.yarn.beta_slow,
         )
-    kw.update(overrides)
-    return DSv4AttentionConfig(**kw)
+    kw.update(transformer_config_fields(tensor_model_parallel_size, overrides))
+    kw.update(
+        {k: v for k, v in overrides.items() if k not in ("sequence_parallel", "expert_tensor_parallel_size")}
+    )
+    return ModelTransformerConfig(**kw)
 
 
 def mhc_config(cfg: DSv4ModelConfig, stream_dtype: torch.dtype = torch.float32):

@@ -159,8 +159,9 @@ class StandardSelfAttention(SelfAttention):
                 cu = packed_seq_params.cu_seqlens_q_padded
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
                 length = int((cu[1:] - cu[:-1]).max())
-            else:
-                length = hidden_states.shape[0]
+            else:  # sequence parallelism: the QKV projection gathers this rank's s/tp rows into the s of all ranks
+                sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+                length = hidden_states.shape[0] * sp
             emb = self.rotary(length).to(hidden_states.device)  # [length, 1, 1, rot]
             rotary_pos_emb = (emb, emb)
         return super().forward(

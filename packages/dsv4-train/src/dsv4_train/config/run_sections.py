@@ -19,7 +19,13 @@ DIST_BACKENDS = ("nccl", "gloo")
 class ParallelSection:
     """The parallel layout (DP is the rest of the world) and the process-group backend."""
 
-    tp: int = field(default=1, metadata=option("tensor parallel size (must be 1: see the support table)"))
+    tp: int = field(
+        default=1,
+        metadata=option(
+            "tensor parallel size, with sequence parallelism (patterns of megatron's '*' attention, '-' MLP and 'E' "
+            "MoE; DSv4 attention W/C/H and the combinations the support table refuses need 1)"
+        ),
+    )
     pp: int = field(default=1, metadata=option("pipeline stages"))
     vpp: int = field(
         default=1,
@@ -74,10 +80,6 @@ class ParallelSection:
                 "rows [r*L, (r+1)*L) of the pack). Zigzag and other layouts give a rank non-adjacent rows, which "
                 "cuts the compression groups (4 and 128 consecutive tokens) and the sliding window across "
                 "non-neighbouring ranks; use --cp-layout contiguous"
-            )
-        if self.tp != 1:
-            raise ValueError(
-                "--tp must be 1: DSv4 attention supports tensor parallelism 1 only (use DP/PP/EP)"
             )
 
 
