@@ -25,7 +25,7 @@ from dsv4_train.graph_data_parallel import (
 )
 from dsv4_train.graph_packs import static_packed_seq_params
 from dsv4_train.virtual_pipeline import check_vpp_microbatches, ddp_chunks
-from hash_moe.megatron import update_selection_biases
+from hash_moe.megatron import release_forward_state, update_selection_biases
 from hybrid_model.latent_attention import drain_dsa_indexer_losses
 from mhc.megatron import make_mhc_adjust_tensor_shapes_fn, mhc_folded_seq_length
 
@@ -251,8 +251,12 @@ class StepRunner:
         # probabilities with their autograd graph, which (under full recompute) reaches the recomputed layers'
         # detached inputs and their gradients, the fp32 mHC streams [S, B, n*d]: issue 33 measured 0.63 GiB per
         # 1K tokens held between steps. The backward is done, so no graph is needed any more.
+        # The integer routing state of the MoE layers (bound token ids, routing maps, permutations: ~1 KiB per token
+        # of the tiny model on the GPU) is sequence-sized too; a graphed step keeps it (the graph reads it).
         for chunk in ddp_chunks(self.model):
             release_autograd_graphs(chunk)
+            if self.graphed is None:
+                release_forward_state(chunk)
         return m
 
     def loss_exploded(self, lm_loss: float | None) -> bool:

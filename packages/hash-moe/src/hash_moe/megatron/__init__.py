@@ -11,7 +11,7 @@ require_megatron("hash-moe[megatron]", "hash_moe.megatron")
 
 from hash_moe.megatron.bias_update import update_selection_biases  # noqa: E402
 from hash_moe.megatron.experts import ClampedSwiGLUExperts, ClampedSwiGLUSharedExpert  # noqa: E402
-from hash_moe.megatron.moe_layer import DSv4MoELayer  # noqa: E402
+from hash_moe.megatron.moe_layer import DSv4MoELayer, release_forward_state  # noqa: E402
 from hash_moe.megatron.router import (  # noqa: E402
     HashRouter,
     LearnedTopKRouter,
@@ -30,6 +30,7 @@ __all__ = [
     "LearnedTopKRouter",
     "balance_loss_coeff_from_transformer_config",
     "get_dsv4_moe_spec",
+    "release_forward_state",
     "router_config_from_transformer_config",
     "update_selection_biases",
 ]

@@ -35,7 +35,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from hash_moe.megatron.token_dispatcher import DSv4AlltoAllTokenDispatcher
+from hash_moe.megatron.token_dispatcher import DSv4AlltoAllTokenDispatcher, release_dispatcher_state
 
 
 class DSv4MoELayer(MoELayer):
@@ -107,6 +107,17 @@ class DSv4MoELayer(MoELayer):
         """Bind ``input_ids [B, S]`` (and THD ``cu_seqlens``) for later forwards that do not pass them (None unbinds)."""
         self._bound_input_ids = input_ids
         self._bound_cu_seqlens = cu_seqlens
+
+    def release_forward_state(self) -> int:
+        """Drop what the last forward left behind once its backward is done (between training steps): the bound
+        token ids (a full-recompute backward binds them again) and the token dispatchers' routing state
+        (:func:`~hash_moe.megatron.token_dispatcher.release_dispatcher_state`, any megatron dispatcher). Returns the number of attributes dropped."""
+        dropped = int(self._bound_input_ids is not None) + int(self._bound_cu_seqlens is not None)
+        self.set_input_ids(None)
+        dispatchers = (self.token_dispatcher, getattr(self, "_training_token_dispatcher", None))
+        for dispatcher in {id(d): d for d in dispatchers if d is not None}.values():
+            dropped += release_dispatcher_state(dispatcher)
+        return dropped
 
     def _dispatch_token_count(self, num_tokens: int, device: torch.device) -> int:
         dispatcher = self.token_dispatcher
@@ -196,3 +207,9 @@ class DSv4MoELayer(MoELayer):
         return self._forward_with_ids(
             hidden_states, padding_mask, input_ids, cu_seqlens, intermediate_tensors
         )
+
+
+def release_forward_state(model: torch.nn.Module) -> int:
+    """:meth:`DSv4MoELayer.release_forward_state` on every DSv4 MoE layer of ``model`` (call between training
+    steps, after the backward; not for a CUDA-graphed step). Returns the number of attributes dropped."""
+    return sum(m.release_forward_state() for m in model.modules() if isinstance(m, DSv4MoELayer))

@@ -35,6 +35,37 @@ from hash_moe.permute import PermuteMap, permute, unpermute
 _FIRST_SYNC_POINT = "before_permutation_1"
 
 
+# per-forward attributes of megatron's dispatchers beyond ``cudagraph_attrs`` (the all-gather dispatcher has none)
+_FORWARD_STATE = (
+    "routing_map",
+    "probs",
+    "local_probs",
+    "local_map",
+    "reversed_local_input_permutation_mapping",
+    "permute_map",
+)
+
+
+def release_dispatcher_state(dispatcher) -> int:
+    """Drop a token dispatcher's last-forward routing state once its backward is done (between training steps):
+    every tensor among megatron's per-forward attributes (``cudagraph_attrs`` where the dispatcher has them: the
+    routing map, probabilities, permutation mapping, split sizes; dotted names reach the shared experts; plus the
+    all-gather dispatcher's maps and :class:`DSv4AlltoAllTokenDispatcher`'s ``permute_map``). They are
+    sequence-sized (``[T, E]`` bool, ``[T * topk]`` int64 per layer) and the next forward sets them again. Not for
+    a CUDA-graphed step (the graph reads them). Returns the number of attributes dropped."""
+    dropped = 0
+    for name in dict.fromkeys([*getattr(dispatcher, "cudagraph_attrs", ()), *_FORWARD_STATE]):
+        *path, attr = name.split(".")
+        holder = dispatcher
+        for part in path:
+            holder = getattr(holder, part, None)
+        value = getattr(holder, attr, None) if holder is not None else None
+        if isinstance(value, (torch.Tensor, PermuteMap)):
+            setattr(holder, attr, None)
+            dropped += 1
+    return dropped
+
+
 class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """megatron's all-to-all dispatcher; padding tokens (all-False routing rows) are neither permuted nor sent, and
     the token permutation is atomic-free where megatron would run its unfused one (see the module docstring).
@@ -52,6 +83,10 @@ class DSv4AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.keep_counts_on_device = True
         # the current forward's permutation when it took the atomic-free path, else None
         self.permute_map: PermuteMap | None = None
+
+    def release_forward_state(self) -> int:
+        """Drop the last forward's routing state (:func:`release_dispatcher_state`); returns the number dropped."""
+        return release_dispatcher_state(self)
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         """megatron's preprocess; with unrouted rows the permutation size is the number of routed (token, expert) pairs,
