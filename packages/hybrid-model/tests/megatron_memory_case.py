@@ -56,7 +56,9 @@ def write_many_layer_checkpoint(root: Path, blocks: int) -> tuple[Path, int, int
         shapes = expected_shapes(cfg)
     root.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
-    plan = {n: (torch.int64 if n.endswith("tid2eid") else torch.bfloat16, s) for n, s in sorted(shapes.items())}
+    plan = {
+        n: (torch.int64 if n.endswith("tid2eid") else torch.bfloat16, s) for n, s in sorted(shapes.items())
+    }
     w = SafetensorsWriter(root / "model.safetensors", plan)
     for n, (dt, s) in plan.items():
         if dt == torch.int64:

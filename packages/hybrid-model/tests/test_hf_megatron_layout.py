@@ -48,7 +48,9 @@ def _same_model(got, ref) -> None:
 
 
 @pytest.mark.parametrize("which", ["plain", "released"])
-def test_streamed_checkpoint_holds_the_whole_model_conversion(megatron_cpu, dirs, references, tmp_path, which):
+def test_streamed_checkpoint_holds_the_whole_model_conversion(
+    megatron_cpu, dirs, references, tmp_path, which
+):
     src = dict(zip(("plain", "released"), dirs))[which]
     refs, ids = references
     rep = convert_hf_to_megatron(src, tmp_path / "mg")
@@ -65,7 +67,9 @@ def _files_by_key(path: Path) -> dict:
     md = pickle.loads((path / dist_format.METADATA_FILE).read_bytes())
     out: dict = {}
     for idx, info in md.storage_data.items():
-        out.setdefault(idx.fqn, []).append((tuple(idx.offset) if idx.offset is not None else None, info.relative_path))
+        out.setdefault(idx.fqn, []).append(
+            (tuple(idx.offset) if idx.offset is not None else None, info.relative_path)
+        )
     return out
 
 
@@ -111,7 +115,9 @@ def test_a_layout_checkpoint_reshards_to_one_process(megatron_cpu, dirs, referen
     assert torch.equal(got.compute_logits(ids), refs["plain"].compute_logits(ids))
 
 
-def test_an_interrupted_conversion_resumes_or_is_refused(megatron_cpu, dirs, references, tmp_path, monkeypatch):
+def test_an_interrupted_conversion_resumes_or_is_refused(
+    megatron_cpu, dirs, references, tmp_path, monkeypatch
+):
     plain, _ = dirs
     out = tmp_path / "mg"
     layout = TargetLayout(ep=2)
@@ -132,7 +138,9 @@ def test_an_interrupted_conversion_resumes_or_is_refused(megatron_cpu, dirs, ref
     finished = part / dist_format.distcp_name(0)
     stamp = finished.stat().st_mtime_ns
     monkeypatch.setattr(dist_format.DistcpWriter, "add_tensor", real)
-    with pytest.raises(ValueError, match=r"holds an interrupted conversion into .* with another source, layout"):
+    with pytest.raises(
+        ValueError, match=r"holds an interrupted conversion into .* with another source, layout"
+    ):
         convert_hf_to_megatron(plain, out, layout=TargetLayout(pp=2))
     rep = convert_hf_to_megatron(plain, out, layout=layout)  # the same command: resumes after rank 0's file
     assert rep.skipped == 1 and not part.exists()
@@ -147,7 +155,10 @@ def test_an_interrupted_conversion_resumes_or_is_refused(megatron_cpu, dirs, ref
     ("layout", "message"),
     [
         (dict(ep=3), r"--ep 3: the model has 8 routed experts per MoE layer, not divisible by --ep 3"),
-        (dict(pp=4, vpp=2), r"--pp 4 --vpp 2 --ep 1: 8 pipeline segments \(PP x VPP\) but the model has 6 blocks"),
+        (
+            dict(pp=4, vpp=2),
+            r"--pp 4 --vpp 2 --ep 1: 8 pipeline segments \(PP x VPP\) but the model has 6 blocks",
+        ),
         (dict(vpp=2), r"--vpp 2 needs pipeline stages to interleave"),
         (dict(tp=2), r"--tp 2: the tensor-parallel split of a checkpoint is not built"),
         (dict(pp=0), r"--pp must be a positive integer, got 0"),
@@ -170,7 +181,10 @@ def test_peak_memory_stays_within_the_bound(tmp_path):
     src, largest, nbytes = write_many_layer_checkpoint(tmp_path / "src", blocks=64)
     child = Path(__file__).parent / "megatron_memory_case.py"
     proc = subprocess.run(
-        [sys.executable, str(child), str(src), str(tmp_path / "mg")], capture_output=True, text=True, timeout=600
+        [sys.executable, str(child), str(src), str(tmp_path / "mg")],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
