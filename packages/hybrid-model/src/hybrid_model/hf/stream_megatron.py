@@ -57,10 +57,13 @@ def _write_json(path: Path, doc) -> None:
 def _prepare(plan: MegatronPlan, out: Path, overwrite: bool) -> dict[int, list[StoredItem]]:
     """The partial directory of ``out`` ready for ``plan``: the finished rank files of an interrupted run of the
     same plan (their items), or a fresh directory. ``ValueError`` for an output or partial run in the way."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} exists and is not a directory; choose a directory path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        held = sorted(q.name for q in out.iterdir())
         raise ValueError(
-            f"output {out} exists and is not an empty directory; choose a new path, or pass --overwrite "
-            "(overwrite=True) to replace it once the conversion has succeeded"
+            f"output directory {out} is not empty (holds {held[:4]}); choose a new or empty directory, or pass "
+            "--overwrite (overwrite=True) to replace it once the conversion has succeeded"
         )
     part = partial_dir(out)
     prog = part / PROGRESS
