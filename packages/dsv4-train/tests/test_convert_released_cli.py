@@ -36,4 +36,4 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
     assert main(["convert", str(rel), str(meg)]) == 0
     assert (meg / "metadata.json").is_file()
     assert main(["convert", str(rel), str(tmp_path / "x"), "--tp", "2"]) == 2
-    assert "tensor parallelism is not supported" in capsys.readouterr().err
+    assert "--tp 2: dsv4 convert writes tensor-parallel size 1 only" in capsys.readouterr().err

@@ -6,8 +6,14 @@ megatron checkpoint; a megatron dist checkpoint (``metadata.json``; or a ``dsv4 
 the one its saved run config names (preset + overrides); ``--preset`` replaces it. ``OUT`` must be new or
 empty unless ``--overwrite``; it is written in a temporary directory and renamed into place once complete.
 
+HF -> megatron (plain or released FP8 / FP4 sources) is streamed into the files of a target layout ``--pp P
+[--vpp V] --ep E`` (default one rank): one source tensor in memory at a time, ``--workers`` rank files at once,
+resumable (rerun the same command), published atomically with its manifest of checksums
+(:mod:`hybrid_model.hf.stream_megatron`); ``dsv4 train --init-from OUT --pp P --ep E`` then reads only its own
+rank's file. ``--tp`` > 1 is refused (the writer's TP split is not built).
+
 Released FP8 / FP4 checkpoints (``quantization_config`` in ``config.json``): ``--to megatron`` (the default)
-dequantizes them while loading; ``--to hf-bf16`` streams them to a plain bf16 (``--dtype fp32``) directory shard by
+dequantizes them tensor by tensor; ``--to hf-bf16`` streams them to a plain bf16 (``--dtype fp32``) directory shard by
 shard (bounded memory, ``--workers``, resumable: rerun the same command after an interruption);
 ``--to released`` streams a plain HF directory (or a megatron checkpoint, exported first) back to the released
 format, ``--like RELEASED_DIR`` taking that checkpoint's layout and scales so an unchanged model reproduces its
@@ -24,11 +30,18 @@ from pathlib import Path
 import torch
 
 from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
-from dsv4_train.ckpt_integrity import verify_loaded
+from dsv4_train.ckpt_integrity import (
+    MANIFEST_MARKER,
+    checkpoint_files,
+    file_entries,
+    verify_loaded,
+    write_manifest,
+)
 from dsv4_train.config import TrainConfig
 from dsv4_train.model_config import model_config_for
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.hf.convert import check_output_dir, convert_hf_to_megatron, convert_megatron_to_hf
+from hybrid_model.hf.megatron_layout import TargetLayout
 from hybrid_model.hf.stream import dequantize_checkpoint, quantize_checkpoint
 from hybrid_model.presets import get_preset
 
@@ -54,15 +67,31 @@ def add_convert_parser(sub) -> None:
     )
     p.add_argument("--like", help="--to released: copy the layout and scales of this released checkpoint")
     p.add_argument(
-        "--workers", type=int, default=1, help="hf-bf16 / released: shards converted at once (threads)"
+        "--workers",
+        type=int,
+        default=1,
+        help="hf-bf16 / released: shards converted at once; megatron: rank files written at once (threads)",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="hf-bf16: dequantized dtype")
     p.add_argument(
         "--tp",
         type=int,
         default=1,
-        help="tensor parallel size of the target layout: only 1 (the trainer has no TP); megatron dist checkpoints "
-        "are layout-free, dsv4 train --init-from reads them at any PP/EP/DP",
+        help="HF -> megatron: tensor parallel size of the target layout (only 1: dsv4 train has no TP yet)",
+    )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="HF -> megatron: pipeline ranks of the target layout (each rank's file holds its stages' tensors; "
+        "dsv4 train --init-from reads any layout, its own one file by file)",
+    )
+    p.add_argument("--vpp", type=int, default=1, help="HF -> megatron: virtual pipeline chunks per --pp rank")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="HF -> megatron: expert ranks of the target layout (divides the experts)",
     )
     p.add_argument(
         "--mtp",
@@ -137,13 +166,17 @@ def run_convert(args) -> int:
         raise ValueError(f"{src} is not a directory")
     if args.tp != 1:
         raise ValueError(
-            f"--tp {args.tp}: tensor parallelism is not supported by dsv4 convert (loading a converted checkpoint at "
-            "--tp > 1 is untested, and every preset's DSv4 attention refuses TP); convert with --tp 1 (the megatron "
-            "checkpoint is layout-free: --init-from loads it at any PP/EP/DP)"
+            f"--tp {args.tp}: dsv4 convert writes tensor-parallel size 1 only (the writer's TP split is not built, "
+            "and every preset's DSv4 attention refuses TP); convert with --tp 1 and choose --pp/--vpp/--ep"
         )
     to = args.to or _direction(src)
     if args.like and to != "released":
         raise ValueError("--like applies to --to released only")
+    layout = _target_layout(args)
+    if to != "megatron" and layout != TargetLayout():
+        raise ValueError(
+            "--tp/--pp/--vpp/--ep choose the layout of a megatron checkpoint: use them with --to megatron"
+        )
     if to == "hf-bf16":
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         check_output_dir(out, overwrite=True, source=src)  # overlap only: the stream resumes or refuses
@@ -157,10 +190,7 @@ def run_convert(args) -> int:
     if to == "released":
         return _to_released(src, out, args)
     if to == "megatron":
-        mtp = {"auto": None, "yes": True, "no": False}[args.mtp]
-        path = convert_hf_to_megatron(src, out, mtp=mtp, overwrite=args.overwrite)
-        print(f"dsv4 convert: {src} (HF) -> {path} (megatron dist checkpoint)")
-        return 0
+        return _to_megatron(src, out, layout, args)
     cfg = _megatron_model_config(src, args)
     if args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
@@ -169,6 +199,38 @@ def run_convert(args) -> int:
         src, out, model_config=cfg, max_shard_bytes=int(args.max_shard_gb * 1024**3), overwrite=args.overwrite
     )
     print(f"dsv4 convert: {src} (megatron) -> {out} (HF, {len(files)} safetensors file(s))")
+    return 0
+
+
+def _target_layout(args) -> TargetLayout:
+    """The layout of ``--tp/--pp/--vpp/--ep``, refused as ``dsv4 train`` refuses it (the support table's reasons,
+    :mod:`dsv4_train.support`), then by what the writer builds (:class:`TargetLayout`)."""
+    TrainConfig.from_flat(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+    return TargetLayout(pp=args.pp, vpp=args.vpp, ep=args.ep, tp=args.tp)
+
+
+def _manifest(directory: Path) -> None:
+    """The checksums of every file (:mod:`dsv4_train.ckpt_integrity`), written last, as ``dsv4 train`` saves do."""
+    write_manifest(directory, file_entries(directory, checkpoint_files(directory)))
+
+
+def _to_megatron(src: Path, out: Path, layout: TargetLayout, args) -> int:
+    """HF / released -> megatron dist checkpoint of ``layout``, streamed (:mod:`hybrid_model.hf.stream_megatron`),
+    with its manifest of checksums (loads checked like a ``dsv4 train`` checkpoint)."""
+    mtp = {"auto": None, "yes": True, "no": False}[args.mtp]
+    rep = convert_hf_to_megatron(
+        src,
+        out,
+        mtp=mtp,
+        overwrite=args.overwrite,
+        layout=layout,
+        workers=args.workers,
+        common={MANIFEST_MARKER: True},
+        finalize=_manifest,
+        progress=_progress,
+    )
+    speed = f", {rep.gb_per_s:.3f} GB/s" if rep is not None else ""
+    print(f"dsv4 convert: {src} (HF) -> {out} (megatron dist checkpoint, {layout.describe()}{speed})")
     return 0
 
 

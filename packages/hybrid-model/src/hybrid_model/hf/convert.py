@@ -37,10 +37,13 @@ from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.hf.config_map import hf_config_from_model_config
 from hybrid_model.hf.io import read_config, write_checkpoint
 from hybrid_model.hf.loader import build_empty_model, read_official_checkpoint
-from hybrid_model.hf.names import hf_saved_name
+from hybrid_model.hf.megatron_layout import TargetLayout
+from hybrid_model.hf.names import FUSED_DOWN, FUSED_GATE_UP, canonical_name, hf_saved_name
+from hybrid_model.hf.released import scan
+from hybrid_model.hf.stream import StreamReport
+from hybrid_model.hf.stream_megatron import MODEL_CONFIG_FILE, stream_to_megatron
 from hybrid_model.hf.weights import load_official_state_dict, official_state_dict
 
-MODEL_CONFIG_FILE = "dsv4_model_config.json"
 #: non-architecture ``config.json`` keys carried from the source to the exported config
 _CARRIED = (
     "bos_token_id",
@@ -107,7 +110,9 @@ def staged_output_dir(out_dir: str | Path, *, overwrite: bool = False) -> Iterat
         tmp.rename(out)
 
 
-def save_megatron_checkpoint(model, out_dir: str | Path, *, extra: dict | None = None) -> Path:
+def save_megatron_checkpoint(
+    model, out_dir: str | Path, *, extra: dict | None = None, common: dict | None = None
+) -> Path:
     """Save ``model`` as a megatron dist checkpoint ``{"model": sharded_state_dict}`` in the empty or new
     directory ``out_dir``, plus ``dsv4_model_config.json``."""
 
@@ -118,28 +123,78 @@ def save_megatron_checkpoint(model, out_dir: str | Path, *, extra: dict | None =
     if getattr(filesystem_async, "_results_queue", None) is None:  # a synchronous single-process save
         filesystem_async._results_queue = queue.Queue()
     with _dist_ckpt_context():
-        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(out))
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **(common or {})}, str(out))
     meta = {"model_config": model.model_config.to_dict(), **(extra or {})}
     (out / MODEL_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
+def hf_config_extra(src_config: dict, cfg: DSv4ModelConfig) -> dict:
+    """The non-architecture ``config.json`` entries a megatron checkpoint carries for the export back to HF."""
+    carried = {k: src_config[k] for k in _CARRIED if k in src_config}
+    if not cfg.num_nextn_predict_layers and src_config.get("num_nextn_predict_layers"):
+        carried["num_nextn_predict_layers"] = src_config[
+            "num_nextn_predict_layers"
+        ]  # the source model has MTP
+    return carried
+
+
+def has_fused_experts(hf_dir: str | Path) -> bool:
+    """Whether the checkpoint stores routed experts fused (``mlp.experts.gate_up_proj``, HF module names)."""
+    stored, _ = scan(hf_dir)
+    return any((canonical_name(n) or "").endswith((FUSED_GATE_UP, FUSED_DOWN)) for n in stored)
+
+
 def convert_hf_to_megatron(
-    hf_dir: str | Path, out_dir: str | Path, *, mtp: bool | None = None, overwrite: bool = False
-) -> Path:
-    """HF / official checkpoint directory -> megatron dist checkpoint of :class:`DSv4Model` in ``out_dir`` (new or
-    empty, or replaced with ``overwrite``; written whole or not at all, see the module docstring)."""
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    mtp: bool | None = None,
+    overwrite: bool = False,
+    layout: TargetLayout | None = None,
+    workers: int = 1,
+    common: dict | None = None,
+    finalize=None,
+    progress=None,
+) -> StreamReport | None:
+    """HF / official / released checkpoint directory -> megatron dist checkpoint of :class:`DSv4Model` in
+    ``out_dir`` (new or empty, or replaced with ``overwrite``; written whole or not at all), streamed into the
+    files of ``layout`` (:func:`~hybrid_model.hf.stream_megatron.stream_to_megatron`: bounded memory, resumable,
+    ``common`` / ``finalize`` / ``progress`` as there); returns its report.
+
+    Checkpoints with fused expert tensors (HF module names, ``mlp.experts.gate_up_proj``) cannot be streamed per
+    expert: they are read whole into one process (layout PP = VPP = EP = 1 only; returns ``None``)."""
+    layout = layout or TargetLayout()
+    src = read_config(hf_dir)
+    if not has_fused_experts(hf_dir):
+        return stream_to_megatron(
+            hf_dir,
+            out_dir,
+            layout,
+            mtp=mtp,
+            common=common,
+            extra_config=lambda cfg: {"hf_config_extra": hf_config_extra(src, cfg)},
+            workers=workers,
+            overwrite=overwrite,
+            finalize=finalize,
+            progress=progress,
+        )
+    if layout != TargetLayout():
+        raise ValueError(
+            f"{hf_dir} stores routed experts fused (mlp.experts.gate_up_proj): it is converted in one process, "
+            "into the one-rank layout only; convert without --pp/--vpp/--ep (dsv4 train --init-from reshards it)"
+        )
     out = check_output_dir(out_dir, overwrite=overwrite, source=hf_dir)
     cfg, official = read_official_checkpoint(hf_dir, mtp=mtp)
     model = build_empty_model(cfg, "cpu")
     load_official_state_dict(model, official)
-    src = read_config(hf_dir)
-    carried = {k: src[k] for k in _CARRIED if k in src}
-    if not cfg.num_nextn_predict_layers and src.get("num_nextn_predict_layers"):
-        carried["num_nextn_predict_layers"] = src["num_nextn_predict_layers"]  # the source model has MTP
     with staged_output_dir(out, overwrite=overwrite) as tmp:
-        save_megatron_checkpoint(model, tmp, extra={"hf_config_extra": carried})
-    return out
+        save_megatron_checkpoint(
+            model, tmp, extra={"hf_config_extra": hf_config_extra(src, cfg)}, common=common
+        )
+        if finalize is not None:
+            finalize(tmp)
+    return None
 
 
 def _resolve_checkpoint_dir(path: Path) -> Path:

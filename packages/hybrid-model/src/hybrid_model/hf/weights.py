@@ -11,6 +11,8 @@ Hash tables ``ffn.gate.tid2eid`` are int64 in checkpoints and int32 in our route
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybrid_model.hf.config_map import check_hf_representable
@@ -256,4 +258,34 @@ def official_shapes(model_config, state_dict) -> dict[str, tuple[int, ...]]:
             out[f"{scope}.ffn.experts.{i}.w1.weight"] = (f2 // 2, d)
             out[f"{scope}.ffn.experts.{i}.w3.weight"] = (f2 // 2, d)
             out[f"{scope}.ffn.experts.{i}.w2.weight"] = (d, f2 // 2)
+    return out
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one official tensor lands in our single-stage state: the box ``[offset, offset + shape)`` of the
+    tensor ``key`` (routed experts: one expert's ``w1`` / ``w3`` / ``w2`` inside the fused ``[E, 2F, d]`` /
+    ``[E, d, F]`` bank, ``expert`` its index; every other tensor: the whole of ``key``, ``expert`` ``None``)."""
+
+    key: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    expert: int | None = None
+
+
+def official_placements(model_config, global_shapes: dict[str, tuple[int, ...]]) -> dict[str, Placement]:
+    """``official name -> Placement`` of every tensor a model of ``model_config`` loads; ``global_shapes``: our
+    state-dict key -> shape (e.g. of a meta-device model). The boxes of one key tile it exactly."""
+    out = {
+        off: Placement(ours, (0,) * len(global_shapes[ours]), tuple(global_shapes[ours]))
+        for off, ours in official_to_ours_names(model_config, global_shapes.keys()).items()
+    }
+    for scope, _, moe in _blocks(model_config):
+        e_count, f2, d = global_shapes[f"{moe}.{_GATE_UP}"]
+        f = f2 // 2
+        for e in range(e_count):
+            gate_up, down = f"{moe}.{_GATE_UP}", f"{moe}.{_DOWN}"
+            out[f"{scope}.ffn.experts.{e}.w1.weight"] = Placement(gate_up, (e, 0, 0), (1, f, d), e)
+            out[f"{scope}.ffn.experts.{e}.w3.weight"] = Placement(gate_up, (e, f, 0), (1, f, d), e)
+            out[f"{scope}.ffn.experts.{e}.w2.weight"] = Placement(down, (e, 0, 0), (1, d, f), e)
     return out
