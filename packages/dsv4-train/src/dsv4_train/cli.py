@@ -25,6 +25,7 @@ from dsv4_train.loss_trend import loss_trend
 from dsv4_train.lost_rank import RankLost
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
+from dsv4_train.rundir import first_missing, remove_created
 from dsv4_train.setup import check_run
 from dsv4_train.trainer import Trainer, TrainingDiverged
 from hybrid_model.flops import forward_flops_sbhd, summarize_by_kind
@@ -90,22 +91,26 @@ def _cmd_train(args) -> int:
         print(json.dumps(check_run(tc).to_dict(), indent=1))
         return 0
     tc = check_run(tc)  # refused before --out is created
-    out, existed = Path(tc.checkpoint.out), Path(tc.checkpoint.out).exists()
+    out = Path(tc.checkpoint.out)
+    created = first_missing(out)  # what a run that fails before writing anything removes again
     try:
         trainer = Trainer(tc)
-    except BaseException:  # a run that failed to start leaves no empty --out behind
-        if not existed and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
+    except BaseException:
+        remove_created(out, created)
         raise
     try:
-        trainer.run()
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
     except (TrainingDiverged, CheckpointSaveError) as e:
         print(f"dsv4 train: error: {e}", file=sys.stderr)
         return 1
     except RankLost:  # printed by the rank that found it (dsv4_train.lost_rank)
         return 1
-    finally:
-        trainer.close()
+    except BaseException:  # e.g. --init-from weights of another model: no empty --out left behind
+        remove_created(out, created)
+        raise
     if trainer.interrupted_by is not None:
         if trainer.is_logger:
             print(
