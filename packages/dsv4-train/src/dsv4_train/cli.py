@@ -29,6 +29,7 @@ from dsv4_train.rundir import first_missing, remove_created
 from dsv4_train.setup import check_run
 from dsv4_train.trainer import Trainer, TrainingDiverged
 from hybrid_model.flops import forward_flops_sbhd, summarize_by_kind
+from hybrid_model.mixers.registry import require_symbol_dependencies
 from hybrid_model.model_flags import add_model_flags, apply_model_overrides, overrides_from_args
 from hybrid_model.params import analytic_param_counts
 from hybrid_model.presets import get_preset
@@ -70,7 +71,11 @@ def train_config_from_args(args) -> TrainConfig:
     if (
         "hybrid_layer_pattern" in tc.model.model_overrides
     ):  # the pattern against --pp, before any process starts
-        model_config_for(tc)
+        pattern = model_config_for(tc).layer_pattern
+        try:  # a symbol whose optional packages are missing (M, G): one line, rc 2, before any process starts
+            require_symbol_dependencies(pattern)
+        except ImportError as e:
+            raise ValueError(f"--pattern {pattern}: {e}") from e
     if "cuda_graph_warmup_steps" in flags and not tc.graphs.cuda_graph:
         raise ValueError("--cuda-graph-warmup-steps only applies with --cuda-graph")
     if "optimizer_offload_fraction" in flags and not tc.optimizer.optimizer_cpu_offload:
