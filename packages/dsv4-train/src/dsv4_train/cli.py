@@ -129,7 +129,7 @@ def _cmd_train(args) -> int:
         trend = loss_trend([{"lm_loss": x} for x in lm])
         skipped = f", {trainer.nonfinite_steps} non-finite steps skipped" if trainer.nonfinite_steps else ""
         print(
-            f"dsv4 train: {len(trainer.lm_losses)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
+            f"dsv4 train: {len(trainer.lm_losses)} step{'' if len(trainer.lm_losses) == 1 else 's'}, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
             f"outputs in {tc.checkpoint.out}"
         )
     return 0
