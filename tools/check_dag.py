@@ -6,7 +6,8 @@ another package's private (``_``-prefixed) module; megatron-core is imported onl
 megatron-core as a base dependency may import it anywhere, a package with it only in its ``[megatron]`` extra (directly
 or through another member's ``[megatron]``) only inside functions or in its ``megatron/`` subpackage (whose
 ``__init__`` raises an ``ImportError`` naming the extra); no import circle between the files of one package
-(``tools/import_graph.py``). Exit status 1 with one line per violation.
+(``tools/import_graph.py``); a console script is declared by one package only and points into that package or a runtime
+dependency above it (two packages declaring ``dsv4`` left whichever installed last as the command). Exit status 1 with one line per violation.
 
 It also lists, without failing, every first-party import made inside a function of a package's sources (imports
 belong at module top; one inside a function is kept only for an optional dependency or an import-order constraint,
@@ -124,6 +125,33 @@ def inner_imports(dists: list[str]) -> list[str]:
     return lines
 
 
+def script_errors(scripts: dict[str, dict[str, str]], runtime: dict[str, set[str]]) -> list[str]:
+    """Console-script rule: ``scripts`` maps each package to its ``[project.scripts]`` (name -> ``module:function``),
+    ``runtime`` to its runtime dependencies. A name declared by two packages is an error (the installer keeps
+    whichever wrote the file last), and so is a target module outside the declaring package and its declared runtime
+    dependencies above it."""
+    errors: list[str] = []
+    owners: dict[str, list[str]] = {}
+    for dist, table in scripts.items():
+        for name, target in table.items():
+            owners.setdefault(name, []).append(dist)
+            top = target.split(":", 1)[0].split(".", 1)[0]
+            owner = DIST_OF.get(top)
+            if owner is None or owner == dist:
+                continue
+            if owner not in runtime.get(dist, set()) or ORDER.index(owner) >= ORDER.index(dist):
+                errors.append(
+                    f"packages/{dist}/pyproject.toml: script {name!r} points into {owner} ({target}), which {dist} "
+                    "may not import (declare the script in its own package)"
+                )
+    for name, dists in owners.items():
+        if len(dists) > 1:
+            errors.append(
+                f"script {name!r} is declared by {', '.join(dists)}: keep it in one package's pyproject"
+            )
+    return errors
+
+
 def check() -> list[str]:
     errors: list[str] = []
     present = [d for d in ORDER if (ROOT / "packages" / d / "pyproject.toml").is_file()]
@@ -132,6 +160,10 @@ def check() -> list[str]:
         f"packages/{u}: not in the layer table of tools/check_dag.py (add it in dependency order)"
         for u in unknown
     ]
+    metas = {d: tomllib.loads((ROOT / "packages" / d / "pyproject.toml").read_text()) for d in present}
+    errors += script_errors(
+        {d: m["project"].get("scripts", {}) for d, m in metas.items()}, {d: declared(d)[0] for d in present}
+    )
     for dist in present:
         rank = ORDER.index(dist)
         runtime, test = declared(dist)

@@ -22,6 +22,7 @@ from dsv4_train.ckpt_integrity import MANIFEST_MARKER, verify_loaded
 from dsv4_train.config import TrainConfig, flag_name, flat_settings
 from dsv4_train.data_identity import DATA_IDENTITY_FILE, identity_text
 from dsv4_train.eval_data import heldout_conflict
+from dsv4_train.init_model import mismatch_message
 from dsv4_train.step import TrainingDiverged
 from hybrid_model.hf.convert import describe_load_error
 
@@ -397,6 +398,9 @@ class Checkpointer:
             try:
                 state = dist_checkpointing.load({"model": self.core.sharded_state_dict()}, str(p))
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+                other_model = mismatch_message(str(path), p, self.tc)
+                if other_model is not None:
+                    raise ValueError(other_model) from e
                 raise ValueError(
                     f"--init-from {p}: cannot load the model weights ({describe_load_error(e)}); the checkpoint's "
                     "files are incomplete or corrupt, or it holds another model (use the preset it was trained with)"

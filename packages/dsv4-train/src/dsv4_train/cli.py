@@ -26,9 +26,11 @@ from dsv4_train.lost_rank import RankLost
 from dsv4_train.memory_cli import add_memory_parser, run_memory
 from dsv4_train.model_config import model_config_for
 from dsv4_train.quiet import quiet_known_warnings
+from dsv4_train.rundir import first_missing, remove_created
 from dsv4_train.setup import check_run
 from dsv4_train.trainer import Trainer, TrainingDiverged
 from hybrid_model.flops import forward_flops_sbhd, summarize_by_kind
+from hybrid_model.mixers.registry import require_symbol_dependencies
 from hybrid_model.model_flags import add_model_flags, apply_model_overrides, overrides_from_args
 from hybrid_model.params import analytic_param_counts
 from hybrid_model.presets import get_preset
@@ -70,7 +72,11 @@ def train_config_from_args(args) -> TrainConfig:
     if (
         "hybrid_layer_pattern" in tc.model.model_overrides
     ):  # the pattern against --pp, before any process starts
-        model_config_for(tc)
+        pattern = model_config_for(tc).layer_pattern
+        try:  # a symbol whose optional packages are missing (M, G): one line, rc 2, before any process starts
+            require_symbol_dependencies(pattern)
+        except ImportError as e:
+            raise ValueError(f"--pattern {pattern}: {e}") from e
     if "cuda_graph_warmup_steps" in flags and not tc.graphs.cuda_graph:
         raise ValueError("--cuda-graph-warmup-steps only applies with --cuda-graph")
     if "optimizer_offload_fraction" in flags and not tc.optimizer.optimizer_cpu_offload:
@@ -91,22 +97,26 @@ def _cmd_train(args) -> int:
         print(json.dumps(check_run(tc).to_dict(), indent=1))
         return 0
     tc = check_run(tc)  # refused before --out is created
-    out, existed = Path(tc.checkpoint.out), Path(tc.checkpoint.out).exists()
+    out = Path(tc.checkpoint.out)
+    created = first_missing(out)  # what a run that fails before writing anything removes again
     try:
         trainer = Trainer(tc)
-    except BaseException:  # a run that failed to start leaves no empty --out behind
-        if not existed and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
+    except BaseException:
+        remove_created(out, created)
         raise
     try:
-        trainer.run()
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
     except (TrainingDiverged, CheckpointSaveError) as e:
         print(f"dsv4 train: error: {e}", file=sys.stderr)
         return 1
     except RankLost:  # printed by the rank that found it (dsv4_train.lost_rank)
         return 1
-    finally:
-        trainer.close()
+    except BaseException:  # e.g. --init-from weights of another model: no empty --out left behind
+        remove_created(out, created)
+        raise
     if trainer.interrupted_by is not None:
         if trainer.is_logger:
             print(
@@ -120,7 +130,7 @@ def _cmd_train(args) -> int:
         trend = loss_trend([{"lm_loss": x} for x in lm])
         skipped = f", {trainer.nonfinite_steps} non-finite steps skipped" if trainer.nonfinite_steps else ""
         print(
-            f"dsv4 train: {len(trainer.lm_losses)} steps, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
+            f"dsv4 train: {len(trainer.lm_losses)} step{'' if len(trainer.lm_losses) == 1 else 's'}, lm loss {first:.3f} -> {last:.3f} ({trend}{skipped}); "
             f"outputs in {tc.checkpoint.out}"
         )
     return 0

@@ -28,6 +28,8 @@ import torch.distributed as dist
 HEARTBEAT_S = 1.0
 #: heartbeats a rank may miss before it counts as lost
 PROBE_BEATS = 3
+#: seconds a rank's heartbeat may take to connect to the rendezvous store (a loaded machine can take several)
+CONNECT_TIMEOUT_S = 60.0
 #: the test hook: ``R:N`` = rank R kills itself (SIGKILL) at the start of step N, ``R:N:save`` in its save
 KILL_HOOK_ENV = "DSV4_TRAIN_TEST_KILL_RANK_AT_STEP"
 KILL_POINTS = ("step", "save")
@@ -71,11 +73,26 @@ class RankWatch:
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         self._store = None
         if host and port:
-            self._store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=max(5.0, 5 * interval))
-            )
-            # one key per rank, shared by all: the ranks learn each other's key names through the store
-            self._store.set(f"dsv4_heartbeat/key/{run}/{rank}", self._prefix)
+            # The heartbeat only names a lost rank; it must never be what stops a run. On a loaded machine the
+            # connection and the first set could take longer than the probe's timeout (a heartbeat that raised
+            # here ended that rank before its first step, and torchrun then SIGTERMed the others outside the
+            # trainer's handler): connect with CONNECT_TIMEOUT_S, and run without a heartbeat when that fails.
+            try:
+                store = dist.TCPStore(
+                    host, int(port), is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S)
+                )
+                # one key per rank, shared by all: the ranks learn each other's key names through the store
+                store.set(f"dsv4_heartbeat/key/{run}/{rank}", self._prefix)
+                store.set_timeout(
+                    timedelta(seconds=max(5.0, 5 * interval))
+                )  # the beats and the probe's reads
+                self._store = store
+            except Exception as e:  # no store: the run goes on; a failure is then reported as it is
+                print(
+                    f"dsv4 train: note: rank {rank}: no heartbeat ({e}); a lost rank will not be named",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self._lock = threading.Lock()  # the beat and the probe share the store client
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"dsv4-heartbeat-{rank}", daemon=True)
@@ -88,8 +105,10 @@ class RankWatch:
             try:
                 with self._lock:
                     self._store.add(key, 1)
-            except Exception:  # the store is gone (the launcher stopped): nothing left to tell
-                return
+            except (
+                Exception
+            ):  # a slow store (a loaded machine) or one that is gone: try again at the next beat;
+                pass  # a beat that stopped for good would make the probe name this live rank as lost
             self._stop.wait(self.interval)
 
     def _counts(self) -> list[int]:

@@ -27,6 +27,13 @@ def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
         if tc.parallel.pp == 1:
             raise
         layout = f"--pp {tc.parallel.pp}" + (f" --vpp {tc.parallel.vpp}" if tc.parallel.vpp > 1 else "")
-        raise ValueError(f"{layout} with --preset {tc.model.preset}: {e}") from e
+        segments = tc.parallel.pp * tc.parallel.vpp
+        fix = (
+            f" ({layout} cut the model into {segments} pipeline segments, one layer at least each, and --preset "
+            f"{tc.model.preset} has {cfg.num_layers} layers: lower --pp / --vpp)"
+            if segments > cfg.num_layers
+            else ""
+        )
+        raise ValueError(f"{layout} with --preset {tc.model.preset}: {e}{fix}") from e
     check_tensor_parallel_pattern(cfg.layer_pattern, tc.parallel.tp)
     return cfg

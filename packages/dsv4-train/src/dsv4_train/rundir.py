@@ -32,6 +32,34 @@ def check_writable(out: Path, what: str = "--out") -> None:
         ) from e
 
 
+def first_missing(out: Path) -> Path | None:
+    """The outermost directory of ``out`` (``out`` itself or a parent) that does not exist yet: what a run that
+    fails to start removes again (:func:`remove_created`); ``None`` when ``out`` exists."""
+    missing = None
+    for p in (out.absolute(), *out.absolute().parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def remove_created(out: Path, top: Path | None) -> None:
+    """Remove ``out`` and its parents up to ``top`` (:func:`first_missing` before the run) while they are empty: a
+    run that failed before writing anything leaves no empty --out behind."""
+    if top is None:
+        return
+    p = out.absolute()
+    top = top.absolute()
+    while p.is_dir() and not any(p.iterdir()):
+        try:
+            p.rmdir()
+        except OSError:  # another rank of the run removed it first, or wrote into it
+            break
+        if p == top:
+            break
+        p = p.parent
+
+
 def existing_outputs(out: Path) -> list[str]:
     """The run outputs that ``out`` already holds (names from :data:`RUN_OUTPUTS`)."""
     return [name for name in RUN_OUTPUTS if (out / name).exists()]

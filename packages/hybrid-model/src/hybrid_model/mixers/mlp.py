@@ -3,6 +3,8 @@ of width ``f = moe_intermediate_size``: ``3·d·f + d`` parameters, ``2·3·d·f
 
 from __future__ import annotations
 
+import functools
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.mlp import MLP as MegatronMLP
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -22,8 +24,9 @@ def mlp_layer_spec(backend):
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=RMSNorm,
-            mlp=ModuleSpec(
-                module=MegatronMLP,
+            # megatron's own specs' form (a ModuleSpec of MLP is rewrapped into this, with a warning per layer)
+            mlp=functools.partial(
+                MegatronMLP.as_mlp_submodule,
                 submodules=MLPSubmodules(
                     linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear()
                 ),
