@@ -92,7 +92,15 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, LayerKind):
             raise ValueError(f"AttentionConfig.kind must be a LayerKind, got {self.kind!r}")
-        for name in ("hidden_size", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "tp_size"):
+        for name in (
+            "hidden_size",
+            "num_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "tp_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AttentionConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.o_groups:
@@ -300,7 +308,9 @@ class DSv4Attention(torch.nn.Module):
         )  # [L, n_h, c]
         if loss is not None:
             o = attach_indexer_loss(o, loss)
-        y = self.project_output(o, plan.query_positions, plan.max_position)  # [rows, d] (TP: this rank's heads)
+        y = self.project_output(
+            o, plan.query_positions, plan.max_position
+        )  # [rows, d] (TP: this rank's heads)
         return plan.reduce_output(y), loss
 
     def project_output(self, o: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:

@@ -87,13 +87,17 @@ class AttentionPlan(Protocol):
 
     def key_rows(self, x: torch.Tensor) -> torch.Tensor: ...  # [L, d] -> [h + L, d]
 
-    def kv_input(self, x_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...  # KV-head rows, positions
+    def kv_input(
+        self, x_keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # KV-head rows, positions
 
     def gather_latent_kv(
         self, q_lat: torch.Tensor, kv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...  # the attention's query latents and key rows
 
-    def reduce_output(self, y: torch.Tensor) -> torch.Tensor: ...  # the attention's [rows, d] -> this rank's rows
+    def reduce_output(
+        self, y: torch.Tensor
+    ) -> torch.Tensor: ...  # the attention's [rows, d] -> this rank's rows
 
     def window_indices(self) -> torch.Tensor: ...  # int32 [L, n_win] rows of the key buffer, -1 = none
 
@@ -227,7 +231,9 @@ class LayerEntries:
 
 
 def attention_plan(
-    layout: TokenLayout | ContextParallelLayout | TensorParallelLayout | AttentionPlan, kind: LayerKind, window: int
+    layout: TokenLayout | ContextParallelLayout | TensorParallelLayout | AttentionPlan,
+    kind: LayerKind,
+    window: int,
 ) -> AttentionPlan:
     """The plan of one layer kind (window ``n_win``) on ``layout``: the trivial :class:`SingleRankPlan` for a
     :class:`~dsv4_attention.layout.TokenLayout` or a single-rank ``ContextParallelLayout`` /
@@ -241,7 +247,9 @@ def attention_plan(
         if not layout.is_parallel:
             return full
         seq = layout.sequence
-        return TensorParallelPlan(layout, ContextParallelPlan(seq, seq.plan(window, kind.compress_ratio, kind.overlap)), full)
+        return TensorParallelPlan(
+            layout, ContextParallelPlan(seq, seq.plan(window, kind.compress_ratio, kind.overlap)), full
+        )
     if isinstance(layout, ContextParallelLayout):
         if layout.is_parallel:
             return ContextParallelPlan(layout, layout.plan(window, kind.compress_ratio, kind.overlap))

@@ -49,7 +49,9 @@ class TensorParallelPlan:
     seq: ContextParallelPlan
     full: object  # dsv4_attention.attention_plan.SingleRankPlan of layout.global_layout
     is_parallel: bool = field(default=True, init=False)
-    key_halo: int = field(default=0, init=False)  # the attention's key rows are all T rows: no halo before them
+    key_halo: int = field(
+        default=0, init=False
+    )  # the attention's key rows are all T rows: no halo before them
 
     @property
     def group(self):
