@@ -42,6 +42,8 @@ from dsv4_attention.indexer import IndexerConfig, LightningIndexer
 from dsv4_attention.indexer_loss import attach_indexer_loss
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
+from dsv4_attention.tp.layout import TensorParallelLayout
+from dsv4_attention.tp.params import check_tensor_parallel, mark_tensor_parallel
 from dsv4_primitives import RopeConfig, YarnConfig, rms_norm
 from dsv4_primitives.recompute import (
     NO_RECOMPUTE,
@@ -67,6 +69,9 @@ class AttentionConfig:
         eps: RMSNorm epsilon.
         backend: csa-kernels ``backend``.
         use_sparse_loss: sparse-phase indexer KL over the selected top-k (True) or all visible entries (False).
+        tp_size: tensor-parallel size ``P``: this module holds ``n_h / P`` heads (``g / P`` output groups) and runs
+            on a :class:`~dsv4_attention.tp.TensorParallelLayout` of ``P`` ranks (:mod:`dsv4_attention.tp`); ``P``
+            must divide ``o_groups``.
     """
 
     kind: LayerKind
@@ -82,17 +87,31 @@ class AttentionConfig:
     eps: float = 1e-6
     backend: Literal["auto", "triton", "reference"] = "auto"
     use_sparse_loss: bool = False
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, LayerKind):
             raise ValueError(f"AttentionConfig.kind must be a LayerKind, got {self.kind!r}")
-        for name in ("hidden_size", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank"):
+        for name in (
+            "hidden_size",
+            "num_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "tp_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AttentionConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.o_groups:
             raise ValueError(
                 f"num_heads={self.num_heads} must be divisible by o_groups={self.o_groups} (each group of the "
                 "grouped output projection holds whole heads)"
+            )
+        if self.o_groups % self.tp_size:
+            raise ValueError(
+                f"tensor-parallel size {self.tp_size} must divide o_groups={self.o_groups} (each TP rank holds whole "
+                "groups of the grouped output projection, and their heads)"
             )
         r = self.rope.rope_dim
         if r <= 0 or r % 2 or r >= self.head_dim:
@@ -102,9 +121,20 @@ class AttentionConfig:
         _ = self.core  # validates window / backend
 
     @property
+    def local_heads(self) -> int:
+        """``n_h / P``: the query heads (and per-head sinks) of one TP rank."""
+        return self.num_heads // self.tp_size
+
+    @property
+    def local_groups(self) -> int:
+        """``g / P``: the output-projection groups of one TP rank."""
+        return self.o_groups // self.tp_size
+
+    @property
     def core(self) -> CoreAttentionConfig:
+        """The core of one TP rank (its ``n_h / P`` heads)."""
         return CoreAttentionConfig(
-            self.kind, self.num_heads, self.head_dim, self.window, self.backend, self.use_sparse_loss
+            self.kind, self.local_heads, self.head_dim, self.window, self.backend, self.use_sparse_loss
         )
 
     @property
@@ -159,7 +189,8 @@ class DSv4Attention(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        d, n_h, c, dc = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+        d, n_h, c, dc = cfg.hidden_size, cfg.local_heads, cfg.head_dim, cfg.q_lora_rank
+        g = cfg.local_groups
         lin = dict(device=device, dtype=dtype)
 
         def given(module, default):  # build a default submodule only where none is injected
@@ -175,9 +206,9 @@ class DSv4Attention(torch.nn.Module):
             given(core_attention, lambda: build_core_attention(cfg, device=device)),
             given(
                 linear_o_group_proj,
-                lambda: GroupedOutputProjection(n_h * c, cfg.o_groups, cfg.o_lora_rank, **lin),
+                lambda: GroupedOutputProjection(n_h * c, g, cfg.o_lora_rank, **lin),
             ),
-            given(linear_proj, lambda: plain_linear(cfg.o_groups * cfg.o_lora_rank, d, **lin)),
+            given(linear_proj, lambda: plain_linear(g * cfg.o_lora_rank, d, **lin)),
         )
 
     def _init_attention(self, cfg, q_down, q_norm, q_up, kv_proj, kv_norm, core, o_group_proj, proj) -> None:
@@ -188,9 +219,9 @@ class DSv4Attention(torch.nn.Module):
         self.kind = cfg.kind
         self.compress_ratio = cfg.kind.compress_ratio
         self.rope_cfg = cfg.rope
-        self.num_heads = cfg.num_heads
+        self.num_heads = cfg.local_heads  # this TP rank's heads (all of them at TP = 1)
         self.head_dim = cfg.head_dim
-        self.groups = cfg.o_groups
+        self.groups = cfg.local_groups
         self.eps = cfg.eps
         self.linear_q_down_proj = q_down
         self.q_layernorm = q_norm
@@ -201,6 +232,8 @@ class DSv4Attention(torch.nn.Module):
         self.linear_o_group_proj = o_group_proj
         self.linear_proj = proj
         self.recompute = NO_RECOMPUTE
+        if cfg.tp_size > 1:
+            mark_tensor_parallel(self)
 
     def set_recompute(self, recompute: RecomputeConfig) -> None:
         """Selective activation recompute of this layer and its core (``layernorm``: the ``q_layernorm`` output;
@@ -217,12 +250,16 @@ class DSv4Attention(torch.nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        layout: TokenLayout | ContextParallelLayout,
+        layout: TokenLayout | ContextParallelLayout | TensorParallelLayout,
         *,
         dense: bool = False,
         indexer_loss_coeff: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x [T, d]`` -> ``(y [T, d], indexer loss or None)`` (see the class docstring).
+
+        With a :class:`~dsv4_attention.tp.TensorParallelLayout` of TP size ``P > 1`` (``cfg.tp_size == P``), ``x`` is
+        this rank's sequence-parallel ``[L, d]`` rows, ``y`` the same rows (reduce-scattered) and the loss this
+        rank's partial.
 
         One forward for every layout: ``layout`` gives the layer its
         :class:`~dsv4_attention.attention_plan.AttentionPlan` (a :class:`~dsv4_attention.layout.TokenLayout` or a
@@ -231,6 +268,7 @@ class DSv4Attention(torch.nn.Module):
         and the loss is this rank's partial (:mod:`dsv4_primitives.cp_partial_loss`).
         """
         plan = self.core_attention.plan(layout)
+        check_tensor_parallel(self.cfg.tp_size, plan)
         if plan.is_parallel or self.recompute.granularity != "selective":
             return self._forward(x, plan, dense, indexer_loss_coeff)
         with recompute_scope():  # saved copies of discarded activations become recompute handles
@@ -270,7 +308,10 @@ class DSv4Attention(torch.nn.Module):
         )  # [L, n_h, c]
         if loss is not None:
             o = attach_indexer_loss(o, loss)
-        return self.project_output(o, plan.query_positions, plan.max_position), loss
+        y = self.project_output(
+            o, plan.query_positions, plan.max_position
+        )  # [rows, d] (TP: this rank's heads)
+        return plan.reduce_output(y), loss
 
     def project_output(self, o: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
         """``o [T, n_h, c]`` -> ``y [T, d]``: inverse RoPE at the query ``positions [T]``, ``wo_a``, ``wo_b``
@@ -285,9 +326,12 @@ class DSv4Attention(torch.nn.Module):
     def _up_projections(self, x_keys, q_lat, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [L, n_h, c]`` (up-projection, weightless per-head RMSNorm, RoPE at the query positions) and
         ``kv [h + L, c]`` (projection, ``kv_layernorm``, RoPE at the key positions): the ``mla_up_proj`` recompute
-        region."""
-        pos, max_pos = plan.query_positions, plan.max_position
-        return self.project_q(q_lat, pos, max_pos), self.project_kv(x_keys, plan.key_positions, max_pos)
+        region. Under TP the KV head runs on the rank's own rows and the plan all-gathers the latents and KV rows
+        (``[T, d_c]``, ``[T, c]``) before the up-projection of this rank's heads."""
+        max_pos = plan.max_position
+        kv_x, kv_pos = plan.kv_input(x_keys)
+        q_lat, kv = plan.gather_latent_kv(q_lat, self.project_kv(kv_x, kv_pos, max_pos))
+        return self.project_q(q_lat, plan.query_positions, max_pos), kv
 
     def project_qkv(
         self, x: torch.Tensor, q_lat: torch.Tensor, pos: torch.Tensor, max_pos: int

@@ -35,6 +35,8 @@ from dsv4_attention.cp.rank_plan import ContextParallelPlan
 from dsv4_attention.indexer import IndexerState, LightningIndexer
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
+from dsv4_attention.tp.layout import TensorParallelLayout
+from dsv4_attention.tp.plan import TensorParallelPlan
 
 
 class Entries(Protocol):
@@ -74,7 +76,28 @@ class AttentionPlan(Protocol):
     @property
     def max_entries(self) -> int: ...  # max_c: width of the visible-entry map
 
+    @property
+    def key_halo(self) -> int: ...  # token rows of the attention's key buffer before its query rows
+
+    @property
+    def head_group(self): ...  # the group the heads are split over (tensor parallelism), else None
+
+    @property
+    def local_positions(self) -> torch.Tensor: ...  # int64 [L] RoPE positions of this rank's own rows
+
     def key_rows(self, x: torch.Tensor) -> torch.Tensor: ...  # [L, d] -> [h + L, d]
+
+    def kv_input(
+        self, x_keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # KV-head rows, positions
+
+    def gather_latent_kv(
+        self, q_lat: torch.Tensor, kv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # the attention's query latents and key rows
+
+    def reduce_output(
+        self, y: torch.Tensor
+    ) -> torch.Tensor: ...  # the attention's [rows, d] -> this rank's rows
 
     def window_indices(self) -> torch.Tensor: ...  # int32 [L, n_win] rows of the key buffer, -1 = none
 
@@ -106,8 +129,10 @@ class SingleRankPlan:
     window: int
     ratio: int
     halo: int = field(default=0, init=False)
+    key_halo: int = field(default=0, init=False)
     is_parallel: bool = field(default=False, init=False)
     group: None = field(default=None, init=False)
+    head_group: None = field(default=None, init=False)
 
     @property
     def query_positions(self) -> torch.Tensor:
@@ -115,6 +140,10 @@ class SingleRankPlan:
 
     @property
     def key_positions(self) -> torch.Tensor:
+        return self.layout.rope_positions
+
+    @property
+    def local_positions(self) -> torch.Tensor:
         return self.layout.rope_positions
 
     @property
@@ -132,6 +161,15 @@ class SingleRankPlan:
 
     def key_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def kv_input(self, x_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x_keys, self.layout.rope_positions
+
+    def gather_latent_kv(self, q_lat: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q_lat, kv
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        return y
 
     def window_indices(self) -> torch.Tensor:
         return window_indices(self.layout.bounds, self.window)  # [T, W]
@@ -193,14 +231,25 @@ class LayerEntries:
 
 
 def attention_plan(
-    layout: TokenLayout | ContextParallelLayout | AttentionPlan, kind: LayerKind, window: int
+    layout: TokenLayout | ContextParallelLayout | TensorParallelLayout | AttentionPlan,
+    kind: LayerKind,
+    window: int,
 ) -> AttentionPlan:
     """The plan of one layer kind (window ``n_win``) on ``layout``: the trivial :class:`SingleRankPlan` for a
-    :class:`~dsv4_attention.layout.TokenLayout` or a single-rank ``ContextParallelLayout`` (its global layout), else
-    this rank's :class:`~dsv4_attention.cp.rank_plan.ContextParallelPlan` (its index maps cached on the layout). A
-    plan is returned as it is."""
-    if isinstance(layout, SingleRankPlan | ContextParallelPlan):
+    :class:`~dsv4_attention.layout.TokenLayout` or a single-rank ``ContextParallelLayout`` /
+    ``TensorParallelLayout`` (its global layout), else this rank's
+    :class:`~dsv4_attention.cp.rank_plan.ContextParallelPlan` (its index maps cached on the layout) or
+    :class:`~dsv4_attention.tp.plan.TensorParallelPlan`. A plan is returned as it is."""
+    if isinstance(layout, SingleRankPlan | ContextParallelPlan | TensorParallelPlan):
         return layout
+    if isinstance(layout, TensorParallelLayout):
+        full = SingleRankPlan(layout.global_layout, window, kind.compress_ratio)
+        if not layout.is_parallel:
+            return full
+        seq = layout.sequence
+        return TensorParallelPlan(
+            layout, ContextParallelPlan(seq, seq.plan(window, kind.compress_ratio, kind.overlap)), full
+        )
     if isinstance(layout, ContextParallelLayout):
         if layout.is_parallel:
             return ContextParallelPlan(layout, layout.plan(window, kind.compress_ratio, kind.overlap))

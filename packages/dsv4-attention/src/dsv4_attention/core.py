@@ -38,6 +38,7 @@ from dsv4_attention.indexer import IndexerState, LightningIndexer
 from dsv4_attention.indexer_kl import indexer_kl_sum
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import TokenLayout
+from dsv4_attention.tp.indexer_kl import tp_indexer_kl_sum
 from dsv4_primitives import KeepFP32Mixin, mark_keep_in_fp32
 from dsv4_primitives.cp_partial_loss import partial_loss
 from dsv4_primitives.recompute import NO_RECOMPUTE, RecomputeConfig, checkpoint_region
@@ -198,7 +199,7 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
 
         ``want_loss`` is decided by the caller (a recompute region runs without autograd in forward and must still
         compute the same loss value)."""
-        n_keys = plan.halo + q.shape[0]  # token rows of kv_all (before the entries)
+        n_keys = plan.key_halo + q.shape[0]  # token rows of kv_all (before the entries)
         # host boundaries: every op plans from their host copy (no device-to-host read); static ones (CUDA graphs):
         # device-side plans with capacity shapes
         backend = self.backend
@@ -242,13 +243,29 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
 
         Loss set: every visible entry (dense phase, or ``use_sparse_loss=False``), else the selected top-k. The
         student logits are the plan's dense scores (column aligned with the visible entries) or the top-k scores
-        themselves.
+        themselves. Heads split over TP (``plan.head_group``): the loss set covers every query row, the student this
+        rank's rows, and the teacher sums the head-partial log-masses over the TP ranks
+        (:mod:`dsv4_attention.tp.indexer_kl`).
         """
         if dense or not self.cfg.use_sparse_loss:
             loss_set = comp if dense else plan.visible_entries()  # [L, max_c]
             student = plan.dense_student(self.indexer, state, loss_set, self.backend)  # [L, max_c]
         else:
             loss_set, student = comp, topk_scores  # [L, k]
+        if plan.head_group is not None:  # heads split over TP: the teacher sums over every rank's heads
+            total, rows = tp_indexer_kl_sum(
+                q,
+                kv_all,
+                lse,
+                loss_set,
+                student,
+                self.softmax_scale,
+                plan.key_halo + q.shape[0],
+                plan.layout.local_rows,
+                plan.real_rows,
+                plan.head_group,
+            )
+            return partial_loss(total, plan.loss_count(rows))
         total, rows = indexer_kl_sum(
             q,
             kv_all,
@@ -257,7 +274,7 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
             loss_set,
             student,
             self.softmax_scale,
-            plan.halo + q.shape[0],
+            plan.key_halo + q.shape[0],
             plan.real_rows,
             self.backend,
         )

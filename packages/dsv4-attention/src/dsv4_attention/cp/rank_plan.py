@@ -43,10 +43,19 @@ class ContextParallelPlan:
     layout: ContextParallelLayout
     kind_plan: KindPlan
     is_parallel: bool = field(default=True, init=False)
+    head_group: None = field(default=None, init=False)  # every head on every CP rank
 
     @property
     def group(self):
         return self.layout.group  # the CP process group
+
+    @property
+    def key_halo(self) -> int:
+        return self.kind_plan.halo  # the halo's KV rows come before the local rows in the key buffer
+
+    @property
+    def local_positions(self) -> torch.Tensor:
+        return self.layout.local_positions  # [L]
 
     @property
     def halo(self) -> int:
@@ -83,6 +92,15 @@ class ContextParallelPlan:
             )
         kp = self.kind_plan
         return exchange_halo(x, kp.halo_request, kp.halo, cpl)
+
+    def kv_input(self, x_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x_keys, self.kind_plan.ext_positions  # the KV head of the halo rows too
+
+    def gather_latent_kv(self, q_lat: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q_lat, kv
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        return y
 
     def window_indices(self) -> torch.Tensor:
         return self.kind_plan.window  # [L, W]
