@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dsv4_attention.cp.comm import _has_reduce_scatter, all_gather_rows
+from dsv4_attention.cp.comm import _has_reduce_scatter, _reduce_scatter_rows, all_gather_rows
 
 gather_rows = all_gather_rows
 
@@ -35,17 +35,11 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _reduce_scatter(y: torch.Tensor, group) -> torch.Tensor:
-    p = dist.get_world_size(group)
-    m = y.shape[0] // p
-    y = y.contiguous()
+    """``y [P*m, *]`` summed over ranks -> this rank's ``[m, *]`` rows (the CP gradient helper; on gloo it
+    all-reduces in place, so ``y`` is copied first and the slice is its own tensor)."""
     if _has_reduce_scatter(group):
-        out = y.new_empty(m, *y.shape[1:])
-        dist.reduce_scatter_tensor(out, y, group=group)
-        return out
-    y = y.clone()
-    dist.all_reduce(y, group=group)
-    r = dist.get_rank(group)
-    return y[r * m : (r + 1) * m].clone()
+        return _reduce_scatter_rows(y, group)
+    return _reduce_scatter_rows(y.clone(), group).clone()
 
 
 class _ReduceScatterRows(torch.autograd.Function):
