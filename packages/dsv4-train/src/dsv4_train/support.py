@@ -226,8 +226,8 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(
         ("tp",),
         "supported",
-        "TP2 (sequence parallelism, micro-batches of one sequence; DSv4 attention W C H with its heads split, "
-        "megatron's '*' / '-', 'E', mHC + MTP) equals one process from the same --seed, from the CLI",
+        "TP2 (sequence parallelism, micro-batches of one sequence; DSv4 attention W C H with its heads split, '-', "
+        "'E', mHC + MTP) equals one process from the same --seed, from the CLI (megatron's '*': model-level test)",
         "tests/test_train_tensor_parallel.py::test_tp2_from_the_cli_starts_like_one_process",
     ),
     Relation(
