@@ -94,7 +94,11 @@ def test_tensor_parallel_config_with_sequence_parallelism_is_accepted():
     """TP > 1 runs dsv4_attention.tp on the sequence-parallel rows (it used to be refused); each layer's shard."""
     cfg = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
     att = cfg.attention_config(LayerKind.CSA, 2)
-    assert (att.tp_size, att.local_heads, att.local_groups) == (2, cfg.num_attention_heads // 2, cfg.o_groups // 2)
+    assert (att.tp_size, att.local_heads, att.local_groups) == (
+        2,
+        cfg.num_attention_heads // 2,
+        cfg.o_groups // 2,
+    )
     assert cfg.core_attention_config(LayerKind.CSA, 2).num_heads == cfg.num_attention_heads // 2
 
 

@@ -69,5 +69,7 @@ def test_tp_refuses_micro_batches_of_several_sequences(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     rel = next(r for r in RELATIONS if r.features == ("tp", "micro_batch"))
     assert rc == 2
-    assert err == [f"dsv4 train: error: {rel.reason.format(**{**TrainConfig.from_flat().flat(), 'tp': 2}, dp=1)}"]
+    assert err == [
+        f"dsv4 train: error: {rel.reason.format(**{**TrainConfig.from_flat().flat(), 'tp': 2}, dp=1)}"
+    ]
     assert not (tmp_path / "run").exists()

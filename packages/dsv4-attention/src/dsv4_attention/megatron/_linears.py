@@ -48,7 +48,9 @@ def tp_size_of(pg_collection) -> int:
     return 1 if tp is None else tp.size()
 
 
-def linear_for(spec, config, pg_collection, in_features: int, out_features: int, *, name: str, init_method=None):
+def linear_for(
+    spec, config, pg_collection, in_features: int, out_features: int, *, name: str, init_method=None
+):
     """One bias-free linear ``in_features -> out_features`` of the layer.
 
     TP size 1: the spec's megatron / transformer-engine linear (column-parallel keywords, ``tp_comm_buffer_name``

@@ -24,9 +24,9 @@ from dsv4_attention.cp.layout import packed_context_parallel_layout
 from dsv4_attention.indexer_loss import get_indexer_loss_tracker, indexer_loss_tracker_slot
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import token_layout
-from dsv4_attention.tp.layout import tensor_parallel_layout
 from dsv4_attention.megatron._linears import linear_for, tp_size_of
 from dsv4_attention.megatron.config import DSv4AttentionConfig
+from dsv4_attention.tp.layout import tensor_parallel_layout
 from dsv4_primitives.recompute import recompute_config_of
 
 
@@ -128,7 +128,13 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         )
         if tp > 1:
             proj = linear_for(
-                submodules.linear_proj, config, pg, g * dg, d, name="proj", init_method=config.output_layer_init_method
+                submodules.linear_proj,
+                config,
+                pg,
+                g * dg,
+                d,
+                name="proj",
+                init_method=config.output_layer_init_method,
             )
         else:
             proj = build_module(
@@ -221,7 +227,9 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         y, loss = DSv4Attention.forward(
             self, x, layout, dense=self.dense_attention, indexer_loss_coeff=coeff or 0.0
         )  # [T, d] (under CP [L, d])
-        if loss is not None and coeff:  # under CP / TP a partial: the tracker sums it over that group (reduce_group)
+        if (
+            loss is not None and coeff
+        ):  # under CP / TP a partial: the tracker sums it over that group (reduce_group)
             tracker = get_indexer_loss_tracker()
             tracker.save(loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp)
         return from_tokens(y), None

@@ -87,10 +87,20 @@ class MegatronLightningIndexer(LightningIndexer, MegatronModule):
         cfg = config.indexer_config()
         # the whole indexer is replicated under TP (linear_for: plain linears there)
         wq_b = linear_for(
-            submodules.linear_wq_b, config, pg, cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, name="csa_indexer_wq_b"
+            submodules.linear_wq_b,
+            config,
+            pg,
+            cfg.q_lora_rank,
+            cfg.n_heads * cfg.head_dim,
+            name="csa_indexer_wq_b",
         )
         weights_proj = linear_for(
-            submodules.linear_weights_proj, config, pg, cfg.hidden_size, cfg.n_heads, name="csa_indexer_weights_proj"
+            submodules.linear_weights_proj,
+            config,
+            pg,
+            cfg.hidden_size,
+            cfg.n_heads,
+            name="csa_indexer_weights_proj",
         )
         compressor = build_module(
             submodules.compressor,
