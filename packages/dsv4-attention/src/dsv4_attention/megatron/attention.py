@@ -4,7 +4,9 @@ It is a drop-in ``self_attention`` submodule of megatron's ``TransformerLayer`` 
 ``config, layer_number, pg_collection[, pp_layer_offset, cp_comm_type, name]`` from the layer, ``compress_ratio``
 (or ``kind``) / ``is_mtp_layer`` from the spec params; ``forward`` accepts the layer's keyword arguments, flattens
 SBHD ``[s, b, d]`` / THD ``[t, 1, d]`` activations into token rows (:mod:`dsv4_attention.layout`), runs the core
-layer and returns ``(y, None)``. The adapter owns what is megatron's: the spec-built linears, the process groups,
+layer and returns ``(y, None)``. Under tensor parallelism (``pg_collection.tp`` of ``P > 1`` ranks, sequence
+parallelism on) it holds one TP rank's heads and runs the core on the rank's sequence-parallel rows
+(:mod:`dsv4_attention.tp`; README "In the megatron adapter"). The adapter owns what is megatron's: the spec-built linears, the process groups,
 the layer numbering (kind lookup, indexer-loss tracker slot) and the training phase it passes to the core
 (:meth:`DSv4HybridAttention.set_dense_attention`).
 """
@@ -215,23 +217,22 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             layout = self._tensor_parallel_layout(hidden_states, packed_seq_params, tp)
             x = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2])  # [L, d]
             from_tokens = lambda y: y.unsqueeze(1)
-            cp = tp  # the indexer loss is this TP rank's partial: the tracker sums it over TP
+            partial_group = tp  # the indexer loss is this TP rank's partial
         elif cp is not None and cp.size() > 1:  # static contiguous CP: local rows, global PackedSeqParams
             layout = packed_context_parallel_layout(hidden_states, packed_seq_params, cp)
             x = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2])  # [L, d]
             from_tokens = lambda y: y.unsqueeze(1)
+            partial_group = cp  # the indexer loss is this CP rank's partial
         else:
-            cp = None
+            partial_group = None
             layout = token_layout(hidden_states, packed_seq_params)
             x, from_tokens = layout.to_tokens(hidden_states), layout.from_tokens  # [T, d]
         y, loss = DSv4Attention.forward(
             self, x, layout, dense=self.dense_attention, indexer_loss_coeff=coeff or 0.0
         )  # [T, d] (under CP [L, d])
-        if (
-            loss is not None and coeff
-        ):  # under CP / TP a partial: the tracker sums it over that group (reduce_group)
+        if loss is not None and coeff:  # under CP / TP a partial: the tracker sums it over that group
             tracker = get_indexer_loss_tracker()
-            tracker.save(loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp)
+            tracker.save(loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=partial_group)
         return from_tokens(y), None
 
     @staticmethod
@@ -242,7 +243,7 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         if b != 1:
             raise ValueError(
                 f"DSv4 attention under tensor parallelism takes micro-batches of one sequence (SBHD b = 1) or a THD "
-                f"pack; got hidden_states of shape {tuple(hidden_states.shape)}: use --micro-batch-size 1 or packing"
+                f"pack; got hidden_states of shape {tuple(hidden_states.shape)}: use micro-batches of one sequence"
             )
         shape_only = hidden_states.new_empty((rows * tp_group.size(), b, 0))  # the global shape, no data
         return tensor_parallel_layout(token_layout(shape_only, packed_seq_params), tp_group)
