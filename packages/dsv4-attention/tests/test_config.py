@@ -6,7 +6,7 @@ import pytest
 import torch
 from _attention_testconfig import tiny_config
 
-from dsv4_attention import IndexerLossAutoScaler, check_compress_ratio
+from dsv4_attention import IndexerLossAutoScaler, LayerKind, check_compress_ratio
 from dsv4_attention.megatron import DSv4AttentionConfig
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4] + [0]
@@ -70,7 +70,7 @@ def test_rope_config_per_layer_kind():
         (dict(csa_compress_ratios=[0, 4, 8, 4]), "invalid entries"),
         (dict(csa_compress_ratios=[0, 4]), "one ratio per layer"),
         (dict(output_projection_groups=3), "divisible by output_projection_groups"),
-        (dict(tensor_model_parallel_size=2), "TP=1 only"),
+        (dict(tensor_model_parallel_size=2), "set sequence_parallel=True"),
         (dict(context_parallel_size=2, cp_comm_type="p2p"), "own static contiguous context parallelism"),
         (dict(context_parallel_size=2, dsa_indexer_tie_break="torch_topk"), "'lower_index' only"),
         (dict(csa_window_size=0), "csa_window_size"),
@@ -88,6 +88,18 @@ def test_rope_config_per_layer_kind():
 def test_invalid_configs_are_rejected(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**overrides)
+
+
+def test_tensor_parallel_config_with_sequence_parallelism_is_accepted():
+    """TP > 1 runs dsv4_attention.tp on the sequence-parallel rows (it used to be refused); each layer's shard."""
+    cfg = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
+    att = cfg.attention_config(LayerKind.CSA, 2)
+    assert (att.tp_size, att.local_heads, att.local_groups) == (
+        2,
+        cfg.num_attention_heads // 2,
+        cfg.o_groups // 2,
+    )
+    assert cfg.core_attention_config(LayerKind.CSA, 2).num_heads == cfg.num_attention_heads // 2
 
 
 def test_context_parallel_config_is_accepted():

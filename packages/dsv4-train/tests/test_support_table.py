@@ -17,12 +17,13 @@ from readme_tables import README, with_tables  # noqa: E402
 
 #: flat config values that turn each feature on (machine features: the Machine's fields)
 ACTIVATE = {
-    "tp": {"tp": 2},
+    "tp": {"tp": 2, "micro_batch_size": 1},
     "pp": {"pp": 2},
     "vpp": {"vpp": 2},
     "ep": {"ep": 2},
     "cp": {"cp": 2},
     "packed": {"packed": True},
+    "micro_batch": {"micro_batch_size": 2},
     "cuda_graph": {"cuda_graph": True, "bf16": True},
     "recompute": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
     "offload": {"optimizer_cpu_offload": True},

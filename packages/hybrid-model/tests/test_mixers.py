@@ -92,23 +92,23 @@ def test_supported_layouts_are_not_refused():
     for symbol in "E-":
         assert not REGISTRY[symbol].refusals
         REGISTRY[symbol].check_single_rank(_config(tp=2), _pg(2))
-    for symbol in "WCH":  # DSv4 attention: context parallelism yes, tensor parallelism not yet
-        assert [r.layout for r in REGISTRY[symbol].refusals] == [Layout.TP]
-        REGISTRY[symbol].check_single_rank(_config(), _pg(2))
+    for symbol in "WCH":  # DSv4 attention: context and tensor parallelism (the adapter splits its heads)
+        assert not REGISTRY[symbol].refusals
+        REGISTRY[symbol].check_single_rank(_config(tp=2), _pg(2))
     REGISTRY["*"].check_single_rank(_config(tp=2), _pg(1))
     assert symbols_refusing(Layout.CP) >= {"+", "D", "G"}
-    assert symbols_refusing(Layout.TP) == {"W", "C", "H", "+", "D", "G"}
+    assert symbols_refusing(Layout.TP) == {"+", "D", "G"}
     check_gdn_training("WCE-", packed=True, deterministic=True, cuda_graph=True)
     check_packed_graph_pattern("WCHE-")
 
 
 def test_the_pattern_check_raises_unconditional_tp_refusals_only():
     check_tensor_parallel_pattern("*E-/*E", 2)
-    check_tensor_parallel_pattern("WCHE", 1)
+    check_tensor_parallel_pattern("WCHE", 2)
     check_tensor_parallel_pattern("+D-", 2)  # the local spec's refusal: raised when the layer is built
     with pytest.raises(ValueError) as info:
-        check_tensor_parallel_pattern("*EW", 4)
-    assert str(info.value) == "--tp 4: " + REGISTRY["W"].message(Layout.TP)
+        check_tensor_parallel_pattern("*EG", 4)
+    assert str(info.value) == "--tp 4: " + REGISTRY["G"].message(Layout.TP)
 
 
 def test_the_local_latent_layer_refuses_before_it_builds():

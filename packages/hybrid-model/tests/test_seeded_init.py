@@ -113,12 +113,20 @@ def test_tp_shards_are_slices_of_the_tp1_tensor():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_model_shards_are_parts_of_the_tp1_model():
+@pytest.mark.parametrize(
+    ("pattern", "splits"),
+    [
+        ("*-/*-", 10),  # embedding, head, and per layer QKV, output, fc1, fc2 (main + MTP)
+        ("WC-/H-", 18),  # embedding, head, per DSv4 attention q_up, attn_sink, wo_a, wo_b, per MLP fc1, fc2
+    ],
+)
+def test_tp2_model_shards_are_parts_of_the_tp1_model(pattern, splits):
     """megatron's own TP layers (``*`` fused QKV and output, ``-`` fused SwiGLU ``linear_fc1`` of stride 2 and
-    ``linear_fc2``, the vocab-parallel embedding and head) built at TP=2: each rank's shard is its part of the TP=1
-    model's tensor by megatron's stride rule (chunks of ``shard / stride`` rows, rank r holding r, r + 2, ...), and
-    every replicated parameter equals the TP=1 one, bit for bit."""
-    ranks = run_distributed(tp_model_params, 2, "*-/*-", 7, timeout=900)
+    ``linear_fc2``, the vocab-parallel embedding and head) and DSv4 attention's head split (``W C H``:
+    ``dsv4_attention.tp.params``) built at TP=2: each rank's shard is its part of the TP=1 model's tensor by
+    megatron's stride rule (chunks of ``shard / stride`` rows, rank r holding r, r + 2, ...), and every replicated
+    parameter equals the TP=1 one, bit for bit."""
+    ranks = run_distributed(tp_model_params, 2, pattern, 7, timeout=900)
     tp1 = ranks[0][1]
     split = 0
     for name, (whole, _) in tp1.items():
@@ -131,4 +139,4 @@ def test_tp2_model_shards_are_parts_of_the_tp1_model():
         rebuilt = torch.cat([c for j in range(stride) for c in (c0[j], c1[j])], dim=dim)
         assert torch.equal(rebuilt, whole), name
         split += 1
-    assert split == 10  # embedding, head, and per layer QKV, output, fc1, fc2 (main + MTP)
+    assert split == splits

@@ -108,7 +108,8 @@ class StepRunner:
         self.cp_group = cp
         self.cp_size, self.cp_rank = (1, 0) if cp is None else (cp.size(), cp.rank())
         # the routers' balance-loss partials cover this rank's tokens: its sequence shard under TP (sequence
-        # parallelism) and its rows under CP, so they are summed over the TP x CP group
+        # parallelism) and its rows under CP, so they are summed over the TP x CP group (DSv4 attention's
+        # indexer-loss partials likewise)
         tp_cp = ps.get_tensor_and_context_parallel_group()
         self.balance_group = tp_cp if tp_cp.size() > 1 else None
 
@@ -280,8 +281,8 @@ class StepRunner:
 
         Under CP every loss of a rank is its partial (:mod:`dsv4_primitives.cp_partial_loss`): the LM/MTP partials
         enter the world sums as they are with a count of ``1 / CP`` each, the per-layer balance and indexer partials
-        are summed over the CP group first (``sum_partials``, one small all-reduce; the balance partials over the
-        TP x CP group: under TP each rank routes its sequence shard), so every value is the global one, equal to
+        are summed over the TP x CP group first (``sum_partials``, one small all-reduce: under TP each rank routes
+        its sequence shard and runs the indexer loss of its rows), so every value is the global one, equal to
         CP=1's. Under TP every rank of a TP group holds the same LM/MTP losses (each counts once)."""
         keys = loss_keys(self.model_config.parsed_pattern.mtp_num_depths)
         local = torch.zeros(2 * len(keys) + 1, dtype=torch.float64, device=self.device)
@@ -306,7 +307,7 @@ class StepRunner:
         tracker = get_indexer_loss_tracker()
         vals = getattr(tracker, "values", None)
         if isinstance(vals, torch.Tensor) and vals.numel():
-            vals = sum_partials(vals, self.cp_group)
+            vals = sum_partials(vals, self.balance_group)  # DSv4 attention's partials: its rows under TP x CP
             add("indexer_loss", (vals[vals != 0].double() / num_microbatches).tolist())
             tracker.clean()
 

@@ -56,6 +56,7 @@ FEATURES: dict[str, Feature] = {
         Feature("ep", "--ep > 1", lambda tc, m: tc.parallel.ep > 1),
         Feature("cp", "--cp > 1", lambda tc, m: tc.parallel.cp > 1),
         Feature("packed", "--packed", lambda tc, m: tc.data.packed),
+        Feature("micro_batch", "--micro-batch-size > 1", lambda tc, m: tc.data.micro_batch_size > 1),
         Feature("cuda_graph", "--cuda-graph", lambda tc, m: tc.graphs.cuda_graph),
         Feature(
             "recompute", "--recompute-granularity", lambda tc, m: tc.memory.recompute_granularity is not None
@@ -132,8 +133,16 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(
         ("tp", "cp"),
         "refused",
-        "--tp {tp} with --cp {cp}: context parallelism runs DSv4 attention, which does not split over tensor-"
-        "parallel ranks yet (use --tp 1 or --cp 1)",
+        "--tp {tp} with --cp {cp} is not supported yet: DSv4 attention does not combine its tensor-parallel head "
+        "split with context parallelism (use --tp 1 or --cp 1)",
+        _TP_REFUSALS,
+    ),
+    Relation(
+        ("tp", "micro_batch"),
+        "refused",
+        "--tp {tp} with --micro-batch-size {micro_batch_size}: under tensor parallelism DSv4 attention takes one "
+        "sequence per micro-batch (its sequence-parallel layout covers [S, 1] micro-batches); use --micro-batch-size "
+        "1 (the global batch accumulates micro-batches) or --tp 1",
         _TP_REFUSALS,
     ),
     Relation(
@@ -217,8 +226,8 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(
         ("tp",),
         "supported",
-        "TP2 (sequence parallelism; patterns of '*', '-', 'E' and mHC + MTP, DSv4 attention refuses TP in its symbol "
-        "record) equals one process from the same --seed, from the CLI",
+        "TP2 (sequence parallelism, micro-batches of one sequence; DSv4 attention W C H with its heads split, '-', "
+        "'E', mHC + MTP) equals one process from the same --seed, from the CLI (megatron's '*': model-level test)",
         "tests/test_train_tensor_parallel.py::test_tp2_from_the_cli_starts_like_one_process",
     ),
     Relation(

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dsv4_attention.megatron import DSv4AttentionConfig
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.latent_attention import set_indexer_loss_scales
 from hybrid_model.mixers.moe import hash_moe_layer_spec
 from hybrid_model.mixers.registry import records_of, require_symbol_dependencies, require_symbol_device
 from hybrid_model.stack import DSv4HybridStack
 from hybrid_model.symbols import DSA, MOE
-from hybrid_model.tensor_parallel import ModelTransformerConfig, transformer_config_fields
+from hybrid_model.tensor_parallel import transformer_config_fields
 from mhc import MHCConfig
 
 
@@ -67,8 +68,7 @@ def transformer_config(
     recompute=None,
     **overrides: Any,
 ):
-    """The megatron ``DSv4AttentionConfig`` (an ``MLATransformerConfig``; :class:`~hybrid_model.tensor_parallel.
-    ModelTransformerConfig`) carrying attention + MoE + MTP fields.
+    """The megatron ``DSv4AttentionConfig`` (an ``MLATransformerConfig``) carrying attention + MoE + MTP fields.
 
     ``tensor_model_parallel_size > 1`` turns on sequence parallelism with it and keeps expert TP at 1
     (:func:`hybrid_model.tensor_parallel.transformer_config_fields`).
@@ -155,7 +155,7 @@ def transformer_config(
     kw.update(
         {k: v for k, v in overrides.items() if k not in ("sequence_parallel", "expert_tensor_parallel_size")}
     )
-    return ModelTransformerConfig(**kw)
+    return DSv4AttentionConfig(**kw)
 
 
 def mhc_config(cfg: DSv4ModelConfig, stream_dtype: torch.dtype = torch.float32):

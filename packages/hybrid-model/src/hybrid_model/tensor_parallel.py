@@ -22,8 +22,9 @@ tensor-parallel linears every activation is cut along the sequence, TP rank ``r`
 * **hash routing** chooses experts by token id: the router reads the ids of this rank's sequence shard
   (:func:`sequence_shard`), and the balance loss's per-sequence counts are summed over the TP (x CP) group.
 
-DSv4 attention (``W C H``) refuses TP in its symbol records until its tensor-parallel split lands
-(:mod:`hybrid_model.mixers.dsv4_kinds`).
+* **DSv4 attention** ``W C H``: its query heads, sinks and output groups are split over TP, the rest of the layer is
+  replicated and runs on the rank's sequence rows (:mod:`dsv4_attention.tp`, wired by its megatron adapter); it
+  takes SBHD micro-batches of one sequence (``b = 1``) under TP.
 """
 
 from __future__ import annotations
@@ -32,24 +33,8 @@ from typing import Any
 
 import torch
 
-from dsv4_attention.megatron import DSv4AttentionConfig
 from hybrid_model.mixers.record import Layout
 from hybrid_model.mixers.registry import records_of
-
-
-class ModelTransformerConfig(DSv4AttentionConfig):
-    """The megatron config of a DSv4 model: :class:`dsv4_attention.megatron.DSv4AttentionConfig` whose whole-model
-    tensor-parallel refusal is left to the layers (the ``W C H`` records refuse TP; every other symbol reads the
-    tensor-parallel size from its process groups). Interim: dsv4-attention's config refuses
-    ``tensor_model_parallel_size > 1`` for the whole model; once its attention splits over TP this subclass goes."""
-
-    def validate_dsv4(self) -> None:
-        tp = self.tensor_model_parallel_size
-        self.tensor_model_parallel_size = 1  # DSv4 attention's TP refusal is per layer (its symbol records)
-        try:
-            super().validate_dsv4()
-        finally:
-            self.tensor_model_parallel_size = tp
 
 
 def transformer_config_fields(tp: int, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -115,7 +100,6 @@ def sequence_shard(x: torch.Tensor, tp_group, dim: int = -1) -> torch.Tensor:
 
 
 __all__ = [
-    "ModelTransformerConfig",
     "check_tensor_parallel_pattern",
     "mark_sequence_parallel_parameters",
     "sequence_shard",

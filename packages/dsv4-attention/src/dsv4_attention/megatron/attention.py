@@ -4,7 +4,9 @@ It is a drop-in ``self_attention`` submodule of megatron's ``TransformerLayer`` 
 ``config, layer_number, pg_collection[, pp_layer_offset, cp_comm_type, name]`` from the layer, ``compress_ratio``
 (or ``kind``) / ``is_mtp_layer`` from the spec params; ``forward`` accepts the layer's keyword arguments, flattens
 SBHD ``[s, b, d]`` / THD ``[t, 1, d]`` activations into token rows (:mod:`dsv4_attention.layout`), runs the core
-layer and returns ``(y, None)``. The adapter owns what is megatron's: the spec-built linears, the process groups,
+layer and returns ``(y, None)``. Under tensor parallelism (``pg_collection.tp`` of ``P > 1`` ranks, sequence
+parallelism on) it holds one TP rank's heads and runs the core on the rank's sequence-parallel rows
+(:mod:`dsv4_attention.tp`; README "In the megatron adapter"). The adapter owns what is megatron's: the spec-built linears, the process groups,
 the layer numbering (kind lookup, indexer-loss tracker slot) and the training phase it passes to the core
 (:meth:`DSv4HybridAttention.set_dense_attention`).
 """
@@ -24,8 +26,9 @@ from dsv4_attention.cp.layout import packed_context_parallel_layout
 from dsv4_attention.indexer_loss import get_indexer_loss_tracker, indexer_loss_tracker_slot
 from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import token_layout
-from dsv4_attention.megatron._linears import column_parallel_kwargs
+from dsv4_attention.megatron._linears import linear_for, tp_size_of
 from dsv4_attention.megatron.config import DSv4AttentionConfig
+from dsv4_attention.tp.layout import tensor_parallel_layout
 from dsv4_primitives.recompute import recompute_config_of
 
 
@@ -101,17 +104,19 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             )
         elif compress_ratio is not None and LayerKind.from_ratio(compress_ratio) is not kind:
             raise ValueError(f"kind={kind.name} disagrees with compress_ratio={compress_ratio}")
-        cfg = config.attention_config(LayerKind.coerce(kind))
+        tp = tp_size_of(pg_collection)
+        cfg = config.attention_config(LayerKind.coerce(kind), tp)  # one TP rank's shard (all of it at TP = 1)
         self.dense_attention = bool(config.csa_dense_mode)
-        d, dc, n_h, c = config.hidden_size, config.q_lora_rank, cfg.num_heads, cfg.head_dim
-        g, dg, eps = cfg.o_groups, cfg.o_lora_rank, cfg.eps
-
-        col = column_parallel_kwargs(config, pg_collection.tp)
-        # built in checkpoint order (parameter initialisation draws from the RNG in this order)
-        q_down = build_module(submodules.linear_q_down_proj, d, dc, tp_comm_buffer_name="q_down_proj", **col)
+        d, dc, n_h, c = config.hidden_size, config.q_lora_rank, cfg.local_heads, cfg.head_dim
+        g, dg, eps = cfg.local_groups, cfg.o_lora_rank, cfg.eps
+        pg = pg_collection
+        # built in checkpoint order (parameter initialisation draws from the RNG in this order). Under TP every
+        # linear is a plain one of this rank's size (linear_for): the core gathers the latents and reduce-scatters
+        # the output itself, q_up / wo_a / wo_b hold this rank's heads and groups, the rest is replicated
+        q_down = linear_for(submodules.linear_q_down_proj, config, pg, d, dc, name="q_down_proj")
         q_norm = build_module(submodules.q_layernorm, config=config, hidden_size=dc, eps=eps)
-        q_up = build_module(submodules.linear_q_up_proj, dc, n_h * c, tp_comm_buffer_name="q_up_proj", **col)
-        kv_proj = build_module(submodules.linear_kv_proj, d, c, tp_comm_buffer_name="kv_proj", **col)
+        q_up = linear_for(submodules.linear_q_up_proj, config, pg, dc, n_h * c, name="q_up_proj")
+        kv_proj = linear_for(submodules.linear_kv_proj, config, pg, d, c, name="kv_proj")
         kv_norm = build_module(submodules.kv_layernorm, config=config, hidden_size=c, eps=eps)
         core = build_module(
             submodules.core_attention,
@@ -123,19 +128,30 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         o_group_proj = build_module(
             submodules.linear_o_group_proj, n_h * c, g, dg, config=config, init_method=config.init_method
         )
-        proj = build_module(
-            submodules.linear_proj,
-            g * dg,
-            d,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=False,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-            tp_group=pg_collection.tp,
-        )
+        if tp > 1:
+            proj = linear_for(
+                submodules.linear_proj,
+                config,
+                pg,
+                g * dg,
+                d,
+                name="proj",
+                init_method=config.output_layer_init_method,
+            )
+        else:
+            proj = build_module(
+                submodules.linear_proj,
+                g * dg,
+                d,
+                config=config,
+                init_method=config.output_layer_init_method,
+                bias=False,
+                input_is_parallel=True,
+                skip_bias_add=True,
+                is_expert=False,
+                tp_comm_buffer_name="proj",
+                tp_group=pg_collection.tp,
+            )
         self._init_attention(cfg, q_down, q_norm, q_up, kv_proj, kv_norm, core, o_group_proj, proj)
         self.set_recompute(recompute_config_of(config))  # selective recompute (config.dsv4_recompute)
 
@@ -149,9 +165,11 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         tp = getattr(pg_collection, "tp", None)
         if tp is None:
             raise ValueError("pg_collection.tp must be set (the tensor-parallel group of the linear layers)")
-        if tp.size() > 1:
+        cp = getattr(pg_collection, "cp", None)
+        if tp.size() > 1 and cp is not None and cp.size() > 1:
             raise ValueError(
-                f"DSv4 attention supports tensor-parallel size 1 only, pg_collection.tp has {tp.size()}"
+                f"DSv4 attention does not combine tensor parallelism (pg_collection.tp has {tp.size()} ranks) with "
+                f"context parallelism (pg_collection.cp has {cp.size()}) yet: use one of them"
             )
 
     # ------------------------------------------------------------------ identity and phase
@@ -194,21 +212,41 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             return self.decode_step(self, hidden_states), None
         coeff = self.config.dsa_indexer_loss_coeff
         cp = getattr(self.pg_collection, "cp", None)
-        if cp is not None and cp.size() > 1:  # static contiguous CP: local rows, global PackedSeqParams
+        tp = self.pg_collection.tp
+        if tp.size() > 1:  # TP + SP: this rank's sequence rows [L, b, d] of the global [L*tp, b, d]
+            layout = self._tensor_parallel_layout(hidden_states, packed_seq_params, tp)
+            x = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2])  # [L, d]
+            from_tokens = lambda y: y.unsqueeze(1)
+            partial_group = tp  # the indexer loss is this TP rank's partial
+        elif cp is not None and cp.size() > 1:  # static contiguous CP: local rows, global PackedSeqParams
             layout = packed_context_parallel_layout(hidden_states, packed_seq_params, cp)
             x = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2])  # [L, d]
             from_tokens = lambda y: y.unsqueeze(1)
+            partial_group = cp  # the indexer loss is this CP rank's partial
         else:
-            cp = None
+            partial_group = None
             layout = token_layout(hidden_states, packed_seq_params)
             x, from_tokens = layout.to_tokens(hidden_states), layout.from_tokens  # [T, d]
         y, loss = DSv4Attention.forward(
             self, x, layout, dense=self.dense_attention, indexer_loss_coeff=coeff or 0.0
         )  # [T, d] (under CP [L, d])
-        if loss is not None and coeff:  # under CP a partial: the tracker sums it over CP (reduce_group)
+        if loss is not None and coeff:  # under CP / TP a partial: the tracker sums it over that group
             tracker = get_indexer_loss_tracker()
-            tracker.save(loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=cp)
+            tracker.save(loss, self.tracker_slot, self.config.tracker_num_layers, reduce_group=partial_group)
         return from_tokens(y), None
+
+    @staticmethod
+    def _tensor_parallel_layout(hidden_states, packed_seq_params, tp_group):
+        """This TP rank's :class:`~dsv4_attention.tp.TensorParallelLayout` of its sequence-parallel rows
+        ``[L, b, d]``: the global layout is the one of ``[L * tp, b, d]`` (SBHD ``b = 1`` or a THD pack)."""
+        rows, b, _ = hidden_states.shape
+        if b != 1:
+            raise ValueError(
+                f"DSv4 attention under tensor parallelism takes micro-batches of one sequence (SBHD b = 1) or a THD "
+                f"pack; got hidden_states of shape {tuple(hidden_states.shape)}: use micro-batches of one sequence"
+            )
+        shape_only = hidden_states.new_empty((rows * tp_group.size(), b, 0))  # the global shape, no data
+        return tensor_parallel_layout(token_layout(shape_only, packed_seq_params), tp_group)
 
     def _reject_unsupported(self, mask, kv_states, inference, rotary, bias, seq_offset) -> None:
         if mask is not None:

@@ -190,10 +190,7 @@ class DSv4AttentionConfig(MLATransformerConfig):
                 f"csa_kernel_backend must be 'auto', 'triton' or 'reference', got {self.csa_kernel_backend!r}"
             )
         if self.tensor_model_parallel_size > 1:
-            raise ValueError(
-                f"tensor_model_parallel_size={self.tensor_model_parallel_size}: DSv4 attention supports TP=1 only "
-                "for now (as upstream); parallelise with DP/PP/EP instead"
-            )
+            self._check_tensor_parallel()
         if self.context_parallel_size > 1:
             self._check_context_parallel()
         if self.mla_down_proj_fusion:
@@ -221,6 +218,16 @@ class DSv4AttentionConfig(MLATransformerConfig):
                 )
 
     # ------------------------------------------------------------------ per-layer helpers
+    def _check_tensor_parallel(self) -> None:
+        """TP > 1 runs dsv4-attention's head split with sequence parallelism (:mod:`dsv4_attention.tp`)."""
+        tp = self.tensor_model_parallel_size
+        if not self.sequence_parallel:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp}: DSv4 attention under tensor parallelism takes the sequence-parallel "
+                "rows of its TP rank (dsv4_attention.tp); set sequence_parallel=True"
+            )
+        # the head split itself (o_groups % tp, TP x CP) is checked per layer (AttentionConfig, the adapter)
+
     def _check_context_parallel(self) -> None:
         """CP > 1 runs dsv4-attention's own static contiguous CP (:mod:`dsv4_attention.cp`); refuse the rest."""
         if self.cp_comm_type is not None:
@@ -294,18 +301,20 @@ class DSv4AttentionConfig(MLATransformerConfig):
             tie_break=self.dsa_indexer_tie_break,
         )
 
-    def core_attention_config(self, kind: LayerKind) -> CoreAttentionConfig:
+    def core_attention_config(self, kind: LayerKind, tp_size: int = 1) -> CoreAttentionConfig:
+        """The core of one TP rank of ``tp_size`` (its ``n_h / tp_size`` heads)."""
         return CoreAttentionConfig(
             kind,
-            self.num_attention_heads,
+            self.num_attention_heads // tp_size,
             self.v_head_dim,
             self.csa_window_size,
             self.csa_kernel_backend,
             bool(self.dsa_indexer_use_sparse_loss),
         )
 
-    def attention_config(self, kind: LayerKind) -> AttentionConfig:
-        """The core :class:`~dsv4_attention.attention.AttentionConfig` of a layer of ``kind``."""
+    def attention_config(self, kind: LayerKind, tp_size: int = 1) -> AttentionConfig:
+        """The core :class:`~dsv4_attention.attention.AttentionConfig` of a layer of ``kind`` (one TP rank's shard
+        of ``tp_size``)."""
         return AttentionConfig(
             kind=kind,
             hidden_size=self.hidden_size,
@@ -320,6 +329,7 @@ class DSv4AttentionConfig(MLATransformerConfig):
             eps=self.layernorm_epsilon,
             backend=self.csa_kernel_backend,
             use_sparse_loss=bool(self.dsa_indexer_use_sparse_loss),
+            tp_size=tp_size,
         )
 
     @property

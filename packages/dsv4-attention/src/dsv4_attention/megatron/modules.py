@@ -18,7 +18,7 @@ from dsv4_attention.core import CompressedSparseAttention
 from dsv4_attention.grouped_projection import GroupedOutputProjection
 from dsv4_attention.indexer import LightningIndexer
 from dsv4_attention.kind import LayerKind
-from dsv4_attention.megatron._linears import column_parallel_kwargs, init_method_or_skip, param_device
+from dsv4_attention.megatron._linears import init_method_or_skip, linear_for, param_device, tp_size_of
 from dsv4_primitives import RopeConfig
 
 
@@ -56,14 +56,9 @@ class MegatronCompressor(Compressor, MegatronModule):
             raise ValueError(f"Compressor needs kind CSA (ratio 4) or HCA (ratio 128), got {kind.name}")
         pg = _require_pg(pg_collection, "Compressor")
         cfg = CompressorConfig(kind, config.hidden_size, head_dim, config.layernorm_epsilon)
-        common = column_parallel_kwargs(config, pg.tp)
-        d = config.hidden_size
-        wkv = build_module(
-            submodules.linear_wkv, d, cfg.width, tp_comm_buffer_name="csa_compressor_wkv", **common
-        )
-        wgate = build_module(
-            submodules.linear_wgate, d, cfg.width, tp_comm_buffer_name="csa_compressor_wgate", **common
-        )
+        d = config.hidden_size  # replicated under TP (linear_for: plain linears there)
+        wkv = linear_for(submodules.linear_wkv, config, pg, d, cfg.width, name="csa_compressor_wkv")
+        wgate = linear_for(submodules.linear_wgate, config, pg, d, cfg.width, name="csa_compressor_wgate")
         norm = build_module(
             submodules.norm, config=config, hidden_size=head_dim, eps=config.layernorm_epsilon
         )
@@ -90,20 +85,22 @@ class MegatronLightningIndexer(LightningIndexer, MegatronModule):
         MegatronModule.__init__(self, config)
         pg = _require_pg(pg_collection, "LightningIndexer")
         cfg = config.indexer_config()
-        common = column_parallel_kwargs(config, pg.tp)
-        wq_b = build_module(
+        # the whole indexer is replicated under TP (linear_for: plain linears there)
+        wq_b = linear_for(
             submodules.linear_wq_b,
+            config,
+            pg,
             cfg.q_lora_rank,
             cfg.n_heads * cfg.head_dim,
-            tp_comm_buffer_name="csa_indexer_wq_b",
-            **common,
+            name="csa_indexer_wq_b",
         )
-        weights_proj = build_module(
+        weights_proj = linear_for(
             submodules.linear_weights_proj,
+            config,
+            pg,
             cfg.hidden_size,
             cfg.n_heads,
-            tp_comm_buffer_name="csa_indexer_weights_proj",
-            **common,
+            name="csa_indexer_weights_proj",
         )
         compressor = build_module(
             submodules.compressor,
@@ -155,7 +152,8 @@ class MegatronCompressedSparseAttention(CompressedSparseAttention, MegatronModul
             indexer = build_module(
                 submodules.indexer, config=config, rope_cfg=rope_cfg, pg_collection=pg_collection
             )
-        self._init_core(config.core_attention_config(kind), compressor, indexer, param_device(config))
+        core_cfg = config.core_attention_config(kind, tp_size_of(pg_collection))  # this TP rank's heads
+        self._init_core(core_cfg, compressor, indexer, param_device(config))
 
 
 class MegatronGroupedOutputProjection(GroupedOutputProjection, MegatronModule):

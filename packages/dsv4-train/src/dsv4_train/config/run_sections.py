@@ -22,8 +22,9 @@ class ParallelSection:
     tp: int = field(
         default=1,
         metadata=option(
-            "tensor parallel size, with sequence parallelism (patterns of megatron's '*' attention, '-' MLP and 'E' "
-            "MoE; DSv4 attention W/C/H and the combinations the support table refuses need 1)"
+            "tensor parallel size, with sequence parallelism and micro-batches of one sequence (DSv4 attention "
+            "W/C/H splits its heads, megatron's '*' / '-' and 'E' their linears; the combinations the support table "
+            "refuses need 1)"
         ),
     )
     pp: int = field(default=1, metadata=option("pipeline stages"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dsv4_attention import LayerKind
 from dsv4_attention.megatron import get_dsv4_layer_spec
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.mixers.record import DSV4_ATTENTION_TP, LayerParams, Pairs, SymbolRecord
+from hybrid_model.mixers.record import LayerParams, Pairs, SymbolRecord
 
 
 def attention_params(cfg: DSv4ModelConfig, kind: LayerKind | int) -> dict[str, int]:
@@ -103,7 +103,6 @@ def kind_record(kind: LayerKind, layer: str) -> SymbolRecord:
         layer=layer,
         spec=spec,
         build_keywords=frozenset({"is_mtp_layer", "pp_layer_offset", "add_layer_offset"}),
-        refusals=(DSV4_ATTENTION_TP,),
         params=params,
         flops=flops,
         core_flops=core_flops,

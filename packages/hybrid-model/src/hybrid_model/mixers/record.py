@@ -67,12 +67,6 @@ class Dependency:
 
 #: the reason of megatron's layers that refuse tensor parallelism here (their local spec / torch rule has no TP path)
 TP_REASON = "runs with tensor_model_parallel_size=1 only here: use --tp 1 or a pattern without it"
-#: DSv4 attention's refusal of tensor parallelism (until its head split lands: issue 31)
-DSV4_ATTENTION_TP = Refusal(
-    Layout.TP,
-    "is DSv4 attention, which does not split over tensor-parallel ranks yet (its query heads, grouped output "
-    "projection and sinks stay whole): use --tp 1, or a pattern of megatron's '*' attention with '-' / 'E' layers",
-)
 #: megatron-core's own layers read THD document boundaries on the host (``cu_seqlens.tolist()``, ``max_seqlen`` from
 #: the batch), which a captured step would bake in
 HOST_BOUNDARIES = Refusal(
