@@ -74,11 +74,29 @@ CASES = [(kind, False) for kind in LayerKind] + [(LayerKind.CSA, True)]  # CSA's
 def test_fast_prefill_cache_equals_eager_extend(kind, dense, monkeypatch):
     """Prefill a batch of prompts of different lengths with the fast path and with the eager extend: the same
     outputs, the same cache; then 6 decode steps per sequence give the same outputs on both caches."""
+    layer = make_layer(kind)
+    check_fast_prefill(layer, dense, monkeypatch, rtol_out=RTOL, rtol_cache=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("kind", "dense"), CASES, ids=lambda c: getattr(c, "name", "dense" if c else "sparse")
+)
+def test_fast_prefill_cache_equals_eager_extend_bf16_cuda(kind, dense, monkeypatch):
+    """bf16 on CUDA (csa-kernels' Triton ops on both paths): the same check within bf16 rounding
+    (``1e-2 * max(1, max|ref|)``, about two bf16 ulps)."""
+    layer = make_layer(kind).cuda().bfloat16()
+    check_fast_prefill(layer, dense, monkeypatch, rtol_out=1e-2, rtol_cache=1e-2)
+
+
+def check_fast_prefill(layer, dense: bool, monkeypatch, *, rtol_out: float, rtol_cache: float) -> None:
+    """Fast vs eager prefill of :data:`PROMPTS` on ``layer``'s device / dtype, then 6 decode steps on both."""
     calls = []
     monkeypatch.setattr(cache_module, "prefill", lambda *a: calls.append(1) or prefill(*a))
-    layer = make_layer(kind)
+    kind = layer.kind
+    weight = next(layer.linear_kv_proj.parameters())
     steps, total = 6, max(PROMPTS) + 6
-    xs = [torch.randn(n + steps, 64) for n in PROMPTS]
+    xs = [torch.randn(n + steps, 64).to(weight) for n in PROMPTS]
     fast, eager = AttentionCache(layer, len(PROMPTS), total), AttentionCache(layer, len(PROMPTS), total)
     plan = ExtendPlan(fast.lengths, PROMPTS)
     x = torch.cat([x[:n] for x, n in zip(xs, PROMPTS)])  # [R, d]
@@ -86,16 +104,17 @@ def test_fast_prefill_cache_equals_eager_extend(kind, dense, monkeypatch):
     y_eager = eager.extend(layer, x, plan, dense=dense, fast_prefill=False)
     assert fast.lengths == eager.lengths == tuple(PROMPTS)
     assert calls == [1], "the first call of an empty cache must take the fast prefill (and only that call)"
-    assert_close(f"{kind.name} prefill outputs", y_fast, y_eager)
+    assert_close(f"{kind.name} prefill outputs", y_fast.float(), y_eager.float(), rtol_out)
     fast_buffers, eager_buffers = cache_buffers(fast), cache_buffers(eager)
     assert fast_buffers.keys() == eager_buffers.keys()
     for name, ref in eager_buffers.items():
-        assert_close(f"{kind.name} {name}", fast_buffers[name], ref, rtol=1e-6)
+        assert_close(f"{kind.name} {name}", fast_buffers[name].float(), ref.float(), rtol_cache)
     for step in range(steps):
         plan = ExtendPlan(fast.lengths, [1] * len(PROMPTS))
         x = torch.stack([x[n + step] for x, n in zip(xs, PROMPTS)])  # [B, d]
         y_fast = fast.extend(layer, x, plan, dense=dense)
-        assert_close(f"{kind.name} step {step}", y_fast, eager.extend(layer, x, plan, dense=dense))
+        y_eager = eager.extend(layer, x, plan, dense=dense)
+        assert_close(f"{kind.name} step {step}", y_fast.float(), y_eager.float(), rtol_out)
     assert calls == [1]
 
 
