@@ -44,6 +44,7 @@ from dsv4_attention.attention import DSv4Attention
 from dsv4_attention.decode.compressed import CompressorCache
 from dsv4_attention.decode.indexer import IndexerCache
 from dsv4_attention.decode.plan import ExtendPlan
+from dsv4_attention.decode.prefill import prefill
 from dsv4_attention.decode.static import extend_static
 from dsv4_attention.decode.window import WindowCache
 
@@ -147,12 +148,19 @@ class AttentionCache:
         *,
         dense: bool = False,
         undo: bool = False,
+        fast_prefill: bool = True,
     ) -> torch.Tensor:
         """The layer output ``[R, d]`` of the call's rows ``x [R, d]`` (module docstring); the cache then holds
         ``plan.new_lengths`` tokens per sequence. ``dense``: CSA's dense phase (every visible entry, no top-k).
-        ``undo``: keep what :meth:`rollback` needs to drop some of the call's rows again."""
+        ``undo``: keep what :meth:`rollback` needs to drop some of the call's rows again. ``fast_prefill``: a
+        first call (every sequence empty, no ``undo``) runs the layer's training forward over the prompts and
+        fills the cache from them (:mod:`~dsv4_attention.decode.prefill`; the same cache as this eager path)."""
         self._check(attn, x, plan)
         self._undo = None
+        if fast_prefill and not undo and not any(self.lengths):
+            y = prefill(self, attn, x, plan, dense)
+            self.lengths = plan.new_lengths
+            return y
         core = attn.core_attention
         pos, seq = plan.row_positions(x.device), plan.row_sequences(x.device)  # [R], [R]
         q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [R, d_c]
