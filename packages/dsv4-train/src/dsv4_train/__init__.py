@@ -3,6 +3,6 @@
 
 from dsv4_train.config import TrainConfig
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = ["TrainConfig", "__version__"]
