@@ -131,7 +131,7 @@ def test_dsv4_train_prints_the_data_summary(tmp_path):
     assert "dsv4 train: data (--seq-len 64, long documents: split):" in out
     assert f"  {a}: 1 file, 2 documents, 1,002 tokens -> 17 samples; 1 split" in out
     assert f"  {d}: 3 files, 3 documents, 228 tokens -> 6 samples; 2 split" in out
-    assert "dsv4 train: 1 steps" in out
+    assert "dsv4 train: 1 step, lm loss " in out
 
 
 def test_eval_data_that_is_also_training_data_is_noted(tmp_path, monkeypatch):
