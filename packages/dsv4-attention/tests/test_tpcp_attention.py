@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _tp_cases import CASES, run_case
-from _tpcp_cases import CP, TP, world_worker
+from _tpcp_cases import ADAPTER_KINDS, CP, TP, adapter_reference, world_worker
 
 from dsv4_attention.tp import HEAD_SPLIT
 from dsv4_testkit import assert_close_to_ref, run_distributed
@@ -74,7 +74,9 @@ def test_tpcp_equals_one_process(world, name):
     got = _collect(ranks)
     assert set(got) == set(ref), (sorted(got), sorted(ref))
     for key, out in got.items():
-        assert_close_to_ref(f"{name} TP2xCP2: {key}", out, ref[key], None if ref_bf16 is None else ref_bf16[key])
+        assert_close_to_ref(
+            f"{name} TP2xCP2: {key}", out, ref[key], None if ref_bf16 is None else ref_bf16[key]
+        )
     if CASES[name]["kind"] == "CSA":  # the indexer is trained: its parameters get gradients on every rank
         for r in ranks:
             assert all(r["grads"][n] is not None for n in r["grads"] if ".indexer." in n), name
@@ -93,3 +95,29 @@ def test_tpcp_refuses_cp_fastest_order(world):
         assert "TP fastest" in world[r]["swapped"], world[r]["swapped"]
     for r in (0, 3):
         assert world[r]["swapped"] == ""
+
+
+@pytest.mark.parametrize("kind", list(ADAPTER_KINDS))
+def test_megatron_adapter_tp2xcp2_equals_one_process(world, kind):
+    """The megatron adapter in megatron's TP=2 x CP=2 state (megatron's order puts rank ``r`` at CP ``r // 2``, TP
+    ``r % 2``) equals the core layer on the whole pack: outputs, input gradients, every parameter gradient
+    (gathered as above), and the logged indexer loss (the tracker sums the four partials over ``pg_collection.tp_cp``
+    before the DP mean)."""
+    ref = adapter_reference(ADAPTER_KINDS[kind])
+    ranks = [world[r]["adapter"][kind] for r in range(TP * CP)]
+    assert [r["ranks"] for r in ranks] == [(r, r // TP, r % TP) for r in range(TP * CP)]
+    got = {"y": torch.cat([r["y"] for r in ranks]), "x.grad": torch.cat([r["xg"] for r in ranks])}
+    exp = {"y": ref["y"], "x.grad": ref["xg"]}
+    assert set(ranks[0]["grads"]) == set(ref["grads"])
+    for n, g_ref in ref["grads"].items():
+        by_tp = [sum(ranks[c * TP + t]["grads"][n] for c in range(CP)) for t in range(TP)]
+        per_tp_sum = sum(by_tp) if n not in HEAD_SPLIT else torch.cat(by_tp, HEAD_SPLIT[n])
+        got[n + ".grad"], exp[n + ".grad"] = per_tp_sum, g_ref
+    if ref["loss"] is not None:
+        assert all(r["sums_over_tp_cp"] for r in ranks)
+        got["logged indexer loss"] = sum(r["logged"] for r in ranks)
+        exp["logged indexer loss"] = ref["loss"]
+    else:
+        assert all(r["logged"] is None for r in ranks)
+    for key, out in got.items():
+        assert_close_to_ref(f"adapter {kind} TP2xCP2: {key}", out, exp[key], None)

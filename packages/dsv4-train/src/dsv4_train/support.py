@@ -133,8 +133,8 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(
         ("tp", "cp"),
         "refused",
-        "--tp {tp} with --cp {cp} is not supported yet: DSv4 attention does not combine its tensor-parallel head "
-        "split with context parallelism (use --tp 1 or --cp 1)",
+        "--tp {tp} with --cp {cp} is not supported yet: CP feeds the model THD packs, and the model does not cut "
+        "packed documents into sequence-parallel shards (DSv4 attention alone runs TP x CP); use --tp 1 or --cp 1",
         _TP_REFUSALS,
     ),
     Relation(
