@@ -33,7 +33,8 @@ FP4_SHAPES = [("expert w1 V4-Flash", (2048, 4096)), ("64 experts w1 V4-Flash", (
 
 
 def _ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=100, quantiles=[0.5])[0])
+    out = triton.testing.do_bench(fn, warmup=10, rep=100, quantiles=[0.5])  # one quantile: a float
+    return float(out[0] if isinstance(out, (list, tuple)) else out)
 
 
 def _peer():
