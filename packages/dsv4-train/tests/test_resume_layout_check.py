@@ -21,14 +21,17 @@ def test_checkpoints_without_model_layout_use_the_rng_layout():
         check_resume_layout(old, "ckpt", (1, 1, 1))
 
 
-def test_fully_reshardable_checkpoints_resume_at_another_pp_size():
+def test_fully_reshardable_checkpoints_resume_at_another_pp_or_tp_size():
     common = {"model_layout": [2, 1, 2], "rng_layout": [2, 1, 1], "distopt_format": "fully_reshardable"}
-    for layout in ((1, 1, 2), (2, 1, 2), (4, 1, 2)):
+    for layout in ((1, 1, 2), (2, 1, 2), (4, 1, 2), (1, 2, 2), (2, 4, 2)):
         check_resume_layout(common, "ckpt", layout)
     with pytest.raises(
-        ValueError, match=r"fully_reshardable\) resumes at another PP or DP size, not at another TP or EP"
+        ValueError, match=r"fully_reshardable\) resumes at another PP, TP or DP size, not at another EP"
     ):
         check_resume_layout(common, "ckpt", (2, 1, 1))
     dp_only = dict(common, distopt_format="dp_reshardable")
-    with pytest.raises(ValueError, match="--ckpt-format fully_reshardable"):
-        check_resume_layout(dp_only, "ckpt", (1, 1, 2))
+    for layout in ((1, 1, 2), (2, 2, 2)):
+        with pytest.raises(
+            ValueError, match="--ckpt-format fully_reshardable to resume at another PP or TP size"
+        ):
+            check_resume_layout(dp_only, "ckpt", layout)

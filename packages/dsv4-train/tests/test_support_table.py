@@ -29,6 +29,7 @@ ACTIVATE = {
     "offload": {"optimizer_cpu_offload": True},
     "deterministic": {"deterministic": True},
     "eval": {"eval_interval": 1},
+    "resume": {"resume": True},
     "fp32": {"bf16": False},
 }
 

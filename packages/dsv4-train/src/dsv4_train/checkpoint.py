@@ -24,13 +24,14 @@ from dsv4_train.data_identity import DATA_IDENTITY_FILE, identity_text
 from dsv4_train.eval_data import heldout_conflict
 from dsv4_train.init_model import mismatch_message
 from dsv4_train.step import TrainingDiverged
+from hybrid_model.dist_load import load_across_tp
 from hybrid_model.hf.convert import describe_load_error
 
 DISTOPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}  # the default (``--ckpt-format``)
 # the distributed optimizer's checkpoint formats ``dsv4 train --ckpt-format`` offers: ``dp_reshardable`` (flat
 # buffer shards: each rank writes its own, resumable at another DP size) and ``fully_reshardable`` (every
 # param's fp32 main copy and Adam moments under its model key, gathered over DP to write: resumable at another
-# PP and DP size; see :func:`check_resume_layout`)
+# PP, TP and DP size; see :func:`check_resume_layout`)
 # the run's TrainConfig, written next to megatron's files of every checkpoint (read back for the resume checks)
 TRAIN_CONFIG_FILE = "dsv4_train_config.json"
 
@@ -142,28 +143,29 @@ def check_resume_layout(common: dict, path: Path | str, layout: tuple[int, int, 
     """``ValueError`` unless ``layout`` = (PP, TP, EP) can resume the checkpoint saved at ``common["model_layout"]``.
 
     ``dp_reshardable`` optimizer state (the default format) is flat buffer shards whose layout depends on which
-    parameters a PP/TP/EP rank holds: megatron re-splits it over DP only, so PP, TP and EP must be the saved ones.
-    ``fully_reshardable`` state (``--ckpt-format fully_reshardable``) is keyed per parameter like the model: PP may
-    change too (PP2 -> PP1 is tested). TP and EP stay fixed (TP is 1 in DSv4; an EP change is not tested).
-    ``common``: the checkpoint's common state with ``model_layout``; checkpoints written before it existed give PP
-    and TP through ``rng_layout`` = (PP, TP, DP).
+    parameters (and which TP slices of them) a PP/TP/EP rank holds: megatron re-splits it over DP only, so PP, TP
+    and EP must be the saved ones. ``fully_reshardable`` state (``--ckpt-format fully_reshardable``) is keyed per
+    parameter like the model, each TP-split parameter's main copy and moments as TP shards of the TP=1 tensor: PP
+    and TP may change too (PP2 -> PP1, TP2 -> TP1 and TP1 -> TP2 are tested). EP stays fixed (an EP change is not
+    tested). ``common``: the checkpoint's common state with ``model_layout``; checkpoints written before it existed
+    give PP and TP through ``rng_layout`` = (PP, TP, DP).
     """
     saved = common.get("model_layout") or [*common.get("rng_layout", [0, 0])[:2], layout[2]]
     fmt = saved_distopt_format(common)
-    fixed = (1, 2) if fmt == "fully_reshardable" else (0, 1, 2)
+    fixed = (2,) if fmt == "fully_reshardable" else (0, 1, 2)
     if any(tuple(saved)[i] != tuple(layout)[i] for i in fixed):
         if fmt == "fully_reshardable":
             raise ValueError(
                 f"{path} was saved at (PP, TP, EP) = {tuple(saved)}; this run is {tuple(layout)}. Its optimizer "
-                "state (fully_reshardable) resumes at another PP or DP size, not at another TP or EP size: resume "
-                "at the saved TP/EP, or start from its weights with --init-from (optimizer, schedule and data "
-                "start fresh)"
+                "state (fully_reshardable) resumes at another PP, TP or DP size, not at another EP size: resume "
+                "at the saved EP, or start from its weights with --init-from (optimizer, schedule and data start "
+                "fresh)"
             )
         raise ValueError(
             f"{path} was saved at (PP, TP, EP) = {tuple(saved)}; this run is {tuple(layout)}. Its optimizer state "
             "(megatron's dp_reshardable format) can be resumed at another DP size only: resume at the saved "
-            "PP/TP/EP, save with --ckpt-format fully_reshardable to resume at another PP, or start from its "
-            "weights with --init-from (optimizer, schedule and data start fresh)"
+            "PP/TP/EP, save with --ckpt-format fully_reshardable to resume at another PP or TP size, or start from "
+            "its weights with --init-from (optimizer, schedule and data start fresh)"
         )
 
 
@@ -350,8 +352,8 @@ class Checkpointer:
     def load_latest(self) -> int | None:
         """Restore model, optimizer (Adam moments + per-param step), LR scheduler, data position and RNG state of
         ``checkpoints/latest`` and return its step; ``None`` when there is none. The DP size may differ from the
-        saved one, PP/TP/EP may not (:func:`check_resume_layout`); the RNG streams are restored only when the
-        parallel layout (PP, TP, DP) is the saved one. Unreadable files and settings a resume cannot change
+        saved one, PP and TP only in the ``fully_reshardable`` format, EP not (:func:`check_resume_layout`); the RNG
+        streams are restored only when the parallel layout (PP, TP, DP) is the saved one. Unreadable files and settings a resume cannot change
         (:func:`check_resumable`) raise ``ValueError`` naming them."""
 
         latest = self.dir / "latest"
@@ -367,7 +369,7 @@ class Checkpointer:
                 template = self.sharded_state(
                     0, loading=True, with_rng=same_layout, distopt_format=saved_distopt_format(common)
                 )
-                state = dist_checkpointing.load(template, str(path))
+                state = load_across_tp(template, str(path))
                 self.core.load_state_dict(state["model"])
                 with torch.no_grad():
                     self.optimizer.load_state_dict(state["optimizer"])
@@ -396,7 +398,7 @@ class Checkpointer:
 
         with cuda_as_cpu():
             try:
-                state = dist_checkpointing.load({"model": self.core.sharded_state_dict()}, str(p))
+                state = load_across_tp({"model": self.core.sharded_state_dict()}, str(p))
             except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
                 other_model = mismatch_message(str(path), p, self.tc)
                 if other_model is not None:

@@ -29,7 +29,7 @@ def checkpoint_report(path: str | Path) -> dict:
         model = json.loads(meta.read_text()).get("model_config", {}) if meta.is_file() else {}
         return {
             "path": str(p),
-            "format": "megatron dist checkpoint (layout-free: any PP/EP/DP layout loads it with dsv4 train --init-from)",
+            "format": "megatron dist checkpoint (layout-free: any PP/TP/EP/DP layout loads it with dsv4 train --init-from)",
             "files": len(files),
             "bytes": sum(f.stat().st_size for f in files),
             "model": {

@@ -64,6 +64,7 @@ FEATURES: dict[str, Feature] = {
         Feature("offload", "--optimizer-cpu-offload", lambda tc, m: tc.optimizer.optimizer_cpu_offload),
         Feature("deterministic", "--deterministic", lambda tc, m: tc.precision.deterministic),
         Feature("eval", "--eval-interval > 0", lambda tc, m: tc.eval.eval_interval > 0),
+        Feature("resume", "--resume", lambda tc, m: bool(tc.checkpoint.resume)),
         Feature(
             "fp32",
             "--no-bf16",
@@ -222,6 +223,21 @@ RELATIONS: tuple[Relation, ...] = (
         "TP2 (sequence parallelism, micro-batches of one sequence; DSv4 attention W C H with its heads split, '-', "
         "'E', mHC + MTP) equals one process from the same --seed, from the CLI (megatron's '*': model-level test)",
         "tests/test_train_tensor_parallel.py::test_tp2_from_the_cli_starts_like_one_process",
+    ),
+    Relation(
+        ("resume", "tp"),
+        "supported",
+        "TP2 saved at step k and resumed equals the uninterrupted TP2 run bitwise (losses, final weights; fp32, bf16; "
+        "both --ckpt-format values), from the CLI",
+        "tests/test_train_tp_resume.py::test_same_tp_resume_is_bitwise",
+    ),
+    Relation(
+        ("resume", "tp"),
+        "supported",
+        "--ckpt-format fully_reshardable resumes at another TP size (TP2 -> TP1, TP1 -> TP2; optimizer state "
+        "resharded) like the uninterrupted runs, from the CLI; a dp_reshardable checkpoint refuses a TP change "
+        "when it is loaded (its flat optimizer buffers follow the TP shard sizes)",
+        "tests/test_train_tp_resume.py::test_resume_at_another_tp_size_continues_the_saved_run",
     ),
     Relation(
         ("pp",),

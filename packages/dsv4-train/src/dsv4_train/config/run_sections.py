@@ -231,7 +231,7 @@ class CheckpointSection:
         default="dp_reshardable",
         metadata=option(
             "distributed-optimizer checkpoint format: dp_reshardable resumes at another DP size, fully_reshardable "
-            "also at another PP size (gathers the optimizer state over DP to save)",
+            "also at another PP or TP size (gathers the optimizer state over DP to save)",
             choices=DISTOPT_FORMATS,
         ),
     )

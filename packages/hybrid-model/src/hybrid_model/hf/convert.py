@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.dist_load import load_across_tp
 from hybrid_model.hf.config_map import hf_config_from_model_config
 from hybrid_model.hf.io import read_config, write_checkpoint
 from hybrid_model.hf.loader import build_empty_model, read_official_checkpoint
@@ -262,7 +263,7 @@ def load_megatron_checkpoint(
     model = build_empty_model(model_config, "cpu")
     try:
         with _dist_ckpt_context():
-            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+            state = load_across_tp({"model": model.sharded_state_dict()}, str(path))
     except (
         Exception,
         CheckpointException,
