@@ -230,8 +230,9 @@ class StepRunner:
         if finite:
             with cuda_as_cpu():
                 ok, grad_norm, _ = self.optimizer.step()
+            # every rank that routed other tokens through the same routers: DP x CP, and TP's sequence shards
             update_selection_biases(
-                self.core, group=self.ps.get_data_parallel_group(with_context_parallel=True)
+                self.core, group=self.ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
             )
         else:
             discard_router_loads(self.core)
