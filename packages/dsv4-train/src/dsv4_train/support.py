@@ -114,23 +114,10 @@ _MATRIX = "tests/test_parallel_matrix.py::test_cell_matches_single_process"
 _CP = "tests/test_train_context_parallel.py::"
 _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
 _TP_REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
+_TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
 
 RELATIONS: tuple[Relation, ...] = (
     # refused: decided by the config
-    Relation(
-        ("tp", "pp"),
-        "refused",
-        "--tp {tp} with --pp {pp} is not supported yet: no parity test covers sequence-parallel mHC streams crossing "
-        "pipeline stages (use --tp or --pp)",
-        _TP_REFUSALS,
-    ),
-    Relation(
-        ("tp", "ep"),
-        "refused",
-        "--tp {tp} with --ep {ep} is not supported yet: no parity test covers the expert all-to-all over sequence-"
-        "parallel shards (use --tp or --ep)",
-        _TP_REFUSALS,
-    ),
     Relation(
         ("tp", "micro_batch"),
         "refused",
@@ -238,6 +225,29 @@ RELATIONS: tuple[Relation, ...] = (
         "resharded) like the uninterrupted runs, from the CLI; a dp_reshardable checkpoint refuses a TP change "
         "when it is loaded (its flat optimizer buffers follow the TP shard sizes)",
         "tests/test_train_tp_resume.py::test_resume_at_another_tp_size_continues_the_saved_run",
+    ),
+    Relation(
+        ("tp", "dp"), "supported", "TP2 x DP2 equals one process, from the CLI (fp32, bf16)", _TP_COMBOS
+    ),
+    Relation(
+        ("tp", "pp"),
+        "supported",
+        "TP2 x PP2 equals one process, from the CLI (fp32, bf16): the mHC streams cross stages as sequence shards "
+        "[s/tp, b, n·d]",
+        _TP_COMBOS,
+    ),
+    Relation(
+        ("tp", "vpp"),
+        "supported",
+        "TP2 x PP2 x VPP2 equals one process, from the CLI (fp32, bf16): folded streams [(s/tp)·n, b, d]",
+        _TP_COMBOS,
+    ),
+    Relation(
+        ("tp", "ep"),
+        "supported",
+        "TP2 x EP2 equals one process, from the CLI (fp32, bf16): each TP rank's sequence shard through the expert "
+        "all-to-all, expert TP 1",
+        _TP_COMBOS,
     ),
     Relation(
         ("pp",),

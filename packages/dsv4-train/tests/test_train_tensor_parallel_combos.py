@@ -1,0 +1,114 @@
+"""``--tp 2`` combined with DP, PP (and PP x VPP) and EP, from the CLI (issue 31): ``torchrun --nproc-per-node 4 -m
+dsv4_train train --preset tiny --tp 2 [--pp 2 [--vpp 2] | --ep 2]`` (gloo, CPU, sequence parallelism, micro-batches
+of one sequence) trains like the single process on the same global batch from the same ``--seed``.
+
+Cells (4 processes each): TP2 x DP2 (``--tp 2``: DP = 4 / 2), TP2 x PP2 (the mHC streams cross the stage boundary as
+this rank's sequence shard, megatron's p2p shape ``[s/tp, b, n·d]``), TP2 x PP2 x VPP2 (interleaved schedule, 4
+segments of the tiny preset's 6 layers, folded streams ``[(s/tp)·n, b, d]``) and TP2 x EP2 (DP 2, experts split
+over 2 EP ranks: each TP rank routes its own sequence shard through the expert all-to-all with expert TP 1). The
+global batch: 4 sequences of 64 tokens, micro-batches of one sequence, 2 steps, ``--seed 11``; every process runs
+one thread (the single process too: the CPU GEMMs' blocking, and so their rounding, depends on the thread count).
+
+fp32, both steps against the single process: TP changes the summation order of the row-parallel products, of the
+vocab-parallel softmax statistics and of the replicated parameters' gradients (two sequence shards summed by the TP
+all-reduce); DP, PP and EP add the order of the micro-batch accumulation and of the DP / expert-DP reductions.
+Each is an fp32 sum of ``k <= 512`` terms in another order, within ``k·u`` relative (``u = 2**-24``, ``512·u ≈
+3e-5``): the losses and the grad norm are compared at ``2e-5`` relative, as the TP2 and parallel-matrix tests do.
+Step 2 also checks the update: the distributed optimizer's DP shards, and the learned routers' selection bias,
+whose expert loads are summed over every rank that routed other tokens (TP's sequence shards too: with DP x CP only,
+the TP ranks' biases drifted apart after step 1 and step 2's indexer loss moved by 2e-3 relative). Measured: step 1's
+LM / MTP losses and step 2's LM loss bitwise, every value of both steps within 4.3e-7 relative.
+
+bf16, against the single-process bf16 run: TP changes the forward arithmetic (each row-parallel output is two
+partial products rounded to bf16 and then added, instead of one sum rounded once; the indexer's and the
+vocabulary's statistics are reduced in another order), so nothing is bitwise. We bound it by bf16 rounding itself,
+as the parallel matrix does: the single-process bf16 run deviates from the fp32 run of the same weights by its
+accumulated bf16 rounding ``δ`` (``max`` over both steps of ``|L_bf16 - L_fp32|``, LM and MTP losses; measured
+2.9e-4); a TP run makes roundings of the same magnitudes in another grouping, so its deviation from fp32 is of the
+same size and ``|L_tp - L_ref| <= 2·δ`` (measured: within 5e-5). Likewise the first step's grad norm within
+``2·|g_bf16 - g_fp32|`` (one process; measured 1.1e-2 against a TP deviation of at most 9.1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+_ARGS = [
+    "--preset", "tiny", "--seed", "11", "--steps", "2", "--seq-len", "64", "--global-batch-size", "4",
+    "--micro-batch-size", "1", "--no-progress", "--no-save-final",
+]  # fmt: skip
+_REL = 2e-5
+_KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
+_DTYPE_FLAG = {"fp32": "--no-bf16", "bf16": "--bf16"}
+
+#: cell -> the layout flags of a 4-process run
+CELLS = {
+    "tp2xdp2": ["--tp", "2"],
+    "tp2xpp2": ["--tp", "2", "--pp", "2"],
+    "tp2xpp2xvpp2": ["--tp", "2", "--pp", "2", "--vpp", "2"],
+    "tp2xep2": ["--tp", "2", "--ep", "2"],
+}
+
+
+def _train(nproc: int, dtype: str, layout: list[str], out) -> list[dict]:
+    """The metrics rows of ``dsv4 train`` on ``nproc`` processes (torchrun unless one), one thread each."""
+    torchrun = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    )
+    flags = [*_ARGS, _DTYPE_FLAG[dtype], *layout, "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, *torchrun, "-m", "dsv4_train", "train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``get(name, dtype)``: the metrics of a run, each launched once for the module (``one``: the single process,
+    else a cell on 4 processes)."""
+    out = tmp_path_factory.mktemp("tp-combos")
+    cache: dict[tuple[str, str], list[dict]] = {}
+
+    def get(name: str, dtype: str) -> list[dict]:
+        if (name, dtype) not in cache:
+            nproc, layout = (1, []) if name == "one" else (4, CELLS[name])
+            cache[name, dtype] = _train(nproc, dtype, layout, out / f"{name}-{dtype}")
+        return cache[name, dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_tp2_combination_fp32_matches_one_process(runs, cell):
+    got, one = runs(cell, "fp32"), runs("one", "fp32")
+    for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
+        for key in _KEYS:
+            assert g[key] == pytest.approx(r[key], rel=_REL), (cell, step, key, g[key], r[key])
+    assert [r["lr"] for r in got] == [r["lr"] for r in one]
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_tp2_combination_bf16_within_bf16_rounding_of_one_process(runs, cell):
+    got, ref, fp32 = runs(cell, "bf16"), runs("one", "bf16"), runs("one", "fp32")
+    delta = max(abs(b[k] - f[k]) for b, f in zip(ref, fp32, strict=True) for k in ("lm_loss", "mtp_loss"))
+    assert delta > 0, "the bf16 run must round somewhere"
+    for step, (g, r) in enumerate(zip(got, ref, strict=True), start=1):
+        for key in ("lm_loss", "mtp_loss"):
+            assert abs(g[key] - r[key]) <= 2 * delta, (cell, step, key, g[key], r[key], 2 * delta)
+        assert g["lr"] == r["lr"]
+    bound = 2 * abs(ref[0]["grad_norm"] - fp32[0]["grad_norm"])
+    assert abs(got[0]["grad_norm"] - ref[0]["grad_norm"]) <= bound, (cell, got[0]["grad_norm"], bound)
