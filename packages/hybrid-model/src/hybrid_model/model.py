@@ -224,16 +224,11 @@ class DSv4Model(HybridModel):
                 "the global packed_seq_params ([B, S] batches run under CP as a THD pack of B documents of S tokens: "
                 "dsv4_train.context_parallel.sbhd_as_thd_pack)"
             )
-        if self.config.sequence_parallel and packed_seq_params is not None:
-            raise ValueError(
-                "packed THD batches under tensor (sequence) parallelism are not supported yet: use [B, S] batches "
-                "(drop --packed) or --tp 1"
-            )
         if padding_mask is not None:  # [b, s] -> this rank's [b, s/tp] under SP (the layers' token rows)
             padding_mask = sequence_shard(padding_mask, self.sequence_parallel_group)
         router_cu = None
         if input_ids is not None:
-            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
+            router_cu = self._router_cu_seqlens(packed_seq_params, input_ids)
             # the hash routers see this rank's sequence shard of the ids (SP cuts the activations the same way)
             self.decoder.bind_input_ids(sequence_shard(input_ids, self.sequence_parallel_group), router_cu)
         try:
@@ -284,7 +279,7 @@ class DSv4Model(HybridModel):
 
         cp = self.context_parallel_group
         if router_cu is None:
-            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
+            router_cu = self._router_cu_seqlens(packed_seq_params, input_ids)
 
         out, ids = [], input_ids
         recompute = self.training and mtp_full_recompute(self.config, len(self.decoder.layers))
@@ -330,6 +325,17 @@ class DSv4Model(HybridModel):
         # MTP loss by the CP size as it does the main and MoE losses, so the partial's gradient scale is applied here
         scale = self._step_state.mtp_loss_weight / len(losses) * partial_loss_gradient_scale(cp)
         return MTPLossAutoScaler.apply(hidden, scale * torch.stack(losses).sum())
+
+    def _router_cu_seqlens(self, packed_seq_params, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The MoE routers' document intervals of a THD pack over the rows the routers see
+        (:func:`~hybrid_model.mtp.router_cu_seqlens`): this CP rank's rows ``[1, L]`` under CP; under sequence
+        parallelism ``input_ids`` is the whole pack ``[1, T]`` and the routers see this TP rank's ``T / tp`` rows, so
+        the global intervals are clipped to them (the routers sum their per-document statistics over TP)."""
+        sp = self.sequence_parallel_group
+        if sp is not None and sp.size() > 1:
+            rows = sequence_shard(input_ids, sp).shape[-1]  # T / tp (ValueError when T does not split)
+            return router_cu_seqlens(packed_seq_params, rows, sp)
+        return router_cu_seqlens(packed_seq_params, input_ids.shape[-1], self.context_parallel_group)
 
     @property
     def context_parallel_group(self):

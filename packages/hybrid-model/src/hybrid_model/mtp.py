@@ -79,10 +79,11 @@ def router_cu_seqlens(packed_seq_params, num_tokens: int, cp_group=None) -> torc
     one more interval, so that the intervals cover all ``num_tokens`` rows (hash-moe's balance loss needs
     ``cu_seqlens[-1] == T``). Padding rows lie inside these intervals; the model's ``padding_mask`` drops them.
 
-    ``cp_group`` (size ``P`` > 1, contiguous CP): ``num_tokens`` is this rank's ``L`` rows of the global pack of
-    ``P·L`` rows; the global intervals are clipped to the rank's rows ``[r·L, (r+1)·L)`` and shifted to local offsets.
-    Every CP rank keeps all ``D + 1`` entries (documents it holds no row of are empty), so document ``d`` is the same
-    document on every rank and the routers can sum their per-document statistics over the CP group."""
+    ``cp_group`` (size ``P`` > 1, contiguous CP, or the TP group under sequence parallelism, which cuts the pack the
+    same way): ``num_tokens`` is this rank's ``L`` rows of the global pack of ``P·L`` rows; the global intervals are
+    clipped to the rank's rows ``[r·L, (r+1)·L)`` and shifted to local offsets. Every rank keeps all ``D + 1`` entries
+    (documents it holds no row of are empty), so document ``d`` is the same document on every rank and the routers
+    can sum their per-document statistics over the group."""
     if packed_seq_params is None:
         return None
     if _is_static(packed_seq_params):  # --cuda-graph --packed: no host read; the tail interval may be empty
