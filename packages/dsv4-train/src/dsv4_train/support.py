@@ -112,6 +112,7 @@ _GRAPH_ONE_RANK = (
 _MATRIX = "tests/test_parallel_matrix.py::test_cell_matches_single_process"
 _CP = "tests/test_train_context_parallel.py::"
 _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
+_TP = "tests/test_train_tensor_parallel.py::"
 _TP_REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 
 RELATIONS: tuple[Relation, ...] = (
@@ -135,21 +136,6 @@ RELATIONS: tuple[Relation, ...] = (
         "refused",
         "--tp {tp} with --cp {cp} is not supported yet: DSv4 attention does not combine its tensor-parallel head "
         "split with context parallelism (use --tp 1 or --cp 1)",
-        _TP_REFUSALS,
-    ),
-    Relation(
-        ("tp", "micro_batch"),
-        "refused",
-        "--tp {tp} with --micro-batch-size {micro_batch_size}: under tensor parallelism DSv4 attention takes one "
-        "sequence per micro-batch (its sequence-parallel layout covers [S, 1] micro-batches); use --micro-batch-size "
-        "1 (the global batch accumulates micro-batches) or --tp 1",
-        _TP_REFUSALS,
-    ),
-    Relation(
-        ("tp", "packed"),
-        "refused",
-        "--tp {tp} with --packed is not supported yet: the packed documents' boundaries are not cut into sequence-"
-        "parallel shards (drop --packed: [B, S] batches, or --tp 1)",
         _TP_REFUSALS,
     ),
     Relation(
@@ -229,6 +215,21 @@ RELATIONS: tuple[Relation, ...] = (
         "TP2 (sequence parallelism, micro-batches of one sequence; DSv4 attention W C H with its heads split, '-', "
         "'E', mHC + MTP) equals one process from the same --seed, from the CLI (megatron's '*': model-level test)",
         "tests/test_train_tensor_parallel.py::test_tp2_from_the_cli_starts_like_one_process",
+    ),
+    Relation(
+        ("tp", "packed"),
+        "supported",
+        "TP2 on packs (the pack's documents cut into sequence-parallel shards: DSv4 attention's TP layout, the MTP "
+        "roll on the whole pack, the routers' per-document balance loss summed over TP) equals one process --packed "
+        "from the same --seed, from the CLI (fp32, bf16)",
+        _TP + "test_tp2_packed_from_the_cli_trains_like_one_process",
+    ),
+    Relation(
+        ("tp", "micro_batch"),
+        "supported",
+        "TP2 with [B, S] micro-batches of B > 1 sequences (run as a THD pack of B documents of S tokens) equals one "
+        "process with the same micro-batch size, from the same --seed, from the CLI (fp32, bf16)",
+        _TP + "test_tp2_micro_batches_from_the_cli_train_like_one_process",
     ),
     Relation(
         ("pp",),
