@@ -79,6 +79,8 @@ def local_batch(
     ``PackedSeqParams``. Under TP (``tp_size`` > 1, CP = 1) every TP rank gets the whole pack (``[B, S]`` as
     :func:`sbhd_as_thd_pack`), padded to a multiple of ``tp_size`` rows
     (:func:`~dsv4_train.sequence_parallel.pad_pack_rows`): the model cuts it into its sequence-parallel shards.
+    Under TP x CP the CP rank's rows as without TP (no padding; the support table refuses packs and micro-batches of
+    several sequences there), which the model cuts over TP.
     """
 
     names = [k for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"]
@@ -88,7 +90,8 @@ def local_batch(
                 f"packed micro-batch of CP rank {mb.cp_rank}/{mb.cp_size} on CP rank {cp_rank}/{cp_size}: build the "
                 "batch iterator with this rank's cp_rank and cp_size"
             )
-        if tp_size == 1:
+        # this CP rank's rows of the pack (under TP x CP the model cuts them further)
+        if tp_size == 1 or cp_size > 1:
             f = {k: getattr(mb, k)[None].to(device) for k in names}
             return LocalBatch(**f, packed_seq_params=mb.packed_seq_params())
         fields, pack = {k: getattr(mb, k) for k in names}, mb.packed_seqs
@@ -97,7 +100,7 @@ def local_batch(
         return LocalBatch(**f, packed_seq_params=None)
     else:
         fields, pack = sbhd_as_thd_pack(mb)
-    if tp_size > 1:  # the whole pack (CP = 1), rows padded to a multiple of the TP size
+    if tp_size > 1 and cp_size == 1:  # the whole pack, rows padded to a multiple of the TP size
         fields, pack = pad_pack_rows(fields, pack, tp_size)
     f = {k: shard_contiguous_cp(v, cp_rank, cp_size)[None].to(device) for k, v in fields.items()}
     return LocalBatch(**f, packed_seq_params=pack.to(device).to_packed_seq_params())

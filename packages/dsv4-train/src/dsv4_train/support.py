@@ -132,10 +132,19 @@ RELATIONS: tuple[Relation, ...] = (
         _TP_REFUSALS,
     ),
     Relation(
-        ("tp", "cp"),
+        ("tp", "cp", "packed"),
         "refused",
-        "--tp {tp} with --cp {cp} is not supported yet: DSv4 attention does not combine its tensor-parallel head "
-        "split with context parallelism (use --tp 1 or --cp 1)",
+        "--tp {tp} --cp {cp} with --packed is not supported yet: no parity test covers packs under TP x CP (the "
+        "TP x CP test runs [B, S] micro-batches of one sequence); drop --packed, or use --cp 1 (--tp --packed) or "
+        "--tp 1 (--cp --packed)",
+        _TP_REFUSALS,
+    ),
+    Relation(
+        ("tp", "cp", "micro_batch"),
+        "refused",
+        "--tp {tp} --cp {cp} with --micro-batch-size {micro_batch_size} is not supported yet: no parity test covers "
+        "[B, S] micro-batches of several sequences under TP x CP; use --micro-batch-size 1 (the global batch "
+        "accumulates micro-batches), or --cp 1 (--tp with --micro-batch-size > 1)",
         _TP_REFUSALS,
     ),
     Relation(
@@ -248,6 +257,13 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "CP2 equals CP1 (packed and [B, S], fp32, bf16); [B, S] from the same --seed (same initial model)",
         _CP + "test_cp2_matches_cp1",
+    ),
+    Relation(
+        ("tp", "cp"),
+        "supported",
+        "TP2 x CP2 (sequence parallelism inside each CP chunk, micro-batches of one sequence) equals one process "
+        "from the same --seed, from the CLI (fp32, bf16)",
+        "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process",
     ),
     Relation(
         ("pp", "vpp"),

@@ -228,9 +228,10 @@ class DSv4Model(HybridModel):
             padding_mask = sequence_shard(padding_mask, self.sequence_parallel_group)
         router_cu = None
         if input_ids is not None:
-            router_cu = self._router_cu_seqlens(packed_seq_params, input_ids)
             # the hash routers see this rank's sequence shard of the ids (SP cuts the activations the same way)
-            self.decoder.bind_input_ids(sequence_shard(input_ids, self.sequence_parallel_group), router_cu)
+            router_ids = sequence_shard(input_ids, self.sequence_parallel_group)
+            router_cu = router_cu_seqlens(packed_seq_params, router_ids.shape[-1], self.sequence_rows_group)
+            self.decoder.bind_input_ids(router_ids, router_cu)
         try:
             out = self.decoder(
                 hidden_states=decoder_input,
@@ -279,7 +280,8 @@ class DSv4Model(HybridModel):
 
         cp = self.context_parallel_group
         if router_cu is None:
-            router_cu = self._router_cu_seqlens(packed_seq_params, input_ids)
+            rows = sequence_shard(input_ids, self.sequence_parallel_group).shape[-1]
+            router_cu = router_cu_seqlens(packed_seq_params, rows, self.sequence_rows_group)
 
         out, ids = [], input_ids
         recompute = self.training and mtp_full_recompute(self.config, len(self.decoder.layers))
@@ -326,17 +328,6 @@ class DSv4Model(HybridModel):
         scale = self._step_state.mtp_loss_weight / len(losses) * partial_loss_gradient_scale(cp)
         return MTPLossAutoScaler.apply(hidden, scale * torch.stack(losses).sum())
 
-    def _router_cu_seqlens(self, packed_seq_params, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The MoE routers' document intervals of a THD pack over the rows the routers see
-        (:func:`~hybrid_model.mtp.router_cu_seqlens`): this CP rank's rows ``[1, L]`` under CP; under sequence
-        parallelism ``input_ids`` is the whole pack ``[1, T]`` and the routers see this TP rank's ``T / tp`` rows, so
-        the global intervals are clipped to them (the routers sum their per-document statistics over TP)."""
-        sp = self.sequence_parallel_group
-        if sp is not None and sp.size() > 1:
-            rows = sequence_shard(input_ids, sp).shape[-1]  # T / tp (ValueError when T does not split)
-            return router_cu_seqlens(packed_seq_params, rows, sp)
-        return router_cu_seqlens(packed_seq_params, input_ids.shape[-1], self.context_parallel_group)
-
     @property
     def context_parallel_group(self):
         """The context-parallel group (``pg_collection.cp``) when its size is > 1, else ``None``. Under CP every
@@ -350,6 +341,16 @@ class DSv4Model(HybridModel):
         """The tensor-parallel group when the model runs sequence parallelism (activations ``[s/tp, b, ·]``), else
         ``None``."""
         return self.pg_collection.tp if self.config.sequence_parallel else None
+
+    @property
+    def sequence_rows_group(self):
+        """The ranks that hold consecutive row slices of one THD pack, when more than one does: TP x CP under
+        sequence parallelism (megatron's ``pg_collection.tp_cp``, rank ``c*TP + t`` holding rows
+        ``[(c*TP + t)*L, (c*TP + t + 1)*L)``: CP's contiguous chunk ``c`` cut by SP), else CP; ``None`` otherwise.
+        The routers' per-document statistics are summed over it."""
+        pg = self.pg_collection
+        group = getattr(pg, "tp_cp", None) if self.config.sequence_parallel else getattr(pg, "cp", None)
+        return group if group is not None and group.size() > 1 else None
 
     def _fused_head(self) -> bool:
         """Whether losses go through :meth:`head_loss` (else the output layer's logits and
