@@ -10,6 +10,9 @@ rank feeds the model.
 - ``[B, S]`` batches run under CP > 1 as a THD pack of ``B`` documents of ``S`` tokens each (row ``b`` is document
   ``b``; its padding tail stays inside the document, as in the ``[B, S]`` layout): :func:`sbhd_as_thd_pack`,
   then the same contiguous slicing. At CP = 1 they stay ``[B, S]``.
+- Under tensor parallelism (sequence parallelism) ``[B, S]`` batches run as the same THD pack (whole, at CP = 1;
+  :mod:`dsv4_train.sequence_parallel`): the model's sequence-parallel shards are then contiguous rows of one pack,
+  which DSv4 attention's TP layout takes (``dsv4_attention.tp``); an SBHD ``[S/tp, B]`` shard with ``B > 1`` is not.
 - Only the contiguous layout: zigzag (or any layout that gives a rank non-adjacent rows) would cut DSv4's
   compression groups (4 / 128 consecutive tokens) and its sliding window across non-neighbouring ranks.
 - Losses: every loss of a CP rank is its partial (:mod:`dsv4_primitives.cp_partial_loss`); the reported metrics
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dsv4_train.sequence_parallel import pad_pack_rows
 from thd_packing import PackedSeqs, shard_contiguous_cp
 
 
@@ -64,32 +68,40 @@ def sbhd_as_thd_pack(mb) -> tuple[dict[str, torch.Tensor], Any]:
     return fields, packed
 
 
-def local_batch(mb, *, packed: bool, cp_rank: int, cp_size: int, device: torch.device) -> LocalBatch:
+def local_batch(
+    mb, *, packed: bool, cp_rank: int, cp_size: int, device: torch.device, tp_size: int = 1
+) -> LocalBatch:
     """This rank's :class:`LocalBatch` of micro-batch ``mb``.
 
     Packed (``ThdMicrobatch``): its rows are already this CP rank's slice (the iterator shards by CP rank); the
-    global ``PackedSeqParams``. ``[B, S]`` at CP = 1: unchanged. ``[B, S]`` at CP > 1: :func:`sbhd_as_thd_pack`, then
-    this rank's contiguous rows (``shard_contiguous_cp``) and the pack's global ``PackedSeqParams``.
+    global ``PackedSeqParams``. ``[B, S]`` at CP = 1 and TP = 1: unchanged. ``[B, S]`` at CP > 1:
+    :func:`sbhd_as_thd_pack`, then this rank's contiguous rows (``shard_contiguous_cp``) and the pack's global
+    ``PackedSeqParams``. Under TP (``tp_size`` > 1, CP = 1) every TP rank gets the whole pack (``[B, S]`` as
+    :func:`sbhd_as_thd_pack`), padded to a multiple of ``tp_size`` rows
+    (:func:`~dsv4_train.sequence_parallel.pad_pack_rows`): the model cuts it into its sequence-parallel shards.
+    Under TP x CP the CP rank's rows as without TP (no padding; the support table refuses packs and micro-batches of
+    several sequences there), which the model cuts over TP.
     """
 
+    names = [k for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"]
     if packed:
         if mb.cp_size != cp_size or mb.cp_rank != cp_rank:
             raise ValueError(
                 f"packed micro-batch of CP rank {mb.cp_rank}/{mb.cp_size} on CP rank {cp_rank}/{cp_size}: build the "
                 "batch iterator with this rank's cp_rank and cp_size"
             )
-        f = {
-            k: getattr(mb, k)[None].to(device)
-            for k in LocalBatch.__dataclass_fields__
-            if k != "packed_seq_params"
-        }
-        return LocalBatch(**f, packed_seq_params=mb.packed_seq_params())
-    if cp_size == 1:
-        f = {
-            k: getattr(mb, k).to(device) for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"
-        }
+        # this CP rank's rows of the pack (under TP x CP the model cuts them further)
+        if tp_size == 1 or cp_size > 1:
+            f = {k: getattr(mb, k)[None].to(device) for k in names}
+            return LocalBatch(**f, packed_seq_params=mb.packed_seq_params())
+        fields, pack = {k: getattr(mb, k) for k in names}, mb.packed_seqs
+    elif cp_size == 1 and tp_size == 1:
+        f = {k: getattr(mb, k).to(device) for k in names}
         return LocalBatch(**f, packed_seq_params=None)
-    fields, pack = sbhd_as_thd_pack(mb)
+    else:
+        fields, pack = sbhd_as_thd_pack(mb)
+    if tp_size > 1 and cp_size == 1:  # the whole pack, rows padded to a multiple of the TP size
+        fields, pack = pad_pack_rows(fields, pack, tp_size)
     f = {k: shard_contiguous_cp(v, cp_rank, cp_size)[None].to(device) for k, v in fields.items()}
     return LocalBatch(**f, packed_seq_params=pack.to(device).to_packed_seq_params())
 

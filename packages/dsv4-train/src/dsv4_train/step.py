@@ -146,7 +146,7 @@ class StepRunner:
         return out, loss_func
 
     def local_batch(self, mb):
-        """Micro-batch ``mb`` as this rank feeds it to the model (its CP rows; see
+        """Micro-batch ``mb`` as this rank feeds it to the model (its CP rows; ``[B, S]`` as a THD pack under CP/TP; see
         :func:`~dsv4_train.context_parallel.local_batch`)."""
 
         return local_batch(
@@ -155,6 +155,7 @@ class StepRunner:
             cp_rank=self.cp_rank,
             cp_size=self.cp_size,
             device=self.device,
+            tp_size=self.tc.parallel.tp,
         )
 
     def schedule(self, batch, forward_step_func, *, forward_only: bool) -> dict:
@@ -169,7 +170,9 @@ class StepRunner:
             tc.data.seq_len
         )  # THD packs are padded to the static capacity seq_len (megatron divides it by CP)
         mbs = 1 if tc.data.packed else tc.data.micro_batch_size
-        if not tc.data.packed and self.cp_size > 1:  # [B, S] under CP: one THD pack of B*S rows
+        if not tc.data.packed and (
+            self.cp_size > 1 or tc.parallel.tp > 1
+        ):  # [B, S] under CP/TP: one THD pack
             seq, mbs = tc.data.micro_batch_size * tc.data.seq_len, 1
         data_iterator = iter(batch.microbatches)
         if tc.parallel.vpp > 1:

@@ -113,24 +113,26 @@ _GRAPH_ONE_RANK = (
 _MATRIX = "tests/test_parallel_matrix.py::test_cell_matches_single_process"
 _CP = "tests/test_train_context_parallel.py::"
 _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
+_TP = "tests/test_train_tensor_parallel.py::"
 _TP_REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 _TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
 
 RELATIONS: tuple[Relation, ...] = (
     # refused: decided by the config
     Relation(
-        ("tp", "micro_batch"),
+        ("tp", "cp", "packed"),
         "refused",
-        "--tp {tp} with --micro-batch-size {micro_batch_size}: under tensor parallelism DSv4 attention takes one "
-        "sequence per micro-batch (its sequence-parallel layout covers [S, 1] micro-batches); use --micro-batch-size "
-        "1 (the global batch accumulates micro-batches) or --tp 1",
+        "--tp {tp} --cp {cp} with --packed is not supported yet: no parity test covers packs under TP x CP (the "
+        "TP x CP test runs [B, S] micro-batches of one sequence); drop --packed, or use --cp 1 (--tp --packed) or "
+        "--tp 1 (--cp --packed)",
         _TP_REFUSALS,
     ),
     Relation(
-        ("tp", "packed"),
+        ("tp", "cp", "micro_batch"),
         "refused",
-        "--tp {tp} with --packed is not supported yet: the packed documents' boundaries are not cut into sequence-"
-        "parallel shards (drop --packed: [B, S] batches, or --tp 1)",
+        "--tp {tp} --cp {cp} with --micro-batch-size {micro_batch_size} is not supported yet: no parity test covers "
+        "[B, S] micro-batches of several sequences under TP x CP; use --micro-batch-size 1 (the global batch "
+        "accumulates micro-batches), or --cp 1 (--tp with --micro-batch-size > 1)",
         _TP_REFUSALS,
     ),
     Relation(
@@ -248,6 +250,21 @@ RELATIONS: tuple[Relation, ...] = (
         "TP2 x EP2 equals one process, from the CLI (fp32, bf16): each TP rank's sequence shard through the expert "
         "all-to-all, expert TP 1",
         _TP_COMBOS,
+    ),
+    Relation(
+        ("tp", "packed"),
+        "supported",
+        "TP2 on packs (the pack's documents cut into sequence-parallel shards: DSv4 attention's TP layout, the MTP "
+        "roll on the whole pack, the routers' per-document balance loss summed over TP) equals one process --packed "
+        "from the same --seed, from the CLI (fp32, bf16)",
+        _TP + "test_tp2_packed_from_the_cli_trains_like_one_process",
+    ),
+    Relation(
+        ("tp", "micro_batch"),
+        "supported",
+        "TP2 with [B, S] micro-batches of B > 1 sequences (run as a THD pack of B documents of S tokens) equals one "
+        "process with the same micro-batch size, from the same --seed, from the CLI (fp32, bf16)",
+        _TP + "test_tp2_micro_batches_from_the_cli_train_like_one_process",
     ),
     Relation(
         ("pp",),

@@ -24,7 +24,8 @@ tensor-parallel linears every activation is cut along the sequence, TP rank ``r`
 
 * **DSv4 attention** ``W C H``: its query heads, sinks and output groups are split over TP, the rest of the layer is
   replicated and runs on the rank's sequence rows (:mod:`dsv4_attention.tp`, wired by its megatron adapter); it
-  takes SBHD micro-batches of one sequence (``b = 1``) under TP.
+  takes SBHD micro-batches of one sequence (``b = 1``) or a THD pack under TP (the whole pack ``[1, T]``, the global
+  ``PackedSeqParams``; the routers get its document intervals clipped to the rank's rows).
 """
 
 from __future__ import annotations

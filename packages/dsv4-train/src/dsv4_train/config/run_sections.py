@@ -22,7 +22,7 @@ class ParallelSection:
     tp: int = field(
         default=1,
         metadata=option(
-            "tensor parallel size, with sequence parallelism and micro-batches of one sequence (DSv4 attention "
+            "tensor parallel size, with sequence parallelism ([B, S] micro-batches run as a THD pack) (DSv4 attention "
             "W/C/H splits its heads, megatron's '*' / '-' and 'E' their linears; the combinations the support table "
             "refuses need 1)"
         ),
