@@ -28,6 +28,7 @@ from dsv4_attention.kind import LayerKind
 from dsv4_attention.layout import token_layout
 from dsv4_attention.megatron._linears import linear_for, tp_size_of
 from dsv4_attention.megatron.config import DSv4AttentionConfig
+from dsv4_attention.megatron.sharded import tp_sharded_state_dict
 from dsv4_attention.tp.layout import tensor_parallel_layout
 from dsv4_primitives.recompute import recompute_config_of
 
@@ -96,6 +97,9 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         self.layer_number = layer_number
         self.is_mtp_layer = is_mtp_layer
         self.pg_collection = pg_collection
+        self.tp_group = (
+            pg_collection.tp
+        )  # megatron's sharded_state_dict: the replica ids of the replicated params
         if kind is None:
             kind = (
                 config.layer_kind(layer_number, is_mtp_layer)
@@ -171,6 +175,13 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
                 f"DSv4 attention does not combine tensor parallelism (pg_collection.tp has {tp.size()} ranks) with "
                 f"context parallelism (pg_collection.cp has {cp.size()}) yet: use one of them"
             )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """megatron's sharded state dict with the head-split parameters as TP shards of the TP=1 tensors
+        (:func:`~dsv4_attention.megatron.sharded.tp_sharded_state_dict`): a TP checkpoint holds every rank's heads."""
+        return tp_sharded_state_dict(self, self.pg_collection.tp, prefix, sharded_offsets, metadata)
 
     # ------------------------------------------------------------------ identity and phase
     @property
