@@ -18,16 +18,20 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
 from tp_comm_workers import tp_comm_run
+from tp_cost_table import README, with_table
 
 from dsv4_testkit import run_distributed
 from hybrid_model.presets import get_preset
 from hybrid_model.tp_comm import (
+    attention_collectives,
     embedding_collectives,
     head_collectives,
     head_split_params,
     layer_collectives,
     replicated_params,
+    total_bytes,
 )
 
 SEQ, TP = 64, 2
@@ -88,3 +92,15 @@ def test_tp2_collectives_equal_the_model(pattern, fused):
     vd = cfg.vocab_size * cfg.hidden_size
     assert ranks[0]["params"]["embedding"] == (vd // TP, 0)
     assert ranks[0]["params"]["output_layer"] == (vd // TP, 0)
+
+
+def test_bytes_per_rank_and_the_readme_table():
+    """The ring bytes of one window layer at TP 4 (hand-derived from the module formula) and the generated TP cost
+    table of dsv4-attention's README is current (``tools/tp_cost_table.py``)."""
+    cfg = get_preset("v4-flash")
+    d, c, dc, rows = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank, 4096
+    halo = 4 * min(cfg.sliding_window - 1, rows // 4) * d
+    elements = 2 * halo + 2 * rows * (dc + c) + 2 * rows * d  # each gathered and reduce-scattered once
+    assert total_bytes(attention_collectives(cfg, "W", rows, 4), 4) == 3 / 4 * elements * 2
+    text = README.read_text()
+    assert with_table(text) == text, "run python3 packages/hybrid-model/tools/tp_cost_table.py"
