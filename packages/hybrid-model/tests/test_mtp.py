@@ -105,6 +105,38 @@ def test_router_cu_seqlens_cover_the_pack():
         router_cu_seqlens(psp, 10)
 
 
+class _RowsGroup:
+    """Rank ``rank`` of a ``size``-rank row group (TP x CP: rank ``c*TP + t``); only what the clipping reads."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_router_cu_seqlens_over_a_row_group_tile_the_pack():
+    """Over a row group of 4 ranks (TP 2 x CP 2: rank ``c*2 + t`` holds rows ``[4r, 4r + 4)`` of 16), every rank keeps
+    all ``D + 1`` entries, clipped to its rows; the per-rank document lengths add up to the one-rank ones."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    psp = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=i32([0, 3, 4, 9]),
+        cu_seqlens_kv=i32([0, 3, 4, 9]),
+        cu_seqlens_q_padded=i32([0, 4, 6, 11]),
+        cu_seqlens_kv_padded=i32([0, 4, 6, 11]),
+    )
+    whole = router_cu_seqlens(psp, 16)  # [0, 4, 6, 11, 16]
+    parts = [router_cu_seqlens(psp, 4, _RowsGroup(r, 4)) for r in range(4)]
+    assert [p.tolist() for p in parts] == [[0, 4, 4, 4, 4], [0, 0, 2, 4, 4], [0, 0, 0, 3, 4], [0, 0, 0, 0, 4]]
+    assert torch.stack([p.diff() for p in parts]).sum(0).tolist() == whole.diff().tolist()
+
+
 def _thd_batch(cfg, lengths, padded, tail, seed):
     """A packed ``[1, T]`` batch with per-document padding and tail rows; labels/mask per document."""
     from thd_packing import PackedSeqs

@@ -239,16 +239,20 @@ def attention_plan(
     :class:`~dsv4_attention.layout.TokenLayout` or a single-rank ``ContextParallelLayout`` /
     ``TensorParallelLayout`` (its global layout), else this rank's
     :class:`~dsv4_attention.cp.rank_plan.ContextParallelPlan` (its index maps cached on the layout) or
-    :class:`~dsv4_attention.tp.plan.TensorParallelPlan`. A plan is returned as it is."""
+    :class:`~dsv4_attention.tp.plan.TensorParallelPlan` (its head plan: the single-rank plan of the global layout,
+    or under TP x CP the CP plan of the layout's ``context``). A plan is returned as it is."""
     if isinstance(layout, SingleRankPlan | ContextParallelPlan | TensorParallelPlan):
         return layout
     if isinstance(layout, TensorParallelLayout):
-        full = SingleRankPlan(layout.global_layout, window, kind.compress_ratio)
+        # the head half: the global layout (TP only) or this CP rank's chunk (TP x CP)
+        head = attention_plan(
+            layout.global_layout if layout.context is None else layout.context, kind, window
+        )
         if not layout.is_parallel:
-            return full
+            return head
         seq = layout.sequence
         return TensorParallelPlan(
-            layout, ContextParallelPlan(seq, seq.plan(window, kind.compress_ratio, kind.overlap)), full
+            layout, ContextParallelPlan(seq, seq.plan(window, kind.compress_ratio, kind.overlap)), head
         )
     if isinstance(layout, ContextParallelLayout):
         if layout.is_parallel:

@@ -243,9 +243,9 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
 
         Loss set: every visible entry (dense phase, or ``use_sparse_loss=False``), else the selected top-k. The
         student logits are the plan's dense scores (column aligned with the visible entries) or the top-k scores
-        themselves. Heads split over TP (``plan.head_group``): the loss set covers every query row, the student this
-        rank's rows, and the teacher sums the head-partial log-masses over the TP ranks
-        (:mod:`dsv4_attention.tp.indexer_kl`).
+        themselves. Heads split over TP (``plan.head_group``): the loss set covers every head row (all rows; TP x CP:
+        the CP chunk's), the student this rank's rows (``plan.head_rows`` of them), and the teacher sums the
+        head-partial log-masses over the TP ranks (:mod:`dsv4_attention.tp.indexer_kl`).
         """
         if dense or not self.cfg.use_sparse_loss:
             loss_set = comp if dense else plan.visible_entries()  # [L, max_c]
@@ -261,7 +261,7 @@ class CompressedSparseAttention(KeepFP32Mixin, torch.nn.Module):
                 student,
                 self.softmax_scale,
                 plan.key_halo + q.shape[0],
-                plan.layout.local_rows,
+                plan.head_rows,
                 plan.real_rows,
                 plan.head_group,
             )

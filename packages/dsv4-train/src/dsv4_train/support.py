@@ -131,13 +131,6 @@ RELATIONS: tuple[Relation, ...] = (
         _TP_REFUSALS,
     ),
     Relation(
-        ("tp", "cp"),
-        "refused",
-        "--tp {tp} with --cp {cp} is not supported yet: DSv4 attention does not combine its tensor-parallel head "
-        "split with context parallelism (use --tp 1 or --cp 1)",
-        _TP_REFUSALS,
-    ),
-    Relation(
         ("tp", "micro_batch"),
         "refused",
         "--tp {tp} with --micro-batch-size {micro_batch_size}: under tensor parallelism DSv4 attention takes one "
@@ -247,6 +240,13 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "CP2 equals CP1 (packed and [B, S], fp32, bf16); [B, S] from the same --seed (same initial model)",
         _CP + "test_cp2_matches_cp1",
+    ),
+    Relation(
+        ("tp", "cp"),
+        "supported",
+        "TP2 x CP2 (sequence parallelism inside each CP chunk, micro-batches of one sequence) equals one process "
+        "from the same --seed, from the CLI (fp32, bf16)",
+        "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process",
     ),
     Relation(
         ("pp", "vpp"),

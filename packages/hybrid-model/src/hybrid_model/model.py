@@ -224,18 +224,14 @@ class DSv4Model(HybridModel):
                 "the global packed_seq_params ([B, S] batches run under CP as a THD pack of B documents of S tokens: "
                 "dsv4_train.context_parallel.sbhd_as_thd_pack)"
             )
-        if self.config.sequence_parallel and packed_seq_params is not None:
-            raise ValueError(
-                "packed THD batches under tensor (sequence) parallelism are not supported yet: use [B, S] batches "
-                "(drop --packed) or --tp 1"
-            )
         if padding_mask is not None:  # [b, s] -> this rank's [b, s/tp] under SP (the layers' token rows)
             padding_mask = sequence_shard(padding_mask, self.sequence_parallel_group)
         router_cu = None
         if input_ids is not None:
-            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
             # the hash routers see this rank's sequence shard of the ids (SP cuts the activations the same way)
-            self.decoder.bind_input_ids(sequence_shard(input_ids, self.sequence_parallel_group), router_cu)
+            router_ids = sequence_shard(input_ids, self.sequence_parallel_group)
+            router_cu = router_cu_seqlens(packed_seq_params, router_ids.shape[-1], self.sequence_rows_group)
+            self.decoder.bind_input_ids(router_ids, router_cu)
         try:
             out = self.decoder(
                 hidden_states=decoder_input,
@@ -284,7 +280,8 @@ class DSv4Model(HybridModel):
 
         cp = self.context_parallel_group
         if router_cu is None:
-            router_cu = router_cu_seqlens(packed_seq_params, input_ids.shape[-1], cp)
+            rows = sequence_shard(input_ids, self.sequence_parallel_group).shape[-1]
+            router_cu = router_cu_seqlens(packed_seq_params, rows, self.sequence_rows_group)
 
         out, ids = [], input_ids
         recompute = self.training and mtp_full_recompute(self.config, len(self.decoder.layers))
@@ -344,6 +341,16 @@ class DSv4Model(HybridModel):
         """The tensor-parallel group when the model runs sequence parallelism (activations ``[s/tp, b, ·]``), else
         ``None``."""
         return self.pg_collection.tp if self.config.sequence_parallel else None
+
+    @property
+    def sequence_rows_group(self):
+        """The ranks that hold consecutive row slices of one THD pack, when more than one does: TP x CP under
+        sequence parallelism (megatron's ``pg_collection.tp_cp``, rank ``c*TP + t`` holding rows
+        ``[(c*TP + t)*L, (c*TP + t + 1)*L)``: CP's contiguous chunk ``c`` cut by SP), else CP; ``None`` otherwise.
+        The routers' per-document statistics are summed over it."""
+        pg = self.pg_collection
+        group = getattr(pg, "tp_cp", None) if self.config.sequence_parallel else getattr(pg, "cp", None)
+        return group if group is not None and group.size() > 1 else None
 
     def _fused_head(self) -> bool:
         """Whether losses go through :meth:`head_loss` (else the output layer's logits and

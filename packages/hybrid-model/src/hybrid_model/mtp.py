@@ -73,23 +73,24 @@ def _document_rows(packed_seq_params) -> torch.Tensor:
     return packed_seq_params.cu_seqlens_q if cu is None else cu
 
 
-def router_cu_seqlens(packed_seq_params, num_tokens: int, cp_group=None) -> torch.Tensor | None:
+def router_cu_seqlens(packed_seq_params, num_tokens: int, rows_group=None) -> torch.Tensor | None:
     """Row intervals ``[D + 1]`` of a THD pack for the MoE routers' per-document balance loss: the *padded* document
     intervals (:func:`_document_rows`) with the pack's tail rows after the last document (static-shape padding) as
     one more interval, so that the intervals cover all ``num_tokens`` rows (hash-moe's balance loss needs
     ``cu_seqlens[-1] == T``). Padding rows lie inside these intervals; the model's ``padding_mask`` drops them.
 
-    ``cp_group`` (size ``P`` > 1, contiguous CP): ``num_tokens`` is this rank's ``L`` rows of the global pack of
-    ``P·L`` rows; the global intervals are clipped to the rank's rows ``[r·L, (r+1)·L)`` and shifted to local offsets.
-    Every CP rank keeps all ``D + 1`` entries (documents it holds no row of are empty), so document ``d`` is the same
-    document on every rank and the routers can sum their per-document statistics over the CP group."""
+    ``rows_group`` (size ``P`` > 1: contiguous CP, or TP x CP under sequence parallelism, where rank ``r`` of the
+    group holds the ``r``-th slice): ``num_tokens`` is this rank's ``L`` rows of the global pack of ``P·L`` rows; the
+    global intervals are clipped to the rank's rows ``[r·L, (r+1)·L)`` and shifted to local offsets. Every rank keeps
+    all ``D + 1`` entries (documents it holds no row of are empty), so document ``d`` is the same document on every
+    rank and the routers can sum their per-document statistics over the group."""
     if packed_seq_params is None:
         return None
     if _is_static(packed_seq_params):  # --cuda-graph --packed: no host read; the tail interval may be empty
         cu = _document_rows(packed_seq_params)
         return torch.cat([cu, torch.full((1,), num_tokens, dtype=cu.dtype, device=cu.device)])
-    if cp_group is not None:
-        size, rank = cp_group.size(), cp_group.rank()
+    if rows_group is not None:
+        size, rank = rows_group.size(), rows_group.rank()
         cu = router_cu_seqlens(packed_seq_params, num_tokens * size)
         return (cu.long() - rank * num_tokens).clamp(0, num_tokens).to(cu.dtype)
     cu = _document_rows(packed_seq_params)

@@ -6,13 +6,15 @@ It is a drop-in ``self_attention`` submodule of megatron's ``TransformerLayer`` 
 SBHD ``[s, b, d]`` / THD ``[t, 1, d]`` activations into token rows (:mod:`dsv4_attention.layout`), runs the core
 layer and returns ``(y, None)``. Under tensor parallelism (``pg_collection.tp`` of ``P > 1`` ranks, sequence
 parallelism on) it holds one TP rank's heads and runs the core on the rank's sequence-parallel rows
-(:mod:`dsv4_attention.tp`; README "In the megatron adapter"). The adapter owns what is megatron's: the spec-built linears, the process groups,
-the layer numbering (kind lookup, indexer-loss tracker slot) and the training phase it passes to the core
-(:meth:`DSv4HybridAttention.set_dense_attention`).
+(:mod:`dsv4_attention.tp`; README "In the megatron adapter"); with context parallelism as well (TP x CP) on the
+rank's rows of its CP chunk's sequence split (``pg_collection.tp_cp``). The adapter owns what is megatron's: the
+spec-built linears, the process groups, the layer numbering (kind lookup, indexer-loss tracker slot) and the
+training phase it passes to the core (:meth:`DSv4HybridAttention.set_dense_attention`).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +31,10 @@ from dsv4_attention.layout import token_layout
 from dsv4_attention.megatron._linears import linear_for, tp_size_of
 from dsv4_attention.megatron.config import DSv4AttentionConfig
 from dsv4_attention.megatron.sharded import tp_sharded_state_dict
-from dsv4_attention.tp.layout import tensor_parallel_layout
+from dsv4_attention.tp.layout import tensor_context_parallel_layout, tensor_parallel_layout
 from dsv4_primitives.recompute import recompute_config_of
+
+_TPCP_CACHE: dict[tuple[int, int, int], tuple] = {}  # TP x CP layouts of the recent global packs
 
 
 @dataclass
@@ -171,9 +175,19 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             raise ValueError("pg_collection.tp must be set (the tensor-parallel group of the linear layers)")
         cp = getattr(pg_collection, "cp", None)
         if tp.size() > 1 and cp is not None and cp.size() > 1:
+            DSv4HybridAttention._check_tensor_context_groups(pg_collection)
+
+    @staticmethod
+    def _check_tensor_context_groups(pg_collection) -> None:
+        """TP x CP reads megatron's tensor-and-context-parallel group (the sequence half runs over it)."""
+        tp, cp = pg_collection.tp, pg_collection.cp
+        tp_cp = getattr(pg_collection, "tp_cp", None)
+        if tp_cp is None or tp_cp.size() != tp.size() * cp.size():
             raise ValueError(
-                f"DSv4 attention does not combine tensor parallelism (pg_collection.tp has {tp.size()} ranks) with "
-                f"context parallelism (pg_collection.cp has {cp.size()}) yet: use one of them"
+                f"DSv4 attention under TP {tp.size()} x CP {cp.size()} needs pg_collection.tp_cp (megatron's "
+                f"tensor-and-context-parallel group of {tp.size() * cp.size()} ranks), got "
+                f"{None if tp_cp is None else tp_cp.size()}: build the collection with "
+                "ProcessGroupCollection.use_mpu_process_groups() or set its tp_cp"
             )
 
     def sharded_state_dict(
@@ -224,7 +238,13 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
         coeff = self.config.dsa_indexer_loss_coeff
         cp = getattr(self.pg_collection, "cp", None)
         tp = self.pg_collection.tp
-        if tp.size() > 1:  # TP + SP: this rank's sequence rows [L, b, d] of the global [L*tp, b, d]
+        tp_cp = tp.size() > 1 and cp is not None and cp.size() > 1
+        if tp_cp:  # TP x CP: this rank's rows [L, 1, d] of the global THD pack
+            layout = self._tensor_context_parallel_layout(hidden_states, packed_seq_params)
+            x = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2])  # [L, d]
+            from_tokens = lambda y: y.unsqueeze(1)
+            partial_group = self.pg_collection.tp_cp  # the indexer loss is this rank's partial over TP x CP
+        elif tp.size() > 1:  # TP + SP: this rank's sequence rows [L, b, d] of the global [L*tp, b, d]
             layout = self._tensor_parallel_layout(hidden_states, packed_seq_params, tp)
             x = hidden_states.reshape(hidden_states.shape[0], hidden_states.shape[2])  # [L, d]
             from_tokens = lambda y: y.unsqueeze(1)
@@ -258,6 +278,24 @@ class DSv4HybridAttention(DSv4Attention, MegatronModule):
             )
         shape_only = hidden_states.new_empty((rows * tp_group.size(), b, 0))  # the global shape, no data
         return tensor_parallel_layout(token_layout(shape_only, packed_seq_params), tp_group)
+
+    def _tensor_context_parallel_layout(self, hidden_states, packed_seq_params):
+        """This rank's TP x CP :class:`~dsv4_attention.tp.TensorParallelLayout`: ``hidden_states [L, 1, d]`` =
+        rank ``(c, t)``'s rows ``[(c*TP + t)*L, (c*TP + t + 1)*L)`` of the GLOBAL THD pack ``packed_seq_params``
+        (megatron's CP chunk ``c``, cut by sequence parallelism over TP). One layout per global pack and groups
+        (every layer of a step shares it and its per-kind plans)."""
+        pg = self.pg_collection
+        # the THD checks and the global layout of the L * TP * CP rows (cached on the pack)
+        seq = packed_context_parallel_layout(hidden_states, packed_seq_params, pg.tp_cp)
+        key = (id(seq), id(pg.tp), id(pg.cp))
+        hit = _TPCP_CACHE.get(key)
+        if hit is not None and hit[0]() is seq:
+            return hit[1]
+        layout = tensor_context_parallel_layout(seq.global_layout, pg.tp, pg.cp, pg.tp_cp)
+        if len(_TPCP_CACHE) >= 2:  # the current and the previous micro-batch
+            _TPCP_CACHE.pop(next(iter(_TPCP_CACHE)))
+        _TPCP_CACHE[key] = (weakref.ref(seq), layout)
+        return layout
 
     def _reject_unsupported(self, mask, kv_states, inference, rotary, bias, seq_offset) -> None:
         if mask is not None:

@@ -109,11 +109,12 @@ class _DSv4Router(Router):
     ) -> None:
         """Token ids ``[B, S]`` (megatron layout) and THD ``cu_seqlens`` for the next forward calls (None clears).
 
-        Under static contiguous context parallelism (``pg_collection.cp`` of size > 1) the ids are this CP rank's rows
-        ``[1, L]`` and ``cu_seqlens`` the *global* documents clipped to the rank's rows (every rank keeps all ``D + 1``
-        entries, documents without a row here being empty; :func:`hybrid_model.mtp.router_cu_seqlens`): the balance
-        loss's per-document counts and lengths are then summed over the CP group and each rank returns its partial
-        (:mod:`dsv4_primitives.cp_partial_loss`)."""
+        Under static contiguous context parallelism (``pg_collection.cp`` of size > 1) and / or tensor parallelism
+        with sequence parallelism, the ids are this rank's rows ``[1, L]`` (rank ``r`` of ``pg_collection.tp_cp``
+        holding the ``r``-th slice of the pack) and ``cu_seqlens`` the *global* documents clipped to the rank's rows
+        (every rank keeps all ``D + 1`` entries, documents without a row here being empty;
+        :func:`hybrid_model.mtp.router_cu_seqlens`): the balance loss's per-document counts and lengths are then
+        summed over the TP x CP group and each rank returns its partial (:mod:`dsv4_primitives.cp_partial_loss`)."""
         self._input_ids = input_ids
         self._cu_seqlens = cu_seqlens
 
@@ -139,10 +140,10 @@ class _DSv4Router(Router):
                     f"cu_seqlens (THD packing) needs batch size 1 in the [S, B, H] input, got B={b}"
                 )
             cu = self._cu_seqlens.to(device)
-            # per document of the pack; under CP the documents are global (clipped to this rank's rows), so their
-            # counts and lengths are summed over the CP group
-            cp = self.cp_group if self.cp_group is not None and self.cp_group.size() > 1 else None
-            return sequence_ids_from_cu_seqlens(cu, n), cu.numel() - 1, cp
+            # per document of the pack; under CP and / or TP (sequence parallelism) the documents are global
+            # (clipped to this rank's rows), so their counts and lengths are summed over the TP x CP group
+            group = self.tp_cp_group if self.tp_cp_group.size() > 1 else None
+            return sequence_ids_from_cu_seqlens(cu, n), cu.numel() - 1, group
         # token i of the flattened [S, B] input belongs to sequence (column) i % B
         return torch.arange(n, device=device) % b, b, self.tp_cp_group
 
