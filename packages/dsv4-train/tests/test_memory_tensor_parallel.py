@@ -74,7 +74,7 @@ def test_tp_comm_section(tmp_path, capsys):
         "tiny",
         "--tp",
         "2",
-        "--cp",
+        "--ep",
         "2",
         "--seq-len",
         "64",
@@ -82,8 +82,8 @@ def test_tp_comm_section(tmp_path, capsys):
         "1",
     ]
     assert main(refused) == 2
-    assert "--tp 2 with --cp 2 is not supported yet" in capsys.readouterr().err
+    assert "--tp 2 with --ep 2 is not supported yet" in capsys.readouterr().err
     assert main([*refused, "--projection", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["projection"] and report["world"] == 4 and report["layout"] == "DP1 TP2 PP1 CP2 EP1"
+    assert report["projection"] and report["world"] == 2 and report["layout"] == "DP1 TP2 PP1 CP1 EP2"
     assert sum(report["tp_comm_bytes"].values()) > 0

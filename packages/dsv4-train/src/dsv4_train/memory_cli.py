@@ -3,7 +3,7 @@
 It takes ``dsv4 train``'s own flags (``--preset``, ``--seq-len``, ``--micro-batch-size``, ``--pp``/``--vpp``/``--ep``/
 ``--tp``/``--cp``, ``--recompute-*``, ``--optimizer-cpu-offload``, ``--bf16``, ``--model-overrides``, ...) plus ``--dp``
 (the data-parallel replicas: world = DP x TP x PP x CP) and ``--json``; bf16 is on unless ``--no-bf16``.
-``--projection`` models a layout the trainer refuses (``--tp`` with ``--pp`` / ``--ep`` / ``--cp``): the config is
+``--projection`` models a layout the trainer refuses (``--tp`` with ``--pp`` or ``--ep``): the config is
 checked at TP 1 and the model run at ``--tp``. Under ``--tp > 1`` it also prints the bytes one rank sends (= receives) over its TP group per step
 (:mod:`dsv4_train.memory_comm`; JSON key ``tp_comm_bytes``).
 """
@@ -33,7 +33,7 @@ def add_memory_parser(sub, *, add_train_flags) -> None:
     p.add_argument(
         "--projection",
         action="store_true",
-        help="model a layout dsv4 train refuses (--tp with --pp, --ep or --cp): the config is checked at TP 1, "
+        help="model a layout dsv4 train refuses (--tp with --pp or --ep): the config is checked at TP 1, "
         "the memory and TP communication modelled at --tp",
     )
     add_train_flags(p)
@@ -42,7 +42,7 @@ def add_memory_parser(sub, *, add_train_flags) -> None:
 def run_memory(args, train_config_from_args) -> int:
     tp = args.tp
     if args.projection:
-        args.tp = 1  # the support table refuses TP with PP / EP / CP: check the rest at TP 1
+        args.tp = 1  # the support table refuses TP with PP / EP: check the rest at TP 1
     tc = train_config_from_args(args)
     tp = tc.parallel.tp if tp is None else tp  # --tp not given: the config's (default 1)
     report = estimate_memory(tc, dp=args.dp, tp=tp)

@@ -86,11 +86,12 @@ def render_presets() -> str:
 
 
 #: (layout flags, runs today) of the TP table: TP alone runs (expert TP 1, EP 1: every rank holds every routed
-#: expert); TP with EP or CP is refused by the trainer (support table) and modelled here as a projection
+#: expert), TP x CP runs too; TP with EP is refused by the trainer (support table) and modelled as a projection
 TP_LAYOUTS = (
     (dict(tp=2), True),
     (dict(tp=4), True),
     (dict(tp=8), True),
+    (dict(tp=8, cp=8), True),
     (dict(tp=8, ep=8), False),
     (dict(tp=8, cp=8, ep=8), False),
 )
@@ -106,7 +107,9 @@ def render_tp() -> str:
         for layout, runs in TP_LAYOUTS:
             for s in TP_SEQ_LENS:
                 tp = layout["tp"]
-                tc = _tc(preset, s, **(layout | {"tp": tp if runs else 1}), **OFFLOAD)
+                tc = _tc(
+                    preset, s, **(layout | {"tp": tp if runs else 1}), **OFFLOAD
+                )  # projection: checked at TP 1
                 r = estimate_memory(tc, dp=1, tp=tp)
                 comm = sum(tp_comm_per_step(tc, dp=1, stage=r.stage, tp=tp).values())
                 text = " x ".join(f"{k.upper()}{v}" for k, v in layout.items())
