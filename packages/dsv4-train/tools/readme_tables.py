@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dsv4_train.config.reference import render_config_reference
-from dsv4_train.memory_tables import render_measured, render_presets
+from dsv4_train.memory_tables import render_measured, render_presets, render_tp
 from dsv4_train.support import render_matrix
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -21,6 +21,7 @@ TABLES = {
     "config-reference": render_config_reference,
     "memory-measured": render_measured,
     "memory-presets": render_presets,
+    "memory-tp": render_tp,
 }
 
 

@@ -1,14 +1,18 @@
 """``dsv4 memory``: the per-rank static and peak GiB of a ``dsv4 train`` configuration (:mod:`dsv4_train.memory_model`).
 
 It takes ``dsv4 train``'s own flags (``--preset``, ``--seq-len``, ``--micro-batch-size``, ``--pp``/``--vpp``/``--ep``/
-``--cp``, ``--recompute-*``, ``--optimizer-cpu-offload``, ``--bf16``, ``--model-overrides``, ...) plus ``--dp``
-(the data-parallel replicas: world = DP x PP x CP) and ``--json``; bf16 is on unless ``--no-bf16``.
+``--tp``/``--cp``, ``--recompute-*``, ``--optimizer-cpu-offload``, ``--bf16``, ``--model-overrides``, ...) plus ``--dp``
+(the data-parallel replicas: world = DP x TP x PP x CP) and ``--json``; bf16 is on unless ``--no-bf16``.
+``--projection`` models a layout the trainer refuses (``--tp`` with ``--pp`` or ``--ep``): the config is
+checked at TP 1 and the model run at ``--tp``. Under ``--tp > 1`` it also prints the bytes one rank sends (= receives) over its TP group per step
+(:mod:`dsv4_train.memory_comm`; JSON key ``tp_comm_bytes``).
 """
 
 from __future__ import annotations
 
 import json
 
+from dsv4_train.memory_comm import tp_comm_per_step
 from dsv4_train.memory_model import GIB, estimate_memory
 
 
@@ -23,24 +27,48 @@ def add_memory_parser(sub, *, add_train_flags) -> None:
     )
     p.add_argument("--config", help="JSON file of TrainConfig sections, as dsv4 train --config")
     p.add_argument(
-        "--dp", type=int, default=1, help="data-parallel replicas; world = DP x PP x CP (default: 1)"
+        "--dp", type=int, default=1, help="data-parallel replicas; world = DP x TP x PP x CP (default: 1)"
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--projection",
+        action="store_true",
+        help="model a layout dsv4 train refuses (--tp with --pp or --ep): the config is checked at TP 1, "
+        "the memory and TP communication modelled at --tp",
+    )
     add_train_flags(p)
 
 
 def run_memory(args, train_config_from_args) -> int:
+    tp = args.tp
+    if args.projection:
+        args.tp = 1  # the support table refuses TP with PP / EP: check the rest at TP 1
     tc = train_config_from_args(args)
-    report = estimate_memory(tc, dp=args.dp)
+    tp = tc.parallel.tp if tp is None else tp  # --tp not given: the config's (default 1)
+    report = estimate_memory(tc, dp=args.dp, tp=tp)
     d = report.to_dict()
     par = tc.parallel
-    layout = f"DP{args.dp} PP{par.pp}" + (f" VPP{par.vpp}" if par.vpp > 1 else "") + f" CP{par.cp} EP{par.ep}"
-    d.update(preset=tc.model.preset, seq_len=tc.data.seq_len, layout=layout, world=args.dp * par.pp * par.cp)
+    layout = (
+        f"DP{args.dp} TP{tp} PP{par.pp}"
+        + (f" VPP{par.vpp}" if par.vpp > 1 else "")
+        + f" CP{par.cp} EP{par.ep}"
+    )
+    comm = tp_comm_per_step(tc, dp=args.dp, stage=report.stage, tp=tp)
+    d.update(
+        preset=tc.model.preset,
+        seq_len=tc.data.seq_len,
+        layout=layout,
+        world=args.dp * tp * par.pp * par.cp,
+        projection=args.projection,
+        tp_comm_bytes=comm,
+    )
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
     print(
-        f"{tc.model.preset}, seq-len {tc.data.seq_len}, {layout} ({d['world']} GPUs): busiest rank (stage "
+        f"{tc.model.preset}, seq-len {tc.data.seq_len}, {layout} ({d['world']} GPUs"
+        + (", a projection: dsv4 train refuses this layout" if args.projection else "")
+        + f"): busiest rank (stage "
         f"{report.stage}) static {d['static_gib']:.2f} GiB, peak {d['peak_gib']:.2f} GiB"
         + (
             f", {d['host_offloaded_gib']:.2f} GiB optimizer state in host memory"
@@ -56,6 +84,12 @@ def run_memory(args, train_config_from_args) -> int:
         print(f"  {title}:")
         for k, v in parts.items():
             print(f"    {k:<44} {v:9.2f} GiB")
+    if comm:
+        print(
+            f"  TP communication per step, one rank sends (= receives), {sum(comm.values()) / GIB:.3f} GiB:"
+        )
+        for k, v in comm.items():
+            print(f"    {k:<44} {v / GIB:9.3f} GiB")
     return 0
 
 

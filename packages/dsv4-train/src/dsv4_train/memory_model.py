@@ -12,6 +12,14 @@ configuration, and where they go.
              (--no-fused-linear-ce: the [T, V] fp32 logits and their gradient)
          + the residual streams' gradients (2 · 4·n·d per token)
 
+Tensor parallelism with sequence parallelism (``--tp P``): the static memory holds ``1 / P`` of the TP-split
+parameters (:mod:`dsv4_train.memory_static`); a rank's activations per token of its TP group's ``T`` rows are
+``split / P + full`` (:mod:`hybrid_model.activation_memory`: sequence rows ``T / P`` for the norms, mHC, router,
+routed experts and replicated projections, ``n_h / P`` heads for the head-split parts, the gathered latent / KV /
+entries / indices whole); the head's backward holds ``V / P`` of the vocabulary (dW and the logits chunk) and the
+gathered ``dh`` fp32 ``[T, d]``; the residual streams' gradients are ``1 / P``. The per-rank TP communication is
+:mod:`hybrid_model.tp_comm` (``dsv4 memory --comm``).
+
 ``T`` = micro-batch tokens per CP rank (``micro_batch_size · seq_len / CP``); ``in_flight`` = micro-batches whose
 activations a pipeline stage holds under 1F1B (``min(PP - stage, M)``; interleaved VPP: megatron's warm-up count
 ``2·(PP - stage - 1) + (VPP - 1)·PP + 1`` chunk-micro-batches). Activations per token and layer kind:
@@ -19,7 +27,8 @@ activations a pipeline stage holds under 1F1B (``min(PP - stage, M)``; interleav
 :mod:`hybrid_model.cp_memory`. Every stage is evaluated; the report is the stage with the highest peak.
 
 Not modelled: selective recompute (refused), the allocator's fragmentation (``reserved - allocated``), CUDA /
-NCCL workspaces, TP (refused by the trainer).
+NCCL workspaces. TP combined with PP or EP is refused by the trainer (dsv4-train's support table) but modelled
+here as a projection (``dsv4 memory --projection``).
 """
 
 from __future__ import annotations
@@ -87,9 +96,13 @@ def _chunks(n_layers: int, method: str | None, num: int | None) -> tuple[int, in
     return n_layers, min(num, n_layers)
 
 
-def estimate_memory(tc: TrainConfig, *, dp: int, path: str = "kernels") -> MemoryReport:
+def estimate_memory(
+    tc: TrainConfig, *, dp: int, path: str = "kernels", tp: int | None = None
+) -> MemoryReport:
     """The :class:`MemoryReport` of the busiest rank of ``tc`` on ``dp`` data-parallel replicas (world =
-    ``dp · pp · cp``; ``path``: ``"kernels"`` on CUDA, ``"reference"`` for the CPU references)."""
+    ``dp · tp · pp · cp``; ``path``: ``"kernels"`` on CUDA, ``"reference"`` for the CPU references; ``tp``: the TP
+    size modelled, ``tc.parallel.tp`` by default: a layout the trainer refuses (TP with PP / EP) is modelled
+    from its TP-1 config and ``tp``, ``dsv4 memory --projection``)."""
     par, mem = tc.parallel, tc.memory
     if dp < 1:
         raise ValueError(f"--dp must be >= 1, got {dp}")
@@ -98,18 +111,24 @@ def estimate_memory(tc: TrainConfig, *, dp: int, path: str = "kernels") -> Memor
             "the memory model covers no recompute and --recompute-granularity full; selective recompute is not "
             "modelled yet"
         )
-    if (dp * par.cp) % par.ep:
-        raise ValueError(f"--ep {par.ep} must divide DP x CP = {dp * par.cp} (the experts' ranks)")
+    tp = par.tp if tp is None else tp
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    if (dp * par.cp * tp) % par.ep:
+        raise ValueError(f"--ep {par.ep} must divide DP x CP x TP = {dp * par.cp * tp} (the experts' ranks)")
     cfg = model_config_for(tc)
     bf16 = True if tc.precision.bf16 is None else tc.precision.bf16
     b = 2 if bf16 else 4
     seq, mbs = tc.data.seq_len, (1 if tc.data.packed else tc.data.micro_batch_size)
-    if (seq * mbs) % par.cp:
-        raise ValueError(f"--seq-len x micro-batch ({seq * mbs}) must be a multiple of --cp {par.cp}")
+    if (seq * mbs) % (par.cp * tp):
+        raise ValueError(
+            f"--seq-len x micro-batch ({seq * mbs}) must be a multiple of --cp x --tp ({par.cp * tp}): the sequence "
+            "is split over both"
+        )
     tokens = seq * mbs / par.cp
     microbatches = max(1, tc.data.global_batch_size // (mbs * dp))
     stages = par.pp * par.vpp
-    params = stage_params(cfg, stages)
+    params = stage_params(cfg, stages, tp)
     full = mem.recompute_granularity == "full"
     n, d, V = cfg.num_streams, cfg.hidden_size, cfg.vocab_size
     reports = []
@@ -123,7 +142,7 @@ def estimate_memory(tc: TrainConfig, *, dp: int, path: str = "kernels") -> Memor
             merged,
             ep=par.ep,
             dp_shard=dp * par.cp,
-            expert_dp_shard=dp * par.cp // par.ep,
+            expert_dp_shard=dp * par.cp * tp // par.ep,
             bf16=bf16,
             offload_fraction=tc.optimizer.optimizer_offload_fraction
             if tc.optimizer.optimizer_cpu_offload
@@ -133,14 +152,14 @@ def estimate_memory(tc: TrainConfig, *, dp: int, path: str = "kernels") -> Memor
         flight = _in_flight(par.pp, par.vpp, rank, microbatches)
         acts, trans = report.activations, report.transient
         layers = [li for li in cfg.layers() if not li.mtp_depth and li.stage in chunks]
-        per = [layer_activation_bytes(cfg, li.symbol, seq, bf16=bf16, path=path) for li in layers]
+        per = [layer_activation_bytes(cfg, li.symbol, seq, bf16=bf16, path=path, tp=tp) for li in layers]
         if full:
             recomputed, largest = _chunks(
                 len(layers) // par.vpp, mem.recompute_method, mem.recompute_num_layers
             )
             kept = per[recomputed * par.vpp :]
             acts["layers (recompute checkpoints)"] = (
-                recomputed * par.vpp * checkpoint_bytes(cfg, b) * tokens * flight
+                recomputed * par.vpp * checkpoint_bytes(cfg, b, tp) * tokens * flight
             )
             if kept:
                 acts["layers (not recomputed)"] = sum(kept) * tokens * flight
@@ -153,16 +172,18 @@ def estimate_memory(tc: TrainConfig, *, dp: int, path: str = "kernels") -> Memor
             cp_mem = cp_activation_memory(cfg, seq * mbs, par.cp, pp=stages, path=path)
             acts["CP halo + gathered entries"] = (cp_mem.halo + cp_mem.gathered) * flight * par.vpp
         if rank == 0:
-            acts["embedding"] = embedding_bytes(cfg, b) * tokens * flight
+            acts["embedding"] = embedding_bytes(cfg, b, tp) * tokens * flight
         if rank == par.pp - 1:
-            acts["final norm + HyperHead + loss input"] = hyper_head_bytes(cfg, b) * tokens
-            if tc.precision.fused_linear_ce:
-                head = V * d * b + min(tokens * V, _LOGITS_CHUNK) * b + 4 * d * tokens
+            acts["final norm + HyperHead + loss input"] = hyper_head_bytes(cfg, b, tp) * tokens
+            if tc.precision.fused_linear_ce:  # the rank's V / TP vocabulary; dh of the gathered rows
+                head = V * d * b / tp + min(tokens * V / tp, _LOGITS_CHUNK) * b + 4 * d * tokens
             else:
-                head = V * d * b + 2 * 4 * tokens * V
+                head = V * d * b / tp + 2 * 4 * tokens * V / tp
             mtp = cfg.parsed_pattern
-            depth = sum(layer_activation_bytes(cfg, s, seq, bf16=bf16, path=path) for s in mtp.mtp_pattern)
-            depth = (depth + mtp_extra_bytes(cfg, b)) * tokens
+            depth = sum(
+                layer_activation_bytes(cfg, s, seq, bf16=bf16, path=path, tp=tp) for s in mtp.mtp_pattern
+            )
+            depth = (depth + mtp_extra_bytes(cfg, b, tp)) * tokens
             if mtp.mtp_num_depths and full and (mem.recompute_method != "block" or recomputed == len(layers)):
                 trans["MTP depth recomputed + head backward"] = depth + head
             else:
@@ -172,7 +193,8 @@ def estimate_memory(tc: TrainConfig, *, dp: int, path: str = "kernels") -> Memor
             if len(trans) > 1:  # the phases follow one another: only the largest counts
                 top = max(trans, key=trans.get)
                 report.transient = trans = {top: trans[top]}
-        trans["residual-stream gradients"] = 2 * (4 * n * d if cfg.enable_mhc_connections else b * d) * tokens
+        streams = 4 * n * d if cfg.enable_mhc_connections else b * d
+        trans["residual-stream gradients"] = 2 * streams * tokens / tp
         reports.append(report)
     return max(reports, key=lambda r: r.peak)
 

@@ -12,7 +12,15 @@ distributed optimizer (torch AdamW). Per parameter of this rank's pipeline stage
                       params and moments; megatron's HybridDeviceOptimizer)
 
 ``DP_shard`` is the data-parallel group the distributed optimizer shards over: ``DP x CP`` for dense parameters,
-the expert-data-parallel size ``world / (PP x EP)`` for routed experts. The learned routers' selection biases
+the expert-data-parallel size ``world / (PP x EP)`` for routed experts (expert TP 1: the TP ranks are expert-data-
+parallel ranks).
+
+Tensor parallelism over ``TP`` ranks (megatron's ``tensor_model_parallel`` attribute) divides by ``TP`` the
+parameters it splits: DSv4 attention's head-split tensors (``dsv4_attention.tp.params.HEAD_SPLIT``: ``q_up``, the
+sinks (fp32), ``wo_a``, ``wo_b``), the shared expert's and dense MLP's linears, megatron attention's projections
+(:func:`hybrid_model.tp_comm.head_split_params`) and the vocab-parallel embedding and head (``V·d / TP``, the
+MTP embedding copy too). Everything else (norms, mHC, HyperHeads, q / KV down-projections, compressors, the
+indexer, routers, MTP projections) and the routed experts are whole on every TP rank. The learned routers' selection biases
 are fp32 buffers (no gradient, no optimizer state). Checked exactly against a built model and optimizer
 (``tests/test_memory_model.py``).
 """
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.mixers.registry import REGISTRY
 from hybrid_model.params import hyper_head_params, mhc_params
+from hybrid_model.tp_comm import head_split_params
 
 
 @dataclass(frozen=True)
@@ -51,9 +60,21 @@ def _fp32_parts(cfg: DSv4ModelConfig, symbol: str) -> int:
     return n
 
 
-def stage_params(cfg: DSv4ModelConfig, pp: int) -> list[StageParams]:
-    """:class:`StageParams` of each of the ``pp`` stages (the pattern's segments; MTP depths on the last stage,
-    the embedding on the first and, with MTP and ``pp > 1``, a copy on the last; the head on the last)."""
+def _tp_split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(
+            f"{what} ({n} parameters) does not divide over --tp {tp}: pick a TP size dividing the heads, output "
+            "groups, expert widths and vocabulary"
+        )
+    return n // tp
+
+
+def stage_params(cfg: DSv4ModelConfig, pp: int, tp: int = 1) -> list[StageParams]:
+    """:class:`StageParams` of one TP rank of each of the ``pp`` stages (the pattern's segments; MTP depths on the
+    last stage, the embedding on the first and, with MTP and ``pp > 1``, a copy on the last; the head on the
+    last); ``tp``: TP-split parameters divided by ``tp`` (module doc)."""
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
     hashed = set(cfg.hash_layer_numbers)
     lp, f32, exp, buf = [0] * pp, [0] * pp, [0] * pp, [0] * pp
     d, V = cfg.hidden_size, cfg.vocab_size
@@ -67,15 +88,19 @@ def stage_params(cfg: DSv4ModelConfig, pp: int) -> list[StageParams]:
             parts["moe.router"] -= cfg.n_routed_experts  # the selection bias: a buffer
             buf[stage] += cfg.n_routed_experts
         fp32 = _fp32_parts(cfg, li.symbol)
-        lp[stage] += sum(parts.values()) - (fp32 - mhc_params(cfg))
-        f32[stage] += fp32
+        sinks = cfg.num_attention_heads if li.symbol in "WCH" else 0
+        split = head_split_params(cfg, li.symbol) - sinks  # bf16-able; the sinks are keep-in-FP32
+        what = f"layer {li.index} ({li.symbol})"
+        lp[stage] += sum(parts.values()) - (fp32 - mhc_params(cfg)) - split + _tp_split(split, tp, what)
+        f32[stage] += fp32 - sinks + _tp_split(sinks, tp, f"the sinks of {what}")
         exp[stage] += routed
     depths = cfg.parsed_pattern.mtp_num_depths
-    lp[0] += V * d  # embedding
-    lp[last] += V * d + d  # head, final norm
+    vocab = _tp_split(V * d, tp, "the vocabulary-parallel embedding")
+    lp[0] += vocab  # embedding
+    lp[last] += vocab + d  # head, final norm
     f32[last] += hyper_head_params(cfg)
     if depths and pp > 1:
-        lp[last] += V * d  # the last stage's embedding copy for the MTP depths
+        lp[last] += vocab  # the last stage's embedding copy for the MTP depths
     for _ in range(depths):  # e_proj, h_proj, enorm, hnorm, norm; the depth's HyperHead
         lp[last] += 2 * d * d + 3 * d
         f32[last] += hyper_head_params(cfg)

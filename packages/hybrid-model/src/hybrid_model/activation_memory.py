@@ -26,6 +26,16 @@ The CPU ``"reference"`` path (eager PyTorch, what the tests run) saves more: fp3
 iterations of every mHC (``2·T_s·(n² + n)`` fp32, ``T_s`` iterations) and the gathered key rows of the sparse
 attention (``c·I``); :func:`layer_activation_bytes` adds those terms with ``path="reference"``.
 
+Tensor parallelism with sequence parallelism over ``P`` ranks (``tp``): a rank's bytes per token of its TP group's
+``T`` rows are ``split / P + full``. Split: everything on the rank's sequence rows ``T / P`` (mHC, norms, the
+q / KV down-projections and their norms, compressors, the whole lightning indexer, the router and routed experts,
+the embedding output, the HyperHead) and everything of the rank's ``n_h / P`` heads or ``g / P`` output groups
+over all ``T`` rows (q, core q / out / lse, o-group input, o-LoRA input; the shared expert's column shards).
+Full (every rank, all ``T`` rows): DSv4 attention's gathered q latent and KV ``b·(d_c + c)``, the gathered
+compressed entries ``b·(c + c_I)/m`` (CSA) / ``b·c/m'`` (HCA), the gathered top-k ids ``4·k``, the sparse
+indices ``4·I`` and positions (``20``), on the reference path the gathered key rows ``4·c·I + 8·I``; the head's
+gathered loss input ``b·d``. ``tp = 1`` gives the formulas above unchanged.
+
 Checked against the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``, distinct storages)
 of the tiny model on CPU (``packages/dsv4-train/tests/test_memory_model.py``) and against the flash-smoke peaks
 measured on one H200 (dsv4-train README, "Memory model").
@@ -52,25 +62,29 @@ def _mhc(cfg: DSv4ModelConfig, b: int, path: str) -> float:
     return out
 
 
-def _attention(cfg: DSv4ModelConfig, symbol: str, seq_len: int, b: int, path: str) -> float:
+def _attention(cfg: DSv4ModelConfig, symbol: str, seq_len: int, b: int, path: str) -> tuple[float, float]:
+    """(split, full) bytes per token of one attention layer (module doc: split divides by TP, full does not)."""
     d, c, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
     dc, g, dg, W = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.sliding_window
-    out = b * (2 * d + 4 * nh * c + 2 * c + g * dg + 2 * dc) + 16 * nh + 20
+    split = b * (2 * d + 4 * nh * c + c + g * dg + dc) + 16 * nh
+    full = b * (c + dc) + 20  # the gathered q latent and KV, positions
     if symbol == "W":
         idx = W
     elif symbol == "C":
         m, k, ni, ci = cfg.csa_compress_ratio, cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim
         idx = W + k
-        out += b * (ni * ci + ni + 2 * 2 * c + 2 * 2 * ci + (c + ci) / m) + 4 * (ni + 2 * k) + 4 * k + 2 * k
-        out += 4 * (c + ci + 2) / m
+        split += b * (ni * ci + ni + 2 * 2 * c + 2 * 2 * ci) + 4 * (ni + 2 * k) + 2 * k + 4 * (c + ci + 2) / m
+        full += b * (c + ci) / m + 4 * k  # gathered entries + indexer keys, gathered top-k ids
     else:  # H
         mh = cfg.hca_compress_ratio
         idx = W + seq_len / mh
-        out += b * (2 * c + c / mh) + 4 * (c + 1) / mh
-    out += 4 * idx
+        split += b * 2 * c + 4 * (c + 1) / mh
+        full += b * c / mh  # gathered entries
+    full += 4 * idx
     if path == "reference":  # gathered key rows per query, fp32 norm inputs and probabilities
-        out += 4 * c * idx + 4 * nh * (idx + 1) + 8 * idx + 2 * 4 * (d + c + dc) - b * (d + c + dc)
-    return out
+        full += 4 * c * idx + 8 * idx
+        split += 4 * nh * (idx + 1) + 2 * 4 * (d + c + dc) - b * (d + c + dc)
+    return split, full
 
 
 def _moe(cfg: DSv4ModelConfig, b: int) -> float:
@@ -80,47 +94,60 @@ def _moe(cfg: DSv4ModelConfig, b: int) -> float:
     return out + b * (d + 3 * fs)
 
 
+def _check_tp(tp: int) -> None:
+    if tp < 1:
+        raise ValueError(f"the tensor-parallel size must be >= 1, got {tp}")
+
+
 def layer_activation_bytes(
-    cfg: DSv4ModelConfig, symbol: str, seq_len: int, *, bf16: bool = True, path: Path = "kernels"
+    cfg: DSv4ModelConfig, symbol: str, seq_len: int, *, bf16: bool = True, path: Path = "kernels", tp: int = 1
 ) -> float:
     """Bytes saved for backward per token by one layer of ``symbol`` (``W``, ``C``, ``H``, ``E``), its mHC
-    included, in a sequence of ``seq_len`` tokens (module formula)."""
+    included, in a sequence of ``seq_len`` tokens (module formula); under ``tp`` ranks the bytes of one rank per
+    token of its TP group (``split / tp + full``)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    _check_tp(tp)
     b = 2 if bf16 else 4
     if symbol in "WCH":
-        inner = _attention(cfg, symbol, seq_len, b, path)
+        split, full = _attention(cfg, symbol, seq_len, b, path)
     elif symbol == "E":
-        inner = _moe(cfg, b)
+        split, full = _moe(cfg, b), 0.0
     else:
         raise ValueError(
             f"the memory model covers the DSv4 symbols W, C, H and E; {symbol!r} is not modelled: use a pattern "
             "of those"
         )
-    return inner + _mhc(cfg, b, path)
+    return (split + _mhc(cfg, b, path)) / tp + full
 
 
-def hyper_head_bytes(cfg: DSv4ModelConfig, b: int) -> float:
-    """The final norm, HyperHead and loss input of one head, per token."""
+def hyper_head_bytes(cfg: DSv4ModelConfig, b: int, tp: int = 1) -> float:
+    """The final norm, HyperHead and loss input of one head, per token (``tp``: one rank's, the loss input
+    gathered)."""
+    _check_tp(tp)
     n, d = cfg.num_streams, cfg.hidden_size
     hh = 4 * n * d + 8 * n + 4 if cfg.enable_mhc_connections else 0
-    return b * d + 4 + hh + b * d
+    return (b * d + 4 + hh) / tp + b * d
 
 
-def embedding_bytes(cfg: DSv4ModelConfig, b: int) -> float:
-    return 2 * b * cfg.hidden_size + 13
+def embedding_bytes(cfg: DSv4ModelConfig, b: int, tp: int = 1) -> float:
+    _check_tp(tp)
+    return (2 * b * cfg.hidden_size + 13) / tp
 
 
-def mtp_extra_bytes(cfg: DSv4ModelConfig, b: int) -> float:
+def mtp_extra_bytes(cfg: DSv4ModelConfig, b: int, tp: int = 1) -> float:
     """One MTP depth besides its layers: e/h projections' inputs, its norms and head."""
+    _check_tp(tp)
     n, d = cfg.num_streams, cfg.hidden_size
-    return b * (3 * d + n * d) + 4 * n + 8 + hyper_head_bytes(cfg, b)
+    return (b * (3 * d + n * d) + 4 * n + 8) / tp + hyper_head_bytes(cfg, b, tp)
 
 
-def checkpoint_bytes(cfg: DSv4ModelConfig, b: int) -> float:
-    """What a fully recomputed chunk keeps per token: its input streams (fp32 with mHC) and the token ids."""
+def checkpoint_bytes(cfg: DSv4ModelConfig, b: int, tp: int = 1) -> float:
+    """What a fully recomputed chunk keeps per token: its input streams (fp32 with mHC) and the token ids (one
+    rank's sequence rows under ``tp``)."""
+    _check_tp(tp)
     n, d = cfg.num_streams, cfg.hidden_size
-    return (4 * n * d if cfg.enable_mhc_connections else b * d) + 8
+    return ((4 * n * d if cfg.enable_mhc_connections else b * d) + 8) / tp
 
 
 __all__ = [
