@@ -49,8 +49,8 @@ def test_tp2_static_and_activations_match_a_tp2_step(tmp_path, capsys):
 
 def test_tp_comm_section(tmp_path, capsys):
     """``--tp 2`` prints the per-step TP bytes of one rank; the layers' bytes scale with the micro-batches, the
-    replicated-gradient all-reduce (once per step) does not; ``--tp 1`` has none; ``--projection`` models a layout the
-    trainer refuses."""
+    replicated-gradient all-reduce (once per step) does not; ``--tp 1`` has none; TP with EP is modelled like any
+    layout the trainer runs."""
     one = tp_comm_per_step(memory_config(tmp_path, 64, tp=2), dp=1)
     four = tp_comm_per_step(memory_config(tmp_path, 64, tp=2, global_batch_size=4), dp=1)
     grads = "replicated-gradient all-reduce (fp32)"
@@ -67,8 +67,8 @@ def test_tp_comm_section(tmp_path, capsys):
         main(["memory", "--preset", "tiny", "--tp", "2", "--seq-len", "65", "--micro-batch-size", "1"]) == 2
     )
     assert "multiple of --cp x --tp" in capsys.readouterr().err
-    # a layout the trainer refuses: refused, or modelled with --projection (the config checked at TP 1)
-    refused = [
+    # TP x EP (the trainer runs it since the TP x EP parity test)
+    tp_ep = [
         "memory",
         "--preset",
         "tiny",
@@ -81,9 +81,7 @@ def test_tp_comm_section(tmp_path, capsys):
         "--micro-batch-size",
         "1",
     ]
-    assert main(refused) == 2
-    assert "--tp 2 with --ep 2 is not supported yet" in capsys.readouterr().err
-    assert main([*refused, "--projection", "--json"]) == 0
+    assert main([*tp_ep, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["projection"] and report["world"] == 2 and report["layout"] == "DP1 TP2 PP1 CP1 EP2"
+    assert report["world"] == 2 and report["layout"] == "DP1 TP2 PP1 CP1 EP2"
     assert sum(report["tp_comm_bytes"].values()) > 0

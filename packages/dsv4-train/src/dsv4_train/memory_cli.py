@@ -3,8 +3,7 @@
 It takes ``dsv4 train``'s own flags (``--preset``, ``--seq-len``, ``--micro-batch-size``, ``--pp``/``--vpp``/``--ep``/
 ``--tp``/``--cp``, ``--recompute-*``, ``--optimizer-cpu-offload``, ``--bf16``, ``--model-overrides``, ...) plus ``--dp``
 (the data-parallel replicas: world = DP x TP x PP x CP) and ``--json``; bf16 is on unless ``--no-bf16``.
-``--projection`` models a layout the trainer refuses (``--tp`` with ``--pp`` or ``--ep``): the config is
-checked at TP 1 and the model run at ``--tp``. Under ``--tp > 1`` it also prints the bytes one rank sends (= receives) over its TP group per step
+Under ``--tp > 1`` it also prints the bytes one rank sends (= receives) over its TP group per step
 (:mod:`dsv4_train.memory_comm`; JSON key ``tp_comm_bytes``).
 """
 
@@ -30,21 +29,12 @@ def add_memory_parser(sub, *, add_train_flags) -> None:
         "--dp", type=int, default=1, help="data-parallel replicas; world = DP x TP x PP x CP (default: 1)"
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument(
-        "--projection",
-        action="store_true",
-        help="model a layout dsv4 train refuses (--tp with --pp or --ep): the config is checked at TP 1, "
-        "the memory and TP communication modelled at --tp",
-    )
     add_train_flags(p)
 
 
 def run_memory(args, train_config_from_args) -> int:
-    tp = args.tp
-    if args.projection:
-        args.tp = 1  # the support table refuses TP with PP / EP: check the rest at TP 1
     tc = train_config_from_args(args)
-    tp = tc.parallel.tp if tp is None else tp  # --tp not given: the config's (default 1)
+    tp = tc.parallel.tp
     report = estimate_memory(tc, dp=args.dp, tp=tp)
     d = report.to_dict()
     par = tc.parallel
@@ -59,7 +49,6 @@ def run_memory(args, train_config_from_args) -> int:
         seq_len=tc.data.seq_len,
         layout=layout,
         world=args.dp * tp * par.pp * par.cp,
-        projection=args.projection,
         tp_comm_bytes=comm,
     )
     if args.json:
@@ -67,7 +56,6 @@ def run_memory(args, train_config_from_args) -> int:
         return 0
     print(
         f"{tc.model.preset}, seq-len {tc.data.seq_len}, {layout} ({d['world']} GPUs"
-        + (", a projection: dsv4 train refuses this layout" if args.projection else "")
         + f"): busiest rank (stage "
         f"{report.stage}) static {d['static_gib']:.2f} GiB, peak {d['peak_gib']:.2f} GiB"
         + (

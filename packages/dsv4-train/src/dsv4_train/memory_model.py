@@ -27,8 +27,7 @@ activations a pipeline stage holds under 1F1B (``min(PP - stage, M)``; interleav
 :mod:`hybrid_model.cp_memory`. Every stage is evaluated; the report is the stage with the highest peak.
 
 Not modelled: selective recompute (refused), the allocator's fragmentation (``reserved - allocated``), CUDA /
-NCCL workspaces. TP combined with PP or EP is refused by the trainer (dsv4-train's support table) but modelled
-here as a projection (``dsv4 memory --projection``).
+NCCL workspaces.
 """
 
 from __future__ import annotations
@@ -101,8 +100,7 @@ def estimate_memory(
 ) -> MemoryReport:
     """The :class:`MemoryReport` of the busiest rank of ``tc`` on ``dp`` data-parallel replicas (world =
     ``dp · tp · pp · cp``; ``path``: ``"kernels"`` on CUDA, ``"reference"`` for the CPU references; ``tp``: the TP
-    size modelled, ``tc.parallel.tp`` by default: a layout the trainer refuses (TP with PP / EP) is modelled
-    from its TP-1 config and ``tp``, ``dsv4 memory --projection``)."""
+    size modelled, ``tc.parallel.tp`` by default)."""
     par, mem = tc.parallel, tc.memory
     if dp < 1:
         raise ValueError(f"--dp must be >= 1, got {dp}")

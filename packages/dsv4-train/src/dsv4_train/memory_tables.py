@@ -85,37 +85,35 @@ def render_presets() -> str:
     return "\n".join(rows)
 
 
-#: (layout flags, runs today) of the TP table: TP alone runs (expert TP 1, EP 1: every rank holds every routed
-#: expert), TP x CP runs too; TP with EP is refused by the trainer (support table) and modelled as a projection
+#: layout flags of the TP table: TP alone (expert TP 1, EP 1: every rank holds every routed expert), TP x CP,
+#: TP x EP and TP x CP x EP
 TP_LAYOUTS = (
-    (dict(tp=2), True),
-    (dict(tp=4), True),
-    (dict(tp=8), True),
-    (dict(tp=8, cp=8), True),
-    (dict(tp=8, ep=8), False),
-    (dict(tp=8, cp=8, ep=8), False),
+    dict(tp=2),
+    dict(tp=4),
+    dict(tp=8),
+    dict(tp=8, cp=8),
+    dict(tp=8, ep=8),
+    dict(tp=8, cp=8, ep=8),
 )
 TP_SEQ_LENS = (262144, 1048576)
 
 
 def render_tp() -> str:
     rows = [
-        "| preset | layout | GPUs | trainer | S | static GiB | peak GiB | host GiB (offload) | TP GiB / step / rank |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+        "| preset | layout | GPUs | S | static GiB | peak GiB | host GiB (offload) | TP GiB / step / rank |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for preset in ("v4-flash", "v4-pro"):
-        for layout, runs in TP_LAYOUTS:
+        for layout in TP_LAYOUTS:
             for s in TP_SEQ_LENS:
                 tp = layout["tp"]
-                tc = _tc(
-                    preset, s, **(layout | {"tp": tp if runs else 1}), **OFFLOAD
-                )  # projection: checked at TP 1
+                tc = _tc(preset, s, **layout, **OFFLOAD)
                 r = estimate_memory(tc, dp=1, tp=tp)
                 comm = sum(tp_comm_per_step(tc, dp=1, stage=r.stage, tp=tp).values())
                 text = " x ".join(f"{k.upper()}{v}" for k, v in layout.items())
                 gpus = tp * layout.get("cp", 1)
                 rows.append(
-                    f"| {preset} | {text} | {gpus} | {'runs' if runs else 'projection'} | {s // 1024}K | "
+                    f"| {preset} | {text} | {gpus} | {s // 1024}K | "
                     f"{r.static.total / GIB:.1f} | {r.peak / GIB:.1f} | {r.host_offloaded / GIB:.1f} | "
                     f"{comm / GIB:.1f} |"
                 )
