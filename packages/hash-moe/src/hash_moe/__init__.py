@@ -32,7 +32,7 @@ from hash_moe.routing import RouterConfig, RoutingResult, dense_routing, hash_ro
 from hash_moe.scores import SCORE_FUNCTIONS, routing_scores
 from hash_moe.swiglu import clamped_swiglu, clamped_swiglu_ref
 
-__version__ = "0.7.2"
+__version__ = "0.7.3"
 
 __all__ = [
     "SCORE_FUNCTIONS",
