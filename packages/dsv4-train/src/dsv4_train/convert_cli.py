@@ -166,8 +166,8 @@ def run_convert(args) -> int:
         raise ValueError(f"{src} is not a directory")
     if args.tp != 1:
         raise ValueError(
-            f"--tp {args.tp}: dsv4 convert writes tensor-parallel size 1 only (the writer's TP split is not built, "
-            "and every preset's DSv4 attention refuses TP); convert with --tp 1 and choose --pp/--vpp/--ep"
+            f"--tp {args.tp}: dsv4 convert writes tensor-parallel size 1 only (the writer's TP split is not built); "
+            "convert with --tp 1 and choose --pp/--vpp/--ep"
         )
     to = args.to or _direction(src)
     if args.like and to != "released":
