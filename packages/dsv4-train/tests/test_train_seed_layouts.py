@@ -24,12 +24,13 @@ Bounds (fp32):
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import ONE_PROCESS, torchrun, train_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -41,32 +42,9 @@ _FP32_U = 2.0**-24
 _NORM_REL = 257 * _FP32_U
 
 
-def _first_step(cmd: list[str], out, env, *layout: str) -> dict:
-    proc = subprocess.run(
-        [*cmd, "train", *_ARGS, *layout, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-
-
 def test_pp2_vpp2_from_the_cli_starts_like_one_process(tmp_path):
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    one = _first_step([sys.executable, "-m", "dsv4_train"], tmp_path / "one", env)
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dsv4_train",
-    ]
-    pp = _first_step(torchrun, tmp_path / "pp", env, "--pp", "2", "--vpp", "2")
+    one = train_metrics(ONE_PROCESS, tmp_path / "one", *_ARGS)[0]
+    pp = train_metrics(torchrun(2), tmp_path / "pp", *_ARGS, "--pp", "2", "--vpp", "2")[0]
     assert one["step"] == pp["step"] == 1
     assert (pp["lm_loss"], pp["mtp_loss"]) == (one["lm_loss"], one["mtp_loss"])
     assert abs(pp["grad_norm"] - one["grad_norm"]) <= _NORM_REL * one["grad_norm"]

@@ -37,12 +37,13 @@ deviation 6.3e-9). The LR is exact. Measured (CPU): LM 4.4e-5 (bound 2.7e-4), MT
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import ONE_PROCESS, torchrun, train_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -57,30 +58,15 @@ _FP32_STATISTICS = ("balance_loss", "indexer_loss")  # bf16 bound with the 2·u_
 DTYPES = {"fp32": "--no-bf16", "bf16": "--bf16"}
 
 
-def _metrics(cmd: list[str], out, *layout: str) -> list[dict]:
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, "train", *_ARGS, *layout, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """``{(layout, dtype): metrics of steps 1 and 2}`` for one process and TP 2 x CP 2, fp32 and bf16."""
     tmp = tmp_path_factory.mktemp("tpcp")
-    one = [sys.executable, "-m", "dsv4_train"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     out = {}
     for dt, flag in DTYPES.items():
-        out["one", dt] = _metrics(one, tmp / f"one-{dt}", flag)
-        out["tpcp", dt] = _metrics(
-            [*torchrun, "-m", "dsv4_train"], tmp / f"tpcp-{dt}", flag, "--tp", "2", "--cp", "2"
+        out["one", dt] = train_metrics(ONE_PROCESS, tmp / f"one-{dt}", *_ARGS, flag)
+        out["tpcp", dt] = train_metrics(
+            torchrun(4), tmp / f"tpcp-{dt}", *_ARGS, flag, "--tp", "2", "--cp", "2"
         )
     return out
 

@@ -21,12 +21,13 @@ loss within 2e-8, the grad norm within 4e-7, the indexer loss within 1e-7 relati
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import ONE_PROCESS, torchrun, train_metrics
 
 _COMMON = [
     "--preset", "tiny", "--pattern", "WEC-HE/WE", "--seed", "11", "--seq-len", "64", "--global-batch-size", "4",
@@ -36,25 +37,11 @@ _ARGS = [*_COMMON, "--no-bf16", "--steps", "1", "--micro-batch-size", "1"]
 _REL = 2e-5
 
 
-def _first_step(cmd: list[str], out, env, *layout: str) -> dict:
-    proc = subprocess.run(
-        [*cmd, "train", *_ARGS, *layout, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_from_the_cli_starts_like_one_process(tmp_path):
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    one = _first_step([sys.executable, "-m", "dsv4_train"], tmp_path / "one", env)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    tp = _first_step([*torchrun, "-m", "dsv4_train"], tmp_path / "tp", env, "--tp", "2")
+    one = train_metrics(ONE_PROCESS, tmp_path / "one", *_ARGS)[0]
+    tp = train_metrics(torchrun(2), tmp_path / "tp", *_ARGS, "--tp", "2")[0]
     assert one["step"] == tp["step"] == 1
     for key in ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss"):
         assert tp[key] == pytest.approx(one[key], rel=_REL), (key, tp[key], one[key])
@@ -68,37 +55,15 @@ _DOCS = ["--data", "mock:docs=64,min=5,max=40,mean=16", "--steps", "2"]
 _KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
 
 
-def _steps(cmd: list[str], out, env, *args: str) -> list[dict]:
-    proc = subprocess.run(
-        [*cmd, "train", *_COMMON, *_DOCS, *args, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _tp2_matches_one_process(tmp_path, *batches: str) -> None:
     """fp32 and bf16, one process and ``--tp 2`` on the same ``batches`` flags: fp32 within :data:`_REL` at every
     step, bf16 within ``2·δ`` per metric (the docstrings of the callers)."""
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    one_cmd = [sys.executable, "-m", "dsv4_train"]
-    tp_cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dsv4_train",
-    ]
     runs = {}
     for dt, flag in (("fp32", "--no-bf16"), ("bf16", "--bf16")):
-        runs["one", dt] = _steps(one_cmd, tmp_path / f"one-{dt}", env, *batches, flag)
-        runs["tp", dt] = _steps(tp_cmd, tmp_path / f"tp-{dt}", env, *batches, flag, "--tp", "2")
+        runs["one", dt] = train_metrics(ONE_PROCESS, tmp_path / f"one-{dt}", *_COMMON, *_DOCS, *batches, flag)
+        runs["tp", dt] = train_metrics(
+            torchrun(2), tmp_path / f"tp-{dt}", *_COMMON, *_DOCS, *batches, flag, "--tp", "2"
+        )
     for one, tp in zip(runs["one", "fp32"], runs["tp", "fp32"], strict=True):
         for key in _KEYS:
             assert tp[key] == pytest.approx(one[key], rel=_REL), ("fp32", one["step"], key, tp[key], one[key])
