@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from hybrid_model.mtp import router_cu_seqlens
 from hybrid_model.presets import get_preset
@@ -25,8 +26,6 @@ def _reference_roll(x: torch.Tensor, cu_padded: list[int]) -> torch.Tensor:
 
 
 def test_mtp_roll_left_never_crosses_padded_documents():
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from hybrid_model.mtp import mtp_roll_left
 
     cu_q = torch.tensor([0, 3, 5, 5, 8], dtype=torch.int32)  # lengths 3, 2, 0 (empty), 3
@@ -84,22 +83,28 @@ def _recorder(seen: dict, key: str):
     return hook
 
 
+def _i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _padded_pack() -> PackedSeqParams:
+    """Three documents of 3, 1, 5 tokens padded to 4, 2, 5 rows (11 rows)."""
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=_i32([0, 3, 4, 9]),
+        cu_seqlens_kv=_i32([0, 3, 4, 9]),
+        cu_seqlens_q_padded=_i32([0, 4, 6, 11]),
+        cu_seqlens_kv_padded=_i32([0, 4, 6, 11]),
+    )
+
+
 def test_router_cu_seqlens_cover_the_pack():
     """The routers' intervals are the padded documents plus the static-shape tail rows; they end at T."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
-    psp = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=i32([0, 3, 4, 9]),
-        cu_seqlens_kv=i32([0, 3, 4, 9]),
-        cu_seqlens_q_padded=i32([0, 4, 6, 11]),
-        cu_seqlens_kv_padded=i32([0, 4, 6, 11]),
-    )
+    psp = _padded_pack()
     assert router_cu_seqlens(psp, 11).tolist() == [0, 4, 6, 11]
     assert router_cu_seqlens(psp, 16).tolist() == [0, 4, 6, 11, 16]  # tail rows: one more interval
     assert router_cu_seqlens(None, 16) is None
-    unpadded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=i32([0, 3, 4]), cu_seqlens_kv=i32([0, 3, 4]))
+    unpadded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_i32([0, 3, 4]), cu_seqlens_kv=_i32([0, 3, 4]))
     assert router_cu_seqlens(unpadded, 4).tolist() == [0, 3, 4]
     with pytest.raises(ValueError, match="cover 11 rows"):
         router_cu_seqlens(psp, 10)
@@ -121,16 +126,7 @@ class _RowsGroup:
 def test_router_cu_seqlens_over_a_row_group_tile_the_pack():
     """Over a row group of 4 ranks (TP 2 x CP 2: rank ``c*2 + t`` holds rows ``[4r, 4r + 4)`` of 16), every rank keeps
     all ``D + 1`` entries, clipped to its rows; the per-rank document lengths add up to the one-rank ones."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
-    psp = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=i32([0, 3, 4, 9]),
-        cu_seqlens_kv=i32([0, 3, 4, 9]),
-        cu_seqlens_q_padded=i32([0, 4, 6, 11]),
-        cu_seqlens_kv_padded=i32([0, 4, 6, 11]),
-    )
+    psp = _padded_pack()
     whole = router_cu_seqlens(psp, 16)  # [0, 4, 6, 11, 16]
     parts = [router_cu_seqlens(psp, 4, _RowsGroup(r, 4)) for r in range(4)]
     assert [p.tolist() for p in parts] == [[0, 4, 4, 4, 4], [0, 0, 2, 4, 4], [0, 0, 0, 3, 4], [0, 0, 0, 0, 4]]
