@@ -83,12 +83,11 @@ def dequant_fp4_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # byte columns
     mask = (rows[:, None] < M) & (cols[None, :] < KH)
-    b = tl.load(p_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0).to(tl.int32)
-    even = 2 * cols[None, :]
-    s_lo = tl.load(s_ptr + rows[:, None] * stride_s + even // GROUP, mask=mask, other=1.0)
-    s_hi = tl.load(s_ptr + rows[:, None] * stride_s + (even + 1) // GROUP, mask=mask, other=1.0)
-    lo = _e2m1_to_f32(b & 15) * s_lo
-    hi = _e2m1_to_f32((b >> 4) & 15) * s_hi
-    base = out_ptr + rows[:, None] * stride_o + even
-    tl.store(base, lo.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + 1, hi.to(out_ptr.dtype.element_ty), mask=mask)
+    b = tl.load(p_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0).to(tl.int32)  # [BR, BC]
+    # the two nibbles side by side, low first: output columns 2c, 2c + 1 of byte c, one contiguous row per tile
+    w = tl.reshape(tl.join(_e2m1_to_f32(b & 15), _e2m1_to_f32((b >> 4) & 15)), (BLOCK_R, 2 * BLOCK_C))  # [BR, 2 BC]
+    out_cols = tl.program_id(1) * (2 * BLOCK_C) + tl.arange(0, 2 * BLOCK_C)
+    out_mask = (rows[:, None] < M) & (out_cols[None, :] < 2 * KH)
+    s = tl.load(s_ptr + rows[:, None] * stride_s + out_cols[None, :] // GROUP, mask=out_mask, other=1.0)
+    w = w * s
+    tl.store(out_ptr + rows[:, None] * stride_o + out_cols[None, :], w.to(out_ptr.dtype.element_ty), mask=out_mask)
