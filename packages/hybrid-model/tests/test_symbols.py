@@ -4,6 +4,8 @@ import re
 
 import pytest
 
+from hybrid_model.model_flags import apply_model_overrides
+from hybrid_model.presets import get_preset
 from hybrid_model.symbols import (
     compress_ratios_from_pattern,
     hash_layer_numbers,
@@ -94,6 +96,19 @@ def test_hash_layers_count_moe_layers_and_first_stage():
         hash_layer_numbers("WE|WECE", 2)
     with pytest.raises(ValueError, match="only 2 main MoE"):
         hash_layer_numbers("WECE/WE", 3)
+
+
+def test_a_pattern_builds_one_model_under_every_pipeline_cut():
+    """``with_pattern`` caps the hash layers at the pattern's main ``E`` count, never at the first stage's: a cut
+    that cannot hold them is refused, and ``--model-overrides`` can lower them before the pattern is applied."""
+    tiny = get_preset("tiny")  # num_hash_layers = 2
+    assert tiny.with_pattern("WEC-HE/WE").num_hash_layers == 2
+    assert tiny.with_pattern("WEC-E|HE/WE").num_hash_layers == 2
+    assert tiny.with_pattern("WEC-/WE").num_hash_layers == 1  # one main E: a property of the pattern, not a cut
+    with pytest.raises(ValueError, match="first pipeline stage"):
+        tiny.with_pattern("WEC-|HE/WE")
+    lowered = apply_model_overrides(tiny, {"hybrid_layer_pattern": "WEC-|HE/WE", "num_hash_layers": 1}, pp=2)
+    assert lowered.num_hash_layers == 1 and lowered.hash_layer_numbers == [2]
 
 
 def test_layer_infos():

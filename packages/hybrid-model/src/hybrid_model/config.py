@@ -202,16 +202,18 @@ class DSv4ModelConfig:
     def with_pattern(self, pattern: str) -> DSv4ModelConfig:
         """A copy that builds ``pattern`` (every symbol of :mod:`hybrid_model.symbols`), with ``num_layers``,
         ``num_nextn_predict_layers`` and ``compress_ratios`` derived from it and ``num_hash_layers`` capped at the
-        ``E`` layers of the first pipeline stage (hash routing needs the stage holding ``input_ids``)."""
+        pattern's main ``E`` layers. The cap does not depend on the ``|`` cuts, so a pattern builds the same model
+        under every pipeline layout: hash layers that do not fit on the first stage (which holds ``input_ids``) are
+        a ``ValueError`` naming the fix, never silently learned-routed (they once were)."""
         parsed = parse_pattern(pattern)
-        first_stage_moe = parsed.segments[0].count(MOE)
+        main_moe = parsed.main.count(MOE)
         return dataclasses.replace(
             self,
             hybrid_layer_pattern=pattern,
             num_layers=sum(s in SEQUENCE_MIXERS for s in parsed.main),
             num_nextn_predict_layers=parsed.mtp_num_depths,
             compress_ratios=tuple(mixer_ratios(parsed, self.csa_compress_ratio, self.hca_compress_ratio)),
-            num_hash_layers=min(self.num_hash_layers, first_stage_moe),
+            num_hash_layers=min(self.num_hash_layers, main_moe),
             pipeline_stages=1,
         )
 

@@ -9,6 +9,7 @@ field; :func:`apply_model_overrides` turns the overrides into the run's :class:`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from hybrid_model.config import DSv4ModelConfig
@@ -58,6 +59,8 @@ def apply_model_overrides(cfg: DSv4ModelConfig, overrides: dict[str, Any], *, pp
                 f"pattern {pattern!r} has {stages} pipeline stage(s) ('{PIPE}' cuts) but --pp is {pp}: give one "
                 f"'{PIPE}'-separated segment per pipeline stage (--pp {stages}, or remove the cuts for --pp 1)"
             )
+        if "num_hash_layers" in changes:  # before the pattern: it decides whether the hash layers fit stage 1
+            cfg = dataclasses.replace(cfg, num_hash_layers=changes.pop("num_hash_layers"))
         cfg = cfg.with_pattern(pattern)
         changes.pop("pipeline_stages", None)
     return cfg.replace(**changes) if changes else cfg
