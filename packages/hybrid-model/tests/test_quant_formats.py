@@ -75,7 +75,9 @@ def test_fp8_kernel_matches_reference(m, n, block, fmt):
 
 
 @needs_triton
-@pytest.mark.parametrize(("m", "k", "group"), [(5, 70, 32), (33, 64, 32), (3, 18, 32), (4, 600, 32), (7, 266, 16)])
+@pytest.mark.parametrize(
+    ("m", "k", "group"), [(5, 70, 32), (33, 64, 32), (3, 18, 32), (4, 600, 32), (7, 266, 16)]
+)
 def test_fp4_kernel_matches_reference(m, k, group):
     w = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 2
     p, s = quantize_fp4_ref(w, group)

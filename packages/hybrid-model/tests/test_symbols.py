@@ -104,7 +104,8 @@ def test_a_pattern_builds_one_model_under_every_pipeline_cut():
     tiny = get_preset("tiny")  # num_hash_layers = 2
     assert tiny.with_pattern("WEC-HE/WE").num_hash_layers == 2
     assert tiny.with_pattern("WEC-E|HE/WE").num_hash_layers == 2
-    assert tiny.with_pattern("WEC-/WE").num_hash_layers == 1  # one main E: a property of the pattern, not a cut
+    # one main E: a property of the pattern, not a cut
+    assert tiny.with_pattern("WEC-/WE").num_hash_layers == 1
     with pytest.raises(ValueError, match="first pipeline stage"):
         tiny.with_pattern("WEC-|HE/WE")
     lowered = apply_model_overrides(tiny, {"hybrid_layer_pattern": "WEC-|HE/WE", "num_hash_layers": 1}, pp=2)

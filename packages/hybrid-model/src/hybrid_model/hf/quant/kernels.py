@@ -85,9 +85,13 @@ def dequant_fp4_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < KH)
     b = tl.load(p_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0).to(tl.int32)  # [BR, BC]
     # the two nibbles side by side, low first: output columns 2c, 2c + 1 of byte c, one contiguous row per tile
-    w = tl.reshape(tl.join(_e2m1_to_f32(b & 15), _e2m1_to_f32((b >> 4) & 15)), (BLOCK_R, 2 * BLOCK_C))  # [BR, 2 BC]
+    w = tl.reshape(
+        tl.join(_e2m1_to_f32(b & 15), _e2m1_to_f32((b >> 4) & 15)), (BLOCK_R, 2 * BLOCK_C)
+    )  # [BR, 2 BC]
     out_cols = tl.program_id(1) * (2 * BLOCK_C) + tl.arange(0, 2 * BLOCK_C)
     out_mask = (rows[:, None] < M) & (out_cols[None, :] < 2 * KH)
     s = tl.load(s_ptr + rows[:, None] * stride_s + out_cols[None, :] // GROUP, mask=out_mask, other=1.0)
     w = w * s
-    tl.store(out_ptr + rows[:, None] * stride_o + out_cols[None, :], w.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + out_cols[None, :], w.to(out_ptr.dtype.element_ty), mask=out_mask
+    )
