@@ -95,6 +95,7 @@ class AttentionCache:
         self.kind = attn.kind
         self.max_length = max_length
         self.lengths: tuple[int, ...] = (0,) * batch
+        self._device_lengths: torch.Tensor | None = None  # [B] the lengths on the device (None: not uploaded)
         self._undo: _WindowUndo | None = None
         self.window = WindowCache(batch, core.window, attn.head_dim, **buffers)
         self.compressed = (
@@ -117,6 +118,13 @@ class AttentionCache:
     @property
     def batch(self) -> int:
         return len(self.lengths)
+
+    def device_lengths(self, device) -> torch.Tensor:
+        """int64 ``[B]``: :attr:`lengths` on the device, advanced in place by every decode step (uploaded once
+        after a call of another kind: prefill, a multi-row or ``undo`` call, :meth:`rollback`, :meth:`advance`)."""
+        if self._device_lengths is None:
+            self._device_lengths = torch.tensor(self.lengths, dtype=torch.int64, device=device)
+        return self._device_lengths
 
     @property
     def nbytes(self) -> int:
@@ -154,13 +162,34 @@ class AttentionCache:
         ``plan.new_lengths`` tokens per sequence. ``dense``: CSA's dense phase (every visible entry, no top-k).
         ``undo``: keep what :meth:`rollback` needs to drop some of the call's rows again. ``fast_prefill``: a
         first call (every sequence empty, no ``undo``) runs the layer's training forward over the prompts and
-        fills the cache from them (:mod:`~dsv4_attention.decode.prefill`; the same cache as this eager path)."""
+        fills the cache from them (:mod:`~dsv4_attention.decode.prefill`; the same cache as this eager path).
+
+        A decode step (at most one row per sequence, no ``undo``, not a fast prefill) runs device-resident: the
+        static step's math (:func:`~dsv4_attention.decode.static.extend_static`) on the fed sequences at the
+        device lengths (:meth:`device_lengths`), no host sync and no upload (but the plan's row sequences when
+        some sequence is not fed: one per step, shared by every layer)."""
         self._check(attn, x, plan)
         self._undo = None
         if fast_prefill and not undo and not any(self.lengths):
             y = prefill(self, attn, x, plan, dense)
+            self.lengths, self._device_lengths = plan.new_lengths, None
+            return y
+        if plan.is_decode_step and not undo:
+            lengths = self.device_lengths(x.device)  # [B]
+            seq = plan.row_sequences(x.device)  # [R]
+            every = plan.num_rows == self.batch
+            pos = lengths if every else lengths[seq]  # [R]
+            fed = tuple(n for n, k in zip(plan.lengths, plan.counts) if k)  # the rows' positions on the host
+            y = extend_static(
+                self, attn, x, pos, dense=dense, sequences=None if every else seq, host_lengths=fed
+            )
+            if every:
+                lengths.add_(1)
+            else:
+                lengths.index_add_(0, seq, torch.ones_like(seq))
             self.lengths = plan.new_lengths
             return y
+        self._device_lengths = None
         core = attn.core_attention
         pos, seq = plan.row_positions(x.device), plan.row_sequences(x.device)  # [R], [R]
         q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [R, d_c]
@@ -217,7 +246,7 @@ class AttentionCache:
             self.compressed.rollback(lengths)
         if self.indexer is not None:
             self.indexer.keys.rollback(lengths)
-        self.lengths, self._undo = lengths, None
+        self.lengths, self._undo, self._device_lengths = lengths, None, None
 
     def extend_static(
         self, attn: DSv4Attention, x: torch.Tensor, lengths: torch.Tensor, *, dense: bool = False
@@ -237,3 +266,4 @@ class AttentionCache:
                 f"advance needs {self.batch} lengths of at most max_length={self.max_length}, got {lengths}"
             )
         self.lengths = tuple(int(n) for n in lengths)
+        self._device_lengths = None

@@ -11,7 +11,7 @@ positions restart at 0 per sequence, as per document in training (spec §3.5).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class ExtendPlan:
 
     lengths: tuple[int, ...]
     counts: tuple[int, ...]
+    #: device tensors of this plan, built once per device and shared by every layer of a step (not compared)
+    _device: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(int(v) for v in self.lengths))
@@ -67,12 +69,47 @@ class ExtendPlan:
         ``cu_seqlens``)."""
         return tuple(itertools.accumulate(self.counts, initial=0))
 
+    @property
+    def is_decode_step(self) -> bool:
+        """At most one new row per sequence (a decode step; sequences given no row are not fed)."""
+        return max(self.counts) == 1
+
+    def _memo(self, key: str, device, build) -> torch.Tensor:
+        device = torch.device("cpu") if device is None else torch.device(device)
+        out = self._device.get((key, device))
+        if out is None:
+            out = self._device[(key, device)] = build(device)
+        return out
+
     def row_sequences(self, device=None) -> torch.Tensor:
-        """int64 ``[R]``: the sequence of every new row."""
-        counts = torch.tensor(self.counts, dtype=torch.int64)
-        return torch.repeat_interleave(torch.arange(self.batch), counts).to(device)
+        """int64 ``[R]``: the sequence of every new row (built once per device: one upload, none when every
+        sequence gets one row)."""
+
+        def build(dev):
+            if all(k == 1 for k in self.counts):
+                return torch.arange(self.batch, device=dev)
+            rows = [b for b, k in enumerate(self.counts) for _ in range(k)]
+            return torch.tensor(rows, dtype=torch.int64, device=dev)
+
+        return self._memo("sequences", device, build)
 
     def row_positions(self, device=None) -> torch.Tensor:
-        """int64 ``[R]``: the position of every new row in its sequence."""
-        pos = [torch.arange(n, n + k, dtype=torch.int64) for n, k in zip(self.lengths, self.counts)]
-        return torch.cat(pos).to(device)
+        """int64 ``[R]``: the position of every new row in its sequence (built once per device: one upload)."""
+        pos = [n + i for n, k in zip(self.lengths, self.counts) for i in range(k)]
+        return self._memo("positions", device, lambda dev: torch.tensor(pos, dtype=torch.int64, device=dev))
+
+    def row_lengths(self, device=None) -> torch.Tensor:
+        """int64 ``[R]``: ``lengths[b]`` of every new row's sequence ``b`` (its first new position; one upload)."""
+        first = [n for n, k in zip(self.lengths, self.counts) for _ in range(k)]
+        return self._memo("lengths", device, lambda dev: torch.tensor(first, dtype=torch.int64, device=dev))
+
+    def ring_rows(self, window: int, device=None) -> torch.Tensor:
+        """int64 ``[N]``: the new rows among the last ``window`` positions of their sequence after the call (the
+        rows a window ring keeps; computed on the host, one upload per device)."""
+        rows = [
+            r0 + i
+            for n, k, r0 in zip(self.lengths, self.counts, self.row_starts)
+            for i in range(k)
+            if n + i >= n + k - window
+        ]
+        return self._memo(f"ring{window}", device, lambda dev: torch.tensor(rows, dtype=torch.int64, device=dev))

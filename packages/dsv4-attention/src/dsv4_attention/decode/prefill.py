@@ -42,10 +42,9 @@ def prefill(cache, attn: DSv4Attention, x: torch.Tensor, plan: ExtendPlan, dense
     core = attn.core_attention
     pos, seq = plan.row_positions(x.device), plan.row_sequences(x.device)  # [R], [R]
     y, _ = DSv4Attention.forward(attn, x, prompt_layout(plan, pos), dense=dense, indexer_loss_coeff=0.0)
-    new_len = torch.tensor(plan.new_lengths, dtype=torch.int64, device=x.device)[seq]  # [R]
-    last = pos >= new_len - cache.window.window  # [R] the rows the ring keeps
+    last = plan.ring_rows(cache.window.window, x.device)  # [N] the rows the ring keeps
     kv = attn.project_kv(x[last], pos[last], plan.max_position)  # [N, c]
-    cache.window.append(kv, plan, pos[last], seq[last])
+    cache.window.write(kv, pos[last], seq[last])
     if cache.compressed is not None:
         cache.compressed.extend(core.compressor, x, plan, core.backend)
     if cache.indexer is not None:

@@ -33,20 +33,33 @@ from dsv4_attention.compressor import Compressor
 from dsv4_attention.decode.compressed import CompressorCache
 
 
-def static_window_indices(lengths: torch.Tensor, window: int) -> torch.Tensor:
-    """int32 ``[B, W]``: the window slots of each sequence's new row at position ``lengths[b]`` as rows of the
-    combined key buffer (module docstring)."""
-    b = torch.arange(lengths.shape[0], device=lengths.device)[:, None]  # [B, 1]
-    s = lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)[None, :]  # [B, W] key positions
-    idx = torch.where(s == lengths[:, None], lengths.shape[0] * window + b, b * window + s.remainder(window))
+def _rows(lengths: torch.Tensor, sequences: torch.Tensor | None) -> torch.Tensor:
+    """int64 ``[R]``: the sequence of every row (``None``: one row per sequence, in order)."""
+    return torch.arange(lengths.shape[0], device=lengths.device) if sequences is None else sequences
+
+
+def static_window_indices(
+    lengths: torch.Tensor, window: int, sequences: torch.Tensor | None = None, batch: int | None = None
+) -> torch.Tensor:
+    """int32 ``[R, W]``: the window slots of each row at position ``lengths[r]`` of sequence ``sequences[r]``
+    (``None``: row ``b`` of sequence ``b``) as rows of the combined key buffer of ``batch`` sequences (default
+    ``R``; module docstring: the step's row ``r`` is key ``B W + r``)."""
+    seq = _rows(lengths, sequences)[:, None]  # [R, 1]
+    r = torch.arange(lengths.shape[0], device=lengths.device)[:, None]  # [R, 1]
+    bsz = lengths.shape[0] if batch is None else batch
+    s = lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)[None, :]  # [R, W] key positions
+    idx = torch.where(s == lengths[:, None], bsz * window + r, seq * window + s.remainder(window))
     return torch.where(s >= 0, idx, -1).to(torch.int32)
 
 
-def static_visible_entries(lengths: torch.Tensor, ratio: int, capacity: int) -> torch.Tensor:
-    """int64 ``[B, C]``: every entry slot ``b * C + w`` of each sequence, ``-1`` unless ``w < floor((n_b + 1) /
-    m)`` (spec §3.4; the static form of :func:`~dsv4_attention.decode.cache.visible_entries`)."""
+def static_visible_entries(
+    lengths: torch.Tensor, ratio: int, capacity: int, sequences: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int64 ``[R, C]``: every entry slot ``b * C + w`` of each row's sequence ``b``, ``-1`` unless ``w < floor((n
+    + 1) / m)`` at the row's position ``n`` (spec §3.4; the static form of
+    :func:`~dsv4_attention.decode.cache.visible_entries`)."""
     w = torch.arange(capacity, device=lengths.device)[None, :]  # [1, C]
-    rows = torch.arange(lengths.shape[0], device=lengths.device)[:, None] * capacity + w  # [B, C]
+    rows = _rows(lengths, sequences)[:, None] * capacity + w  # [R, C]
     return torch.where(w < ((lengths + 1) // ratio)[:, None], rows, -1)
 
 
@@ -57,16 +70,23 @@ def compress_static(
     lengths: torch.Tensor,
     max_position: int,
     backend: str = "auto",
+    sequences: torch.Tensor | None = None,
+    host_lengths: tuple[int, ...] | None = None,
 ) -> None:
-    """Consume one row per sequence ``x [B, d]`` at positions ``lengths [B]``: hold its projections, emit the
-    entries the step completes (module docstring)."""
-    m, bsz = cache.ratio, x.shape[0]
-    b = torch.arange(bsz, device=x.device)
+    """Consume one row per sequence ``x [R, d]`` at positions ``lengths [R]`` (of sequences ``sequences [R]``,
+    distinct; ``None``: every sequence in order): hold its projections, emit the entries the step completes (module
+    docstring). Every sequence's held rows are pooled; only the rows' sequences change. ``host_lengths``: the same
+    positions known on the host (an eager step): when no row completes a block, nothing is pooled (``None``: a
+    static step, which always pools and masks)."""
+    m = cache.ratio
+    b = _rows(lengths, sequences)  # [R]
     block = lengths // m * m
     start = (block - m).clamp(min=0) if cache.overlap else block
-    slot = lengths - start  # [B]
-    cache.held_kv[b, slot] = linear_out(compressor.linear_wkv, x).to(cache.held_kv.dtype)  # [B, Dk]
+    slot = lengths - start  # [R]
+    cache.held_kv[b, slot] = linear_out(compressor.linear_wkv, x).to(cache.held_kv.dtype)  # [R, Dk]
     cache.held_score[b, slot] = linear_out(compressor.linear_wgate, x).to(cache.held_score.dtype)
+    if host_lengths is not None and not any((n + 1) % m == 0 for n in host_lengths):
+        return  # no block completes (host knowledge: no host read)
     doc = compressor_pool_sbhd(
         cache.held_kv.transpose(0, 1).contiguous(),
         cache.held_score.transpose(0, 1).contiguous(),
@@ -75,46 +95,68 @@ def compress_static(
         cache.overlap,
         backend=backend,
     )  # [H / m, B, c] fp32
-    w = (lengths + 1) // m - 1  # [B] the entry a completing step emits
-    complete = (lengths + 1) % m == 0  # [B]
-    pooled = torch.where((w == 0)[:, None], doc[0], doc[-1]) if cache.overlap else doc[0]  # [B, c]
+    if sequences is not None:
+        doc = doc[:, b]  # [H / m, R, c]
+    w = (lengths + 1) // m - 1  # [R] the entry a completing step emits
+    complete = (lengths + 1) % m == 0  # [R]
+    pooled = torch.where((w == 0)[:, None], doc[0], doc[-1]) if cache.overlap else doc[0]  # [R, c]
     entry = w.clamp(min=0)
     out = rope(compressor.norm(pooled), entry * m, compressor.rope_cfg, max_position=max_position)  # at w * m
     if cache.capacity:  # (no block completes within a capacity of 0 entries)
-        current = cache.entries[b, entry]  # [B, c]
+        current = cache.entries[b, entry]  # [R, c]
         cache.entries[b, entry] = torch.where(complete[:, None], out.to(cache.entries.dtype), current)
     if cache.overlap:  # the completed block becomes the held previous block
-        shift = (complete & (w >= 1))[:, None, None]
-        cache.held_kv[:, :m] = torch.where(shift, cache.held_kv[:, m:], cache.held_kv[:, :m])
-        cache.held_score[:, :m] = torch.where(shift, cache.held_score[:, m:], cache.held_score[:, :m])
+        shift = (complete & (w >= 1))[:, None, None]  # [R, 1, 1]
+        for held in (cache.held_kv, cache.held_score):
+            rows = held[b]  # [R, H, Dk]
+            held[b, :m] = torch.where(shift, rows[:, m:], rows[:, :m])
 
 
 @torch.no_grad()
 def extend_static(
-    cache, attn, x: torch.Tensor, lengths: torch.Tensor, *, dense: bool = False
+    cache,
+    attn,
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    dense: bool = False,
+    sequences: torch.Tensor | None = None,
+    host_lengths: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """The layer output ``[B, d]`` of one new row per sequence ``x [B, d]`` at positions ``lengths [B]`` (device
+    """The layer output ``[R, d]`` of one new row per sequence ``x [R, d]`` at positions ``lengths [R]`` (device
     int64; the caller advances them after the step). ``cache``: the layer's
-    :class:`~dsv4_attention.decode.cache.AttentionCache`; ``dense``: CSA's dense phase."""
+    :class:`~dsv4_attention.decode.cache.AttentionCache`; ``dense``: CSA's dense phase. ``sequences``: device int64
+    ``[R]``, the distinct sequences of the rows (a subset: the others are not fed); ``None``: all ``B`` in order.
+    ``host_lengths``: ``lengths`` as host ints when the caller knows them (:func:`compress_static`)."""
     core = attn.core_attention
     bsz, ring = cache.batch, cache.window
-    if x.dim() != 2 or x.shape[0] != bsz or lengths.shape != (bsz,):
+    rows = bsz if sequences is None else sequences.shape[0]
+    if x.dim() != 2 or x.shape[0] != rows or lengths.shape != (rows,) or rows > bsz:
         raise ValueError(
-            f"a static decode step takes one row per sequence: x [{bsz}, d] and lengths [{bsz}], got "
-            f"{tuple(x.shape)} and {tuple(lengths.shape)}"
+            f"a static decode step takes one row per sequence: x [{rows}, d] and lengths [{rows}] (at most "
+            f"{bsz} rows), got {tuple(x.shape)} and {tuple(lengths.shape)}"
         )
     max_position = cache.max_length - 1
     q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [B, d_c]
     q, kv = attn.project_qkv(x, q_lat, lengths, max_position)  # [B, n_h, c], [B, c]
     offset = bsz * ring.window
-    cache.keys[offset : offset + bsz] = kv.to(cache.keys.dtype)  # this step's rows
-    idx = static_window_indices(lengths, ring.window)  # [B, W]
+    cache.keys[offset : offset + rows] = kv.to(cache.keys.dtype)  # this step's rows
+    idx = static_window_indices(lengths, ring.window, sequences, bsz)  # [R, W]
     if cache.compressed is not None:
-        compress_static(cache.compressed, core.compressor, x, lengths, max_position, core.backend)
-        comp = static_visible_entries(lengths, cache.compressed.ratio, cache.compressed.capacity)  # [B, C]
+        compress_static(cache.compressed, core.compressor, x, lengths, max_position, core.backend, sequences, host_lengths)
+        comp = static_visible_entries(
+            lengths, cache.compressed.ratio, cache.compressed.capacity, sequences
+        )  # [R, C]
         if cache.indexer is not None:
             compress_static(
-                cache.indexer.keys, core.indexer.compressor, x, lengths, max_position, core.backend
+                cache.indexer.keys,
+                core.indexer.compressor,
+                x,
+                lengths,
+                max_position,
+                core.backend,
+                sequences,
+                host_lengths,
             )
             if not dense:
                 comp = cache.indexer.select(
@@ -125,5 +167,5 @@ def extend_static(
         q, cache.keys, core.attn_sink, idx, core.softmax_scale, backend=core.backend, check_indices=False
     )  # [B, n_h, c]
     y = attn.project_output(o, lengths, max_position)  # [B, d]
-    ring.kv[torch.arange(bsz, device=x.device), lengths.remainder(ring.window)] = kv.to(ring.kv.dtype)
+    ring.kv[_rows(lengths, sequences), lengths.remainder(ring.window)] = kv.to(ring.kv.dtype)
     return y

@@ -47,10 +47,10 @@ class WindowCache:
         ``sequences``: the plan's rows (:meth:`ExtendPlan.row_positions` / :meth:`ExtendPlan.row_sequences`)."""
         dev = positions.device
         w = self.window
-        lengths = torch.tensor(plan.lengths, dtype=torch.int64, device=dev)[sequences]  # [R]
-        starts = torch.tensor(plan.row_starts[:-1], dtype=torch.int64, device=dev)[sequences]  # [R]
+        lengths = plan.row_lengths(dev)  # [R]
         s = positions[:, None] + torch.arange(1 - w, 1, device=dev)[None, :]  # [R, W] key positions
-        new = plan.batch * w + starts[:, None] + s - lengths[:, None]  # a row of this call
+        rows = torch.arange(positions.shape[0], device=dev)[:, None]  # [R, 1]
+        new = plan.batch * w + rows + s - positions[:, None]  # a row of this call (row r holds position p)
         ring = sequences[:, None] * w + s.remainder(w)  # a ring slot
         idx = torch.where(s >= lengths[:, None], new, ring)
         return torch.where(s >= 0, idx, -1).to(torch.int32)
@@ -59,9 +59,12 @@ class WindowCache:
         self, kv_new: torch.Tensor, plan: ExtendPlan, positions: torch.Tensor, sequences: torch.Tensor
     ) -> None:
         """Write the call's rows ``kv_new [R, c]`` into the ring (the last ``W`` of each sequence)."""
-        new_len = torch.tensor(plan.new_lengths, dtype=torch.int64, device=positions.device)[sequences]  # [R]
-        keep = positions >= new_len - self.window  # [R]: one row per ring slot at most
-        self.kv[sequences[keep], positions[keep].remainder(self.window)] = kv_new[keep].to(self.kv.dtype)
+        keep = plan.ring_rows(self.window, positions.device)  # [N]: one row per ring slot at most
+        self.write(kv_new[keep], positions[keep], sequences[keep])
+
+    def write(self, kv: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor) -> None:
+        """Write rows ``kv [N, c]`` at ``positions [N]`` of ``sequences [N]`` (at most one row per ring slot)."""
+        self.kv[sequences, positions.remainder(self.window)] = kv.to(self.kv.dtype)
 
     def overwritten(self, positions: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
         """``[R, c]``: what the ring slots of the call's rows hold now (a copy; read it before :meth:`append`)."""
@@ -81,9 +84,8 @@ class WindowCache:
         appended only those rows. (Rows sharing a slot all hold its value from before the call.)"""
         self.kv[sequences, positions.remainder(self.window)] = before
         if sum(kept):
-            lengths = torch.tensor(plan.lengths, dtype=torch.int64, device=positions.device)[sequences]
-            counts = torch.tensor(kept, dtype=torch.int64, device=positions.device)[sequences]
-            keep = positions - lengths < counts  # [R] the first kept[b] rows of sequence b
+            rows = [r0 + i for r0, k in zip(plan.row_starts, kept) for i in range(k)]  # the first kept[b] rows of b
+            keep = torch.tensor(rows, dtype=torch.int64, device=positions.device)  # [N]
             self.append(kv_new[keep], ExtendPlan(plan.lengths, kept), positions[keep], sequences[keep])
 
     @property

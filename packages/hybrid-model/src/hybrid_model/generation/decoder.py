@@ -102,11 +102,13 @@ class CachedDecoder:
         ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=device)[
             None
         ]  # [1, R]
-        cu = torch.tensor(plan.row_starts, dtype=torch.int32, device=device)  # [B + 1]
-        longest = max(plan.counts)
-        psp = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-        )
+        psp = None  # a decode step: one row per document, nothing outside attention mixes rows (no upload)
+        if not plan.is_decode_step:
+            cu = torch.tensor(plan.row_starts, dtype=torch.int32, device=device)  # [B + 1]
+            longest = max(plan.counts)
+            psp = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+            )
         if streams and not self.model.mtp_process:
             raise ValueError(
                 "extend(streams=True) needs a model with MTP depths (its decoder returns the streams)"
@@ -119,7 +121,7 @@ class CachedDecoder:
                 bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan, undo=undo))
             if streams:
                 bound.enter_context(_decoder_streams(self.model, kept))
-            if last_only:
+            if last_only and not plan.is_decode_step:  # (a decode step's rows are all last rows)
                 ends = [end - 1 for count, end in zip(plan.counts, plan.row_starts[1:]) if count]
                 bound.enter_context(_head_rows(self.model, torch.tensor(ends, device=device)))
             self.model.eval()

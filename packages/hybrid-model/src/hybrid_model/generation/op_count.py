@@ -12,9 +12,11 @@ CPU too (so the counts are a CPU test)::
             Tensor.tolist / .numpy / .cpu (patched: on CPU they do not dispatch)
             -- none of these on a host copy: the result of ``.cpu()`` and what aten ops make of host copies alone
             (megatron's ``tokens_per_expert = ....cpu()`` then ``.tolist()``: one sync, not two)
-    upload  aten.lift_fresh            (torch.tensor / torch.as_tensor of Python data)
-            Tensor.to / .cuda with a device, of a CPU tensor (patched; on a CPU-only run every tensor is a CPU
-            tensor, so a ``.to(device)`` of a device tensor counts too: the code under test should not do that)
+    upload  aten.lift_fresh            (torch.tensor / torch.as_tensor of Python data; not inside dsv4-primitives'
+                                       ``upload_host_ints``, a cached device constant on CUDA: listed in ``sites``
+                                       as "cached upload" only)
+            Tensor.to / .cuda of a CPU tensor to another device (patched; so on a CPU-only run only the
+            tensors built from Python data count: a host tensor moved with ``.to(device)`` is not seen there)
 
 Ops run on behalf of a sync or an upload (e.g. the copy under ``.tolist()``) count as ops too. Each event is charged
 to the innermost running module given in ``scopes`` (a forward pre-hook / hook pair), else to ``"other"``; sync and
@@ -66,6 +68,17 @@ def _call_site() -> str:
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
 
 
+def _in_cached_upload() -> bool:
+    """Inside dsv4-primitives' ``upload_host_ints``: on CUDA a cached device constant (copied on its first use
+    only), so not an upload of every step; on CPU it builds a tensor each call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "upload_host_ints":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _is_sync(func, args, kwargs) -> bool:
     name = func._schema.name.split("::")[-1]
     if name in _SYNC_OPS:
@@ -77,10 +90,14 @@ def _is_sync(func, args, kwargs) -> bool:
     return False
 
 
-def _has_device(args, kwargs) -> bool:
-    if "device" in kwargs and kwargs["device"] is not None:
-        return True
-    return any(isinstance(a, torch.device | str | int) and not isinstance(a, bool) for a in args)
+def _moves_to_device(t: torch.Tensor, args, kwargs) -> bool:
+    """``t.to(...)`` with these arguments copies a CPU tensor to another device."""
+    target = kwargs.get("device")
+    if target is None:
+        target = next((a for a in args if isinstance(a, torch.device | str | int) and not isinstance(a, bool)), None)
+    if target is None or t.device.type != "cpu":
+        return False
+    return torch.device(target).type != "cpu"
 
 
 class _Recorder(TorchDispatchMode):
@@ -108,6 +125,9 @@ class _Recorder(TorchDispatchMode):
 
     def event(self, kind: str) -> None:
         scope = self._scope()
+        if kind == "uploads" and _in_cached_upload():
+            scope.sites[f"cached upload {_call_site()}"] += 1
+            return
         setattr(scope, kind, getattr(scope, kind) + 1)
         scope.sites[f"{kind[:-1]} {_call_site()}"] += 1
 
@@ -153,7 +173,7 @@ def _patched(recorder: _Recorder) -> Iterator[None]:
         return method
 
     always = lambda self, args, kwargs: True  # noqa: E731
-    host_to_device = lambda self, args, kwargs: self.device.type == "cpu" and _has_device(args, kwargs)  # noqa: E731
+    host_to_device = lambda self, args, kwargs: _moves_to_device(self, args, kwargs)  # noqa: E731
     torch.Tensor.tolist = wrap("tolist", "syncs", always)
     torch.Tensor.numpy = wrap("numpy", "syncs", always)
     torch.Tensor.cpu = wrap("cpu", "syncs", always)
