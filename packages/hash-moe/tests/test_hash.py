@@ -12,6 +12,7 @@ from hash_moe import (
     hash_moe_layer_numbers,
     hash_route,
     load_tid2eid,
+    token_ids_checked,
     validate_tid2eid,
 )
 
@@ -37,6 +38,22 @@ def test_e2_hash_ids_fixed_by_token_id(fn):
     torch.testing.assert_close(a.weights.sum(-1), torch.full((20,), 1.5))  # E1 holds for hash layers too
     s = a.scores.gather(1, a.experts)
     torch.testing.assert_close(a.weights, 1.5 * s / s.sum(-1, keepdim=True))
+
+
+def test_token_ids_checked_skips_only_the_range_check():
+    """Inside ``token_ids_checked()`` the routing is the same and the id range is not read back (a bad id then
+    fails in the table lookup, not in the range check); after the block the check is back."""
+    cfg = RouterConfig(num_experts=4, topk=2)
+    table = build_tid2eid_round_robin(10, 4, 2)
+    logits, ids = torch.randn(3, 4), torch.tensor([1, 9, 3])
+    with token_ids_checked():
+        inside = hash_route(logits, ids, table, cfg)
+        with pytest.raises(IndexError):
+            hash_route(torch.randn(2, 4), torch.tensor([3, 10]), table, cfg)
+    outside = hash_route(logits, ids, table, cfg)
+    assert torch.equal(inside.experts, outside.experts) and torch.equal(inside.weights, outside.weights)
+    with pytest.raises(ValueError, match="vocab"):
+        hash_route(torch.randn(2, 4), torch.tensor([3, 10]), table, cfg)
 
 
 def test_hash_padding_and_bad_ids():

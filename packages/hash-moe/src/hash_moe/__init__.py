@@ -28,7 +28,14 @@ from hash_moe.permute import (
     unpermute_ref,
 )
 from hash_moe.reference import moe_reference
-from hash_moe.routing import RouterConfig, RoutingResult, dense_routing, hash_route, topk_route
+from hash_moe.routing import (
+    RouterConfig,
+    RoutingResult,
+    dense_routing,
+    hash_route,
+    token_ids_checked,
+    topk_route,
+)
 from hash_moe.scores import SCORE_FUNCTIONS, routing_scores
 from hash_moe.swiglu import clamped_swiglu, clamped_swiglu_ref
 
@@ -60,6 +67,7 @@ __all__ = [
     "sequence_balance_loss",
     "sequence_ids_from_cu_seqlens",
     "swiglu_mlp",
+    "token_ids_checked",
     "tokens_per_expert",
     "topk_route",
     "unpermute",

@@ -18,7 +18,10 @@ Shape legend: ``N`` tokens, ``E`` routed experts, ``K`` experts per token, ``V``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,18 @@ from hash_moe.kernels.routing_triton import fused_topk_route
 from hash_moe.scores import ScoreFunction, check_score_function, routing_scores
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the fused router's logits (fp32 math)
+_IDS_CHECKED = contextvars.ContextVar("hash_moe_token_ids_checked", default=False)
+
+
+@contextlib.contextmanager
+def token_ids_checked() -> Iterator[None]:
+    """Inside the block, :func:`hash_route` skips its token-id range check (one host sync per call): for a caller
+    that checked every id on the host already (cached decoding feeds host ints it validated)."""
+    token = _IDS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _IDS_CHECKED.reset(token)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,9 +195,10 @@ def hash_route(
             f"{token_ids.dtype} {tuple(token_ids.shape)}"
         )
     ids = token_ids.long()
-    _check_token_id_range(
-        ids, tid2eid.shape[0], asynchronous=ids.is_cuda and torch.cuda.is_current_stream_capturing()
-    )
+    if not _IDS_CHECKED.get():
+        _check_token_id_range(
+            ids, tid2eid.shape[0], asynchronous=ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        )
     scores = routing_scores(logits, cfg.score_function)  # [N, E]
     experts = tid2eid.to(device=logits.device)[ids].long()  # [N, K]
     return RoutingResult(_weights_from_scores(scores, experts, cfg, valid), experts, scores, valid)

@@ -32,6 +32,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from dsv4_attention.decode import AttentionCache, ExtendPlan, bind_decode_step
 from dsv4_attention.megatron import DSv4HybridAttention
+from hash_moe import token_ids_checked
 from hybrid_model.generation.support import check_generation_support
 
 
@@ -99,9 +100,13 @@ class CachedDecoder:
                 f"max_length={self.max_length}"
             )
         device = next(self.model.parameters()).device
-        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=device)[
-            None
-        ]  # [1, R]
+        flat = [t for seq in tokens for t in seq]
+        vocab = self.model.model_config.vocab_size
+        if not all(0 <= t < vocab for t in flat):  # on the host: hash routing then skips its device check
+            raise ValueError(
+                f"extend got token ids outside [0, vocab_size={vocab}): {[t for t in flat if not 0 <= t < vocab]}"
+            )
+        ids = torch.tensor(flat, dtype=torch.long, device=device)[None]  # [1, R]
         psp = None  # a decode step: one row per document, nothing outside attention mixes rows (no upload)
         if not plan.is_decode_step:
             cu = torch.tensor(plan.row_starts, dtype=torch.int32, device=device)  # [B + 1]
@@ -117,6 +122,7 @@ class CachedDecoder:
         was_training = self.model.training
         kept: list[torch.Tensor] = []
         with contextlib.ExitStack() as bound:
+            bound.enter_context(token_ids_checked())  # (checked above: no host sync per hash layer)
             for layer, cache in zip(self.layers, self.caches):
                 bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan, undo=undo))
             if streams:
