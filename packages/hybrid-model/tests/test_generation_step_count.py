@@ -33,7 +33,9 @@ def test_decode_step_has_no_attention_sync(megatron_cpu, batch, prompt_length):
     for kind in ATTENTION:
         assert kind in counts, f"no {kind} layer ran"
         c = counts[kind]
-        assert (c.syncs, c.uploads) == (0, 0), f"{kind}: {c.syncs} syncs, {c.uploads} uploads: {dict(c.sites)}"
+        assert (c.syncs, c.uploads) == (0, 0), (
+            f"{kind}: {c.syncs} syncs, {c.uploads} uploads: {dict(c.sites)}"
+        )
     syncs = sum(c.syncs for c in counts.values())
     uploads = sum(c.uploads for c in counts.values())
     sites = {name: dict(c.sites) for name, c in counts.items() if c.sites}

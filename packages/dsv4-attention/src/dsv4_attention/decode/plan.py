@@ -112,4 +112,6 @@ class ExtendPlan:
             for i in range(k)
             if n + i >= n + k - window
         ]
-        return self._memo(f"ring{window}", device, lambda dev: torch.tensor(rows, dtype=torch.int64, device=dev))
+        return self._memo(
+            f"ring{window}", device, lambda dev: torch.tensor(rows, dtype=torch.int64, device=dev)
+        )

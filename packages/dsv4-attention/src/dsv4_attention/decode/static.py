@@ -143,7 +143,9 @@ def extend_static(
     cache.keys[offset : offset + rows] = kv.to(cache.keys.dtype)  # this step's rows
     idx = static_window_indices(lengths, ring.window, sequences, bsz)  # [R, W]
     if cache.compressed is not None:
-        compress_static(cache.compressed, core.compressor, x, lengths, max_position, core.backend, sequences, host_lengths)
+        compress_static(
+            cache.compressed, core.compressor, x, lengths, max_position, core.backend, sequences, host_lengths
+        )
         comp = static_visible_entries(
             lengths, cache.compressed.ratio, cache.compressed.capacity, sequences
         )  # [R, C]

@@ -112,7 +112,11 @@ class CachedDecoder:
             cu = torch.tensor(plan.row_starts, dtype=torch.int32, device=device)  # [B + 1]
             longest = max(plan.counts)
             psp = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=longest,
+                max_seqlen_kv=longest,
             )
         if streams and not self.model.mtp_process:
             raise ValueError(

@@ -36,7 +36,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _SYNC_OPS = frozenset(
-    {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive"}
+    {
+        "_local_scalar_dense",
+        "nonzero",
+        "masked_select",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+    }
 )
 _MASK_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 
@@ -61,7 +69,9 @@ def _call_site() -> str:
     frame = sys._getframe(2)
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     here = __file__
-    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == here):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == here
+    ):
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -94,19 +104,21 @@ def _moves_to_device(t: torch.Tensor, args, kwargs) -> bool:
     """``t.to(...)`` with these arguments copies a CPU tensor to another device."""
     target = kwargs.get("device")
     if target is None:
-        target = next((a for a in args if isinstance(a, torch.device | str | int) and not isinstance(a, bool)), None)
+        target = next(
+            (a for a in args if isinstance(a, torch.device | str | int) and not isinstance(a, bool)), None
+        )
     if target is None or t.device.type != "cpu":
         return False
     return torch.device(target).type != "cpu"
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, scopes: Mapping[torch.nn.Module, str]) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, ScopeCounts] = {}
         self.stack: list[str] = []
-        self.quiet = 0  # > 0 inside a patched method: its own aten ops are not counted again as syncs / uploads
-        self.scopes = scopes
+        # > 0 inside a patched method: its own aten ops are not counted again as syncs / uploads
+        self.quiet = 0
         self._host: dict[int, weakref.ref] = {}  # host copies (.cpu() results and what is made of them)
 
     def is_host(self, t: torch.Tensor) -> bool:
@@ -166,19 +178,25 @@ def _patched(recorder: _Recorder) -> Iterator[None]:
                 out = original(self, *args, **kwargs)
             finally:
                 recorder.quiet -= counted
-            if isinstance(out, torch.Tensor) and (name == "cpu" or (recorder.is_host(self) and kind == "syncs")):
+            if isinstance(out, torch.Tensor) and (
+                name == "cpu" or (recorder.is_host(self) and kind == "syncs")
+            ):
                 recorder.mark_host(out)
             return out
 
         return method
 
-    always = lambda self, args, kwargs: True  # noqa: E731
-    host_to_device = lambda self, args, kwargs: _moves_to_device(self, args, kwargs)  # noqa: E731
+    def always(_t, _args, _kwargs) -> bool:
+        return True
+
+    def from_cpu(t, _args, _kwargs) -> bool:
+        return t.device.type == "cpu"
+
     torch.Tensor.tolist = wrap("tolist", "syncs", always)
     torch.Tensor.numpy = wrap("numpy", "syncs", always)
     torch.Tensor.cpu = wrap("cpu", "syncs", always)
-    torch.Tensor.to = wrap("to", "uploads", host_to_device)
-    torch.Tensor.cuda = wrap("cuda", "uploads", lambda self, args, kwargs: self.device.type == "cpu")
+    torch.Tensor.to = wrap("to", "uploads", _moves_to_device)
+    torch.Tensor.cuda = wrap("cuda", "uploads", from_cpu)
     try:
         yield
     finally:
@@ -191,7 +209,7 @@ def count_ops(scopes: Mapping[torch.nn.Module, str] | None = None) -> Iterator[d
     """Inside the block, count every op / sync / upload (module docstring); yields ``{scope name: ScopeCounts}``
     (filled as the block runs). ``scopes``: module -> scope name (several modules may share a name)."""
     scopes = dict(scopes or {})
-    recorder = _Recorder(scopes)
+    recorder = _Recorder()
 
     def enter(name: str):
         def hook(_module, _args) -> None:

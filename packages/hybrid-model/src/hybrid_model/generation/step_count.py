@@ -60,7 +60,10 @@ def layers_per_scope(model) -> dict[str, int]:
 def format_table(model, batches: tuple[int, ...] = (1, 4)) -> str:
     """A markdown table: per batch and scope, syncs / uploads / ops (per layer for the layer scopes)."""
     layers = layers_per_scope(model)
-    lines = ["| batch | scope | layers | syncs | uploads | ops | ops per layer |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| batch | scope | layers | syncs | uploads | ops | ops per layer |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for b in batches:
         counts = decode_step_counts(model, b)
         whole = ScopeCounts()
@@ -71,4 +74,3 @@ def format_table(model, batches: tuple[int, ...] = (1, 4)) -> str:
             lines.append(f"| {b} | {name} | {n} | {c.syncs} | {c.uploads} | {c.ops} | {c.ops // n} |")
         lines.append(f"| {b} | **step** | | {whole.syncs} | {whole.uploads} | {whole.ops} | |")
     return "\n".join(lines)
-
