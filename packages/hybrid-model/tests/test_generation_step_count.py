@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hybrid_model.generation.step_count import decode_step_counts, layers_per_scope
+from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
 
 ATTENTION = ("window", "csa", "hca")
@@ -24,8 +25,6 @@ DISPATCHER_SYNCS_PER_MOE_LAYER = 2
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("prompt_length", [8, 10], ids=["no-block", "csa-block"])
 def test_decode_step_has_no_attention_sync(megatron_cpu, batch, prompt_length):
-    from hybrid_model.model import build_model
-
     torch.manual_seed(0)
     model = build_model(get_preset("tiny")).eval()
     counts = decode_step_counts(model, batch, prompt_length)
