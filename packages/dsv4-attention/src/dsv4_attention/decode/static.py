@@ -20,6 +20,11 @@ lockstep decoding (``counts`` all 1) every shape is fixed by ``B`` and the cache
 
 so the outputs equal the eager step's (the same ops on the same rows; only the masked tails of the index lists are
 longer). Refused: a sequence at its capacity (the caller checks the host lengths).
+
+The eager decode step (:meth:`AttentionCache.extend <dsv4_attention.decode.cache.AttentionCache.extend>` of at most
+one row per sequence) is this step too, on the fed sequences only (``sequences [R]``: their rows, ``lengths [R]``
+their positions; step row ``r`` is key ``B W + r``) and with the host lengths (``host_lengths``) to skip the pooling
+when no block completes.
 """
 
 from __future__ import annotations
@@ -137,8 +142,8 @@ def extend_static(
             f"{bsz} rows), got {tuple(x.shape)} and {tuple(lengths.shape)}"
         )
     max_position = cache.max_length - 1
-    q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [B, d_c]
-    q, kv = attn.project_qkv(x, q_lat, lengths, max_position)  # [B, n_h, c], [B, c]
+    q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [R, d_c]
+    q, kv = attn.project_qkv(x, q_lat, lengths, max_position)  # [R, n_h, c], [R, c]
     offset = bsz * ring.window
     cache.keys[offset : offset + rows] = kv.to(cache.keys.dtype)  # this step's rows
     idx = static_window_indices(lengths, ring.window, sequences, bsz)  # [R, W]
@@ -167,7 +172,7 @@ def extend_static(
         idx = attention_indices(idx, comp, offset + bsz)
     o, _ = sparse_attn(
         q, cache.keys, core.attn_sink, idx, core.softmax_scale, backend=core.backend, check_indices=False
-    )  # [B, n_h, c]
-    y = attn.project_output(o, lengths, max_position)  # [B, d]
+    )  # [R, n_h, c]
+    y = attn.project_output(o, lengths, max_position)  # [R, d]
     ring.kv[_rows(lengths, sequences), lengths.remainder(ring.window)] = kv.to(ring.kv.dtype)
     return y

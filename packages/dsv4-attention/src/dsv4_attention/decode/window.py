@@ -84,9 +84,8 @@ class WindowCache:
         appended only those rows. (Rows sharing a slot all hold its value from before the call.)"""
         self.kv[sequences, positions.remainder(self.window)] = before
         if sum(kept):
-            rows = [
-                r0 + i for r0, k in zip(plan.row_starts, kept) for i in range(k)
-            ]  # the first kept[b] rows of b
+            # the first kept[b] rows of each sequence b, planned on the host
+            rows = [r0 + i for r0, k in zip(plan.row_starts, kept) for i in range(k)]
             keep = torch.tensor(rows, dtype=torch.int64, device=positions.device)  # [N]
             self.append(kv_new[keep], ExtendPlan(plan.lengths, kept), positions[keep], sequences[keep])
 
