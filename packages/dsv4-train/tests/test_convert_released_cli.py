@@ -1,14 +1,12 @@
 """``dsv4 convert`` / ``dsv4 inspect --checkpoint`` with the released FP8 / FP4 format: export to it, inspect it,
 stream it back to bf16, convert it to a megatron checkpoint, at TP 1 and ``--tp 2`` (a ``--tp`` the model cannot
 split refused in one line); ``dsv4 train --init-from`` the ``--tp 2`` conversion at ``--tp 2`` (torchrun, gloo)
-starts like one process from the TP 1 conversion, and one process from the ``--tp 2`` conversion (megatron's
-resharding to TP 1) is that run exactly.
+starts like one process from the TP 1 conversion (the trainer loading a conversion at another TP size, both ways,
+is ``test_convert_layouts.py``'s ``tp2`` layout: bitwise the TP 2 trainer's weights from either).
 
 Bound (fp32): the TP 2 step differs from one process only in the summation order of the row-parallel products, the
 vocab-parallel softmax statistics and the replicated gradients' TP all-reduce (``tests/test_train_tensor_parallel.py``
-states the bound): the losses and the grad norm within ``2e-5`` relative, as there. Both conversions dequantize the
-same released tensors, so the one-process run from the ``--tp 2`` conversion equals the TP 1 conversion's bitwise
-(within one test, on this machine)."""
+states the bound): the losses and the grad norm within ``2e-5`` relative, as there."""
 
 import sys
 from pathlib import Path
@@ -66,8 +64,6 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
     args = [*_TRAIN, "--no-bf16"]
     one = train_metrics(ONE_PROCESS, tmp_path / "one", *args, "--init-from", str(meg))[0]
     tp2 = train_metrics(torchrun(2), tmp_path / "tp2", *args, "--tp", "2", "--init-from", str(meg2))[0]
-    back = train_metrics(ONE_PROCESS, tmp_path / "back", *args, "--init-from", str(meg2))[0]
     assert one["step"] == tp2["step"] == 1
     for key in ("lm_loss", "mtp_loss", "grad_norm"):
         assert tp2[key] == pytest.approx(one[key], rel=2e-5), (key, tp2[key], one[key])
-        assert back[key] == one[key], (key, back[key], one[key])
