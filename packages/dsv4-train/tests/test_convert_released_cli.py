@@ -22,7 +22,6 @@ from hybrid_model.hf.convert import export_hf_checkpoint
 from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
 
-
 _TRAIN = [
     "--preset", "tiny", "--seed", "11", "--seq-len", "32", "--global-batch-size", "2", "--micro-batch-size", "1",
     "--steps", "1", "--no-progress", "--no-save-final",
@@ -56,7 +55,9 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
     assert (meg / "metadata.json").is_file()
     assert main(["convert", str(rel), str(tmp_path / "x"), "--tp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--tp 3: tensor-parallel size 3 must divide o_groups=2" in err and "--tp 1, 2 fit this model" in err
+    assert (
+        "--tp 3: tensor-parallel size 3 must divide o_groups=2" in err and "--tp 1, 2 fit this model" in err
+    )
     assert not (tmp_path / "x").exists()
     meg2 = tmp_path / "meg_tp2"
     assert main(["convert", str(rel), str(meg2), "--tp", "2"]) == 0

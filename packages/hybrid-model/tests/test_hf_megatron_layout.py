@@ -106,7 +106,9 @@ def test_each_rank_file_holds_its_stage_and_its_experts(megatron_cpu, dirs, refe
 
 
 @pytest.mark.parametrize(
-    "layout", [TargetLayout(pp=2), TargetLayout(ep=2), TargetLayout(tp=2, pp=2)], ids=["pp2", "ep2", "tp2xpp2"]
+    "layout",
+    [TargetLayout(pp=2), TargetLayout(ep=2), TargetLayout(tp=2, pp=2)],
+    ids=["pp2", "ep2", "tp2xpp2"],
 )
 def test_a_layout_checkpoint_reshards_to_one_process(megatron_cpu, dirs, references, tmp_path, layout):
     plain, _ = dirs

@@ -66,7 +66,7 @@ def dirs(tmp_path_factory):
 
 def test_tp2_ep2_conversion_holds_each_shard_in_its_writers_file(megatron_cpu, dirs, tmp_path):
     tensors, _, axes = meta_checkpoint_entries(get_preset("tiny"), TP)
-    plain, rel = dirs
+    _, rel = dirs
     out = tmp_path / "tp2"
     rep = convert_hf_to_megatron(rel, out, layout=TargetLayout(tp=TP, ep=2), workers=2)
     assert rep.files == 4

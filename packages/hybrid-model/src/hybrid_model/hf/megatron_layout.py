@@ -77,7 +77,9 @@ class TargetLayout:
         return pp_rank * self.ep * self.tp + ep_rank
 
     def describe(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp > 1 else []) + [f"EP{self.ep}"]
+        parts = (
+            [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp > 1 else []) + [f"EP{self.ep}"]
+        )
         return " x ".join(parts) + f" ({self.world} rank(s))"
 
     def stage_model_config(self, cfg: DSv4ModelConfig) -> DSv4ModelConfig:

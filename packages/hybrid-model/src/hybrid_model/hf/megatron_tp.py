@@ -25,11 +25,11 @@ import dataclasses
 import math
 
 import torch
-from dsv4_attention.attention import DSv4Attention
-from dsv4_attention.tp import mark_tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from dsv4_attention.attention import DSv4Attention
+from dsv4_attention.tp import mark_tensor_parallel
 from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.tensor_parallel import check_tensor_parallel_pattern
 
@@ -65,9 +65,7 @@ def partition_axes(model: torch.nn.Module) -> dict[str, int | None]:
     return axes
 
 
-def _problem(
-    model: torch.nn.Module, cfg: DSv4ModelConfig, axes: dict, shapes: dict, tp: int
-) -> str | None:
+def _problem(model: torch.nn.Module, cfg: DSv4ModelConfig, axes: dict, shapes: dict, tp: int) -> str | None:
     """Why the model cannot run at ``tp`` (the first reason), or ``None``."""
     try:
         check_tensor_parallel_pattern(cfg.parsed_pattern.all_symbols, tp)
@@ -96,7 +94,11 @@ def check_tensor_split(
         return
     split = [shapes[k][a] for k, a in axes.items() if a is not None]
     g = math.gcd(*split) if split else 1
-    fits = [t for t in range(1, min(g, _LISTED) + 1) if g % t == 0 and _problem(model, cfg, axes, shapes, t) is None]
+    fits = [
+        t
+        for t in range(1, min(g, _LISTED) + 1)
+        if g % t == 0 and _problem(model, cfg, axes, shapes, t) is None
+    ]
     raise ValueError(
         f"--tp {tp}: {problem}; --tp {', '.join(map(str, fits))} fit{'s' if len(fits) == 1 else ''} this model"
     )
