@@ -61,7 +61,9 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
     assert not (tmp_path / "x").exists()
     meg2 = tmp_path / "meg_tp2"
     assert main(["convert", str(rel), str(meg2), "--tp", "2"]) == 0
-    assert "TP2 x PP1 x EP1 (2 rank(s))" in capsys.readouterr().out
+    cap = capsys.readouterr()
+    assert "TP2 x PP1 x EP1 (2 rank(s))" in cap.out
+    assert "layout TP2 x PP1 x EP1 (2 rank(s)): 2 of 2 rank files to write" in cap.err
     args = [*_TRAIN, "--no-bf16"]
     one = train_metrics(ONE_PROCESS, tmp_path / "one", *args, "--init-from", str(meg))[0]
     tp2 = train_metrics(torchrun(2), tmp_path / "tp2", *args, "--tp", "2", "--init-from", str(meg2))[0]

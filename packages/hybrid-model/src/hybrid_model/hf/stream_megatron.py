@@ -162,6 +162,8 @@ def stream_to_megatron(
     part = partial_dir(out)
     todo = [j for j in plan.jobs if j.rank not in done]
     total = sum(j.read_bytes for j in todo)
+    if progress is not None:
+        progress(f"layout {layout.describe()}: {len(todo)} of {len(plan.jobs)} rank files to write")
     read, t0, lock = 0, time.perf_counter(), threading.Lock()
 
     def finished(job: RankJob, items: list[StoredItem]) -> None:
