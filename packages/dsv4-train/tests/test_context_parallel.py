@@ -23,6 +23,13 @@ def test_cp_config_checks():
         TrainConfig.from_flat(cp=2, cp_layout="zigzag")
     with pytest.raises(ValueError, match=r"--seq-len 100 .*multiple of --cp 3.*--seq-len 102"):
         TrainConfig.from_flat(cp=3, seq_len=100, packed=True)
+    # under TP x CP the CP rank's rows are cut over TP as well: a multiple of cp alone is not enough
+    assert TrainConfig.from_flat(cp=2, tp=2, seq_len=68).data.seq_len == 68
+    for packed in (False, True):
+        with pytest.raises(
+            ValueError, match=r"--seq-len 66 .*multiple of --cp x --tp \(2 x 2 = 4\).*--seq-len 68"
+        ):
+            TrainConfig.from_flat(cp=2, tp=2, seq_len=66, packed=packed)
     with pytest.raises(ValueError, match="--cuda-graph with --cp 2 is not supported"):
         TrainConfig.from_flat(cp=2, seq_len=64, cuda_graph=True, bf16=True)
     with pytest.raises(ValueError, match="--cp must be >= 1"):

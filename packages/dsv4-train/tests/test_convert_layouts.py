@@ -1,9 +1,11 @@
-"""``dsv4 convert HF OUT --pp 2 [--vpp 2] | --ep 2`` then ``dsv4 train --init-from OUT`` at that layout (gloo, 2
-ranks): every rank's weights equal those it loads from the one-process conversion (megatron resharding), bitwise;
+"""``dsv4 convert HF OUT --pp 2 [--vpp 2] | --ep 2 | --tp 2`` then ``dsv4 train --init-from OUT`` at that layout
+(gloo, 2 ranks): every rank's weights equal those it loads from the one-process conversion (megatron resharding; at
+``--tp 2`` a TP 1 checkpoint loaded into TP 2 shards), bitwise;
 every tensor a rank writes in a save of that layout (its main replicas) is read from that rank's own file
 ``__{rank}_0.distcp``, and a rank reads no other stage's file (expert ranks read their stage's shared tensors
 from its expert rank 0, the last stage its MTP embedding copy from the first stage, as in a checkpoint that layout
-saved itself). The converted checkpoints carry their manifest, so ``--init-from`` verified them."""
+saved itself; TP: each TP rank's shards from its own file, the replicated tensors from TP rank 0's). The converted
+checkpoints carry their manifest, so ``--init-from`` verified them."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ LAYOUTS = {
     "pp2": (dict(pp=2), ["--pp", "2"]),
     "ep2": (dict(ep=2), ["--ep", "2"]),
     "pp2xvpp2": (dict(pp=2, vpp=2), ["--pp", "2", "--vpp", "2"]),
+    "tp2": (dict(tp=2), ["--tp", "2"]),
 }
 
 
@@ -62,5 +65,6 @@ def test_converted_layouts_load_their_own_files_and_equal_resharding(megatron_cp
             assert r["differ"] == [], (name, rank, r["differ"][:5])
             assert r["main"] == [own], (name, rank, r["main"])  # what this rank would save: in its own file
             # EP: replicas of the non-expert tensors come from expert rank 0 (rank 0 here); PP: the last stage's
-            # MTP embedding copy from the first stage (rank 0): nothing else is read from another rank's file
+            # MTP embedding copy from the first stage (rank 0); TP: the tensors replicated over TP from TP rank 0:
+            # nothing else is read from another rank's file
             assert set(r["every"]) <= {own, "__0_0.distcp"}, (name, rank, r["every"])

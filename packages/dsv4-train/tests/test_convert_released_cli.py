@@ -1,13 +1,31 @@
 """``dsv4 convert`` / ``dsv4 inspect --checkpoint`` with the released FP8 / FP4 format: export to it, inspect it,
-stream it back to bf16, convert it to a megatron checkpoint; ``--tp > 1`` refused in one line."""
+stream it back to bf16, convert it to a megatron checkpoint, at TP 1 and ``--tp 2`` (a ``--tp`` the model cannot
+split refused in one line); ``dsv4 train --init-from`` the ``--tp 2`` conversion at ``--tp 2`` (torchrun, gloo)
+starts like one process from the TP 1 conversion (the trainer loading a conversion at another TP size, both ways,
+is ``test_convert_layouts.py``'s ``tp2`` layout: bitwise the TP 2 trainer's weights from either).
+
+Bound (fp32): the TP 2 step differs from one process only in the summation order of the row-parallel products, the
+vocab-parallel softmax statistics and the replicated gradients' TP all-reduce (``tests/test_train_tensor_parallel.py``
+states the bound): the losses and the grad norm within ``2e-5`` relative, as there."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import ONE_PROCESS, torchrun, train_metrics
 
 from dsv4_train.cli import main
 from hybrid_model.hf.convert import export_hf_checkpoint
 from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
+
+_TRAIN = [
+    "--preset", "tiny", "--seed", "11", "--seq-len", "32", "--global-batch-size", "2", "--micro-batch-size", "1",
+    "--steps", "1", "--no-progress", "--no-save-final",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -35,5 +53,20 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
     assert '"quantization": null' in capsys.readouterr().out
     assert main(["convert", str(rel), str(meg)]) == 0
     assert (meg / "metadata.json").is_file()
-    assert main(["convert", str(rel), str(tmp_path / "x"), "--tp", "2"]) == 2
-    assert "--tp 2: dsv4 convert writes tensor-parallel size 1 only" in capsys.readouterr().err
+    assert main(["convert", str(rel), str(tmp_path / "x"), "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--tp 3: tensor-parallel size 3 must divide o_groups=2" in err and "--tp 1, 2 fit this model" in err
+    )
+    assert not (tmp_path / "x").exists()
+    meg2 = tmp_path / "meg_tp2"
+    assert main(["convert", str(rel), str(meg2), "--tp", "2"]) == 0
+    cap = capsys.readouterr()
+    assert "TP2 x PP1 x EP1 (2 rank(s))" in cap.out
+    assert "layout TP2 x PP1 x EP1 (2 rank(s)): 2 of 2 rank files to write" in cap.err
+    args = [*_TRAIN, "--no-bf16"]
+    one = train_metrics(ONE_PROCESS, tmp_path / "one", *args, "--init-from", str(meg))[0]
+    tp2 = train_metrics(torchrun(2), tmp_path / "tp2", *args, "--tp", "2", "--init-from", str(meg2))[0]
+    assert one["step"] == tp2["step"] == 1
+    for key in ("lm_loss", "mtp_loss", "grad_norm"):
+        assert tp2[key] == pytest.approx(one[key], rel=2e-5), (key, tp2[key], one[key])

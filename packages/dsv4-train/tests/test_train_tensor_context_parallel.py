@@ -1,15 +1,21 @@
 """``--tp 2 --cp 2`` from the CLI (issue 31): ``torchrun --nproc-per-node 4 -m dsv4_train train --tp 2 --cp 2``
 (gloo, CPU; megatron's order puts global rank ``r`` at CP rank ``r // 2``, TP rank ``r % 2``) trains like one
 process on the same global batch from the same ``--seed``: every metric of both steps (LM, MTP, balance and indexer
-losses, grad norm, LR), fp32 and bf16.
+losses, grad norm, LR), fp32 and bf16, for the two ways a micro-batch reaches the model:
 
-The layout: each micro-batch (``[B, S]`` with ``B = 1``) runs under CP as a THD pack of one document of 64 rows;
-CP rank ``c`` holds the contiguous chunk ``[32c, 32c + 32)`` and sequence parallelism cuts it over TP, so rank
-``(c, t)`` holds the rows ``[16(2c + t), 16(2c + t + 1))`` (megatron's tensor-and-context-parallel group, rank
-``2c + t``). DSv4 attention ``W C H`` runs dsv4-attention's TP x CP plan (head half over the CP chunk, sequence half
-over the four ranks), the hash and learned MoE routers sum their per-document balance statistics over TP x CP, the
-MTP roll crosses CP edges, mHC and MTP one depth as in the TP test. Both steps are compared: the second starts from
-the weights the first step's reduced gradients produced, so it checks those gradients through the optimizer too.
+* ``[B, S]`` micro-batches of ``B = 3`` sequences of ``S = 64`` tokens (short mock documents, so rows end in padding
+  tails): under CP a micro-batch runs as a THD pack of ``B`` documents of ``S`` tokens (192 rows); CP rank ``c``
+  holds the contiguous rows ``[96c, 96c + 96)`` and sequence parallelism cuts them over TP, so rank ``(c, t)`` holds
+  ``[48(2c + t), 48(2c + t + 1))`` (megatron's tensor-and-context-parallel group, rank ``2c + t``): the shard edges
+  fall inside sequences 0 and 2 and on the edge of sequence 1. ``B = 1`` is the same path with a pack of one document.
+* ``--packed``: packs of 64 rows holding several mock documents (5..40 tokens) each, sharded by the batch iterator
+  over CP as ``--cp`` alone does, then cut over TP by the model; document boundaries fall inside and across the four
+  ranks' row ranges.
+
+DSv4 attention ``W C H`` runs dsv4-attention's TP x CP plan (head half over the CP chunk, sequence half over the four
+ranks), the hash and learned MoE routers sum their per-document balance statistics over TP x CP, the MTP roll
+crosses CP edges, mHC and MTP one depth as in the TP test. Both steps are compared: the second starts from the
+weights the first step's reduced gradients produced, so it checks those gradients through the optimizer too.
 
 Every run uses one thread per process (the CPU GEMMs' blocking, and so their rounding, depends on the thread count).
 
@@ -19,7 +25,8 @@ partials (LM / MTP over CP, indexer and balance over the four ranks) and of the 
 (summed over TP by ``finalize_model_grads`` and over CP by DDP). Each is an fp32 sum of ``k <= 512`` terms in another
 order, within ``k·u`` relative (``u = 2**-24``, ``512·u ≈ 3e-5`` worst case; such errors are random-signed and far
 below it in practice). Measured (CPU, this pattern): the losses within 1e-7 relative (the balance loss equal), the
-grad norm within 5e-7.
+grad norm within 5e-7 (micro-batches of one sequence; with ``B = 3`` and with packs the losses within 2e-7, the
+grad norm within 1e-7).
 
 bf16 (the argument of ``test_parallel_matrix`` and ``test_train_context_parallel``): the TP x CP run makes the same
 bf16 roundings as the one-process bf16 run, of the same magnitudes, in another order (each rank's rows and heads,
@@ -47,10 +54,15 @@ from cli_runs import ONE_PROCESS, torchrun, train_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-_ARGS = [
+_COMMON = [
     "--preset", "tiny", "--pattern", "WEC-HE/WE", "--seed", "11", "--steps", "2", "--seq-len", "64",
-    "--global-batch-size", "4", "--micro-batch-size", "1", "--no-progress", "--no-save-final",
+    "--no-progress", "--no-save-final", "--data", "mock:docs=64,min=5,max=40,mean=16",
 ]  # fmt: skip
+#: the two ways a micro-batch reaches the model (module docstring)
+BATCHES = {
+    "bs3": ["--micro-batch-size", "3", "--global-batch-size", "3"],
+    "packed": ["--packed", "--global-batch-size", "2"],
+}
 _KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
 _FP32_REL = 2e-5
 _BF16_U = 2.0**-8
@@ -58,15 +70,17 @@ _FP32_STATISTICS = ("balance_loss", "indexer_loss")  # bf16 bound with the 2·u_
 DTYPES = {"fp32": "--no-bf16", "bf16": "--bf16"}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """``{(layout, dtype): metrics of steps 1 and 2}`` for one process and TP 2 x CP 2, fp32 and bf16."""
-    tmp = tmp_path_factory.mktemp("tpcp")
+@pytest.fixture(scope="module", params=list(BATCHES))
+def runs(request, tmp_path_factory) -> dict:
+    """``{(layout, dtype): metrics of steps 1 and 2}`` for one process and TP 2 x CP 2, fp32 and bf16, on one of
+    :data:`BATCHES`."""
+    tmp = tmp_path_factory.mktemp(f"tpcp-{request.param}")
+    args = [*_COMMON, *BATCHES[request.param]]
     out = {}
     for dt, flag in DTYPES.items():
-        out["one", dt] = train_metrics(ONE_PROCESS, tmp / f"one-{dt}", *_ARGS, flag)
+        out["one", dt] = train_metrics(ONE_PROCESS, tmp / f"one-{dt}", *args, flag)
         out["tpcp", dt] = train_metrics(
-            torchrun(4), tmp / f"tpcp-{dt}", *_ARGS, flag, "--tp", "2", "--cp", "2"
+            torchrun(4), tmp / f"tpcp-{dt}", *args, flag, "--tp", "2", "--cp", "2"
         )
     return out
 

@@ -105,7 +105,11 @@ def test_each_rank_file_holds_its_stage_and_its_experts(megatron_cpu, dirs, refe
     assert seen == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("layout", [TargetLayout(pp=2), TargetLayout(ep=2)], ids=["pp2", "ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [TargetLayout(pp=2), TargetLayout(ep=2), TargetLayout(tp=2, pp=2)],
+    ids=["pp2", "ep2", "tp2xpp2"],
+)
 def test_a_layout_checkpoint_reshards_to_one_process(megatron_cpu, dirs, references, tmp_path, layout):
     plain, _ = dirs
     refs, ids = references
@@ -162,7 +166,7 @@ def test_an_interrupted_conversion_resumes_or_is_refused(
             r"--pp 4 --vpp 2 --ep 1: 8 pipeline segments \(PP x VPP\) but the model has 6 blocks",
         ),
         (dict(vpp=2), r"--vpp 2 needs pipeline stages to interleave"),
-        (dict(tp=2), r"--tp 2: the tensor-parallel split of a checkpoint is not built"),
+        (dict(tp=3), r"--tp 3: tensor-parallel size 3 must divide o_groups=2 .*; --tp 1, 2 fit this model"),
         (dict(pp=0), r"--pp must be a positive integer, got 0"),
     ],
 )

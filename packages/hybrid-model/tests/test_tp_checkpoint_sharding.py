@@ -11,6 +11,10 @@ DSv4 MoE ``E``, mHC, one MTP depth, the embedding and output layer). For each pa
 * every other parameter: the full tensor (global shape = local shape, offset 0) replicated over TP: the ranks
   declare the same entry and exactly one of them writes it.
 
+The converter's TP split (``dsv4 convert --tp N``, :mod:`hybrid_model.hf.megatron_tp`) reads each key's partition
+axis off the TP = 1 meta model; the same run builds the preset's own model (the HF checkpoints' pattern) at TP = 2,
+and every checkpoint entry each TP rank declares must be the box the converter writes for it.
+
 Before dsv4-attention 0.7.2 the head-split parameters were declared replicated (TP rank 0's heads saved, loaded
 into every rank). Symbols whose layer needs packages this machine lacks (``M``: transformer-engine, mamba-ssm,
 causal-conv1d and a GPU) are built where those are installed; the test lists which symbols it covered.
@@ -26,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tp_sharding_workers import tp_sharded_entries
 
 from dsv4_testkit import run_distributed
+from hybrid_model.hf.megatron_plan import meta_checkpoint_entries
+from hybrid_model.hf.megatron_tp import tp_cuts
 from hybrid_model.mixers.record import Layout
 from hybrid_model.mixers.registry import REGISTRY
+from hybrid_model.presets import get_preset
 
 PATTERNS = ["WCH-E/WE", "*E-E/*E"]
 TP = 2
@@ -89,12 +96,47 @@ def _check(rank_entries: list[dict]) -> int:
     return split
 
 
+@pytest.fixture(scope="module")
+def tp2_ranks():
+    """Each TP rank's entries of the patterns and of the preset's own model (``None``), built at TP = 2 (gloo)."""
+    return run_distributed(tp_sharded_entries, TP, [*PATTERNS, None], timeout=600)
+
+
 @pytest.mark.distributed
-def test_tp_split_parameters_are_checkpointed_as_tp_shards():
+def test_tp_split_parameters_are_checkpointed_as_tp_shards(tp2_ranks):
     covered = {s for p in PATTERNS for s in p if s in REGISTRY}
     assert covered >= _runnable_tp_symbols(), _runnable_tp_symbols() - covered
-    ranks = run_distributed(tp_sharded_entries, TP, PATTERNS, timeout=600)
+    ranks = tp2_ranks
     assert [r[PATTERNS[0]]["tp_rank"] for r in ranks] == [0, 1]
     for pattern in PATTERNS:
         split = _check([r[pattern] for r in ranks])
         assert split > 0, pattern  # the embedding / output layer / linears of each pattern are TP-split
+
+
+@pytest.mark.distributed
+def test_the_converters_partition_axes_are_the_tp2_models(megatron_cpu, tp2_ranks):
+    """``dsv4 convert --tp 2``'s split of every key (its axis from the TP = 1 meta model) against the real TP = 2
+    model: the parameters' own ``tensor_model_parallel`` / ``partition_dim``, and each rank's declared box (its
+    shard, or the whole replicated tensor written by TP rank 0 only)."""
+    tensors, _, axes = meta_checkpoint_entries(get_preset("tiny"), TP)
+    assert {a for a in axes.values()} == {None, 0, 1}
+    ranks = [r[None] for r in tp2_ranks]
+    for tp_rank, entries in enumerate(ranks):
+        params = entries["params"]
+        declared = {}
+        for key, data_id, part, local, global_, offset, replica, pre in entries["sharded"]:
+            assert not part and pre == 0, key  # DSv4 holds no factories / prepended axes at PP = 1
+            declared[key] = (local, global_, offset, replica)
+            if data_id in params:  # the trainer's parameter: its own TP attributes
+                _, _, split, dim = params[data_id]
+                assert axes[key] == (dim if split else None), (key, axes[key], split, dim)
+        assert set(declared) == set(tensors)
+        for key, (local, global_, offset, replica) in declared.items():
+            shape = tensors[key][0]
+            assert global_ == shape, key  # the TP = 1 keys and global shapes
+            cuts = {t: (o, s) for t, o, s in tp_cuts((0,) * len(shape), shape, shape, axes[key], TP)}
+            if axes[key] is None:  # replicated: written by TP rank 0 (the converter's dense_rank(p, 0))
+                assert (offset, local) == cuts[0], key
+                assert (all(r == 0 for r in replica)) == (tp_rank == 0), (key, replica)
+            else:  # this TP rank's own shard, written by it
+                assert (offset, local) == cuts[tp_rank] and all(r == 0 for r in replica), key

@@ -10,14 +10,15 @@ from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
 
 
-def tp_sharded_entries(rank: int, world: int, patterns: list[str]) -> dict[str, dict]:
+def tp_sharded_entries(rank: int, world: int, patterns: list[str | None]) -> dict[str | None, dict]:
     """``{pattern: {"params": {id: (name, local shape, tensor_model_parallel, partition_dim)}, "sharded": [(key,
     id(param), part of it (a factory's piece), local shape, global shape, global offset, replica_id, prepend_axis_num)], "tp_rank": r}}`` of the tiny
-    preset with each pattern built at TP = ``world``."""
+    preset with each pattern (``None``: the preset's own) built at TP = ``world``."""
     out = {}
     for pattern in patterns:
         with megatron_cpu_context(tp=world) as ps:
-            model = build_model(get_preset("tiny").with_pattern(pattern), tensor_model_parallel_size=world)
+            cfg = get_preset("tiny") if pattern is None else get_preset("tiny").with_pattern(pattern)
+            model = build_model(cfg, tensor_model_parallel_size=world)
             entries = list(nested_values(model.sharded_state_dict()))
             params = {
                 id(p): (

@@ -79,8 +79,8 @@ def local_batch(
     ``PackedSeqParams``. Under TP (``tp_size`` > 1, CP = 1) every TP rank gets the whole pack (``[B, S]`` as
     :func:`sbhd_as_thd_pack`), padded to a multiple of ``tp_size`` rows
     (:func:`~dsv4_train.sequence_parallel.pad_pack_rows`): the model cuts it into its sequence-parallel shards.
-    Under TP x CP the CP rank's rows as without TP (no padding; the support table refuses packs and micro-batches of
-    several sequences there), which the model cuts over TP.
+    Under TP x CP the CP rank's rows as without TP (packs and ``[B, S]`` packs of ``B`` documents alike; no padding:
+    ``--seq-len`` is a multiple of ``cp·tp``, so the rows divide over TP), which the model cuts over TP.
     """
 
     names = [k for k in LocalBatch.__dataclass_fields__ if k != "packed_seq_params"]

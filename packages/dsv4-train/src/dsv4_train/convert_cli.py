@@ -6,11 +6,13 @@ megatron checkpoint; a megatron dist checkpoint (``metadata.json``; or a ``dsv4 
 the one its saved run config names (preset + overrides); ``--preset`` replaces it. ``OUT`` must be new or
 empty unless ``--overwrite``; it is written in a temporary directory and renamed into place once complete.
 
-HF -> megatron (plain or released FP8 / FP4 sources) is streamed into the files of a target layout ``--pp P
+HF -> megatron (plain or released FP8 / FP4 sources) is streamed into the files of a target layout ``--tp T --pp P
 [--vpp V] --ep E`` (default one rank): one source tensor in memory at a time, ``--workers`` rank files at once,
 resumable (rerun the same command), published atomically with its manifest of checksums
-(:mod:`hybrid_model.hf.stream_megatron`); ``dsv4 train --init-from OUT --pp P --ep E`` then reads only its own
-rank's file. ``--tp`` > 1 is refused (the writer's TP split is not built).
+(:mod:`hybrid_model.hf.stream_megatron`); ``dsv4 train --init-from OUT --tp T --pp P --ep E`` then reads its own
+rank's file (and its stage's replicas). Each TP-split tensor is cut along the partition axis that the model of
+``dsv4 train --tp T`` marks (:mod:`hybrid_model.hf.megatron_tp`); a ``--tp`` the model cannot split is refused
+in one line (which size, which ``--tp`` values fit), as are the layouts ``dsv4 train`` refuses.
 
 Released FP8 / FP4 checkpoints (``quantization_config`` in ``config.json``): ``--to megatron`` (the default)
 dequantizes them tensor by tensor; ``--to hf-bf16`` streams them to a plain bf16 (``--dtype fp32``) directory shard by
@@ -77,7 +79,8 @@ def add_convert_parser(sub) -> None:
         "--tp",
         type=int,
         default=1,
-        help="HF -> megatron: tensor parallel size of the target layout (only 1: dsv4 train has no TP yet)",
+        help="HF -> megatron: tensor parallel size of the target layout (each rank's file holds its TP shards; "
+        "must divide the model's heads' output groups and every TP-split size, e.g. the vocabulary)",
     )
     p.add_argument(
         "--pp",
@@ -164,11 +167,6 @@ def run_convert(args) -> int:
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
         raise ValueError(f"{src} is not a directory")
-    if args.tp != 1:
-        raise ValueError(
-            f"--tp {args.tp}: dsv4 convert writes tensor-parallel size 1 only (the writer's TP split is not built); "
-            "convert with --tp 1 and choose --pp/--vpp/--ep"
-        )
     to = args.to or _direction(src)
     if args.like and to != "released":
         raise ValueError("--like applies to --to released only")

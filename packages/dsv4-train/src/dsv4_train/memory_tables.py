@@ -57,8 +57,8 @@ def render_measured() -> str:
     return "\n".join(rows)
 
 
-#: (GPUs, layout flags, DP) of the preset table: TP is not built (the trainer refuses --tp > 1), so the layouts
-#: use PP for the weights, EP for the experts, CP for the sequence and DP for the rest
+#: (GPUs, layout flags, DP) of the preset table without TP: PP for the weights, EP for the experts, CP for the
+#: sequence and DP for the rest (the layouts with TP are in the TP table)
 LAYOUTS = {
     8: (dict(pp=1, ep=8, cp=8), 1),
     64: (dict(pp=8, ep=8, cp=8), 1),

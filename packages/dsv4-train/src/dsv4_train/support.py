@@ -116,25 +116,10 @@ _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_sin
 _TP = "tests/test_train_tensor_parallel.py::"
 _TP_REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 _TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
+_TPCP = "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process"
 
 RELATIONS: tuple[Relation, ...] = (
     # refused: decided by the config
-    Relation(
-        ("tp", "cp", "packed"),
-        "refused",
-        "--tp {tp} --cp {cp} with --packed is not supported yet: no parity test covers packs under TP x CP (the "
-        "TP x CP test runs [B, S] micro-batches of one sequence); drop --packed, or use --cp 1 (--tp --packed) or "
-        "--tp 1 (--cp --packed)",
-        _TP_REFUSALS,
-    ),
-    Relation(
-        ("tp", "cp", "micro_batch"),
-        "refused",
-        "--tp {tp} --cp {cp} with --micro-batch-size {micro_batch_size} is not supported yet: no parity test covers "
-        "[B, S] micro-batches of several sequences under TP x CP; use --micro-batch-size 1 (the global batch "
-        "accumulates micro-batches), or --cp 1 (--tp with --micro-batch-size > 1)",
-        _TP_REFUSALS,
-    ),
     Relation(
         ("vpp",),
         "refused",
@@ -287,9 +272,23 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(
         ("tp", "cp"),
         "supported",
-        "TP2 x CP2 (sequence parallelism inside each CP chunk, micro-batches of one sequence) equals one process "
-        "from the same --seed, from the CLI (fp32, bf16)",
-        "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process",
+        "TP2 x CP2 (sequence parallelism inside each CP chunk) equals one process from the same --seed, from the "
+        "CLI (fp32, bf16); --seq-len a multiple of cp x tp",
+        _TPCP,
+    ),
+    Relation(
+        ("tp", "cp", "packed"),
+        "supported",
+        "TP2 x CP2 on packs of several documents (sharded over CP as by --cp alone, cut over TP by the model) equals "
+        "one process --packed (fp32, bf16)",
+        _TPCP,
+    ),
+    Relation(
+        ("tp", "cp", "micro_batch"),
+        "supported",
+        "TP2 x CP2 with [B, S] micro-batches of B = 3 sequences (one THD pack of B documents, cut over CP then TP) "
+        "equals one process (fp32, bf16)",
+        _TPCP,
     ),
     Relation(
         ("pp", "vpp"),

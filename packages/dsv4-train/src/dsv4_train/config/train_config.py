@@ -77,12 +77,17 @@ class TrainConfig:
                 f"--lr-decay-style wsd needs 0 < --lr-wsd-decay-steps <= --steps ({steps}), "
                 f"got {opt.lr_wsd_decay_steps}"
             )
-        cp, seq_len = self.parallel.cp, self.data.seq_len
-        if cp > 1 and seq_len % cp:
+        cp, tp, seq_len = self.parallel.cp, self.parallel.tp, self.data.seq_len
+        # under CP every CP rank holds seq_len / cp rows per sequence (static shapes); under TP x CP sequence
+        # parallelism cuts them over TP as well (under TP alone a pack is padded to a multiple of TP instead)
+        div = cp * tp if tp > 1 else cp
+        if cp > 1 and seq_len % div:
             what = "pack capacity" if self.data.packed else "sequence length"
+            need = f"--cp {cp}" if tp == 1 else f"--cp x --tp ({cp} x {tp} = {div})"
+            why = "" if tp == 1 else ", which sequence parallelism cuts over the TP ranks"
             raise ValueError(
-                f"--seq-len {seq_len} (the {what}) must be a multiple of --cp {cp}: every CP rank holds the same "
-                f"number of rows (static shapes); use --seq-len {(seq_len // cp + 1) * cp} or another multiple"
+                f"--seq-len {seq_len} (the {what}) must be a multiple of {need}: every CP rank holds the same "
+                f"number of rows (static shapes){why}; use --seq-len {(seq_len // div + 1) * div} or another multiple"
             )
         if any(is_mock(s) for s in self.eval.eval_data):
             raise ValueError(

@@ -183,7 +183,7 @@ def convert_hf_to_megatron(
     if layout != TargetLayout():
         raise ValueError(
             f"{hf_dir} stores routed experts fused (mlp.experts.gate_up_proj): it is converted in one process, "
-            "into the one-rank layout only; convert without --pp/--vpp/--ep (dsv4 train --init-from reshards it)"
+            "into the one-rank layout only; convert without --tp/--pp/--vpp/--ep (dsv4 train --init-from reshards it)"
         )
     out = check_output_dir(out_dir, overwrite=overwrite, source=hf_dir)
     cfg, official = read_official_checkpoint(hf_dir, mtp=mtp)

@@ -1,8 +1,13 @@
 """Which rank of a target parallel layout owns which piece of a megatron dist checkpoint of :class:`DSv4Model`.
 
-A layout is ``PP x VPP x EP`` (TP = 1). Its ranks are numbered as megatron-core numbers them (order
-``tp-cp-ep-dp-pp`` with DP = EP, CP = TP = 1): rank ``p·EP + e`` is pipeline rank ``p`` and expert rank ``e``.
-The rules, from the model code (``dsv4_train.virtual_pipeline``, ``hash_moe.megatron.experts``):
+A layout is ``TP x PP x VPP x EP``. Its ranks are numbered as megatron-core numbers them (order ``tp-cp-ep-dp-pp``
+with CP = 1 and DP = EP): a pipeline stage holds ``TP·EP`` ranks, rank ``p·TP·EP + r`` is its rank ``r``. The dense
+grid puts TP fastest (rank ``r`` is TP rank ``r % TP``, data-parallel rank ``r // TP``); the expert grid
+(``tp-ep-dp-pp`` with expert TP 1) puts EP fastest (rank ``r`` is expert rank ``r % EP``, expert-data-parallel rank
+``r // EP``). The writer of a piece is its main replica (data-parallel rank 0 of its grid):
+:meth:`TargetLayout.dense_rank` ``(p, t) = p·TP·EP + t``, :meth:`TargetLayout.expert_rank` ``(p, e) = p·TP·EP + e``.
+The rules, from the model code (``dsv4_train.virtual_pipeline``, ``hash_moe.megatron.experts``,
+:mod:`hybrid_model.hf.megatron_tp`):
 
 * **stage**: the ``P·V`` ``|``-separated segments of the pattern (``pipeline_stages = P·V`` blocks split as evenly
   as possible, earlier segments get the extra block: :func:`hybrid_model.symbols.split_stages`); segment ``s`` is
@@ -10,10 +15,11 @@ The rules, from the model code (``dsv4_train.virtual_pipeline``, ``hash_moe.mega
   holding layer ``i``; the embedding to segment 0; ``decoder.final_norm``, ``decoder.hyper_head``,
   ``output_layer`` and ``mtp.*`` to the last segment (its MTP embedding copy is a replica of segment 0's);
 * **expert**: routed expert banks ``[E, ...]`` are split along the expert axis: expert ``x`` belongs to expert
-  rank ``x // (E / EP)``; every other tensor and object is written once, by expert rank 0 of its stage (the
-  other expert ranks hold replicas and read it from there);
-* **tensor** (not built: ``dsv4 train`` has no TP yet): a TP split would cut each piece along its parameter's
-  partition axis into ``TP`` boxes, one more rule in :func:`owned_boxes`.
+  rank ``x // (E / EP)`` (written by ``expert_rank(p, e)``; the banks are replicated over TP: expert TP 1);
+* **tensor**: a TP-split tensor (its partition axis from the model ``dsv4 train --tp N`` builds:
+  :func:`hybrid_model.hf.megatron_tp.partition_axes`) is cut at its TP shard edges, TP rank ``t``'s boxes written by
+  ``dense_rank(p, t)``; every other tensor and object is written once, by ``dense_rank(p, 0)`` (the other ranks of
+  the stage hold replicas and read it from there).
 
 Each rank's file then holds exactly the pieces that rank loads, so ``dsv4 train --init-from`` at that layout
 reads only its own stage's file(s) (plus the replicas named above), as a checkpoint saved by that layout would.
@@ -25,6 +31,7 @@ import re
 from dataclasses import dataclass
 
 from hybrid_model.config import DSv4ModelConfig
+from hybrid_model.hf.megatron_tp import tp_cuts
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LAST = ("decoder.final_norm.", "decoder.hyper_head.", "output_layer.", "mtp.")
@@ -34,7 +41,7 @@ _EXPERT_BANKS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 @dataclass(frozen=True)
 class TargetLayout:
     """A parallel layout of ``dsv4 train``: ``pp`` pipeline ranks with ``vpp`` chunks each, ``ep`` expert ranks,
-    ``tp`` tensor ranks (1: the trainer has no TP)."""
+    ``tp`` tensor ranks."""
 
     pp: int = 1
     vpp: int = 1
@@ -50,10 +57,6 @@ class TargetLayout:
             raise ValueError(
                 f"--vpp {self.vpp} needs pipeline stages to interleave: set --pp >= 2 or drop --vpp"
             )
-        if self.tp != 1:
-            raise ValueError(
-                f"--tp {self.tp}: the tensor-parallel split of a checkpoint is not built (dsv4 train has no TP)"
-            )
 
     @property
     def world(self) -> int:
@@ -63,19 +66,32 @@ class TargetLayout:
     def segments(self) -> int:
         return self.pp * self.vpp
 
-    def rank(self, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> int:
-        """Global rank of ``(pp_rank, ep_rank, tp_rank)`` in megatron's ``tp-cp-ep-dp-pp`` order."""
-        return (pp_rank * self.ep + ep_rank) * self.tp + tp_rank
+    def dense_rank(self, pp_rank: int, tp_rank: int = 0) -> int:
+        """The global rank that writes TP rank ``tp_rank``'s shard of a dense (non-expert) tensor of pipeline rank
+        ``pp_rank``: its data-parallel rank 0 (megatron's ``tp-cp-ep-dp-pp`` order, TP fastest)."""
+        return pp_rank * self.ep * self.tp + tp_rank
+
+    def expert_rank(self, pp_rank: int, ep_rank: int) -> int:
+        """The global rank that writes expert rank ``ep_rank``'s experts of pipeline rank ``pp_rank``: its
+        expert-data-parallel rank 0 (megatron's expert grid ``tp-ep-dp-pp`` with expert TP 1, EP fastest)."""
+        return pp_rank * self.ep * self.tp + ep_rank
 
     def describe(self) -> str:
-        parts = [f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp > 1 else []) + [f"EP{self.ep}"]
+        parts = (
+            [f"TP{self.tp}", f"PP{self.pp}"] + ([f"VPP{self.vpp}"] if self.vpp > 1 else []) + [f"EP{self.ep}"]
+        )
         return " x ".join(parts) + f" ({self.world} rank(s))"
 
     def stage_model_config(self, cfg: DSv4ModelConfig) -> DSv4ModelConfig:
         """``cfg`` cut into this layout's ``P·V`` segments as ``dsv4 train --pp P --vpp V`` cuts it (``ValueError``
         naming the layout when the model cannot be: more segments than blocks, hash layers past segment 0, experts
         not divisible by EP)."""
-        layout = f"--pp {self.pp}" + (f" --vpp {self.vpp}" if self.vpp > 1 else "") + f" --ep {self.ep}"
+        layout = (
+            (f"--tp {self.tp} " if self.tp > 1 else "")
+            + f"--pp {self.pp}"
+            + (f" --vpp {self.vpp}" if self.vpp > 1 else "")
+            + f" --ep {self.ep}"
+        )
         experts = cfg.n_routed_experts
         if experts % self.ep:
             raise ValueError(
@@ -126,7 +142,7 @@ def is_expert_bank(key: str) -> bool:
 
 @dataclass(frozen=True)
 class Box:
-    """A box ``[offset, offset + shape)`` of checkpoint tensor ``key`` written into rank ``rank``'s file."""
+    """A box ``[offset, offset + shape)`` of checkpoint tensor ``key`` written into global rank ``rank``'s file."""
 
     key: str
     offset: tuple[int, ...]
@@ -141,18 +157,23 @@ def owned_boxes(
     global_shape: tuple[int, ...],
     layout: TargetLayout,
     layer_segment: list[int],
+    tp_axis: int | None = None,
 ) -> list[Box]:
     """The boxes a piece ``[offset, offset + shape)`` of ``key`` is written as, each with the rank that owns it.
 
-    Stage rule, then the expert rule (a routed expert's piece lies inside one expert, so it is never cut); a TP
-    rule would cut each box along the parameter's partition axis here."""
+    Stage rule, then the expert rule (a routed expert's piece lies inside one expert, so it is never cut), then the
+    tensor rule: cut along ``tp_axis`` (the key's TP partition axis, ``None``: replicated) at the TP shard edges."""
     seg = segment_of(key, layer_segment, layout.segments)
     pp_rank = seg % layout.pp
-    ep_rank = 0
     if is_expert_bank(key):
+        if tp_axis is not None:
+            raise ValueError(f"{key}: a routed expert bank marked TP-split along {tp_axis} (expert TP is 1)")
         per_rank = global_shape[0] // layout.ep
         first, last = offset[0] // per_rank, (offset[0] + shape[0] - 1) // per_rank
         if first != last:
             raise ValueError(f"{key}: piece at {offset} of shape {shape} spans expert ranks {first}..{last}")
-        ep_rank = first
-    return [Box(key, offset, shape, layout.rank(pp_rank, ep_rank))]
+        return [Box(key, offset, shape, layout.expert_rank(pp_rank, first))]
+    return [
+        Box(key, o, s, layout.dense_rank(pp_rank, t))
+        for t, o, s in tp_cuts(offset, shape, global_shape, tp_axis, layout.tp)
+    ]

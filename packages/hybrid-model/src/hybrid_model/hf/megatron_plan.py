@@ -5,7 +5,10 @@ The checkpoint's keys, global shapes, dtypes and objects come from the single-st
 config built on the meta device (no memory): they are what ``DSv4Model.sharded_state_dict()`` declares, the same
 at every PP / VPP / EP layout (global layer numbers, global expert axis). Each official tensor is one box
 (:func:`~hybrid_model.hf.weights.official_placements`: a routed expert's ``w1`` / ``w3`` / ``w2`` is one
-expert's slice of the fused bank), so a job never holds more than one source tensor.
+expert's slice of the fused bank), so a job never holds more than one source tensor. Under ``--tp N`` a TP-split
+tensor's box is cut at the TP shard edges (:mod:`hybrid_model.hf.megatron_tp`: the partition axes of the same meta
+model, marked as ``dsv4 train --tp N`` marks it): each TP rank's file gets its slice, read from the one source
+tensor; ``--tp N`` is checked against the model first (:func:`~hybrid_model.hf.megatron_tp.check_tensor_split`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hybrid_model.hf.config_types import check_hf_config_types
 from hybrid_model.hf.dist_format import TensorSpec, common_state_key
 from hybrid_model.hf.io import read_config
 from hybrid_model.hf.megatron_layout import TargetLayout, layer_segments, owned_boxes, segment_of
+from hybrid_model.hf.megatron_tp import check_tensor_split, partition_axes
 from hybrid_model.hf.quant.formats import QuantConfig
 from hybrid_model.hf.released import Quantized, Stored, check_inventory
 from hybrid_model.hf.runtime import ensure_single_stage_parallel_state
@@ -34,8 +38,9 @@ from hybrid_model.params import build_meta_model
 
 @dataclass(frozen=True)
 class Piece:
-    """One write: source tensor ``src`` (stored name; ``scale`` pair when quantized) as the box ``[offset,
-    offset + shape)`` of checkpoint key ``key``, cast to ``dtype``."""
+    """One write: source tensor ``src`` (stored name; ``scale`` pair when quantized), placed as the box ``[placed,
+    placed + placed_shape)`` of checkpoint key ``key``, cast to ``dtype``; its part ``[offset, offset + shape)``
+    (the whole placement, or one TP shard's slice of it) is written."""
 
     src: str
     key: str
@@ -43,6 +48,15 @@ class Piece:
     shape: tuple[int, ...]
     dtype: torch.dtype
     read_bytes: int
+    placed: tuple[int, ...]
+    placed_shape: tuple[int, ...]
+
+    def cut(self, t: torch.Tensor) -> torch.Tensor:
+        """The written part of the source tensor ``t`` (shaped as its placement)."""
+        t = t.reshape(self.placed_shape)
+        if self.shape == self.placed_shape:
+            return t
+        return t[tuple(slice(o - p, o - p + n) for o, p, n in zip(self.offset, self.placed, self.shape))]
 
 
 @dataclass(frozen=True)
@@ -79,9 +93,13 @@ def _nbytes(s: Stored) -> int:
     return n
 
 
-def meta_checkpoint_entries(cfg: DSv4ModelConfig) -> tuple[dict[str, tuple], list[ShardedObject]]:
-    """``key -> (global shape, dtype)`` of every checkpoint tensor and the objects of the single-stage model of
-    ``cfg`` (built on the meta device); floating tensors are fp32 (what ``dsv4 convert`` has always saved)."""
+def meta_checkpoint_entries(
+    cfg: DSv4ModelConfig, tp: int = 1
+) -> tuple[dict[str, tuple], list[ShardedObject], dict[str, int | None]]:
+    """``key -> (global shape, dtype)`` of every checkpoint tensor, the objects, and ``key -> TP partition axis``
+    (:func:`~hybrid_model.hf.megatron_tp.partition_axes`) of the single-stage model of ``cfg`` (built on the meta
+    device); floating tensors are fp32 (what ``dsv4 convert`` has always saved). ``tp``: the model is checked to
+    split over that many TP ranks (``ValueError`` naming the size that does not divide)."""
     ensure_single_stage_parallel_state()
     model = build_meta_model(cfg)
     tensors: dict[str, tuple] = {}
@@ -100,7 +118,9 @@ def meta_checkpoint_entries(cfg: DSv4ModelConfig) -> tuple[dict[str, tuple], lis
             objects.append(v)
         else:
             raise AssertionError(f"unexpected sharded state entry {type(v).__name__}")
-    return tensors, objects
+    axes = partition_axes(model)
+    check_tensor_split(model, cfg, axes, {k: shape for k, (shape, _) in tensors.items()}, tp)
+    return tensors, objects, {k: axes.get(k) for k in tensors}
 
 
 def _fingerprint(src: Path, stored: dict[str, Stored], layout: TargetLayout, extra: dict) -> str:
@@ -128,16 +148,25 @@ def plan_megatron(
     check_hf_config_types(read_config(src), str(src / "config.json"))
     cfg, quant, stored, pairs, official = check_inventory(src, mtp=mtp)
     layer_segment = layer_segments(layout.stage_model_config(cfg))
-    metas, objs = meta_checkpoint_entries(cfg)
+    metas, objs, axes = meta_checkpoint_entries(cfg, layout.tp)
     placements = official_placements(cfg, {k: shape for k, (shape, _) in metas.items()})
     by_rank: dict[int, list[Piece]] = {r: [] for r in range(layout.world)}
     chunks: dict[str, list] = {k: [] for k in metas}
     for off, name in sorted(official.items()):
         pl = placements[off]
         shape, dtype = metas[pl.key]
-        for box in owned_boxes(pl.key, pl.offset, pl.shape, shape, layout, layer_segment):
+        for box in owned_boxes(pl.key, pl.offset, pl.shape, shape, layout, layer_segment, axes[pl.key]):
             by_rank[box.rank].append(
-                Piece(name, box.key, box.offset, box.shape, dtype, _nbytes(stored[name]))
+                Piece(
+                    name,
+                    box.key,
+                    box.offset,
+                    box.shape,
+                    dtype,
+                    _nbytes(stored[name]),
+                    tuple(pl.offset),
+                    tuple(pl.shape),
+                )
             )
             chunks[box.key].append((box.offset, box.shape))
     for key, (shape, _) in metas.items():  # the boxes of a key tile it (placements never overlap)
@@ -149,7 +178,7 @@ def plan_megatron(
     objects: dict[int, list] = {r: [] for r in range(layout.world)}
     for o in objs:
         seg = segment_of(o.key, layer_segment, layout.segments)
-        objects[layout.rank(seg % layout.pp, 0)].append((o.unique_key, o.data))
+        objects[layout.dense_rank(seg % layout.pp)].append((o.unique_key, o.data))
     objects[0].append((common_state_key(), dict(common or {})))
     jobs = tuple(
         RankJob(

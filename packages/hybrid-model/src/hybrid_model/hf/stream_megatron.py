@@ -104,7 +104,7 @@ def _run_job(plan: MegatronPlan, job: RankJob, part: Path) -> list[StoredItem]:
             if pair is not None and plan.stored[pair.scale].file not in files:
                 files[plan.stored[pair.scale].file] = SafetensorsFile(plan.stored[pair.scale].file)
             t = dequantize_stored(files, plan.stored, p.src, pair, plan.quant, p.dtype, device="cpu")
-            w.add_tensor(p.key, p.offset, t.to(p.dtype).reshape(p.shape))
+            w.add_tensor(p.key, p.offset, p.cut(t.to(p.dtype)).contiguous())
             del t
         for unique_key, data in job.objects:
             w.add_object(unique_key, data)
@@ -162,6 +162,8 @@ def stream_to_megatron(
     part = partial_dir(out)
     todo = [j for j in plan.jobs if j.rank not in done]
     total = sum(j.read_bytes for j in todo)
+    if progress is not None:
+        progress(f"layout {layout.describe()}: {len(todo)} of {len(plan.jobs)} rank files to write")
     read, t0, lock = 0, time.perf_counter(), threading.Lock()
 
     def finished(job: RankJob, items: list[StoredItem]) -> None:
