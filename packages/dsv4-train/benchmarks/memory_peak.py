@@ -81,10 +81,7 @@ class PhaseTimeline:
         self._restore()
 
     def text(self, top: int = 12) -> str:
-        rows = [
-            f"{i:4d} {peak:8.2f} {now:8.2f}  {label}"
-            for i, (label, peak, now) in enumerate(self.events)
-        ]
+        rows = [f"{i:4d} {peak:8.2f} {now:8.2f}  {label}" for i, (label, peak, now) in enumerate(self.events)]
         worst = sorted(range(1, len(self.events)), key=lambda i: -self.events[i][1])[:top]
         head = [
             "peak between consecutive events (GiB; 'peak' is the max allocated since the previous event):",
@@ -149,8 +146,9 @@ def main() -> None:
     setting = args.setting if cuda or "offload" not in args.setting else "full"
     run = long_context._Run(setting, "flash-smoke" if cuda else "tiny")
     for s in args.seq_lens if cuda else [64]:
-        text = f"setting {setting}, device {torch.cuda.get_device_name() if cuda else 'cpu'}\n" + profile_point(
-            run, s, out, args.save_snapshot
+        text = (
+            f"setting {setting}, device {torch.cuda.get_device_name() if cuda else 'cpu'}\n"
+            + profile_point(run, s, out, args.save_snapshot)
         )
         (out / f"memory_peak_{s}.txt").write_text(text)
         print(text, flush=True)

@@ -132,7 +132,9 @@ def report(snapshot: dict, *, seq_len: int | None = None, top: int = 15, base_by
     for (own, ph), (size, count) in sorted(by_owner.items(), key=lambda kv: -kv[1][0])[:top]:
         tok = f" {size / seq_len:9.0f}" if seq_len else ""
         lines.append(f"  {size / gib:8.3f} {count:5d}{tok}  {ph:<18} {own}")
-    if seq_len:  # sequence-sized blocks: bytes per token says the shape ([S, n*d] fp32 = 16·d bytes per token, ...)
+    if (
+        seq_len
+    ):  # sequence-sized blocks: bytes per token says the shape ([S, n*d] fp32 = 16·d bytes per token, ...)
         by_tok: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         for b in blocks:
             if b.size >= seq_len:
