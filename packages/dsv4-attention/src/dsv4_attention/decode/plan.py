@@ -74,6 +74,10 @@ class ExtendPlan:
         """At most one new row per sequence (a decode step; sequences given no row are not fed)."""
         return max(self.counts) == 1
 
+    @staticmethod
+    def _host_tensor(values: list[int], device) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
     def _memo(self, key: str, device, build) -> torch.Tensor:
         device = torch.device("cpu") if device is None else torch.device(device)
         out = self._device.get((key, device))
@@ -88,30 +92,34 @@ class ExtendPlan:
         def build(dev):
             if all(k == 1 for k in self.counts):
                 return torch.arange(self.batch, device=dev)
-            rows = [b for b, k in enumerate(self.counts) for _ in range(k)]
-            return torch.tensor(rows, dtype=torch.int64, device=dev)
+            return self._host_tensor([b for b, k in enumerate(self.counts) for _ in range(k)], dev)
 
         return self._memo("sequences", device, build)
 
     def row_positions(self, device=None) -> torch.Tensor:
         """int64 ``[R]``: the position of every new row in its sequence (built once per device: one upload)."""
-        pos = [n + i for n, k in zip(self.lengths, self.counts) for i in range(k)]
-        return self._memo("positions", device, lambda dev: torch.tensor(pos, dtype=torch.int64, device=dev))
+        rows = zip(self.lengths, self.counts)
+        return self._memo(
+            "positions",
+            device,
+            lambda dev: self._host_tensor([n + i for n, k in rows for i in range(k)], dev),
+        )
 
     def row_lengths(self, device=None) -> torch.Tensor:
         """int64 ``[R]``: ``lengths[b]`` of every new row's sequence ``b`` (its first new position; one upload)."""
-        first = [n for n, k in zip(self.lengths, self.counts) for _ in range(k)]
-        return self._memo("lengths", device, lambda dev: torch.tensor(first, dtype=torch.int64, device=dev))
+        rows = zip(self.lengths, self.counts)
+        return self._memo(
+            "lengths", device, lambda dev: self._host_tensor([n for n, k in rows for _ in range(k)], dev)
+        )
 
     def ring_rows(self, window: int, device=None) -> torch.Tensor:
         """int64 ``[N]``: the new rows among the last ``window`` positions of their sequence after the call (the
         rows a window ring keeps; computed on the host, one upload per device)."""
-        rows = [
-            r0 + i
-            for n, k, r0 in zip(self.lengths, self.counts, self.row_starts)
-            for i in range(k)
-            if n + i >= n + k - window
-        ]
-        return self._memo(
-            f"ring{window}", device, lambda dev: torch.tensor(rows, dtype=torch.int64, device=dev)
-        )
+
+        def build(dev):
+            rows = [
+                r0 + i for k, r0 in zip(self.counts, self.row_starts) for i in range(max(0, k - window), k)
+            ]
+            return self._host_tensor(rows, dev)
+
+        return self._memo(f"ring{window}", device, build)

@@ -102,10 +102,9 @@ class CachedDecoder:
         device = next(self.model.parameters()).device
         flat = [t for seq in tokens for t in seq]
         vocab = self.model.model_config.vocab_size
-        if not all(0 <= t < vocab for t in flat):  # on the host: hash routing then skips its device check
-            raise ValueError(
-                f"extend got token ids outside [0, vocab_size={vocab}): {[t for t in flat if not 0 <= t < vocab]}"
-            )
+        bad = [t for t in flat if not 0 <= t < vocab]  # on the host: hash routing then skips its device check
+        if bad:
+            raise ValueError(f"extend got token ids outside [0, vocab_size={vocab}): {bad}")
         ids = torch.tensor(flat, dtype=torch.long, device=device)[None]  # [1, R]
         psp = None  # a decode step: one row per document, nothing outside attention mixes rows (no upload)
         if not plan.is_decode_step:
