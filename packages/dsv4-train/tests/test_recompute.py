@@ -88,16 +88,19 @@ def test_gradients_equal_no_recompute_bitwise(megatron_cpu, ids, reference, name
     assert saved < ref_saved, (name, saved, ref_saved)
 
 
-def _mtp_saved_bytes(recompute, ids) -> tuple[int, int]:
-    """(bytes of the storages saved for backward while an MTP depth runs, all bytes saved) in one forward."""
+def _mtp_saved_bytes(recompute, ids) -> tuple[int, int, tuple[int, int]]:
+    """(bytes of the storages saved for backward while an MTP depth's sub-layers run, all bytes saved, (checkpoint
+    chunks the MTP depths opened, sub-layers + 2 per depth)) in one forward."""
+    from hybrid_model import mtp as mtp_module
     from hybrid_model.model import build_model
 
     torch.manual_seed(0)
     model = build_model(get_preset("tiny"), recompute=recompute).train()
     inside = [False]
     for depth in model.mtp.depths():
-        depth.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-        depth.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+        for part in (*depth.block, depth.enorm, depth.hnorm, depth.e_proj, depth.h_proj, depth.hyper_head):
+            part.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+            part.register_forward_hook(lambda *_: inside.__setitem__(0, False))
     mtp, everything = {}, {}
 
     def pack(t):
@@ -107,21 +110,38 @@ def _mtp_saved_bytes(recompute, ids) -> tuple[int, int]:
             mtp[key] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, None, None, labels=torch.roll(ids, -1, 1)).mean()
+    chunks = [0]
+    checkpoint = mtp_module.checkpoint_layers
+
+    def counted(fn, *args):
+        chunks[0] += 1
+        return checkpoint(fn, *args)
+
+    mtp_module.checkpoint_layers = counted
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, None, None, labels=torch.roll(ids, -1, 1)).mean()
+    finally:
+        mtp_module.checkpoint_layers = checkpoint
     loss.backward()  # outside the hooks: a recompute's own saves are not kept across the step
-    return sum(mtp.values()), sum(everything.values())
+    expected = sum(len(depth.block) + 2 for depth in model.mtp.depths())  # the chunks full recompute opens
+    return sum(mtp.values()), sum(everything.values()), (chunks[0], expected)
 
 
 def test_mtp_inside_full_recompute(megatron_cpu, ids):
-    """Full recompute whose stage's last layer is checkpointed (uniform) also recomputes the MTP depths: nothing is
-    saved inside them (their gradients are bitwise those of no recompute: ``full-uniform-3`` above); block
-    recompute that leaves the last layers alone keeps the MTP activations as before."""
-    none_mtp, none_all = _mtp_saved_bytes(None, ids)
-    full_mtp, full_all = _mtp_saved_bytes(SETTINGS["full-uniform-3"], ids)
-    block_mtp, _ = _mtp_saved_bytes(SETTINGS["full-block-5"], ids)
+    """Full recompute whose stage's last layer is checkpointed (uniform) also recomputes the MTP depths, one chunk
+    per sub-layer (input projections, each block layer, HyperHead + norm: a backward holds one sub-layer's
+    activations at a time): nothing is saved inside them (their gradients are bitwise those of no recompute:
+    ``full-uniform-3`` above); block recompute that leaves the last layers alone keeps the MTP activations."""
+    none_mtp, none_all, none_chunks = _mtp_saved_bytes(None, ids)
+    full_mtp, full_all, full_chunks = _mtp_saved_bytes(SETTINGS["full-uniform-3"], ids)
+    block_mtp, _, block_chunks = _mtp_saved_bytes(SETTINGS["full-block-5"], ids)
     assert none_mtp > 0 and full_mtp == 0 and block_mtp == none_mtp
     assert full_all <= none_all - none_mtp  # the MTP activations are all gone from what full recompute keeps
+    assert none_chunks[0] == block_chunks[0] == 0
+    assert (
+        full_chunks[0] == full_chunks[1] >= 4
+    )  # one per sub-layer (tiny: one depth, W + E) + projections + head
 
 
 @pytest.mark.slow

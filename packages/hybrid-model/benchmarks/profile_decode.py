@@ -69,10 +69,14 @@ def add_scopes(model) -> list:
 
 
 def kernels_by_scope(trace: dict) -> list[tuple[str, str, float]]:
-    """``(kind, kernel name, µs)`` per GPU kernel of a chrome trace: the kernel's launch (the runtime event with the
-    same correlation id) lies in the innermost ``mod:`` annotation of its thread; ``other`` outside every scope."""
+    """``(kind, kernel name, µs)`` per GPU kernel of a chrome trace: the kernel's launch (the runtime or driver API event
+    with the same correlation id: cuBLAS and aten launch through the runtime, Triton through the driver) lies in the innermost ``mod:`` annotation of its thread; ``other`` outside every scope."""
     events = trace["traceEvents"]
-    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e
+    }
     scopes: dict = defaultdict(list)
     for e in events:
         if e.get("cat") == "user_annotation" and e.get("name", "").startswith("mod:"):

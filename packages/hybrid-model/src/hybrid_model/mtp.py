@@ -130,28 +130,52 @@ def run_mtp_depth(
     depth's MoE routers, embeds them, runs the depth. Returns ``(h [s, b, d], streams [s, b, n, d])``, the streams
     ``None`` after the last depth (nothing reads them).
 
-    ``recompute``: the whole depth (embedding lookup, projections, layers, HyperHead, norm) runs as one reentrant
-    checkpoint (:func:`dsv4_primitives.recompute.checkpoint_layers`): only ``streams`` (kept by the main stack
-    anyway) is saved, and backward rebinds the ids (a later micro-batch may have bound others) and runs the depth
-    again. Side effects guarded by ``torch.is_grad_enabled()`` (expert-load counters, loss trackers) run once.
+    ``recompute``: the depth runs as reentrant checkpoints (:func:`dsv4_primitives.recompute.checkpoint_layers`),
+    one per sub-layer as in the main stack: (embedding lookup + input projections), each layer of the block, (HyperHead
+    + norm). Only each chunk's input streams are saved (``streams``, kept by the main stack anyway, and the fp32
+    streams ``[s, b, n·d]`` between the chunks), so a backward recomputes one sub-layer at a time: one checkpoint over
+    the whole depth held both of its sub-layers' activations at once in backward, the step's activation peak on
+    flash-smoke (issue #33). Every chunk binds the ids to the depth's MoE routers first (a later micro-batch may have
+    bound others before the recompute runs). Side effects guarded by ``torch.is_grad_enabled()`` (expert-load
+    counters, loss trackers) run once.
 
     ``sequence_parallel_group``: the TP group under sequence parallelism (``streams`` are this rank's ``[s/tp, b, n,
     d]``; the embedding scatters its output the same way, the routers get this rank's ids)."""
     last = depth.next_depth is None
     router_ids = sequence_shard(ids, sequence_parallel_group)
+    s, b, n, d = streams.shape  # [s, b, n, d]
 
-    def run(x):
+    def bind() -> None:
         for moe in depth.moe_layers():
             moe.set_input_ids(router_ids, router_cu)
-        e = embedding(input_ids=ids, position_ids=position_ids)  # [s(/tp), b, d]
-        h, out = depth(x, e, return_streams=True, **layer_kwargs)  # [s, b, d], [s, b, n, d]
-        return h if last else (h, out)
 
-    if recompute:
-        result = checkpoint_layers(run, streams)
-    else:
-        result = run(streams)
-    return (result, None) if last else result
+    def embed():
+        return embedding(input_ids=ids, position_ids=position_ids)  # [s(/tp), b, d]
+
+    if not recompute:
+        bind()
+        h, out = depth(streams, embed(), return_streams=True, **layer_kwargs)  # [s, b, d], [s, b, n, d]
+        return (h, None) if last else (h, out)
+
+    def enter(x):
+        bind()
+        return depth.enter(x, embed())  # [s, b, n·d]
+
+    def sublayer(layer):
+        def run(x):
+            bind()
+            return layer(x, **layer_kwargs)[0]  # [s, b, n·d]
+
+        return run
+
+    def leave(x):
+        return depth.leave(x.view(s, b, n, d))  # [s, b, d]
+
+    x = checkpoint_layers(enter, streams)
+    for layer in depth.block:
+        x = checkpoint_layers(sublayer(layer), x)
+    h = checkpoint_layers(leave, x)
+    return (h, None) if last else (h, x.view(s, b, n, d))
 
 
 class DSv4MultiTokenPrediction(MegatronModule):
@@ -262,13 +286,25 @@ class DSv4MultiTokenPrediction(MegatronModule):
         **layer_kwargs,
     ):
         """``streams [s, b, n, d]`` (main streams, or the previous depth's), ``next_embedding [s, b, d]`` -> this
-        depth's ``h [s, b, d]`` (and its streams ``[s, b, n, d]`` for the next depth with ``return_streams``)."""
+        depth's ``h [s, b, d]`` (and its streams ``[s, b, n, d]`` for the next depth with ``return_streams``):
+        :meth:`enter`, the block's layers, :meth:`leave` (:func:`run_mtp_depth` runs the same pieces, each as a
+        recompute chunk under full recompute)."""
+        s, b, n, d = streams.shape  # [s, b, n, d]
+        x = self.enter(streams, next_embedding)  # [s, b, n·d]
+        for layer in self.block:
+            x, _ = layer(x, **layer_kwargs)
+        h = self.leave(x.view(s, b, n, d))  # [s, b, d]
+        return (h, x.view(s, b, n, d)) if return_streams else h
+
+    def enter(self, streams: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """The block's input ``Xm = h_proj(hnorm(X)) + e_proj(enorm(e))`` as stream-dtype ``[s, b, n·d]`` from
+        ``streams [s, b, n, d]`` and ``next_embedding [s, b, d]``."""
         s, b, n, d = streams.shape  # [s, b, n, d]
         e = self.e_proj(self.enorm(next_embedding))  # [s, b, d]
         h = self.h_proj(self.hnorm(streams).to(self.h_proj.weight.dtype))  # [s, b, n, d]
-        x = (h + e[:, :, None, :]).to(self.mhc_config.stream_dtype).reshape(s, b, n * d)
-        for layer in self.block:
-            x, _ = layer(x, **layer_kwargs)
+        return (h + e[:, :, None, :]).to(self.mhc_config.stream_dtype).reshape(s, b, n * d)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """``h = norm(HyperHead(x))`` ``[s, b, d]`` from the block's output streams ``x [s, b, n, d]``."""
         out_dtype = torch.bfloat16 if self.config.bf16 else None
-        h = self.norm(self.hyper_head(x.view(s, b, n, d), out_dtype=out_dtype))  # [s, b, d]
-        return (h, x.view(s, b, n, d)) if return_streams else h
+        return self.norm(self.hyper_head(x, out_dtype=out_dtype))  # [s, b, d]
