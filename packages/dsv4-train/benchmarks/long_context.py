@@ -42,6 +42,10 @@ FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_
 # recompute recipe of the README
 SETTINGS: dict[str, dict] = {
     "offload-full": dict(FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0),
+    # + the checkpointed layer inputs in pinned host memory (--offload-activations)
+    "offload-full-act": dict(
+        FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, offload_activations=True
+    ),
     "offload-half-full": dict(FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
     "full": dict(FULL),
     "selective": dict(LONG_CONTEXT_SELECTIVE),

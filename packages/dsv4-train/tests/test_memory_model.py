@@ -95,3 +95,19 @@ def test_dsv4_memory_cli(capsys):
         == 0
     )
     assert "busiest rank" in capsys.readouterr().out
+
+
+def test_offloaded_activations_leave_the_device_peak(capsys):
+    """``--offload-activations`` under full recompute: the kept activations (the checkpointed inputs) are host
+    memory; the device holds one chunk input copied back, so the peak drops by the rest."""
+    args = ["memory", "--preset", "flash-smoke", "--seq-len", "16384", "--micro-batch-size", "1", "--json"]
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    assert main([*args, *full]) == 0
+    device = json.loads(capsys.readouterr().out)
+    assert main([*args, *full, "--offload-activations"]) == 0
+    host = json.loads(capsys.readouterr().out)
+    kept = sum(device["activations"].values())
+    assert device["host_activations_gib"] == 0 and host["host_activations_gib"] == pytest.approx(kept)
+    (back,) = host["activations"].values()
+    assert 0 < back < kept / 8
+    assert host["peak_gib"] == pytest.approx(device["peak_gib"] - kept + back)

@@ -63,6 +63,11 @@ def run_memory(args, train_config_from_args) -> int:
             if report.host_offloaded
             else ""
         )
+        + (
+            f", {d['host_activations_gib']:.2f} GiB of activations in host memory"
+            if report.host_activations
+            else ""
+        )
     )
     for title, parts in (
         ("static", d["static"]),

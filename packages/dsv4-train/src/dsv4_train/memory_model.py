@@ -4,9 +4,9 @@ configuration, and where they go.
     peak = static                                           (:mod:`dsv4_train.memory_static`)
          + Σ_layers kept(layer) · T · in_flight               kept = the layer's activations, or with full recompute
                                                               only its chunk's input streams
-         + head + embedding (+ MTP depths when not recomputed)
+         + head + embedding (+ MTP depths when not recomputed; recomputed: the streams between their sub-layers)
          + max over the backward's phases of its transient:
-             MTP depth recomputed (its activations) + its head's backward,
+             one MTP sub-layer recomputed (its activations, or the depth's input projections) + the head's backward,
              one recompute chunk (its layers' activations),
              the head's backward: dW (V·d·b) + a logits chunk (min(T·V, 2^28)·b) + dh (fp32 [T, d])
              (--no-fused-linear-ce: the [T, V] fp32 logits and their gradient)
@@ -25,6 +25,9 @@ activations a pipeline stage holds under 1F1B (``min(PP - stage, M)``; interleav
 ``2·(PP - stage - 1) + (VPP - 1)·PP + 1`` chunk-micro-batches). Activations per token and layer kind:
 :mod:`hybrid_model.activation_memory`; context parallelism adds the halo and gathered-entry terms of
 :mod:`hybrid_model.cp_memory`. Every stage is evaluated; the report is the stage with the highest peak.
+
+``--offload-activations``: the activations above (what the forward saves) are host memory
+(``host_activations``); the device holds one recompute chunk's input copied back during the backward.
 
 Not modelled: selective recompute (refused), the allocator's fragmentation (``reserved - allocated``), CUDA /
 NCCL workspaces.
@@ -60,6 +63,7 @@ class MemoryReport:
     activations: dict[str, float] = field(default_factory=dict)
     transient: dict[str, float] = field(default_factory=dict)
     host_offloaded: float = 0.0
+    host_activations: float = 0.0  # --offload-activations: the saved activations kept in host memory
 
     @property
     def peak(self) -> float:
@@ -75,6 +79,7 @@ class MemoryReport:
             "activations": gib(self.activations),
             "transient": gib(self.transient),
             "host_offloaded_gib": self.host_offloaded / GIB,
+            "host_activations_gib": self.host_activations / GIB,
         }
 
 
@@ -178,12 +183,16 @@ def estimate_memory(
             else:
                 head = V * d * b / tp + 2 * 4 * tokens * V / tp
             mtp = cfg.parsed_pattern
-            depth = sum(
-                layer_activation_bytes(cfg, s, seq, bf16=bf16, path=path, tp=tp) for s in mtp.mtp_pattern
-            )
-            depth = (depth + mtp_extra_bytes(cfg, b, tp)) * tokens
+            sub = [layer_activation_bytes(cfg, s, seq, bf16=bf16, path=path, tp=tp) for s in mtp.mtp_pattern]
+            extra = mtp_extra_bytes(cfg, b, tp)
+            depth = (sum(sub) + extra) * tokens
             if mtp.mtp_num_depths and full and (mem.recompute_method != "block" or recomputed == len(layers)):
-                trans["MTP depth recomputed + head backward"] = depth + head
+                # one recompute chunk per sub-layer (hybrid-model's run_mtp_depth): the streams between the chunks
+                # are kept, a backward recomputes the projections or one layer at a time
+                acts["MTP depth checkpoints"] = (
+                    (len(sub) + 1) * checkpoint_bytes(cfg, b, tp) * tokens * mtp.mtp_num_depths
+                )
+                trans["MTP sub-layer recomputed + head backward"] = max([*sub, extra]) * tokens + head
             else:
                 if mtp.mtp_num_depths:
                     acts["MTP depths"] = depth * mtp.mtp_num_depths
@@ -191,6 +200,11 @@ def estimate_memory(
             if len(trans) > 1:  # the phases follow one another: only the largest counts
                 top = max(trans, key=trans.get)
                 report.transient = trans = {top: trans[top]}
+        if tc.memory.offload_activations:  # what the forward saved lives in host memory until backward reads it
+            report.host_activations = sum(acts.values())
+            acts.clear()
+            if full:  # one chunk's input back on the device while its recompute runs
+                acts["a recompute chunk's input, copied back"] = checkpoint_bytes(cfg, b, tp) * tokens
         streams = 4 * n * d if cfg.enable_mhc_connections else b * d
         trans["residual-stream gradients"] = 2 * streams * tokens / tp
         reports.append(report)

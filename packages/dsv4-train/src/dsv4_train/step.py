@@ -4,6 +4,7 @@ update and the loss reduction over the ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -15,6 +16,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from dsv4_attention import get_indexer_loss_tracker
 from dsv4_primitives.cp_partial_loss import cp_partial_mean, sum_partials
 from dsv4_primitives.megatron import cuda_as_cpu, release_autograd_graphs
+from dsv4_train.activation_offload import ActivationOffload
 from dsv4_train.config import TrainConfig
 from dsv4_train.context_parallel import local_batch
 from dsv4_train.cuda_graph import BATCH_FIELDS, GraphedForwardBackward, static_batch
@@ -104,6 +106,10 @@ class StepRunner:
             dp_group = ps.get_data_parallel_group(with_context_parallel=True)
             self.grad_reduction = GradReductionAfterSchedule(config, dp_group, device)
         self.max_docs_per_pack: int | None = None  # --cuda-graph --packed: set by the Trainer (data capacity)
+        # --offload-activations: what each micro-batch's forward saves for backward lives on the host
+        self.activation_offload = (
+            ActivationOffload(ddp_chunks(model)) if tc.memory.offload_activations else None
+        )
         cp = core.context_parallel_group
         self.cp_group = cp
         self.cp_size, self.cp_rank = (1, 0) if cp is None else (cp.size(), cp.rank())
@@ -126,9 +132,11 @@ class StepRunner:
             tokens, labels, loss_mask = lb.tokens, lb.labels, lb.loss_mask
             pos, pad = lb.position_ids, lb.padding_mask  # pad: True on padding rows
         # padding rows never count in the MoE balance loss or the selection-bias loads (spec §7.5: valid tokens)
-        out = model(
-            tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp, padding_mask=pad
-        )
+        offload = self.activation_offload
+        with offload.hooks() if offload is not None else contextlib.nullcontext():
+            out = model(
+                tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp, padding_mask=pad
+            )
 
         cp_group = unwrapped.context_parallel_group
 

@@ -62,6 +62,7 @@ FEATURES: dict[str, Feature] = {
             "recompute", "--recompute-granularity", lambda tc, m: tc.memory.recompute_granularity is not None
         ),
         Feature("offload", "--optimizer-cpu-offload", lambda tc, m: tc.optimizer.optimizer_cpu_offload),
+        Feature("activation_offload", "--offload-activations", lambda tc, m: tc.memory.offload_activations),
         Feature("deterministic", "--deterministic", lambda tc, m: tc.precision.deterministic),
         Feature("eval", "--eval-interval > 0", lambda tc, m: tc.eval.eval_interval > 0),
         Feature("resume", "--resume", lambda tc, m: bool(tc.checkpoint.resume)),
@@ -114,7 +115,7 @@ _MATRIX = "tests/test_parallel_matrix.py::test_cell_matches_single_process"
 _CP = "tests/test_train_context_parallel.py::"
 _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
 _TP = "tests/test_train_tensor_parallel.py::"
-_TP_REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
+_REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 _TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
 _TPCP = "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process"
 
@@ -150,6 +151,13 @@ RELATIONS: tuple[Relation, ...] = (
         "tests/test_optimizer_offload.py::test_cli_flags",
     ),
     Relation(
+        ("activation_offload", "cuda_graph"),
+        "refused",
+        "--offload-activations with --cuda-graph: not supported (a captured step would allocate its pinned host "
+        "buffers during the capture and replay copies into buffers it does not own); drop one of them",
+        _REFUSALS,
+    ),
+    Relation(
         ("cuda_graph", "pp"),
         "refused",
         _GRAPH_ONE_RANK,
@@ -161,13 +169,20 @@ RELATIONS: tuple[Relation, ...] = (
         _GRAPH_ONE_RANK,
         "tests/test_train_cuda_graph.py::test_rejects_what_cannot_be_captured",
     ),
-    Relation(("cuda_graph", "tp"), "refused", _GRAPH_ONE_RANK, _TP_REFUSALS),
+    Relation(("cuda_graph", "tp"), "refused", _GRAPH_ONE_RANK, _REFUSALS),
     # refused: decided when the run starts
     Relation(
         ("cuda_graph", "cpu"),
         "refused",
         "--cuda-graph needs a CUDA device (none is visible); drop --cuda-graph on CPU",
         "tests/test_train_cuda_graph.py::test_needs_a_cuda_device",
+    ),
+    Relation(
+        ("activation_offload", "cpu"),
+        "refused",
+        "--offload-activations needs a CUDA device (none is visible; on the CPU the activations are in host memory "
+        "already); drop --offload-activations",
+        _REFUSALS,
     ),
     Relation(
         ("cuda_graph", "fp32"),
@@ -331,6 +346,13 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "PP2 with recompute: gradients bitwise those without",
         "tests/test_recompute.py::test_pp2_recompute_gradients_bitwise",
+    ),
+    Relation(
+        ("activation_offload", "recompute"),
+        "supported",
+        "full recompute with the checkpointed layer inputs on the host: losses and gradient norms bitwise those "
+        "of the run that keeps them on the device, from the CLI (GPU)",
+        "tests/test_activation_offload_gpu.py::test_offloaded_run_equals_device_run_bitwise",
     ),
     Relation(
         ("offload", "dp"),

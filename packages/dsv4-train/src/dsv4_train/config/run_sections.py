@@ -119,7 +119,8 @@ class PrecisionSection:
 
 @dataclass(frozen=True)
 class MemorySection:
-    """Activation recompute (megatron's vocabulary plus upstream P2's mHC groups; :mod:`dsv4_train.recompute`)."""
+    """Activation recompute (megatron's vocabulary plus upstream P2's mHC groups; :mod:`dsv4_train.recompute`) and
+    activation offload (:mod:`dsv4_train.activation_offload`)."""
 
     recompute_granularity: str | None = field(
         default=None,
@@ -156,6 +157,15 @@ class MemorySection:
         metadata=option(
             "selective mhc: layers per mHC recompute group (the group's input streams are kept, the streams inside "
             "it rebuilt in backward one group at a time); null = one group per stage"
+        ),
+    )
+
+    offload_activations: bool = field(
+        default=False,
+        metadata=option(
+            "keep what the forward saves for backward in pinned host memory, copied back when backward reads it "
+            "(with --recompute-granularity full: each checkpointed layer's input streams, 0.5 GiB per 1K tokens on "
+            "flash-smoke); exact; CUDA only; costs PCIe copies on the compute stream (dsv4_train.activation_offload)"
         ),
     )
 
