@@ -200,7 +200,8 @@ def estimate_memory(
             if len(trans) > 1:  # the phases follow one another: only the largest counts
                 top = max(trans, key=trans.get)
                 report.transient = trans = {top: trans[top]}
-        if tc.memory.offload_activations:  # what the forward saved lives in host memory until backward reads it
+        # --offload-activations: what the forward saved lives in host memory until backward reads it
+        if tc.memory.offload_activations:
             report.host_activations = sum(acts.values())
             acts.clear()
             if full:  # one chunk's input back on the device while its recompute runs
