@@ -45,7 +45,7 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 class SafetensorsFile:

@@ -65,7 +65,7 @@ def source_box(start: tuple[int, ...], shape: tuple[int, ...], whole: tuple[int,
 
 
 def _box_bytes(s: Stored, rows: tuple[int, int], cols: tuple[int, int] | None) -> int:
-    n = (rows[1] - rows[0]) * torch.empty((), dtype=s.dtype).element_size()
+    n = (rows[1] - rows[0]) * s.dtype.itemsize
     if len(s.shape) > 1:
         n *= (cols[1] - cols[0]) if cols is not None else s.shape[1]
     for d in s.shape[2:]:
