@@ -4,7 +4,7 @@ only its box of a source tensor, so a TP N conversion reads the source once, not
 Builds a synthetic DeepSeek-V4 checkpoint (the ``tiny`` preset widened so that TP 4 splits it: ``--hidden``,
 ``--vocab``, ``--ffn``; 8 heads, 4 output groups) with ``bench_stream_convert.write_synthetic_plain`` and exports it
 to the released FP8 / FP4 format, then converts it into the megatron layouts TP1, TP2, TP4, each in a fresh
-process: wall time of ``stream_to_megatron`` and the bytes it read (the process's ``rchar`` from
+process: wall and CPU time of ``stream_to_megatron`` and the bytes it read (the process's ``rchar`` from
 ``/proc/self/io``, every ``read``/``pread`` counted). ``--baseline SRC`` runs the same conversions with another
 checkout's ``hybrid_model`` first on ``PYTHONPATH`` (the code before issue 32) for comparison, alternating with
 this code ``--repeat`` times per TP size (the 2 shared CPU cores' load varies). Writes
@@ -35,7 +35,7 @@ from hybrid_model.presets import get_preset
 RESULTS = Path(__file__).parent / "results" / "tp_convert.json"
 
 _CHILD = """
-import json, sys, time
+import json, resource, sys, time
 from dsv4_testkit.megatron_cpu import megatron_cpu_context
 from hybrid_model.hf.megatron_layout import TargetLayout
 from hybrid_model.hf.stream_megatron import stream_to_megatron
@@ -45,10 +45,12 @@ def rchar():
 
 src, dst, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with megatron_cpu_context():
+    u = resource.getrusage(resource.RUSAGE_SELF)
     r0, t = rchar(), time.perf_counter()
     rep = stream_to_megatron(src, dst, TargetLayout(tp=tp))
-    dt, r1 = time.perf_counter() - t, rchar()
-print(json.dumps({"seconds": dt, "rchar": r1 - r0, "planned_read": rep.bytes_read}))
+    dt, r1, v = time.perf_counter() - t, rchar(), resource.getrusage(resource.RUSAGE_SELF)
+cpu = v.ru_utime + v.ru_stime - u.ru_utime - u.ru_stime
+print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "rchar": r1 - r0, "planned_read": rep.bytes_read}))
 """
 
 
@@ -114,7 +116,7 @@ def main() -> None:
                 rows.append(r)
                 print(
                     f"{code:<9} TP{tp}: read {r['rchar'] / 1e6:8.1f} MB ({r['read_x_source']:.2f} x source "
-                    f"{src_bytes / 1e6:.1f} MB), {r['seconds']:6.1f} s",
+                    f"{src_bytes / 1e6:.1f} MB), {r['seconds']:6.1f} s wall, {r['cpu_seconds']:6.1f} s CPU",
                     flush=True,
                 )
     RESULTS.parent.mkdir(exist_ok=True)
