@@ -7,12 +7,15 @@ at every PP / VPP / EP layout (global layer numbers, global expert axis). Each o
 (:func:`~hybrid_model.hf.weights.official_placements`: a routed expert's ``w1`` / ``w3`` / ``w2`` is one
 expert's slice of the fused bank), so a job never holds more than one source tensor. Under ``--tp N`` a TP-split
 tensor's box is cut at the TP shard edges (:mod:`hybrid_model.hf.megatron_tp`: the partition axes of the same meta
-model, marked as ``dsv4 train --tp N`` marks it): each TP rank's file gets its slice, read from the one source
-tensor; ``--tp N`` is checked against the model first (:func:`~hybrid_model.hf.megatron_tp.check_tensor_split`).
+model, marked as ``dsv4 train --tp N`` marks it): each TP rank's file gets its slice, read as only that box of the
+source tensor (:mod:`hybrid_model.hf.source_box`: a ``--tp N`` conversion reads each source byte once; a piece's
+``read_bytes`` is its box's, scale box included); ``--tp N`` is checked against the model first
+(:func:`~hybrid_model.hf.megatron_tp.check_tensor_split`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -30,8 +33,9 @@ from hybrid_model.hf.io import read_config
 from hybrid_model.hf.megatron_layout import TargetLayout, layer_segments, owned_boxes, segment_of
 from hybrid_model.hf.megatron_tp import check_tensor_split, partition_axes
 from hybrid_model.hf.quant.formats import QuantConfig
-from hybrid_model.hf.released import Quantized, Stored, check_inventory
+from hybrid_model.hf.released import Quantized, Stored, check_inventory, logical_shape
 from hybrid_model.hf.runtime import ensure_single_stage_parallel_state
+from hybrid_model.hf.source_box import SourceBox, box_read_bytes, source_box
 from hybrid_model.hf.weights import official_placements
 from hybrid_model.params import build_meta_model
 
@@ -57,6 +61,14 @@ class Piece:
         if self.shape == self.placed_shape:
             return t
         return t[tuple(slice(o - p, o - p + n) for o, p, n in zip(self.offset, self.placed, self.shape))]
+
+    def source_box(self, whole: tuple[int, ...]) -> SourceBox | None:
+        """The box of the source tensor (logical shape ``whole``) this piece is read from, or ``None``: the whole
+        tensor, then :meth:`cut` (the piece is all of it, or the source is stored in another shape than its
+        placement)."""
+        if tuple(whole) != self.placed_shape:
+            return None
+        return source_box(tuple(o - p for o, p in zip(self.offset, self.placed)), self.shape, whole)
 
 
 @dataclass(frozen=True)
@@ -84,13 +96,6 @@ class MegatronPlan:
     tensors: dict[str, TensorSpec]
     objects: tuple[str, ...]
     fingerprint: str
-
-
-def _nbytes(s: Stored) -> int:
-    n = torch.empty((), dtype=s.dtype).element_size()
-    for d in s.shape:
-        n *= d
-    return n
 
 
 def meta_checkpoint_entries(
@@ -155,19 +160,12 @@ def plan_megatron(
     for off, name in sorted(official.items()):
         pl = placements[off]
         shape, dtype = metas[pl.key]
+        pair = pairs.get(name)
+        whole = logical_shape(stored[name], pair.kind if pair else None)
         for box in owned_boxes(pl.key, pl.offset, pl.shape, shape, layout, layer_segment, axes[pl.key]):
-            by_rank[box.rank].append(
-                Piece(
-                    name,
-                    box.key,
-                    box.offset,
-                    box.shape,
-                    dtype,
-                    _nbytes(stored[name]),
-                    tuple(pl.offset),
-                    tuple(pl.shape),
-                )
-            )
+            piece = Piece(name, box.key, box.offset, box.shape, dtype, 0, tuple(pl.offset), tuple(pl.shape))
+            read = box_read_bytes(stored, name, pair, quant, piece.source_box(whole))
+            by_rank[box.rank].append(dataclasses.replace(piece, read_bytes=read))
             chunks[box.key].append((box.offset, box.shape))
     for key, (shape, _) in metas.items():  # the boxes of a key tile it (placements never overlap)
         volume = sum(torch.Size(s).numel() for _, s in chunks[key])

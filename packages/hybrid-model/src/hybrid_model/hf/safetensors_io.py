@@ -3,7 +3,8 @@
 A safetensors file is ``u64 little-endian header length N`` + ``N`` bytes of JSON (``name -> {dtype, shape,
 data_offsets [begin, end)}`` relative to the data section, plus ``__metadata__``) + the data section. The reader
 parses and validates the header (every failure names the file: truncated, corrupt, offsets outside the file) and
-reads one tensor's bytes with a plain ``readinto`` (no mmap: resident memory is the tensor read, nothing else);
+reads one tensor's bytes, or one box of its rows / columns (:meth:`SafetensorsFile.read_box`), with plain
+``preadv`` calls into the result's buffer (no mmap: resident memory is the tensor read, nothing else);
 the writer writes the header from the planned names/dtypes/shapes first and then each tensor as it is produced, so
 a whole file is never held in memory. ``F4`` (``float4_e2m1fn_x2``) shapes count FP4 elements in the header (two
 per stored byte), as the ``safetensors`` library writes them.
@@ -12,6 +13,7 @@ per stored byte), as the ``safetensors`` library writes them.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 class SafetensorsFile:
@@ -99,16 +101,60 @@ class SafetensorsFile:
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` (a fresh CPU tensor)."""
-        dtype, shape, begin, end = self.entries[name]
-        buf = bytearray(end - begin)
-        with self.path.open("rb") as f:
-            f.seek(self.data_start + begin)
-            got = f.readinto(buf)
-        if got != end - begin:
+        _, shape, _, _ = self.entries[name]
+        return self.read_box(name, (0, shape[0]) if shape else None)
+
+    def read_box(
+        self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Rows ``[r0, r1)`` (dim 0) and columns ``[c0, c1)`` (dim 1; ``None``: all) of tensor ``name``, a fresh
+        contiguous CPU tensor; ``rows`` ``None``: the whole tensor. Rows are one contiguous byte range (one read); a
+        column range is read row by row (one read of ``(c1 - c0) x trailing dims`` per row), so only the box's bytes
+        are read. ``F4`` columns count stored bytes (two FP4 values each)."""
+        dtype, shape, begin, _ = self.entries[name]
+        if rows is None:
+            rows = (0, shape[0]) if shape else (0, 1)
+        r0, r1 = rows
+        d0 = shape[0] if shape else 1
+        d1 = shape[1] if len(shape) > 1 else 1
+        c0, c1 = cols if cols is not None else (0, d1)
+        if not (0 <= r0 <= r1 <= d0 and 0 <= c0 <= c1 <= d1) or (cols is not None and len(shape) < 2):
+            raise ValueError(
+                f"{self.path}: box rows {rows} cols {cols} lies outside tensor {name!r} of shape {list(shape)}"
+            )
+        box = (*((r1 - r0,) if shape else ()), *((c1 - c0,) if len(shape) > 1 else ()), *shape[2:])
+        inner = _nbytes(dtype, tuple(shape[2:]))  # bytes of one [.., .., *trailing] element of dims 0 and 1
+        row, width = d1 * inner, (c1 - c0) * inner
+        buf = bytearray(width * (r1 - r0))
+        view = memoryview(buf)
+        start = self.data_start + begin + r0 * row + c0 * inner
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if width == row or r1 - r0 <= 1:  # whole rows (or one row): one contiguous range
+                got = _read_at(fd, start, view)
+            else:
+                got = sum(
+                    _read_at(fd, start + i * row, view[i * width : (i + 1) * width]) for i in range(r1 - r0)
+                )
+        finally:
+            os.close(fd)
+        if got != len(buf):
             raise ValueError(f"{self.path}: tensor {name!r} is cut short (truncated file); {_REFETCH}")
         if not buf:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+            return torch.empty(box, dtype=dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(box)
+
+
+def _read_at(fd: int, offset: int, view: memoryview) -> int:
+    """Fill ``view`` with the file's bytes from ``offset`` on; returns the bytes read (fewer only at the end of the
+    file). Every tensor read goes through here (tests count the bytes read by wrapping it)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 class SafetensorsWriter:

@@ -1,15 +1,17 @@
 """Streamed HF / released checkpoint -> megatron dist checkpoint (``torch_dist``) of a target parallel layout.
 
-``stream_to_megatron(SRC, OUT, layout)`` reads the source one tensor at a time (FP8 / FP4 weights dequantized to
-fp32 by :func:`~hybrid_model.hf.released.dequantize_stored`, everything else cast to the checkpoint's dtype) and
-appends it, as its box of its checkpoint key, to the file of the rank that owns it
+``stream_to_megatron(SRC, OUT, layout)`` reads the source one piece at a time (a whole tensor, or under ``--tp N``
+only the box of it that the rank holds: :mod:`hybrid_model.hf.source_box`; FP8 / FP4 weights dequantized to fp32,
+everything else cast to the checkpoint's dtype) and appends it, as its box of its checkpoint key, to the file of the
+rank that owns it
 (:mod:`hybrid_model.hf.megatron_plan`, :mod:`hybrid_model.hf.megatron_layout`); ``.metadata`` is written last
 (:mod:`hybrid_model.hf.dist_format`). ``dsv4 train --init-from OUT`` then loads it at that layout reading only
 its own rank's file (and the replicas of its stage), at any other layout through megatron's resharding.
 
-Memory: one rank file is one job; a job holds one source tensor at a time: its stored bytes (+ scale), the fp32
-result and, when it must be cast, one copy: at most ``~12 bytes x elements`` of the largest source tensor
-(fp32 sources: 8), plus the plan (a few hundred bytes per source tensor); ``workers`` jobs run at once.
+Memory: one rank file is one job; a job holds one piece at a time: its stored bytes (+ scale), the fp32 result
+and, when it must be cast, one copy: at most ``~12 bytes x elements`` of the largest piece (a whole source tensor
+unless TP-split; fp32 sources: 8), plus the plan (a few hundred bytes per source tensor); ``workers`` jobs run at
+once.
 
 Safety: everything is written into ``.OUT.partial`` beside ``OUT`` and renamed to ``OUT`` only when complete, so a
 failed or killed run never leaves a loadable half checkpoint. ``.OUT.partial/.dsv4-convert-progress.json``
@@ -35,8 +37,9 @@ from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.hf.dist_format import DistcpWriter, StoredItem, distcp_name, write_metadata
 from hybrid_model.hf.megatron_layout import TargetLayout
 from hybrid_model.hf.megatron_plan import MegatronPlan, RankJob, plan_megatron
-from hybrid_model.hf.released import dequantize_stored
+from hybrid_model.hf.released import logical_shape
 from hybrid_model.hf.safetensors_io import SafetensorsFile
+from hybrid_model.hf.source_box import read_source_box
 from hybrid_model.hf.stream import StreamReport, progress_line
 
 PROGRESS = ".dsv4-convert-progress.json"
@@ -103,8 +106,9 @@ def _run_job(plan: MegatronPlan, job: RankJob, part: Path) -> list[StoredItem]:
             pair = plan.pairs.get(p.src)
             if pair is not None and plan.stored[pair.scale].file not in files:
                 files[plan.stored[pair.scale].file] = SafetensorsFile(plan.stored[pair.scale].file)
-            t = dequantize_stored(files, plan.stored, p.src, pair, plan.quant, p.dtype, device="cpu")
-            w.add_tensor(p.key, p.offset, p.cut(t.to(p.dtype)).contiguous())
+            box = p.source_box(logical_shape(plan.stored[p.src], pair.kind if pair else None))
+            t = read_source_box(files, plan.stored, p.src, pair, plan.quant, box, p.dtype).to(p.dtype)
+            w.add_tensor(p.key, p.offset, (p.cut(t) if box is None else t.reshape(p.shape)).contiguous())
             del t
         for unique_key, data in job.objects:
             w.add_object(unique_key, data)
