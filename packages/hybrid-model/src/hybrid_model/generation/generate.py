@@ -140,25 +140,35 @@ def generate(
     last = torch.cat(decoder.extend(prompts, last_only=True))  # [B, V] prefill
     static = None if decode == "eager" else StaticDecodeStep(decoder, cuda_graph=decode == "graph")
     generator = sampling.generator(last.device)
+    # the ids go to the host every step only where a host decision needs them (EOS, streaming); otherwise the
+    # tokens stay on the device (sampled ids: in range, no check) and are copied once at the end
+    per_step = eos_token_id is not None or on_token is not None
+    kept: list[torch.Tensor] = []  # [B] per step, on the device (not per_step)
     out: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
     for step in range(max_new_tokens):
         chosen_t = next_tokens(last, sampling, generator)  # [B] on the logits' device
-        chosen = chosen_t.tolist()
-        for b, tok in enumerate(chosen):
-            if active[b]:
-                out[b].append(tok)
-                if on_token is not None:
-                    on_token(b, tok)
-                active[b] = tok != eos_token_id
+        if per_step:
+            for b, tok in enumerate(chosen_t.tolist()):
+                if active[b]:
+                    out[b].append(tok)
+                    if on_token is not None:
+                        on_token(b, tok)
+                    active[b] = tok != eos_token_id
+        else:
+            kept.append(chosen_t)
         if step + 1 == max_new_tokens or not any(active):
             break
         if static is not None:  # every sequence fed (a finished one: its logits are unused)
-            last = static(chosen_t)  # [B, V] the step's output buffer
-            continue
-        feed = [[seq[-1]] if alive else [] for seq, alive in zip(out, active)]
-        rows = decoder.extend(feed, last_only=True)
-        last = torch.stack(
-            [r[-1] if len(r) else prev for r, prev in zip(rows, last)]
-        )  # finished rows: unused
+            last = static(chosen_t, ids_checked=True)  # [B, V] the step's output buffer
+        elif all(active):
+            last = decoder.step(chosen_t, ids_checked=True)  # [B, V]
+        else:
+            feed = [[seq[-1]] if alive else [] for seq, alive in zip(out, active)]
+            rows = decoder.extend(feed, last_only=True)
+            last = torch.stack(
+                [r[-1] if len(r) else prev for r, prev in zip(rows, last)]
+            )  # finished rows: unused
+    if kept:
+        out = torch.stack(kept, dim=1).tolist()  # [B, steps]: the one host copy
     return out
