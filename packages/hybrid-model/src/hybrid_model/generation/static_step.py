@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from dsv4_attention.decode import bind_static_decode_step
+from dsv4_attention.decode import StepIndices, bind_static_decode_step
 from hash_moe import token_ids_checked
 from hybrid_model.generation.decoder import CachedDecoder, assert_token_ids
 
@@ -54,10 +54,13 @@ class StaticDecodeStep:
     @torch.no_grad()
     def _forward(self) -> None:
         dec = self.decoder
+        indices = StepIndices(
+            self.lengths, dec.batch_size
+        )  # this step's index tensors, shared by every layer
         with contextlib.ExitStack() as bound:
             bound.enter_context(token_ids_checked())  # checked once per step in __call__ (or sampled ids)
             for layer, cache in zip(dec.layers, dec.caches):
-                bound.enter_context(bind_static_decode_step(layer, cache, self.lengths))
+                bound.enter_context(bind_static_decode_step(layer, cache, self.lengths, lambda: indices))
             logits = dec.model(self.tokens[None], None, None)[0].float()  # [B, V]
         if self.logits is None:
             self.logits = torch.empty_like(logits)
