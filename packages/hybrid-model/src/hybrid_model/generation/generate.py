@@ -3,8 +3,11 @@
 One :class:`~hybrid_model.generation.decoder.CachedDecoder` for the batch: the prompts are prefilled together (a THD
 pack, one document per prompt: no padding, so prompts of any lengths batch exactly), then every step feeds each
 unfinished sequence its last token and picks the next one from the new logits
-(:mod:`~hybrid_model.generation.sampling`). A CLI is a thin wrapper: tokenize, call :func:`generate`, detokenize
-(``on_token`` streams the tokens as they come).
+(:mod:`~hybrid_model.generation.sampling`). The chosen tokens stay on the device (a step of every sequence:
+:meth:`CachedDecoder.step <hybrid_model.generation.decoder.CachedDecoder.step>`, no upload; sampled ids need no range
+check) and reach the host once at the end, or every step where a host decision needs them (``eos_token_id``,
+``on_token``). A CLI is a thin wrapper: tokenize, call :func:`generate`, detokenize (``on_token`` streams the tokens
+as they come).
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def generate(
             give the same tokens.
         eos_token_id: a sequence stops after generating this token (it is included in the output).
         on_token: streaming callback ``on_token(sequence_index, token_id)``, called for every generated token in
-            order (per step: sequence 0 first).
+            order (per step: sequence 0 first). With ``on_token`` or ``eos_token_id`` the chosen tokens come to the
+            host every step; without both they stay on the device and are copied once, at the end.
         decode: how the decode steps run (the prefill is always one eager call): ``"eager"`` (host plans; a
             finished sequence is no longer fed), ``"static"`` (:class:`~hybrid_model.generation.StaticDecodeStep`:
             every sequence fed each step, device-side lengths, no host reads), ``"graph"`` (``"static"`` captured
