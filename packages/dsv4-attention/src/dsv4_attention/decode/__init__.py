@@ -6,7 +6,8 @@
   and the top-k recomputed for every row); :meth:`AttentionCache.extend` returns the layer output of the new rows,
   equal to the training forward (the same modules and csa-kernels ops).
 - :func:`extend_static` (:meth:`AttentionCache.extend_static`): a lockstep decode step with device-side lengths and
-  static shapes (CUDA-graph capturable); :func:`bind_static_decode_step` binds it like :func:`bind_decode_step`.
+  static shapes (CUDA-graph capturable); :func:`bind_static_decode_step` binds it like :func:`bind_decode_step`;
+  :class:`StepIndices`: a decode step's position-derived index tensors, built once per step for every layer.
 - :func:`bind_decode_step`: route a megatron ``DSv4HybridAttention`` through its cache (whole-model decoding:
   ``hybrid_model.generation``).
 - :func:`decode_cache_bytes`: a layer cache's size from the layer sizes; :func:`select_topk`: the top-k tie rule.
@@ -21,6 +22,7 @@ from dsv4_attention.decode.indexer import IndexerCache, select_topk
 from dsv4_attention.decode.plan import ExtendPlan
 from dsv4_attention.decode.sizes import decode_cache_bytes
 from dsv4_attention.decode.static import extend_static
+from dsv4_attention.decode.step_indices import StepIndices
 from dsv4_attention.decode.window import WindowCache
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "CompressorCache",
     "ExtendPlan",
     "IndexerCache",
+    "StepIndices",
     "WindowCache",
     "bind_decode_step",
     "bind_static_decode_step",

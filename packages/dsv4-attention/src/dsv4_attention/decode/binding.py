@@ -16,6 +16,7 @@ import torch
 
 from dsv4_attention.decode.cache import AttentionCache
 from dsv4_attention.decode.plan import ExtendPlan
+from dsv4_attention.decode.step_indices import StepIndices
 
 
 def _check_unbound(layer: torch.nn.Module) -> None:
@@ -71,16 +72,23 @@ def bind_decode_step(
 
 @contextlib.contextmanager
 def bind_static_decode_step(
-    layer: torch.nn.Module, cache: AttentionCache, lengths: torch.Tensor
+    layer: torch.nn.Module,
+    cache: AttentionCache,
+    lengths: torch.Tensor,
+    indices: Callable[[], StepIndices | None] | None = None,
 ) -> Iterator[None]:
     """Inside the block, ``layer``'s forward on ``[B, 1, d]`` (one row per sequence) is the static-shape step
     :meth:`AttentionCache.extend_static` at the device positions ``lengths [B]`` (read when the forward runs, so
-    a captured CUDA graph replays with the values the buffer holds then)."""
+    a captured CUDA graph replays with the values the buffer holds then). ``indices``: returns the current step's
+    :class:`~dsv4_attention.decode.step_indices.StepIndices` of ``lengths``, shared by every layer of the step
+    (read at every forward; ``None``: each layer builds its own)."""
     _check_unbound(layer)
 
     def step(attn: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         dense = bool(getattr(attn, "dense_attention", False))
-        return cache.extend_static(attn, _rows(hidden_states), lengths, dense=dense).unsqueeze(1)  # [B, 1, d]
+        shared = None if indices is None else indices()
+        y = cache.extend_static(attn, _rows(hidden_states), lengths, dense=dense, indices=shared)
+        return y.unsqueeze(1)  # [B, 1, d]
 
     layer.decode_step = step
     try:

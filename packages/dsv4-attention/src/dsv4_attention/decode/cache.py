@@ -46,6 +46,7 @@ from dsv4_attention.decode.indexer import IndexerCache
 from dsv4_attention.decode.plan import ExtendPlan
 from dsv4_attention.decode.prefill import prefill
 from dsv4_attention.decode.static import extend_static
+from dsv4_attention.decode.step_indices import StepIndices
 from dsv4_attention.decode.window import WindowCache
 
 
@@ -167,7 +168,9 @@ class AttentionCache:
         A decode step (at most one row per sequence, no ``undo``, not a fast prefill) runs device-resident: the
         static step's math (:func:`~dsv4_attention.decode.static.extend_static`) on the fed sequences at the
         device lengths (:meth:`device_lengths`), no host sync and no upload (but the plan's row sequences when
-        some sequence is not fed: one per step, shared by every layer)."""
+        some sequence is not fed: one per step, shared by every layer). The step's index tensors (window slots,
+        visible entries, compressor slots: :class:`~dsv4_attention.decode.step_indices.StepIndices`) are built by
+        the step's first layer and shared through the plan by the others."""
         self._check(attn, x, plan)
         self._undo = None
         if fast_prefill and not undo and not any(self.lengths):
@@ -176,12 +179,23 @@ class AttentionCache:
             return y
         if plan.is_decode_step and not undo:
             lengths = self.device_lengths(x.device)  # [B]
-            seq = plan.row_sequences(x.device)  # [R]
             every = plan.num_rows == self.batch
-            pos = lengths if every else lengths[seq]  # [R]
+            seq = None if every else plan.row_sequences(x.device)  # [R]
+
+            def positions(_device) -> StepIndices:  # a copy: this layer advances its lengths in place
+                return StepIndices(lengths.clone() if every else lengths[seq], self.batch, seq)
+
+            indices = plan.shared("step indices", x.device, positions)  # one per step, shared by every layer
             fed = tuple(n for n, k in zip(plan.lengths, plan.counts) if k)  # the rows' positions on the host
             y = extend_static(
-                self, attn, x, pos, dense=dense, sequences=None if every else seq, host_lengths=fed
+                self,
+                attn,
+                x,
+                indices.lengths,
+                dense=dense,
+                sequences=seq,
+                host_lengths=fed,
+                indices=indices,
             )
             if every:
                 lengths.add_(1)
@@ -249,15 +263,22 @@ class AttentionCache:
         self.lengths, self._undo, self._device_lengths = lengths, None, None
 
     def extend_static(
-        self, attn: DSv4Attention, x: torch.Tensor, lengths: torch.Tensor, *, dense: bool = False
+        self,
+        attn: DSv4Attention,
+        x: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        dense: bool = False,
+        indices: StepIndices | None = None,
     ) -> torch.Tensor:
         """One static-shape decode step (:func:`~dsv4_attention.decode.static.extend_static`): one row per
         sequence ``x [B, d]`` at the device positions ``lengths [B]``; returns ``[B, d]``. The host :attr:`lengths`
-        are not read or advanced (the caller keeps them: :meth:`advance`)."""
+        are not read or advanced (the caller keeps them: :meth:`advance`). ``indices``: the step's
+        :class:`~dsv4_attention.decode.step_indices.StepIndices` of ``lengths``, shared by every layer of the step."""
         if attn.kind is not self.kind:
             raise ValueError(f"this cache belongs to a {self.kind.name} layer, got a {attn.kind.name} layer")
         self._undo = None
-        return extend_static(self, attn, x, lengths, dense=dense)
+        return extend_static(self, attn, x, lengths, dense=dense, indices=indices)
 
     def advance(self, lengths: tuple[int, ...]) -> None:
         """Record the host lengths after static steps (the device lengths are the caller's)."""

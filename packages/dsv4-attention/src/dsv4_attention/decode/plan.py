@@ -78,7 +78,9 @@ class ExtendPlan:
     def _host_tensor(values: list[int], device) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    def _memo(self, key: str, device, build) -> torch.Tensor:
+    def shared(self, key: str, device, build):
+        """``build(device)``, built once per ``key`` and device for this plan and shared by every layer of the call
+        (device tensors and index tables derived from the plan)."""
         device = torch.device("cpu") if device is None else torch.device(device)
         out = self._device.get((key, device))
         if out is None:
@@ -94,12 +96,12 @@ class ExtendPlan:
                 return torch.arange(self.batch, device=dev)
             return self._host_tensor([b for b, k in enumerate(self.counts) for _ in range(k)], dev)
 
-        return self._memo("sequences", device, build)
+        return self.shared("sequences", device, build)
 
     def row_positions(self, device=None) -> torch.Tensor:
         """int64 ``[R]``: the position of every new row in its sequence (built once per device: one upload)."""
         rows = zip(self.lengths, self.counts)
-        return self._memo(
+        return self.shared(
             "positions",
             device,
             lambda dev: self._host_tensor([n + i for n, k in rows for i in range(k)], dev),
@@ -108,7 +110,7 @@ class ExtendPlan:
     def row_lengths(self, device=None) -> torch.Tensor:
         """int64 ``[R]``: ``lengths[b]`` of every new row's sequence ``b`` (its first new position; one upload)."""
         rows = zip(self.lengths, self.counts)
-        return self._memo(
+        return self.shared(
             "lengths", device, lambda dev: self._host_tensor([n for n, k in rows for _ in range(k)], dev)
         )
 
@@ -122,4 +124,4 @@ class ExtendPlan:
             ]
             return self._host_tensor(rows, dev)
 
-        return self._memo(f"ring{window}", device, build)
+        return self.shared(f"ring{window}", device, build)

@@ -36,60 +36,28 @@ from dsv4_attention._linears import linear_out
 from dsv4_attention._rope import rope
 from dsv4_attention.compressor import Compressor
 from dsv4_attention.decode.compressed import CompressorCache
+from dsv4_attention.decode.step_indices import CompressSlots, StepIndices
 
-
-def _rows(lengths: torch.Tensor, sequences: torch.Tensor | None) -> torch.Tensor:
-    """int64 ``[R]``: the sequence of every row (``None``: one row per sequence, in order)."""
-    return torch.arange(lengths.shape[0], device=lengths.device) if sequences is None else sequences
-
-
-def static_window_indices(
-    lengths: torch.Tensor, window: int, sequences: torch.Tensor | None = None, batch: int | None = None
-) -> torch.Tensor:
-    """int32 ``[R, W]``: the window slots of each row at position ``lengths[r]`` of sequence ``sequences[r]``
-    (``None``: row ``b`` of sequence ``b``) as rows of the combined key buffer of ``batch`` sequences (default
-    ``R``; module docstring: the step's row ``r`` is key ``B W + r``)."""
-    seq = _rows(lengths, sequences)[:, None]  # [R, 1]
-    r = torch.arange(lengths.shape[0], device=lengths.device)[:, None]  # [R, 1]
-    bsz = lengths.shape[0] if batch is None else batch
-    s = lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)[None, :]  # [R, W] key positions
-    idx = torch.where(s == lengths[:, None], bsz * window + r, seq * window + s.remainder(window))
-    return torch.where(s >= 0, idx, -1).to(torch.int32)
-
-
-def static_visible_entries(
-    lengths: torch.Tensor, ratio: int, capacity: int, sequences: torch.Tensor | None = None
-) -> torch.Tensor:
-    """int64 ``[R, C]``: every entry slot ``b * C + w`` of each row's sequence ``b``, ``-1`` unless ``w < floor((n
-    + 1) / m)`` at the row's position ``n`` (spec §3.4; the static form of
-    :func:`~dsv4_attention.decode.cache.visible_entries`)."""
-    w = torch.arange(capacity, device=lengths.device)[None, :]  # [1, C]
-    rows = _rows(lengths, sequences)[:, None] * capacity + w  # [R, C]
-    return torch.where(w < ((lengths + 1) // ratio)[:, None], rows, -1)
+__all__ = ["compress_static", "extend_static"]
 
 
 def compress_static(
     cache: CompressorCache,
     compressor: Compressor,
     x: torch.Tensor,
-    lengths: torch.Tensor,
+    slots: CompressSlots,
     max_position: int,
     backend: str = "auto",
-    sequences: torch.Tensor | None = None,
     host_lengths: tuple[int, ...] | None = None,
 ) -> None:
-    """Consume one row per sequence ``x [R, d]`` at positions ``lengths [R]`` (of sequences ``sequences [R]``,
-    distinct; ``None``: every sequence in order): hold its projections, emit the entries the step completes (module
-    docstring). Every sequence's held rows are pooled; only the rows' sequences change. ``host_lengths``: the same
-    positions known on the host (an eager step): when no row completes a block, nothing is pooled (``None``: a
-    static step, which always pools and masks)."""
-    m = cache.ratio
-    b = _rows(lengths, sequences)  # [R]
-    block = lengths // m * m
-    start = (block - m).clamp(min=0) if cache.overlap else block
-    slot = lengths - start  # [R]
-    cache.held_kv[b, slot] = linear_out(compressor.linear_wkv, x).to(cache.held_kv.dtype)  # [R, Dk]
-    cache.held_score[b, slot] = linear_out(compressor.linear_wgate, x).to(cache.held_score.dtype)
+    """Consume one row per sequence ``x [R, d]`` (of the distinct sequences ``slots.rows``): hold its projections,
+    emit the entries the step completes (module docstring; ``slots``: :meth:`StepIndices.compress`). Every
+    sequence's held rows are pooled; only the rows' sequences change. ``host_lengths``: the rows' positions known on
+    the host (an eager step): when no row completes a block, nothing is pooled (``None``: a static step, which
+    always pools and masks)."""
+    m, b = cache.ratio, slots.rows
+    cache.held_kv[b, slots.slot] = linear_out(compressor.linear_wkv, x).to(cache.held_kv.dtype)  # [R, Dk]
+    cache.held_score[b, slots.slot] = linear_out(compressor.linear_wgate, x).to(cache.held_score.dtype)
     if host_lengths is not None and not any((n + 1) % m == 0 for n in host_lengths):
         return  # no block completes (host knowledge: no host read)
     doc = compressor_pool_sbhd(
@@ -100,21 +68,17 @@ def compress_static(
         cache.overlap,
         backend=backend,
     )  # [H / m, B, c] fp32
-    if sequences is not None:
+    if slots.subset:
         doc = doc[:, b]  # [H / m, R, c]
-    w = (lengths + 1) // m - 1  # [R] the entry a completing step emits
-    complete = (lengths + 1) % m == 0  # [R]
-    pooled = torch.where((w == 0)[:, None], doc[0], doc[-1]) if cache.overlap else doc[0]  # [R, c]
-    entry = w.clamp(min=0)
-    out = rope(compressor.norm(pooled), entry * m, compressor.rope_cfg, max_position=max_position)  # at w * m
+    pooled = torch.where(slots.first, doc[0], doc[-1]) if cache.overlap else doc[0]  # [R, c]
+    out = rope(compressor.norm(pooled), slots.entry_position, compressor.rope_cfg, max_position=max_position)
     if cache.capacity:  # (no block completes within a capacity of 0 entries)
-        current = cache.entries[b, entry]  # [R, c]
-        cache.entries[b, entry] = torch.where(complete[:, None], out.to(cache.entries.dtype), current)
+        current = cache.entries[b, slots.entry]  # [R, c]
+        cache.entries[b, slots.entry] = torch.where(slots.complete, out.to(cache.entries.dtype), current)
     if cache.overlap:  # the completed block becomes the held previous block
-        shift = (complete & (w >= 1))[:, None, None]  # [R, 1, 1]
         for held in (cache.held_kv, cache.held_score):
             rows = held[b]  # [R, H, Dk]
-            held[b, :m] = torch.where(shift, rows[:, m:], rows[:, :m])
+            held[b, :m] = torch.where(slots.shift, rows[:, m:], rows[:, :m])
 
 
 @torch.no_grad()
@@ -127,12 +91,15 @@ def extend_static(
     dense: bool = False,
     sequences: torch.Tensor | None = None,
     host_lengths: tuple[int, ...] | None = None,
+    indices: StepIndices | None = None,
 ) -> torch.Tensor:
     """The layer output ``[R, d]`` of one new row per sequence ``x [R, d]`` at positions ``lengths [R]`` (device
     int64; the caller advances them after the step). ``cache``: the layer's
     :class:`~dsv4_attention.decode.cache.AttentionCache`; ``dense``: CSA's dense phase. ``sequences``: device int64
     ``[R]``, the distinct sequences of the rows (a subset: the others are not fed); ``None``: all ``B`` in order.
-    ``host_lengths``: ``lengths`` as host ints when the caller knows them (:func:`compress_static`)."""
+    ``host_lengths``: ``lengths`` as host ints when the caller knows them (:func:`compress_static`). ``indices``: the
+    step's :class:`~dsv4_attention.decode.step_indices.StepIndices` of these ``lengths`` / ``sequences``, shared by
+    every layer of the step (``None``: built for this layer alone)."""
     core = attn.core_attention
     bsz, ring = cache.batch, cache.window
     rows = bsz if sequences is None else sequences.shape[0]
@@ -141,38 +108,34 @@ def extend_static(
             f"a static decode step takes one row per sequence: x [{rows}, d] and lengths [{rows}] (at most "
             f"{bsz} rows), got {tuple(x.shape)} and {tuple(lengths.shape)}"
         )
+    if indices is None:
+        indices = StepIndices(lengths, bsz, sequences)
     max_position = cache.max_length - 1
     q_lat = attn.q_layernorm(linear_out(attn.linear_q_down_proj, x))  # [R, d_c]
     q, kv = attn.project_qkv(x, q_lat, lengths, max_position)  # [R, n_h, c], [R, c]
     offset = bsz * ring.window
     cache.keys[offset : offset + rows] = kv.to(cache.keys.dtype)  # this step's rows
-    idx = static_window_indices(lengths, ring.window, sequences, bsz)  # [R, W]
-    if cache.compressed is not None:
-        compress_static(
-            cache.compressed, core.compressor, x, lengths, max_position, core.backend, sequences, host_lengths
-        )
-        comp = static_visible_entries(
-            lengths, cache.compressed.ratio, cache.compressed.capacity, sequences
-        )  # [R, C]
+    comp = cache.compressed
+    if comp is None:
+        idx = indices.window(ring.window)  # [R, W]
+    else:
+        slots = indices.compress(comp.ratio, comp.overlap)
+        compress_static(comp, core.compressor, x, slots, max_position, core.backend, host_lengths)
         if cache.indexer is not None:
-            compress_static(
-                cache.indexer.keys,
-                core.indexer.compressor,
-                x,
-                lengths,
-                max_position,
-                core.backend,
-                sequences,
-                host_lengths,
-            )
-            if not dense:
-                comp = cache.indexer.select(
-                    core.indexer, x, q_lat, max_position, lengths, comp, core.backend
-                )  # [B, k]
-        idx = attention_indices(idx, comp, offset + bsz)
+            keys = cache.indexer.keys
+            slots = indices.compress(keys.ratio, keys.overlap)
+            compress_static(keys, core.indexer.compressor, x, slots, max_position, core.backend, host_lengths)
+        if cache.indexer is None or dense:
+            idx = indices.attention(ring.window, comp.ratio, comp.capacity)  # [R, W + C]
+        else:
+            visible = indices.visible(comp.ratio, comp.capacity)  # [R, C]
+            top = cache.indexer.select(
+                core.indexer, x, q_lat, max_position, lengths, visible, core.backend
+            )  # [R, k]
+            idx = attention_indices(indices.window(ring.window), top, offset + bsz)
     o, _ = sparse_attn(
         q, cache.keys, core.attn_sink, idx, core.softmax_scale, backend=core.backend, check_indices=False
     )  # [R, n_h, c]
     y = attn.project_output(o, lengths, max_position)  # [R, d]
-    ring.kv[_rows(lengths, sequences), lengths.remainder(ring.window)] = kv.to(ring.kv.dtype)
+    ring.kv[indices.rows, lengths.remainder(ring.window)] = kv.to(ring.kv.dtype)
     return y

@@ -13,7 +13,10 @@ model's own forward on the new tokens only, as a THD pack with one document per 
 
 Everything but attention is per token, so the logits of the new rows equal the training forward's logits of the
 whole sequences at those positions (fp32: within 1e-5 relative; ``tests/test_generation.py``). Prefill is the first
-call (the prompts), a decode step a call of one token per unfinished sequence. MTP depths are not run here
+call (the prompts), a decode step a call of one token per unfinished sequence. :meth:`CachedDecoder.step` is the
+decode step of every sequence with the ids already on the device (``generate``'s sampled tokens: no host copy, no
+upload). The ids are range-checked once per call (``extend``: on the host; ``step``: asynchronously on the device,
+or not at all for sampled ids), never per hash layer (``hash_moe.token_ids_checked``). MTP depths are not run here
 (:class:`~hybrid_model.generation.mtp_draft.MTPDrafter` runs depth 1 for speculative decoding).
 
 Speculative decoding verifies drafted tokens in one call with ``extend(..., undo=True)`` and drops the rejected
@@ -121,23 +124,12 @@ class CachedDecoder:
             raise ValueError(
                 "extend(streams=True) needs a model with MTP depths (its decoder returns the streams)"
             )
-        self._plan, self._broken = plan, True
-        was_training = self.model.training
         kept: list[torch.Tensor] = []
-        with contextlib.ExitStack() as bound:
-            bound.enter_context(token_ids_checked())  # (checked above: no host sync per hash layer)
-            for layer, cache in zip(self.layers, self.caches):
-                bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan, undo=undo))
-            if streams:
-                bound.enter_context(_decoder_streams(self.model, kept))
-            if last_only and not plan.is_decode_step:  # (a decode step's rows are all last rows)
-                ends = [end - 1 for count, end in zip(plan.counts, plan.row_starts[1:]) if count]
-                bound.enter_context(_head_rows(self.model, torch.tensor(ends, device=device)))
-            self.model.eval()
-            try:
-                logits = self.model(ids, None, None, packed_seq_params=psp)[0].float()  # [R, V]
-            finally:
-                self.model.train(was_training)
+        head = None  # the head's rows (a decode step's rows are all last rows)
+        if last_only and not plan.is_decode_step:
+            ends = [end - 1 for count, end in zip(plan.counts, plan.row_starts[1:]) if count]
+            head = torch.tensor(ends, device=device)
+        logits = self._forward(plan, ids, psp, undo=undo, head_rows=head, kept=kept if streams else None)
         self.lengths, self._broken = plan.new_lengths, False
         if last_only:
             rows = iter(logits)
@@ -149,6 +141,63 @@ class CachedDecoder:
         x = kept[0][:, 0]  # [R, n, d]
         return out, [x[a:b] for a, b in zip(plan.row_starts, plan.row_starts[1:])]
 
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, *, ids_checked: bool = False) -> torch.Tensor:
+        """One decode step feeding every sequence one token, ``tokens [B]`` a device tensor (no host copy of the
+        ids): the logits ``[B, V]`` (fp32) of the new positions, equal to ``extend([[t] for t in tokens],
+        last_only=True)``. ``ids_checked``: the ids are known to lie in the vocabulary (sampled over it), so no
+        range check runs; otherwise one asynchronous device-side check (no host sync; a bad id fails the device)."""
+        if self._broken:
+            raise ValueError(
+                "an earlier extend() failed part-way; the caches are inconsistent: make a new CachedDecoder"
+            )
+        if tokens.shape != (self.batch_size,) or tokens.dtype.is_floating_point:
+            raise ValueError(
+                f"step takes one integer token id per sequence [{self.batch_size}], got {tokens.dtype} "
+                f"{tuple(tokens.shape)}"
+            )
+        plan = ExtendPlan(self.lengths, (1,) * self.batch_size)
+        if max(plan.new_lengths) > self.max_length:
+            raise ValueError(
+                f"a sequence would hold {max(plan.new_lengths)} tokens, more than this decoder's "
+                f"max_length={self.max_length}"
+            )
+        ids = tokens.to(device=next(self.model.parameters()).device, dtype=torch.long)[None]  # [1, B]
+        if not ids_checked:
+            assert_token_ids(ids, self.model.model_config.vocab_size)
+        logits = self._forward(plan, ids, None)  # [B, V]
+        self.lengths, self._broken = plan.new_lengths, False
+        return logits
+
+    def _forward(
+        self,
+        plan: ExtendPlan,
+        ids: torch.Tensor,
+        psp: PackedSeqParams | None,
+        *,
+        undo: bool = False,
+        head_rows: torch.Tensor | None = None,
+        kept: list | None = None,
+    ) -> torch.Tensor:
+        """The model's logits ``[R, V]`` (fp32; ``head_rows``: of those hidden rows only) of ``ids [1, R]``, every
+        attention layer extending its cache by ``plan`` (the ids are checked already: no host read per hash layer).
+        ``kept``: the main decoder's output streams are appended to it."""
+        self._plan, self._broken = plan, True
+        was_training = self.model.training
+        with contextlib.ExitStack() as bound:
+            bound.enter_context(token_ids_checked())
+            for layer, cache in zip(self.layers, self.caches):
+                bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan, undo=undo))
+            if kept is not None:
+                bound.enter_context(_decoder_streams(self.model, kept))
+            if head_rows is not None:
+                bound.enter_context(_head_rows(self.model, head_rows))
+            self.model.eval()
+            try:
+                return self.model(ids, None, None, packed_seq_params=psp)[0].float()  # [R, V]
+            finally:
+                self.model.train(was_training)
+
     def rollback(self, lengths: Sequence[int]) -> None:
         """Drop the newest rows of the last :meth:`extend`, made with ``undo=True``: sequence ``b`` keeps
         ``lengths[b]`` tokens (between its lengths before and after that call), exactly as if that call had
@@ -157,6 +206,12 @@ class CachedDecoder:
         for cache in self.caches:
             cache.rollback(lengths)  # checks the lengths against the call (the first cache refuses bad ones)
         self.lengths = lengths
+
+
+def assert_token_ids(ids: torch.Tensor, vocab: int) -> None:
+    """``0 <= id < vocab`` for every id of the device tensor ``ids``, asserted on the device (no host sync: a bad id
+    fails the device asynchronously; on CPU at once)."""
+    torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"token ids must lie in [0, vocab_size={vocab})")
 
 
 @contextlib.contextmanager

@@ -3,8 +3,11 @@
 One :class:`~hybrid_model.generation.decoder.CachedDecoder` for the batch: the prompts are prefilled together (a THD
 pack, one document per prompt: no padding, so prompts of any lengths batch exactly), then every step feeds each
 unfinished sequence its last token and picks the next one from the new logits
-(:mod:`~hybrid_model.generation.sampling`). A CLI is a thin wrapper: tokenize, call :func:`generate`, detokenize
-(``on_token`` streams the tokens as they come).
+(:mod:`~hybrid_model.generation.sampling`). The chosen tokens stay on the device (a step of every sequence:
+:meth:`CachedDecoder.step <hybrid_model.generation.decoder.CachedDecoder.step>`, no upload; sampled ids need no range
+check) and reach the host once at the end, or every step where a host decision needs them (``eos_token_id``,
+``on_token``). A CLI is a thin wrapper: tokenize, call :func:`generate`, detokenize (``on_token`` streams the tokens
+as they come).
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def generate(
             give the same tokens.
         eos_token_id: a sequence stops after generating this token (it is included in the output).
         on_token: streaming callback ``on_token(sequence_index, token_id)``, called for every generated token in
-            order (per step: sequence 0 first).
+            order (per step: sequence 0 first). With ``on_token`` or ``eos_token_id`` the chosen tokens come to the
+            host every step; without both they stay on the device and are copied once, at the end.
         decode: how the decode steps run (the prefill is always one eager call): ``"eager"`` (host plans; a
             finished sequence is no longer fed), ``"static"`` (:class:`~hybrid_model.generation.StaticDecodeStep`:
             every sequence fed each step, device-side lengths, no host reads), ``"graph"`` (``"static"`` captured
@@ -140,25 +144,35 @@ def generate(
     last = torch.cat(decoder.extend(prompts, last_only=True))  # [B, V] prefill
     static = None if decode == "eager" else StaticDecodeStep(decoder, cuda_graph=decode == "graph")
     generator = sampling.generator(last.device)
+    # the ids go to the host every step only where a host decision needs them (EOS, streaming); otherwise the
+    # tokens stay on the device (sampled ids: in range, no check) and are copied once at the end
+    per_step = eos_token_id is not None or on_token is not None
+    kept: list[torch.Tensor] = []  # [B] per step, on the device (not per_step)
     out: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
     for step in range(max_new_tokens):
         chosen_t = next_tokens(last, sampling, generator)  # [B] on the logits' device
-        chosen = chosen_t.tolist()
-        for b, tok in enumerate(chosen):
-            if active[b]:
-                out[b].append(tok)
-                if on_token is not None:
-                    on_token(b, tok)
-                active[b] = tok != eos_token_id
+        if per_step:
+            for b, tok in enumerate(chosen_t.tolist()):
+                if active[b]:
+                    out[b].append(tok)
+                    if on_token is not None:
+                        on_token(b, tok)
+                    active[b] = tok != eos_token_id
+        else:
+            kept.append(chosen_t)
         if step + 1 == max_new_tokens or not any(active):
             break
         if static is not None:  # every sequence fed (a finished one: its logits are unused)
-            last = static(chosen_t)  # [B, V] the step's output buffer
-            continue
-        feed = [[seq[-1]] if alive else [] for seq, alive in zip(out, active)]
-        rows = decoder.extend(feed, last_only=True)
-        last = torch.stack(
-            [r[-1] if len(r) else prev for r, prev in zip(rows, last)]
-        )  # finished rows: unused
+            last = static(chosen_t, ids_checked=True)  # [B, V] the step's output buffer
+        elif all(active):
+            last = decoder.step(chosen_t, ids_checked=True)  # [B, V]
+        else:
+            feed = [[seq[-1]] if alive else [] for seq, alive in zip(out, active)]
+            rows = decoder.extend(feed, last_only=True)
+            last = torch.stack(
+                [r[-1] if len(r) else prev for r, prev in zip(rows, last)]
+            )  # finished rows: unused
+    if kept:
+        out = torch.stack(kept, dim=1).tolist()  # [B, steps]: the one host copy
     return out

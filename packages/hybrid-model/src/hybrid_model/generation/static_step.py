@@ -13,6 +13,8 @@ The model sees ``[1, B]`` as one sequence of ``B`` tokens, but nothing outside a
 is the cache's. ``cuda_graph=True`` (CUDA only) runs one eager warm-up step on a side stream, then captures the next
 step in a ``torch.cuda.CUDAGraph`` and replays it for every later step (each replay reads the token and length
 buffers and advances the lengths itself). Sequences that stopped (EOS) keep being fed; their tokens are ignored.
+The hash layers do not range-check the ids (``hash_moe.token_ids_checked``: no host read per layer); a call checks
+them once on the device, or not at all for sampled ids (``ids_checked=True``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import contextlib
 
 import torch
 
-from dsv4_attention.decode import bind_static_decode_step
-from hybrid_model.generation.decoder import CachedDecoder
+from dsv4_attention.decode import StepIndices, bind_static_decode_step
+from hash_moe import token_ids_checked
+from hybrid_model.generation.decoder import CachedDecoder, assert_token_ids
 
 
 class StaticDecodeStep:
@@ -51,9 +54,13 @@ class StaticDecodeStep:
     @torch.no_grad()
     def _forward(self) -> None:
         dec = self.decoder
+        indices = StepIndices(
+            self.lengths, dec.batch_size
+        )  # this step's index tensors, shared by every layer
         with contextlib.ExitStack() as bound:
+            bound.enter_context(token_ids_checked())  # checked once per step in __call__ (or sampled ids)
             for layer, cache in zip(dec.layers, dec.caches):
-                bound.enter_context(bind_static_decode_step(layer, cache, self.lengths))
+                bound.enter_context(bind_static_decode_step(layer, cache, self.lengths, lambda: indices))
             logits = dec.model(self.tokens[None], None, None)[0].float()  # [B, V]
         if self.logits is None:
             self.logits = torch.empty_like(logits)
@@ -71,9 +78,11 @@ class StaticDecodeStep:
             self._forward()
         self._graph = graph
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, *, ids_checked: bool = False) -> torch.Tensor:
         """Append ``tokens [B]`` (one per sequence) and return the logits ``[B, V]`` of the new positions (a buffer
-        the next step overwrites: copy it to keep it)."""
+        the next step overwrites: copy it to keep it). ``ids_checked``: the ids are known to lie in the vocabulary
+        (sampled over it), no range check; otherwise one asynchronous device-side check per step (no host sync;
+        outside the CUDA graph), not one per hash layer."""
         dec = self.decoder
         if tokens.shape != self.tokens.shape:
             raise ValueError(
@@ -89,6 +98,8 @@ class StaticDecodeStep:
         model.eval()
         try:
             self.tokens.copy_(tokens)
+            if not ids_checked:
+                assert_token_ids(self.tokens, model.model_config.vocab_size)
             if not self.cuda_graph:
                 self._forward()
             elif self._graph is None:
