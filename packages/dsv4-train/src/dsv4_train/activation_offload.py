@@ -39,16 +39,20 @@ class ActivationOffload:
     Args:
         modules: the model chunks whose parameters must stay where they are (never copied).
         min_bytes: smaller saved tensors stay on the device (the copies' fixed cost outweighs them).
+        device_type: the device whose tensors move (``"cuda"``; the host buffers are pinned). ``"cpu"`` copies
+            CPU tensors into fresh host buffers the same way: the hooks' path through a model and megatron's
+            recompute, testable on a machine without CUDA (it saves no memory).
     """
 
-    def __init__(self, modules, *, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, modules, *, min_bytes: int = 1 << 20, device_type: str = "cuda") -> None:
         self.min_bytes = min_bytes
+        self.device_type = device_type
         self._parameters = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
         self.offloaded_bytes = 0  # since construction: what the pack hook copied to the host
 
     def _moves(self, t: torch.Tensor) -> bool:
         return (
-            t.is_cuda
+            t.device.type == self.device_type
             and t.is_contiguous()
             and t.numel() * t.element_size() >= self.min_bytes
             and t.untyped_storage().data_ptr() not in self._parameters
@@ -57,7 +61,7 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor):
         if not self._moves(t):
             return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device_type == "cuda")
         host.copy_(t, non_blocking=True)
         self.offloaded_bytes += t.numel() * t.element_size()
         return _OnHost(host, t.device)

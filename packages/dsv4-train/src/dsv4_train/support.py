@@ -350,9 +350,10 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(
         ("activation_offload", "recompute"),
         "supported",
-        "full recompute with the checkpointed layer inputs on the host: losses and gradient norms bitwise those "
-        "of the run that keeps them on the device, from the CLI (GPU)",
-        "tests/test_activation_offload_gpu.py::test_offloaded_run_equals_device_run_bitwise",
+        "full recompute with what the forward saves moved through the hooks: losses and gradient norms bitwise "
+        "those without them (CPU, CPU tensors copied the same way; the CUDA run from the CLI, "
+        "test_activation_offload_gpu.py, has not run on a GPU yet)",
+        "tests/test_activation_offload.py::test_full_recompute_steps_through_the_hooks_equal_the_plain_steps",
     ),
     Relation(
         ("offload", "dp"),
