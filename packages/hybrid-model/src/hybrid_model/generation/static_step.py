@@ -54,9 +54,8 @@ class StaticDecodeStep:
     @torch.no_grad()
     def _forward(self) -> None:
         dec = self.decoder
-        indices = StepIndices(
-            self.lengths, dec.batch_size
-        )  # this step's index tensors, shared by every layer
+        # this step's index tensors, shared by every layer
+        indices = StepIndices(self.lengths, dec.batch_size)
         with contextlib.ExitStack() as bound:
             bound.enter_context(token_ids_checked())  # checked once per step in __call__ (or sampled ids)
             for layer, cache in zip(dec.layers, dec.caches):

@@ -101,8 +101,7 @@ class SafetensorsFile:
 
     def read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` (a fresh CPU tensor)."""
-        _, shape, _, _ = self.entries[name]
-        return self.read_box(name, (0, shape[0]) if shape else None)
+        return self.read_box(name, None)
 
     def read_box(
         self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None = None
