@@ -5,7 +5,7 @@ flash-smoke at growing sequence lengths, for each activation-recompute setting (
 Per setting (:data:`SETTINGS`, most informative first: full recompute with the optimizer CPU offload at F = 1 and
 0.5, then full / selective / no recompute) one fresh process builds the model and megatron's distributed optimizer
 through ``dsv4 train``'s own setup (bf16, fused AdamW or the offload, gradient clipping), then runs
-:class:`StepRunner` steps on one random ``[1, S]`` sequence per point. Offload settings: S = 64K first, then longer
+:class:`StepRunner` steps on one random ``[1, S]`` sequence per point. Offload settings (optimizer or activations to the host): S = 64K first, then longer
 (96K, 128K, ...) until the first out-of-memory, then 4K / 16K / 32K; the others: S = 4K, 16K, 32K, 64K, then longer
 until the first out-of-memory, then one bisection probe between the last fitting length and the first OOM. Every
 point: one warm-up step, ``iters`` timed steps; tokens/s, ms per step, the optimizer step alone (``optimizer_ms``,
@@ -46,6 +46,8 @@ SETTINGS: dict[str, dict] = {
     "offload-full-act": dict(
         FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, offload_activations=True
     ),
+    # the checkpointed layer inputs on the host, the optimizer on the GPU (64K without optimizer offload)
+    "full-act": dict(FULL, offload_activations=True),
     "offload-half-full": dict(FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
     "full": dict(FULL),
     "selective": dict(LONG_CONTEXT_SELECTIVE),
@@ -210,10 +212,15 @@ def _next_lengths(seq_lens, max_seq_len: int):
     yield from _longer(max(seq_lens), max_seq_len)
 
 
+def offloads_to_host(setting: str) -> bool:
+    """Whether ``setting`` moves the optimizer state or the checkpointed activations to the host."""
+    return bool(SETTINGS[setting].get("optimizer_cpu_offload") or SETTINGS[setting].get("offload_activations"))
+
+
 def _plan(setting: str, seq_lens, max_seq_len: int, target: int | None) -> tuple[list[int], list[int]]:
     """(growing lengths, run until the first OOM; shorter lengths, run afterwards). Offload settings start at
-    ``target`` (the most informative point first); the others grow from the shortest."""
-    if target is None or not SETTINGS[setting].get("optimizer_cpu_offload") or target > max_seq_len:
+    ``target`` (the most informative point first; activation offload too); the others grow from the shortest."""
+    if target is None or not offloads_to_host(setting) or target > max_seq_len:
         return list(_next_lengths(seq_lens, max_seq_len)), []
     return [target, *_longer(target, max_seq_len)], [s for s in seq_lens if s < target]
 
@@ -225,8 +232,8 @@ def child_main(setting: str, iters: int, deadline: float, max_seq_len: int, pres
     seq_lens = SEQ_LENS if not smoke else (64, 256)
     if smoke:  # the CPU smoke run: the listed lengths only
         max_seq_len = max(seq_lens)
-    if SETTINGS[setting].get("optimizer_cpu_offload") and not torch.cuda.is_available():
-        print(f"LONG_CONTEXT {json.dumps({'setting': setting, 'skipped': 'optimizer offload needs CUDA'})}")
+    if offloads_to_host(setting) and not torch.cuda.is_available():
+        print(f"LONG_CONTEXT {json.dumps({'setting': setting, 'skipped': 'host offload needs CUDA'})}")
         return
     t0 = time.time()
     run = _Run(setting, preset)

@@ -2,7 +2,8 @@
 stream it back to bf16, convert it to a megatron checkpoint, at TP 1 and ``--tp 2`` (a ``--tp`` the model cannot
 split refused in one line); ``dsv4 train --init-from`` the ``--tp 2`` conversion at ``--tp 2`` (torchrun, gloo)
 starts like one process from the TP 1 conversion (the trainer loading a conversion at another TP size, both ways,
-is ``test_convert_layouts.py``'s ``tp2`` layout: bitwise the TP 2 trainer's weights from either).
+is ``test_convert_layouts.py``'s ``tp2`` layout: bitwise the TP 2 trainer's weights from either); one process
+``dsv4 train --init-from`` the ``--tp 2`` conversion trains bit for bit as from the TP 1 conversion.
 
 Bound (fp32): the TP 2 step differs from one process only in the summation order of the row-parallel products, the
 vocab-parallel softmax statistics and the replicated gradients' TP all-reduce (``tests/test_train_tensor_parallel.py``
@@ -67,6 +68,11 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
     args = [*_TRAIN, "--no-bf16"]
     one = train_metrics(ONE_PROCESS, tmp_path / "one", *args, "--init-from", str(meg))[0]
     tp2 = train_metrics(torchrun(2), tmp_path / "tp2", *args, "--tp", "2", "--init-from", str(meg2))[0]
+    # the --tp 2 conversion loaded by one process (megatron reassembles the TP shards): the same weights as the TP 1
+    # conversion, so the same step bit for bit (two runs of this test on this machine)
+    one_from_tp2 = train_metrics(ONE_PROCESS, tmp_path / "one_tp2", *args, "--init-from", str(meg2))[0]
+    for key in ("lm_loss", "mtp_loss", "grad_norm"):
+        assert one_from_tp2[key] == one[key], (key, one_from_tp2[key], one[key])
     assert one["step"] == tp2["step"] == 1
     for key in ("lm_loss", "mtp_loss", "grad_norm"):
         assert tp2[key] == pytest.approx(one[key], rel=2e-5), (key, tp2[key], one[key])
