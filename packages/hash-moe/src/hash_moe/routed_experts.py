@@ -235,6 +235,7 @@ def routed_swiglu_experts(
             BLOCK_K=_BLOCK_K,
             IEEE=x.dtype == torch.float32 or _interpreting(),
             UPCAST=_interpreting() and x.dtype != torch.float32,
+            ROUND_BF16_BY_BITS=_interpreting() and x.dtype == torch.bfloat16,
             HAS_LIMIT=limit is not None,
             HAS_PROBS=probs is not None,
             num_warps=_NUM_WARPS,

@@ -16,7 +16,8 @@ _routed_gate_up_kernel:   a = round(Σ_k x[r, k] · gate_up[e, n, k]),  b = roun
 before its SwiGLU), so the fused gate-up kernel makes the same roundings as
 :func:`hash_moe.experts.grouped_swiglu_experts`. fp32 operands multiply in IEEE fp32 (no TF32). ``UPCAST`` (the
 interpreter, whose bf16 / fp16 ``tl.dot`` is wrong) multiplies bf16 / fp16 tiles in fp32 (IEEE): exact products,
-as the GPU's tensor cores.
+as the GPU's tensor cores; its fp32 -> bf16 cast truncates, so there
+(``ROUND_BF16_BY_BITS``) the fc1 rounding is done on the bits (nearest, ties to even).
 
 Shape legend: ``M`` rows, ``G`` experts, ``S`` expert slots, ``K`` input width, ``N`` output width, ``F`` expert width.
 """
@@ -25,6 +26,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _round_bf16_rne(v):
+    """fp32 -> the nearest bf16 (ties to even), as fp32: the interpreter's cast truncates instead (finite ``v``)."""
+    u = v.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,6 +105,7 @@ def _routed_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROUND_BF16_BY_BITS: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     HAS_PROBS: tl.constexpr,
 ):
@@ -130,8 +140,12 @@ def _routed_gate_up_kernel(
                 acc_a += tl.dot(xt, tl.trans(wa))
                 acc_b += tl.dot(xt, tl.trans(wb))
         # the grouped path stores x @ gate_up.T in the input dtype before its SwiGLU: same rounding here
-        a = acc_a.to(x_ptr.dtype.element_ty).to(tl.float32)
-        b = acc_b.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if ROUND_BF16_BY_BITS:
+            a = _round_bf16_rne(acc_a)
+            b = _round_bf16_rne(acc_b)
+        else:
+            a = acc_a.to(x_ptr.dtype.element_ty).to(tl.float32)
+            b = acc_b.to(x_ptr.dtype.element_ty).to(tl.float32)
         if HAS_LIMIT:
             a = tl.minimum(a, limit, propagate_nan=tl.PropagateNan.ALL)
             b = tl.maximum(b, -limit, propagate_nan=tl.PropagateNan.ALL)
