@@ -105,6 +105,8 @@ def _expert_slots(counts: torch.Tensor, m: int, device: torch.device) -> tuple[t
 
 def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     if isinstance(tokens_per_expert, torch.Tensor):
+        if tokens_per_expert.device.type == "cpu" and device.type != "cpu":  # host counts: an upload, no sync
+            return tokens_per_expert.to(device, non_blocking=True)
         return tokens_per_expert
     return torch.tensor(list(tokens_per_expert), dtype=torch.int64).to(device, non_blocking=True)
 
