@@ -99,8 +99,15 @@ def _expert_slots(counts: torch.Tensor, m: int, device: torch.device) -> tuple[t
         )
     counts = counts.to(torch.int32)
     starts = counts.cumsum(0, dtype=torch.int32) - counts  # [G]
-    empty_last = torch.argsort((counts == 0).to(torch.int32), stable=True)  # [G]
-    return empty_last[: min(m, counts.shape[0])].to(torch.int32), starts, counts
+    active = counts > 0  # [G]
+    n_active = active.sum(dtype=torch.int32)
+    # each expert's slot: the active ones in order, then the empty ones (a stable partition: cumsums, one scatter)
+    slot = torch.where(
+        active, active.cumsum(0, dtype=torch.int32) - 1, n_active + (~active).cumsum(0, dtype=torch.int32) - 1
+    )  # [G]
+    experts = torch.arange(counts.shape[0], device=device, dtype=torch.int32)
+    slot_expert = torch.empty_like(experts).scatter_(0, slot.long(), experts)  # [G]
+    return slot_expert[: min(m, counts.shape[0])], starts, counts
 
 
 def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
