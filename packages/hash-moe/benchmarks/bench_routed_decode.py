@@ -42,7 +42,9 @@ HIDDEN, FFN, EXPERTS, TOPK, LIMIT = 4096, 2048, 16, 6, 10.0
 def make_layer(args, seed: int = 0):
     """bf16 ``gate_up [G, 2F, H]`` and ``down [G, H, F]`` (std 1/sqrt of the input width)."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    gate_up = (torch.randn(args.experts, 2 * args.ffn, args.hidden, device=DEVICE, generator=g) / args.hidden**0.5)
+    gate_up = (
+        torch.randn(args.experts, 2 * args.ffn, args.hidden, device=DEVICE, generator=g) / args.hidden**0.5
+    )
     down = torch.randn(args.experts, args.hidden, args.ffn, device=DEVICE, generator=g) / args.ffn**0.5
     return gate_up.bfloat16(), down.bfloat16()
 
@@ -90,7 +92,13 @@ def correctness(tokens: int, layer, args) -> dict:
     err = {name: max_err(out, ref) for name, out in got.items()}
     atol = 1e-2 * ref.abs().max().item()
     ok = err["routed"] <= 2 * err["grouped"] + atol
-    return {"tokens": tokens, "routed_err": err["routed"], "grouped_err": err["grouped"], "atol": atol, "ok": ok}
+    return {
+        "tokens": tokens,
+        "routed_err": err["routed"],
+        "grouped_err": err["grouped"],
+        "atol": atol,
+        "ok": ok,
+    }
 
 
 def timed(fn, graphed: bool, args) -> tuple[float, int]:
@@ -188,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             f"({'ok' if c['ok'] else 'FAILED'})",
             flush=True,
         )
-    print(f"\n| tokens | rows | mode | path | active experts | ms | GB/s of needed weights | % of "
-          f"{hbm / 1e12:.2f} TB/s | routed speed-up |")
+    print(
+        f"\n| tokens | rows | mode | path | active experts | ms | GB/s of needed weights | % of "
+        f"{hbm / 1e12:.2f} TB/s | routed speed-up |"
+    )
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     grouped_ms: dict[tuple, float] = {}
 

@@ -307,9 +307,7 @@ def test_layer_bf16_decode_takes_routed_kernels_on_gpu(megatron_cpu, tokens):
     x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16)
     ids = torch.randint(0, VOCAB, (tokens, 1))
     calls = []
-    layer.experts.register_forward_pre_hook(
-        lambda m, inp: calls.append(m._takes_routed_path(inp[0]))
-    )
+    layer.experts.register_forward_pre_hook(lambda m, inp: calls.append(m._takes_routed_path(inp[0])))
     with torch.no_grad():
         out, _ = layer(x.cuda(), input_ids=ids.cuda())
         layer.experts.routed_max_rows = 0

@@ -52,9 +52,7 @@ def test_routed_swiglu_experts_match_grouped_reference(counts, limit, dtype):
     gate_up = _poison_empty_experts((torch.randn(g, 2 * ffn, hidden, device=DEV) * 0.4).to(dtype), counts)
     down = _poison_empty_experts((torch.randn(g, hidden, ffn, device=DEV) * 0.4).to(dtype), counts)
     probs = (torch.rand(m + filler, device=DEV) + 0.25).to(dtype)
-    out = routed_swiglu_experts(
-        x, torch.tensor(counts, device=DEV), gate_up, down, limit=limit, probs=probs
-    )
+    out = routed_swiglu_experts(x, torch.tensor(counts, device=DEV), gate_up, down, limit=limit, probs=probs)
     assert out.dtype == dtype and out.shape == (m + filler, hidden)
 
     def ref(dt):
@@ -81,7 +79,9 @@ def test_host_counts_without_probs_equal_device_counts():
     host = routed_swiglu_experts(x, counts, gate_up, down, limit=None)
     dev = routed_swiglu_experts(x, torch.tensor(counts, device=DEV), gate_up, down, limit=None)
     assert torch.equal(host, dev)  # two runs in this test: bitwise
-    ref = grouped_swiglu_experts(x, counts, gate_up, down, limit=None, backend="loop", activation_backend="reference")
+    ref = grouped_swiglu_experts(
+        x, counts, gate_up, down, limit=None, backend="loop", activation_backend="reference"
+    )
     assert_close_to_ref("out", host, ref)
 
 
@@ -133,7 +133,13 @@ def test_flash_smoke_shapes_bf16_match_grouped_mm_sync_free(tokens):
     with torch.no_grad():
         grouped = grouped_swiglu_experts(x, counts, gate_up, down, limit=10.0, probs=probs)
         ref = grouped_swiglu_experts(
-            x.float(), counts.tolist(), gate_up.float(), down.float(), limit=10.0, probs=probs.float(), backend="loop"
+            x.float(),
+            counts.tolist(),
+            gate_up.float(),
+            down.float(),
+            limit=10.0,
+            probs=probs.float(),
+            backend="loop",
         )
     assert_close_to_ref("out", out, ref, grouped)
 
@@ -149,7 +155,9 @@ def test_cuda_graph_replay_follows_new_counts():
     probs = torch.rand(m, device=dev).bfloat16()
     counts = torch.tensor([3, 0, 0, 5, 4, 0, 0, 0], device=dev)
     with torch.no_grad():
-        routed_swiglu_experts(x, counts, gate_up, down, limit=10.0, probs=probs)  # compile outside the capture
+        routed_swiglu_experts(
+            x, counts, gate_up, down, limit=10.0, probs=probs
+        )  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = routed_swiglu_experts(x, counts, gate_up, down, limit=10.0, probs=probs)

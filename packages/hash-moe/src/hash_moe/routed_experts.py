@@ -28,9 +28,8 @@ Shape legend: ``M`` rows, ``G`` experts, ``S = min(M, G)`` expert slots, ``K`` i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -65,7 +64,9 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if _interpreting() and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def _check_operands(name: str, x: torch.Tensor, ws: Sequence[torch.Tensor], probs: torch.Tensor | None) -> None:
+def _check_operands(
+    name: str, x: torch.Tensor, ws: Sequence[torch.Tensor], probs: torch.Tensor | None
+) -> None:
     if x.dtype not in ROUTED_DTYPES or any(w.dtype != x.dtype for w in ws):
         raise ValueError(
             f"{name} needs fp32 / bf16 / fp16 operands of one dtype, got {x.dtype} and "
@@ -152,7 +153,9 @@ def _launch_mm(x, w, slots, starts, counts, out) -> None:
     )
 
 
-def routed_mm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor | Sequence[int]) -> torch.Tensor:
+def routed_mm(
+    x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor | Sequence[int]
+) -> torch.Tensor:
     """``[M, K] x [G, N, K] -> [M, N]`` on expert-sorted rows, reading only experts with rows (inference only).
 
     Args:

@@ -71,7 +71,9 @@ def _routed_mm_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < n_in
             xt = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+                x_ptr + rows[:, None] * stride_x + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
             )  # [BM, BK]
             wt = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
             if UPCAST:  # the interpreter's bf16 / fp16 tl.dot is wrong: multiply in fp32 there
@@ -127,7 +129,9 @@ def _routed_gate_up_kernel(
             k_ok = ks < n_in
             w_mask = col_ok[:, None] & k_ok[None, :]
             xt = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+                x_ptr + rows[:, None] * stride_x + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
             )  # [BM, BK]
             wa = tl.load(gate_rows + ks[None, :], mask=w_mask, other=0.0)  # [BN, BK]
             wb = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)  # [BN, BK]

@@ -35,7 +35,6 @@ from hash_moe.grouped_gemm import GroupedBackend, grouped_mm
 from hash_moe.routed_experts import ROUTED_DTYPES, routed_swiglu_experts
 from hash_moe.swiglu import check_swiglu_limit, clamped_swiglu
 
-
 #: default ``routed_max_rows``: decode batches up to 42 tokens at top-6 (``bench_routed_decode.py`` measures the
 #: crossover with the grouped GEMM)
 ROUTED_MAX_ROWS = 256
@@ -75,7 +74,9 @@ class ClampedSwiGLUExperts(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if routed_max_rows < 0:
-            raise ValueError(f"routed_max_rows must be >= 0 (0 = never use the routed kernels), got {routed_max_rows}")
+            raise ValueError(
+                f"routed_max_rows must be >= 0 (0 = never use the routed kernels), got {routed_max_rows}"
+            )
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         if pg_collection.expt_tp is not None and pg_collection.expt_tp.size() > 1:
