@@ -18,8 +18,15 @@ from _moe_setup import (
 )
 
 from dsv4_primitives import is_keep_in_fp32
+from dsv4_testkit import assert_close_to_ref
 from hash_moe import RouterConfig, sequence_balance_loss, topk_route
-from hash_moe.megatron import HashRouter, LearnedTopKRouter, get_dsv4_moe_spec, update_selection_biases
+from hash_moe.megatron import (
+    ClampedSwiGLUExperts,
+    HashRouter,
+    LearnedTopKRouter,
+    get_dsv4_moe_spec,
+    update_selection_biases,
+)
 
 RC = RouterConfig(num_experts=EXPERTS, topk=TOPK, routed_scaling_factor=1.5)
 
@@ -285,8 +292,6 @@ def test_routed_decode_path_switch(megatron_cpu):
     layer.eval()
     with torch.no_grad():
         assert not layer.experts._takes_routed_path(x)  # CPU: the grouped path
-    from hash_moe.megatron import ClampedSwiGLUExperts
-
     with pytest.raises(ValueError, match="routed_max_rows"):
         ClampedSwiGLUExperts(EXPERTS, make_config(), routed_max_rows=-1)
 
@@ -296,8 +301,6 @@ def test_routed_decode_path_switch(megatron_cpu):
 def test_layer_bf16_decode_takes_routed_kernels_on_gpu(megatron_cpu, tokens):
     """Eval + no_grad on CUDA with few rows: the routed-expert kernels, within the bf16
     rule of the fp64 reference, close to the grouped GEMM path (``routed_max_rows = 0``)."""
-    from dsv4_testkit import assert_close_to_ref
-
     torch.manual_seed(11)
     cfg = make_config(dtype=torch.bfloat16, bf16=True, moe_token_dispatcher_type="alltoall", balance=0.0)
     layer = get_dsv4_moe_spec(hash_routing=False)(config=cfg, pg_collection=None, is_mtp_layer=False).cuda()

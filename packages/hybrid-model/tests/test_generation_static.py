@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hash_moe.megatron import ClampedSwiGLUExperts
 from hybrid_model.generation import CachedDecoder, StaticDecodeStep, generate
+from hybrid_model.model import build_model
+from hybrid_model.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_generation import assert_close, full_logits, tiny_model
@@ -90,10 +93,6 @@ def test_cuda_graph_decode_replays_the_static_step(megatron_cpu):
 def test_decode_steps_run_the_routed_expert_kernels(megatron_cpu):
     """bf16 on CUDA: decode steps (few rows) take hash-moe's routed-expert kernels, a long prefill the grouped GEMM;
     the first step's logits are close to the same step with the grouped GEMM (``routed_max_rows = 0``)."""
-    from hash_moe.megatron import ClampedSwiGLUExperts
-    from hybrid_model.model import build_model
-    from hybrid_model.presets import get_preset
-
     torch.manual_seed(0)
     model = build_model(get_preset("tiny"), params_dtype=torch.bfloat16, bf16=True).cuda().eval()
     experts = [m for m in model.modules() if isinstance(m, ClampedSwiGLUExperts)]
