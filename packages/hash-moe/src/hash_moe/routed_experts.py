@@ -41,21 +41,24 @@ from hash_moe.swiglu import check_swiglu_limit
 ROUTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # GPU tiles: BN output columns per program (many programs at M = 1: 6 experts x H / 32 columns), BK = 128 inputs
-_BLOCK_N = 32
-_BLOCK_K = 128
-_MAX_BLOCK_M = 64
-_NUM_WARPS = 4
-_NUM_STAGES = 4
+BLOCK_N = 32
+BLOCK_K = 128
+NUM_WARPS = 4
+
+
+def launch_config(dtype: torch.dtype, m: int, g: int) -> tuple[int, int]:
+    """``(BLOCK_M, num_stages)`` of a launch on ``M`` rows over ``G`` experts: ``BLOCK_M`` is the expected rows per
+    expert (``M / G``) rounded up to a power of two within ``[16, 64]`` (``tl.dot`` needs 16; more rows per block
+    re-read the weight tile less often), 4 pipeline stages; fp32 tiles: ``BLOCK_M <= 32`` and 2 stages (sm_90: the
+    fused gate-up kernel at 64 rows and 4 stages spills registers and takes 192 KiB of shared memory;
+    ``tests/test_routed_experts_sm90_compile.py``)."""
+    wide = dtype == torch.float32
+    block_m = max(16, min(32 if wide else 64, triton.next_power_of_2(max(1, -(-m // max(g, 1))))))
+    return block_m, (2 if wide else 4)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _block_m(m: int, g: int) -> int:
-    """Rows per block: the expected rows per expert (``M / G``) rounded up to a power of two, within ``[16, 64]``
-    (``tl.dot`` needs 16; more rows per block re-read the weight tile less often)."""
-    return max(16, min(_MAX_BLOCK_M, triton.next_power_of_2(max(1, -(-m // max(g, 1))))))
 
 
 def _store_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -129,7 +132,8 @@ def _launch_mm(x, w, slots, starts, counts, out) -> None:
     """``out[r] = x[r] @ w[e_r].T`` for the routed rows (``out`` preallocated ``[M, N]``)."""
     m, k = x.shape
     n = w.shape[1]
-    grid = (slots.shape[0], triton.cdiv(n, _BLOCK_N))
+    block_m, stages = launch_config(x.dtype, m, w.shape[0])
+    grid = (slots.shape[0], triton.cdiv(n, BLOCK_N))
     _routed_mm_kernel[grid](
         x,
         w,
@@ -143,13 +147,13 @@ def _launch_mm(x, w, slots, starts, counts, out) -> None:
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        BLOCK_M=_block_m(m, w.shape[0]),
-        BLOCK_N=_BLOCK_N,
-        BLOCK_K=_BLOCK_K,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
         IEEE=x.dtype == torch.float32 or _interpreting(),
         UPCAST=_interpreting() and x.dtype != torch.float32,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
+        num_warps=NUM_WARPS,
+        num_stages=stages,
     )
 
 
@@ -227,7 +231,8 @@ def routed_swiglu_experts(
     h = torch.empty(m, f, device=x.device, dtype=_store_dtype(x.dtype))  # [M, F]; filler rows never read
     if m and f and g:
         p = probs.contiguous() if probs is not None else x
-        _routed_gate_up_kernel[(slots.shape[0], triton.cdiv(f, _BLOCK_N))](
+        block_m, stages = launch_config(x.dtype, m, g)
+        _routed_gate_up_kernel[(slots.shape[0], triton.cdiv(f, BLOCK_N))](
             x,
             gate_up,
             p,
@@ -242,16 +247,16 @@ def routed_swiglu_experts(
             gate_up.stride(1),
             h.stride(0),
             float(limit) if limit is not None else 0.0,
-            BLOCK_M=_block_m(m, g),
-            BLOCK_N=_BLOCK_N,
-            BLOCK_K=_BLOCK_K,
+            BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
             IEEE=x.dtype == torch.float32 or _interpreting(),
             UPCAST=_interpreting() and x.dtype != torch.float32,
             ROUND_BF16_BY_BITS=_interpreting() and x.dtype == torch.bfloat16,
             HAS_LIMIT=limit is not None,
             HAS_PROBS=probs is not None,
-            num_warps=_NUM_WARPS,
-            num_stages=_NUM_STAGES,
+            num_warps=NUM_WARPS,
+            num_stages=stages,
         )
     h = h.to(x.dtype)  # the interpreter's fp32 h rounds here (on the GPU it is stored rounded)
     out = torch.empty(m, h_in, device=x.device, dtype=_store_dtype(x.dtype))  # [M, H]

@@ -29,14 +29,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _round_bf16_rne(v):
-    """fp32 -> the nearest bf16 (ties to even), as fp32: the interpreter's cast truncates instead (finite ``v``)."""
-    u = v.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _routed_mm_kernel(
     x_ptr,
     w_ptr,
@@ -144,9 +136,14 @@ def _routed_gate_up_kernel(
                 acc_a += tl.dot(xt, tl.trans(wa))
                 acc_b += tl.dot(xt, tl.trans(wb))
         # the grouped path stores x @ gate_up.T in the input dtype before its SwiGLU: same rounding here
-        if ROUND_BF16_BY_BITS:
-            a = _round_bf16_rne(acc_a)
-            b = _round_bf16_rne(acc_b)
+        if (
+            ROUND_BF16_BY_BITS
+        ):  # nearest bf16, ties to even, on the bits (finite values; inline: no jit helper,
+            # which the interpreter would turn into an InterpretedFunction that an sm_90 compile cannot reference)
+            ua = acc_a.to(tl.uint32, bitcast=True)
+            ub = acc_b.to(tl.uint32, bitcast=True)
+            a = ((ua + 0x7FFF + ((ua >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            b = ((ub + 0x7FFF + ((ub >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         else:
             a = acc_a.to(x_ptr.dtype.element_ty).to(tl.float32)
             b = acc_b.to(x_ptr.dtype.element_ty).to(tl.float32)
