@@ -97,6 +97,10 @@ def test_refuses_grad_and_bad_arguments():
         routed_mm(x, w, torch.tensor([3], device=DEV))
     with pytest.raises(ValueError, match="integer"):
         routed_mm(x, w, torch.tensor([1.0, 2.0], device=DEV))
+    with pytest.raises(ValueError, match="at most M=3"):
+        routed_mm(x, w, [2, 2])  # host counts are checked (device counts are trusted)
+    with pytest.raises(ValueError, match="non-negative"):
+        routed_mm(x, w, [-1, 2])
     with pytest.raises(ValueError, match="equal K"):
         routed_mm(x, torch.randn(2, 4, 7, device=DEV), counts)
     with pytest.raises(ValueError, match="one dtype"):

@@ -114,12 +114,23 @@ def _expert_slots(counts: torch.Tensor, m: int, device: torch.device) -> tuple[t
     return slot_expert[: min(m, counts.shape[0])], starts, counts
 
 
-def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
-    if isinstance(tokens_per_expert, torch.Tensor):
-        if tokens_per_expert.device.type == "cpu" and device.type != "cpu":  # host counts: an upload, no sync
-            return tokens_per_expert.to(device, non_blocking=True)
+def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], m: int, device: torch.device) -> torch.Tensor:
+    """The counts on ``device``. Host counts (a list, or a CPU tensor with CUDA rows) are checked (non-negative, sum
+    <= ``M``) and uploaded without a sync; device counts are trusted (checking would need the host)."""
+    on_host = not isinstance(tokens_per_expert, torch.Tensor) or (
+        tokens_per_expert.device.type == "cpu" and device.type != "cpu"
+    )
+    if not on_host:
         return tokens_per_expert
-    return torch.tensor(list(tokens_per_expert), dtype=torch.int64).to(device, non_blocking=True)
+    if isinstance(tokens_per_expert, torch.Tensor):
+        if tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype == torch.bool:
+            raise ValueError(f"tokens_per_expert must hold integers, got {tokens_per_expert.dtype}")
+        host = [int(c) for c in tokens_per_expert.tolist()]
+    else:
+        host = [int(c) for c in tokens_per_expert]
+    if any(c < 0 for c in host) or sum(host) > m:
+        raise ValueError(f"tokens_per_expert must be non-negative and sum to at most M={m}, got {host}")
+    return torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _zero_filler_rows(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -173,7 +184,9 @@ def routed_mm(
             f"routed_mm expects x [M, K] and w [G, N, K] with equal K; got {tuple(x.shape)} and {tuple(w.shape)}"
         )
     _check_operands("routed_mm", x, (w,), None)
-    slots, starts, counts = _expert_slots(_as_counts(tokens_per_expert, x.device), x.shape[0], x.device)
+    slots, starts, counts = _expert_slots(
+        _as_counts(tokens_per_expert, x.shape[0], x.device), x.shape[0], x.device
+    )
     if counts.shape[0] != w.shape[0]:
         raise ValueError(f"tokens_per_expert has {counts.shape[0]} entries for {w.shape[0]} experts")
     x, w = x.contiguous(), w.contiguous()
@@ -223,7 +236,7 @@ def routed_swiglu_experts(
     if probs is not None and probs.shape != (m,):
         raise ValueError(f"probs must be [M] = ({m},), got {tuple(probs.shape)}")
     _check_operands("routed_swiglu_experts", x, (gate_up, down), probs)
-    slots, starts, counts = _expert_slots(_as_counts(tokens_per_expert, x.device), m, x.device)
+    slots, starts, counts = _expert_slots(_as_counts(tokens_per_expert, m, x.device), m, x.device)
     if counts.shape[0] != g:
         raise ValueError(f"tokens_per_expert has {counts.shape[0]} entries for {g} experts")
     f = down.shape[2]
