@@ -15,7 +15,8 @@ routed_swiglu_experts:  [a | b] = round(x[r] @ gate_up[e_r].T)                  
 
 ``round`` is the cast to the input dtype, as in :func:`hash_moe.experts.grouped_swiglu_experts` (the reference:
 the same roundings, the sums in another order). Rows past ``Σ counts`` are filler (zero output), as for
-``grouped_mm``'s device counts; the sum is trusted not to exceed ``M``.
+``grouped_mm``'s device counts; a device tensor's sum is trusted not to exceed ``M`` (host counts are checked). An
+expert's weights are read once per block of up to 64 of its rows (:func:`launch_config`): once at decode sizes.
 
 **Inference only**: no backward. The functions raise ``ValueError`` when autograd would need one (grad mode on and
 an operand that requires grad); :class:`hash_moe.megatron.ClampedSwiGLUExperts` takes this path only without grad
