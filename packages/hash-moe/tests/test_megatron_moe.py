@@ -18,8 +18,15 @@ from _moe_setup import (
 )
 
 from dsv4_primitives import is_keep_in_fp32
+from dsv4_testkit import assert_close_to_ref
 from hash_moe import RouterConfig, sequence_balance_loss, topk_route
-from hash_moe.megatron import HashRouter, LearnedTopKRouter, get_dsv4_moe_spec, update_selection_biases
+from hash_moe.megatron import (
+    ClampedSwiGLUExperts,
+    HashRouter,
+    LearnedTopKRouter,
+    get_dsv4_moe_spec,
+    update_selection_biases,
+)
 
 RC = RouterConfig(num_experts=EXPERTS, topk=TOPK, routed_scaling_factor=1.5)
 
@@ -276,3 +283,42 @@ def test_layer_bf16_alltoall_on_gpu_matches_reference(megatron_cpu, hash_routing
     got = (out.detach().cpu(), xc.grad.cpu(), layer.experts.gate_up_proj.grad.cpu())
     for name, a, r64, rbf in zip(("out", "dx", "dgate_up"), got, refs[torch.float64], refs[torch.bfloat16]):
         assert_close_to_ref(name, a, r64, rbf)
+
+
+def test_routed_decode_path_switch(megatron_cpu):
+    """The routed-expert kernels serve eval-mode no-grad CUDA forwards only; a negative row limit is refused."""
+    layer, _ = build_layer(False)
+    x = torch.randn(4, HIDDEN, dtype=torch.float64)
+    layer.eval()
+    with torch.no_grad():
+        assert not layer.experts._takes_routed_path(x)  # CPU: the grouped path
+    with pytest.raises(ValueError, match="routed_max_rows"):
+        ClampedSwiGLUExperts(EXPERTS, make_config(), routed_max_rows=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_layer_bf16_decode_takes_routed_kernels_on_gpu(megatron_cpu, tokens):
+    """Eval + no_grad on CUDA with few rows: the routed-expert kernels, within the bf16
+    rule of the fp64 reference, close to the grouped GEMM path (``routed_max_rows = 0``)."""
+    torch.manual_seed(11)
+    cfg = make_config(dtype=torch.bfloat16, bf16=True, moe_token_dispatcher_type="alltoall", balance=0.0)
+    layer = get_dsv4_moe_spec(hash_routing=False)(config=cfg, pg_collection=None, is_mtp_layer=False).cuda()
+    w = full_weights(dtype=torch.bfloat16)
+    load_weights(layer, w, list(range(EXPERTS)))
+    layer.eval()
+    x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (tokens, 1))
+    calls = []
+    layer.experts.register_forward_pre_hook(lambda m, inp: calls.append(m._takes_routed_path(inp[0])))
+    with torch.no_grad():
+        out, _ = layer(x.cuda(), input_ids=ids.cuda())
+        layer.experts.routed_max_rows = 0
+        grouped, _ = layer(x.cuda(), input_ids=ids.cuda())
+    assert calls == [True, False]
+    refs = {}
+    for dt in (torch.float64, torch.bfloat16):
+        wd = {k: (v if k == "bias" else v.to(dt)) for k, v in w.items()}
+        refs[dt] = layer_reference(x.to(dt), ids, None, wd, ref_leaves(wd), False).detach()
+    assert_close_to_ref("out", out.cpu(), refs[torch.float64], refs[torch.bfloat16])
+    assert_close_to_ref("grouped", grouped.cpu(), refs[torch.float64], refs[torch.bfloat16])

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hash_moe.megatron import ClampedSwiGLUExperts
 from hybrid_model.generation import CachedDecoder, StaticDecodeStep, generate
+from hybrid_model.model import build_model
+from hybrid_model.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_generation import assert_close, full_logits, tiny_model
@@ -84,6 +87,37 @@ def test_cuda_graph_decode_replays_the_static_step(megatron_cpu):
         )
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_decode_steps_run_the_routed_expert_kernels(megatron_cpu):
+    """bf16 on CUDA: decode steps (few rows) take hash-moe's routed-expert kernels, a long prefill the grouped GEMM;
+    the first step's logits are close to the same step with the grouped GEMM (``routed_max_rows = 0``)."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny"), params_dtype=torch.bfloat16, bf16=True).cuda().eval()
+    experts = [m for m in model.modules() if isinstance(m, ClampedSwiGLUExperts)]
+    taken: list[tuple[int, bool]] = []
+    for m in experts:
+        m.register_forward_pre_hook(
+            lambda mod, inp: taken.append((inp[0].shape[0], mod._takes_routed_path(inp[0])))
+        )
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (125, 3, 8, 64)]
+    logits = []
+    for max_rows in (256, 0):
+        for m in experts:
+            m.routed_max_rows = max_rows
+        dec = CachedDecoder(model, len(prompts), 140)
+        taken.clear()
+        dec.extend(prompts)
+        prefill = list(taken)
+        taken.clear()
+        logits.append(dec.step(torch.tensor([1, 2, 3, 4], device="cuda")).float())
+        if max_rows:
+            assert prefill and not any(t for _, t in prefill), prefill  # 200 tokens x top-k rows: grouped
+            assert taken and all(t for _, t in taken), taken
+    routed, grouped = logits
+    assert (routed - grouped).abs().max() <= 3e-2 * grouped.abs().max(), (routed - grouped).abs().max()
 
 
 def test_last_only_logits_are_the_last_rows(megatron_cpu):

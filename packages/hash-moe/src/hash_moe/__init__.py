@@ -28,6 +28,7 @@ from hash_moe.permute import (
     unpermute_ref,
 )
 from hash_moe.reference import moe_reference
+from hash_moe.routed_experts import routed_mm, routed_swiglu_experts
 from hash_moe.routing import (
     RouterConfig,
     RoutingResult,
@@ -63,6 +64,8 @@ __all__ = [
     "moe_reference",
     "permute",
     "permute_ref",
+    "routed_mm",
+    "routed_swiglu_experts",
     "routing_scores",
     "sequence_balance_loss",
     "sequence_ids_from_cu_seqlens",

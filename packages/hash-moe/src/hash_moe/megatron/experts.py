@@ -10,6 +10,12 @@ Settings read from the ``TransformerConfig``: ``moe_ffn_hidden_size`` (F), ``moe
 (shared F), ``activation_func_clamp_value`` (the SwiGLU limit; ``None`` = unclamped), ``params_dtype``,
 ``init_method`` / ``output_layer_init_method``. Expert tensor parallelism is not supported (DSv4 shards experts by
 EP only).
+
+**Decoding.** In eval mode without grad (cached decoding, ``hybrid_model.generation``), on CUDA, with at most
+``routed_max_rows`` dispatched rows (``tokens · topk``), the routed experts run
+:func:`hash_moe.routed_experts.routed_swiglu_experts`: only the experts with rows have their weights read (the
+grouped GEMM reads all ``G``), with the counts on the device (no sync, CUDA-graph capturable). Same roundings as the
+grouped path, the sums in another order. Training and grad-mode forwards always take the grouped GEMM.
 """
 
 from __future__ import annotations
@@ -26,7 +32,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from dsv4_primitives.recompute import discard, recompute_config_of, recompute_scope
 from hash_moe.experts import grouped_swiglu_experts
 from hash_moe.grouped_gemm import GroupedBackend, grouped_mm
+from hash_moe.routed_experts import ROUTED_DTYPES, routed_swiglu_experts
 from hash_moe.swiglu import check_swiglu_limit, clamped_swiglu
+
+#: default ``routed_max_rows``: decode batches up to 42 tokens at top-6 (``bench_routed_decode.py`` measures the
+#: crossover with the grouped GEMM)
+ROUTED_MAX_ROWS = 256
 
 
 def _param_device() -> torch.device:
@@ -46,6 +57,8 @@ class ClampedSwiGLUExperts(MegatronModule):
         pg_collection: process groups (``ep``, ``expt_tp``, ``expt_dp``); megatron's defaults when None.
         name: module name passed down by megatron (unused).
         backend: grouped GEMM backend, ``"auto"`` (``torch._grouped_mm`` on CUDA bf16, a loop elsewhere).
+        routed_max_rows: the most dispatched rows for which an eval-mode no-grad CUDA forward runs the routed-expert
+            kernels (see the module docstring); 0 = never. Also settable on the module.
     """
 
     def __init__(
@@ -57,8 +70,13 @@ class ClampedSwiGLUExperts(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         name: str | None = None,
         backend: GroupedBackend = "auto",
+        routed_max_rows: int = ROUTED_MAX_ROWS,
     ) -> None:
         super().__init__(config=config)
+        if routed_max_rows < 0:
+            raise ValueError(
+                f"routed_max_rows must be >= 0 (0 = never use the routed kernels), got {routed_max_rows}"
+            )
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         if pg_collection.expt_tp is not None and pg_collection.expt_tp.size() > 1:
@@ -74,6 +92,7 @@ class ClampedSwiGLUExperts(MegatronModule):
         self.recompute_activation = recompute_config_of(config).selects("moe_act")
         self.limit = config.activation_func_clamp_value
         self.backend = backend
+        self.routed_max_rows = routed_max_rows
         self.ep_group = pg_collection.ep
         self.expt_dp_group = pg_collection.expt_dp
         h, f = config.hidden_size, config.moe_ffn_hidden_size
@@ -92,6 +111,16 @@ class ClampedSwiGLUExperts(MegatronModule):
         self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, /
     ) -> tuple[torch.Tensor, None]:
         """``[M, H]`` expert-sorted rows, ``[G]`` rows per expert, ``[M]`` weights -> ``([M, H], None)``."""
+        if self._takes_routed_path(dispatched_input):
+            out = routed_swiglu_experts(
+                dispatched_input,
+                tokens_per_expert,
+                self.gate_up_proj,
+                self.down_proj,
+                limit=self.limit,
+                probs=permuted_probs,
+            )
+            return out, None
         if not (self.recompute_activation and torch.is_grad_enabled()):
             out = grouped_swiglu_experts(
                 dispatched_input,
@@ -112,6 +141,17 @@ class ClampedSwiGLUExperts(MegatronModule):
             discard(h, lambda: clamped_swiglu(gate_up_out, self.limit, permuted_probs))
             out = grouped_mm(h, self.down_proj, tokens_per_expert, backend=self.backend)  # [M, H]
         return out, None
+
+    def _takes_routed_path(self, x: torch.Tensor) -> bool:
+        """Decoding: eval mode, no grad, CUDA, a supported dtype, ``0 < M <= routed_max_rows``."""
+        return (
+            not self.training
+            and not torch.is_grad_enabled()
+            and x.is_cuda
+            and x.dtype in ROUTED_DTYPES
+            and self.gate_up_proj.dtype == x.dtype
+            and 0 < x.shape[0] <= self.routed_max_rows
+        )
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the ordinary backward (no delayed wgrad)."""
