@@ -7,6 +7,10 @@ bf16 model copies are views into megatron's param buffers at their own offsets. 
 would change who owns the memory and the optimizer's state format; a table of int64 addresses reads every tensor
 where it lives, and costs ``5 * 8`` bytes per tensor and ``12`` bytes per block of ``BLOCK`` elements.
 
+Tensors whose five addresses are 16-byte aligned and whose sizes are multiples of 8 (megatron pads params in its
+buffers to 64 elements; torch's allocations are aligned) run in a launch of their own with alignment hints, which
+turn the kernel's element-wise loads and stores into 16-byte vector accesses; the others in a plain launch.
+
 The block table depends only on the tensors' sizes and is cached; the address and scalar tables are rebuilt per
 call (gradients may be fresh tensors every step, ``lr`` and the bias corrections change) and reach the device
 through pinned memory without a host synchronisation.
@@ -103,7 +107,7 @@ def fused_adamw_step(
     clip_coef: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> None:
-    """One AdamW step over many tensors in one pass per dtype class, in place (math: module doc of
+    """One AdamW step over many tensors in one pass per class (grad dtype, model-param dtype, alignment), in place (math: module doc of
     :mod:`dsv4_primitives.fused_adamw.kernel`; :func:`~dsv4_primitives.fused_adamw.reference.fused_adamw_ref`).
 
     ``params`` / ``exp_avgs`` / ``exp_avg_sqs``: contiguous fp32 tensors (main params and torch AdamW's moments);
@@ -146,8 +150,10 @@ def fused_adamw_step(
             if dst.data_ptr() == p.data_ptr() and dst.dtype == p.dtype:
                 model_params[i] = dst = None  # the model param is the main param
         if p.numel():
-            classes.setdefault((grads[i].dtype, None if dst is None else dst.dtype), []).append(i)
-    for (g_dtype, d_dtype), idx in classes.items():
+            ptrs = [t.data_ptr() for t in (p, grads[i], exp_avgs[i], exp_avg_sqs[i], dst) if t is not None]
+            aligned = p.numel() % 8 == 0 and all(a % 16 == 0 for a in ptrs)
+            classes.setdefault((grads[i].dtype, None if dst is None else dst.dtype, aligned), []).append(i)
+    for (g_dtype, d_dtype, aligned), idx in classes.items():
         rows = [hypers[i].row(int(steps[i])) for i in idx]
         addr = [params[i].data_ptr() for i in idx]
         addr += [grads[i].data_ptr() for i in idx]
@@ -168,6 +174,7 @@ def fused_adamw_step(
             DST_DTYPE=_TL_DTYPES[d_dtype or torch.float32],
             HAS_DST=d_dtype is not None,
             DST_BF16=d_dtype == torch.bfloat16,
+            ALIGNED=aligned,
             BLOCK=block,
             num_warps=8 if block >= 2048 else 4,
         )

@@ -40,19 +40,30 @@ def adamw_pointer_table_kernel(
     DST_DTYPE: tl.constexpr,
     HAS_DST: tl.constexpr,
     DST_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid).to(tl.int64)
     start = tl.load(block_start_ptr + pid)
     numel = tl.load(numel_ptr + t)
-    offs = start + tl.arange(0, BLOCK)  # [BLOCK]
-    mask = offs < numel
-
     p_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
     g_ptr = tl.load(addr_ptr + n_tensors + t).to(tl.pointer_type(G_DTYPE))
     m_ptr = tl.load(addr_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(addr_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    d_addr = tl.load(addr_ptr + 4 * n_tensors + t)
+    if ALIGNED:
+        # the host put here only tensors whose addresses are 16-byte aligned and whose sizes are multiples of 8:
+        # the hints let the compiler use 16-byte vector loads / stores (addresses from a table are otherwise of
+        # unknown alignment, and a mask against an unknown size is per element)
+        numel = tl.multiple_of(numel, 8)
+        start = tl.multiple_of(start, BLOCK)
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+    offs = start + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = offs < numel
 
     decay = tl.load(hyper_ptr + 8 * t + 0)
     w1 = tl.load(hyper_ptr + 8 * t + 1)
@@ -86,8 +97,12 @@ def adamw_pointer_table_kernel(
             bits = p.to(tl.uint32, bitcast=True)
             rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
             rounded = tl.where(p != p, 0x7FC0, rounded)
-            d16_ptr = tl.load(addr_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.uint16))
+            d16_ptr = d_addr.to(tl.pointer_type(tl.uint16))
+            if ALIGNED:
+                d16_ptr = tl.multiple_of(d16_ptr, 16)
             tl.store(d16_ptr + offs, rounded.to(tl.uint16), mask=mask)
         else:
-            d_ptr = tl.load(addr_ptr + 4 * n_tensors + t).to(tl.pointer_type(DST_DTYPE))
+            d_ptr = d_addr.to(tl.pointer_type(DST_DTYPE))
+            if ALIGNED:
+                d_ptr = tl.multiple_of(d_ptr, 16)
             tl.store(d_ptr + offs, p.to(DST_DTYPE), mask=mask)
