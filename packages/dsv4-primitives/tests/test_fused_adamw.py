@@ -229,7 +229,11 @@ def test_aligned_launch_compiles_to_vector_accesses():
     }
     # under TRITON_INTERPRET=1 triton.jit gave an interpreted function: compile its Python function itself
     kernel = getattr(adamw_pointer_table_kernel, "fn", adamw_pointer_table_kernel)
-    kernel = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else triton.runtime.jit.JITFunction(kernel)
+    kernel = (
+        kernel
+        if isinstance(kernel, triton.runtime.jit.JITFunction)
+        else triton.runtime.jit.JITFunction(kernel)
+    )
     counts = {}
     for aligned in (True, False):
         consts = dict(G_DTYPE=tl.float32, DST_DTYPE=tl.bfloat16, HAS_DST=True, DST_BF16=True, ALIGNED=aligned)

@@ -46,7 +46,6 @@ from dsv4_train.config import TrainConfig
 from dsv4_train.trainer import Trainer
 from dsv4_train.virtual_pipeline import ddp_chunks
 
-
 IMPLS = ("fused", "foreach", "unfused", "fused-step")
 
 

@@ -14,24 +14,26 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_optimizer_impl import (
-    _OpLog,
     _assert_within_bound,
     _build,
     _core,
     _inner,
     _load,
     _main_state,
+    _OpLog,
     _save,
     _step,
     _toy_cls,
 )
 
-from dsv4_train.fused_step import FusedStepAdamW
 from dsv4_testkit import interpreting
+from dsv4_train.fused_step import FusedStepAdamW
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.skipif(not (interpreting() or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1"),
+    pytest.mark.skipif(
+        not (interpreting() or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1"
+    ),
 ]
 
 
@@ -69,12 +71,18 @@ def test_parity_with_megatron_adam(megatron_cpu, copy_calls, dist_opt, bf16, cli
             assert len(copy_calls) == n_ref_copies, "megatron's main -> model copy ran after the fused step"
     if bf16:
         assert n_ref_copies == steps  # megatron copies once per step: the count above could fail
-    if clip_grad:  # megatron scaled the gradients in place (the five-decade gradients are clipped); we did not
+    if (
+        clip_grad
+    ):  # megatron scaled the gradients in place (the five-decade gradients are clipped); we did not
         assert "_foreach_mul_" in ref_ops.ops and "_foreach_mul_" not in ops.ops
-    _assert_within_bound(_main_state(ref), _main_state(opt), steps, f"fused-step dist_opt={dist_opt} bf16={bf16}")
+    _assert_within_bound(
+        _main_state(ref), _main_state(opt), steps, f"fused-step dist_opt={dist_opt} bf16={bf16}"
+    )
     for (n, p0), p1 in zip(_core(ddp0).named_parameters(), _core(ddp1).parameters(), strict=True):
         assert p0.dtype == p1.dtype
-        if p0.dtype == torch.bfloat16:  # roundings of main params that agree to the bound: one bf16 ulp at most
+        if (
+            p0.dtype == torch.bfloat16
+        ):  # roundings of main params that agree to the bound: one bf16 ulp at most
             assert ((p1.float() - p0.float()).abs() <= 2.0**-7 * p0.float().abs()).all(), n
     # the model params are the bf16 rounding of our own main params (dist-opt: main shards in param order)
     if bf16 and dist_opt:
@@ -87,7 +95,9 @@ def test_parity_with_megatron_adam(megatron_cpu, copy_calls, dist_opt, bf16, cli
 
 
 @pytest.mark.parametrize("dist_opt", [True, False])
-@pytest.mark.parametrize("save_impl, load_impl", [("fused-step", "unfused"), ("unfused", "fused-step"), ("fused", "fused-step")])
+@pytest.mark.parametrize(
+    "save_impl, load_impl", [("fused-step", "unfused"), ("unfused", "fused-step"), ("fused", "fused-step")]
+)
 def test_checkpoint_round_trip_across_impls(megatron_cpu, tmp_path, dist_opt, save_impl, load_impl):
     from dsv4_primitives.megatron import cuda_as_cpu
     from dsv4_train.checkpoint import sync_saver_queue
@@ -119,10 +129,11 @@ def test_state_dict_format_identical_to_unfused(megatron_cpu, dist_opt):
 
     def layout(sd):
         """(param-group entries without params, per-param state key -> (shape, dtype, device))."""
-        inner = sd["optimizer"] if "optimizer" in sd else sd
+        inner = sd.get("optimizer", sd)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
         state = {
-            i: {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in st.items()} for i, st in inner["state"].items()
+            i: {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in st.items()}
+            for i, st in inner["state"].items()
         }
         return groups, state
 
@@ -140,6 +151,7 @@ def test_refusals(megatron_cpu, monkeypatch):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
+
     from dsv4_primitives.megatron import cuda_as_cpu
     from dsv4_train.config import TrainConfig
     from dsv4_train.optimizer import set_adam_impl
@@ -148,7 +160,9 @@ def test_refusals(megatron_cpu, monkeypatch):
     with cuda_as_cpu():
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), _toy_cls()(cfg))
         sgd = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.1), [ddp])
-        adam_l2 = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.1, decoupled_weight_decay=False), [ddp])
+        adam_l2 = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=0.1, decoupled_weight_decay=False), [ddp]
+        )
         with pytest.raises(ValueError, match="fused-step cannot apply: megatron built SGD"):
             set_adam_impl(sgd, "fused-step")
         with pytest.raises(ValueError, match="fused-step cannot apply: megatron built Adam "):

@@ -60,7 +60,9 @@ class FusedStepAdamW(KernelChoice, torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("--optimizer-impl fused-step: step(closure) is not supported (megatron passes none)")
+            raise ValueError(
+                "--optimizer-impl fused-step: step(closure) is not supported (megatron passes none)"
+            )
         params, grads, exp_avgs, exp_avg_sqs, step_tensors, hypers, dsts, coefs = ([] for _ in range(8))
         all_stepped = True
         dest_iter = iter(self.destinations)
@@ -153,7 +155,9 @@ def _refuse_unsupported(wrapper, inner) -> None:
     why = None
     if type(inner) is not torch.optim.AdamW:
         why = f"megatron built {type(inner).__name__} (fused-step is AdamW with decoupled weight decay only)"
-    elif any(g.get(k) for g in inner.param_groups for k in ("amsgrad", "maximize", "capturable", "differentiable")):
+    elif any(
+        g.get(k) for g in inner.param_groups for k in ("amsgrad", "maximize", "capturable", "differentiable")
+    ):
         why = "a param group sets amsgrad / maximize / capturable / differentiable"
     elif config.use_precision_aware_optimizer or config.optimizer_cpu_offload:
         why = "megatron's precision-aware optimizer (or CPU offload) keeps its own master params"
@@ -166,7 +170,9 @@ def _refuse_unsupported(wrapper, inner) -> None:
     else:
         bad = [p for g in inner.param_groups for p in g["params"] if not triton_usable(p)]
         if bad:
-            why = f"params on {bad[0].device} (the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on the CPU)"
+            why = (
+                f"params on {bad[0].device} (the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on the CPU)"
+            )
     if why:
         raise ValueError(f"--optimizer-impl fused-step cannot apply: {why}; use --optimizer-impl auto")
 
@@ -210,7 +216,9 @@ def _destinations(wrapper, inner) -> list:
     if hasattr(wrapper, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
         by_id = _distributed_destinations(wrapper)
     elif hasattr(wrapper, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
-        for model_group, main_group in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups, strict=True):
+        for model_group, main_group in zip(
+            wrapper.float16_groups, wrapper.fp32_from_float16_groups, strict=True
+        ):
             for model_param, main_param in zip(model_group, main_group, strict=True):
                 by_id[id(main_param)] = (lambda mp: lambda: mp.data)(model_param)
     dests = []
@@ -237,7 +245,9 @@ def install_fused_step(wrapper) -> None:
     optimizer) into :class:`FusedStepAdamW` in place and wire the copy / clip (module doc)."""
     inner = wrapper.optimizer
     if inner.state:
-        raise ValueError("--optimizer-impl fused-step must be set on a freshly built optimizer (Adam state exists)")
+        raise ValueError(
+            "--optimizer-impl fused-step must be set on a freshly built optimizer (Adam state exists)"
+        )
     _refuse_unsupported(wrapper, inner)
     inner.__class__ = FusedStepAdamW
     inner.defaults.update(MEGATRON_ADAM_FLAGS)

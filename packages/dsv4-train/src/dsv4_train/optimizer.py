@@ -116,7 +116,9 @@ def set_adam_impl(optimizer, impl: str):
     ``FusedAdam``: fused already; SGD; the CPU-offload hybrid) are refused for an explicit kernel.
     """
     if impl not in ("fused", "foreach", "fused-step", "unfused"):
-        raise ValueError(f"optimizer impl must be 'fused', 'foreach', 'fused-step' or 'unfused', got {impl!r}")
+        raise ValueError(
+            f"optimizer impl must be 'fused', 'foreach', 'fused-step' or 'unfused', got {impl!r}"
+        )
     if impl == "unfused":
         return optimizer
     for wrapper in _inner_wrappers(optimizer):

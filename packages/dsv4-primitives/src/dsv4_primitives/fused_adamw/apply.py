@@ -71,7 +71,9 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_table(
+    numels: tuple[int, ...], block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tensor index [B] int32, first element [B] int64) of every ``block``-element block; cached by sizes."""
     key = (numels, block, str(device))
     hit = _BLOCK_TABLES.get(key)
@@ -119,7 +121,13 @@ def fused_adamw_step(
     """
     n = len(params)
     model_params = [None] * n if model_params is None else list(model_params)
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps, "hypers": hypers}
+    lists = {
+        "grads": grads,
+        "exp_avgs": exp_avgs,
+        "exp_avg_sqs": exp_avg_sqs,
+        "steps": steps,
+        "hypers": hypers,
+    }
     for name, seq in {**lists, "model_params": model_params}.items():
         if len(seq) != n:
             raise ValueError(f"fused AdamW: {len(params)} params but {len(seq)} {name}; pass one per param")
@@ -139,7 +147,9 @@ def fused_adamw_step(
     classes: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         if p.device != device:
-            raise ValueError(f"fused AdamW: params[{i}] is on {p.device}, params[0] on {device}; use one device")
+            raise ValueError(
+                f"fused AdamW: params[{i}] is on {p.device}, params[0] on {device}; use one device"
+            )
         _check("params", i, p, p, (torch.float32,))
         _check("grads", i, grads[i], p, tuple(_TL_DTYPES))
         _check("exp_avgs", i, exp_avgs[i], p, (torch.float32,))

@@ -31,7 +31,9 @@ def fused_adamw_ref(
 ) -> None:
     """The same in-place update as ``fused_adamw_step``, one tensor at a time with torch ops (any device)."""
     model_params = [None] * len(params) if model_params is None else model_params
-    for p, g, m, v, t, h, dst in zip(params, grads, exp_avgs, exp_avg_sqs, steps, hypers, model_params, strict=True):
+    for p, g, m, v, t, h, dst in zip(
+        params, grads, exp_avgs, exp_avg_sqs, steps, hypers, model_params, strict=True
+    ):
         g = g.float() if clip_coef is None else g.float() * clip_coef.to(g.device)
         decay, w1, beta2, w2, step_size, bc2_sqrt, eps, _ = h.row(int(t))
         p.mul_(decay)
