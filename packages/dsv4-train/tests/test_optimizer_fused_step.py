@@ -25,6 +25,7 @@ from test_optimizer_impl import (
     _step,
     _toy_cls,
 )
+from test_train_e2e import _train_runs
 
 from dsv4_testkit import interpreting
 from dsv4_train.fused_step import FusedStepAdamW
@@ -180,3 +181,23 @@ def test_cli_flag():
 
     tc = train_config_from_args(build_parser().parse_args(["train", "--optimizer-impl", "fused-step"]))
     assert tc.optimizer.optimizer_impl == "fused-step"
+
+
+@pytest.mark.slow
+def test_train_exact_resume_and_cross_impl_resume(tmp_path):
+    """``dsv4 train --optimizer-impl fused-step`` (tiny preset, distributed optimizer, bf16, clipping; the kernel in
+    the interpreter on CPU): resumes bit-identically, and its checkpoint resumes under ``unfused`` within the
+    rounding difference."""
+    kw = dict(steps=4, warmup_steps=1)
+    run = tmp_path / "run"
+    full, tail, other = _train_runs(
+        tmp_path,
+        dict(out=str(run), save_interval=2, optimizer_impl="fused-step", **kw),
+        dict(out=str(run), resume=True, optimizer_impl="fused-step", latest="iter_0000002", **kw),
+        dict(out=str(run), resume=True, optimizer_impl="unfused", latest="iter_0000002", **kw),
+    )
+    assert len(full) == 4 and tail == full[2:]
+    assert len(other) == 2
+    for a, b in zip(other, full[2:], strict=True):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-3 * abs(b["lm_loss"]), (a, b)
+        assert a["lr"] == b["lr"]
