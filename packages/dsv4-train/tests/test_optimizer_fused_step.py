@@ -201,3 +201,23 @@ def test_train_exact_resume_and_cross_impl_resume(tmp_path):
     for a, b in zip(other, full[2:], strict=True):
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-3 * abs(b["lm_loss"]), (a, b)
         assert a["lr"] == b["lr"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist_opt", [True, False])
+def test_cuda_parity_with_megatron_adam(megatron_cpu, dist_opt):
+    steps = 6
+    ddp0, ref = _build("unfused", dist_opt, device="cuda", clip_grad=1.0)
+    ddp1, opt = _build("fused-step", dist_opt, device="cuda", clip_grad=1.0)
+    assert all(type(i) is FusedStepAdamW for i in _inner(opt))
+    for s in range(steps):
+        _step(ddp0, ref, s)
+        _step(ddp1, opt, s)
+
+    def cpu(state):
+        return [tuple(x.cpu() if torch.is_tensor(x) else x for x in t) for t in state]
+
+    _assert_within_bound(cpu(_main_state(ref)), cpu(_main_state(opt)), steps, "cuda fused-step")
+    for (n, p0), p1 in zip(_core(ddp0).named_parameters(), _core(ddp1).parameters(), strict=True):
+        if p0.dtype == torch.bfloat16:
+            assert ((p1.float() - p0.float()).abs() <= 2.0**-7 * p0.float().abs()).all(), n
