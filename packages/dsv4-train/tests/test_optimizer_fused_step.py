@@ -96,6 +96,37 @@ def test_parity_with_megatron_adam(megatron_cpu, copy_calls, dist_opt, bf16, cli
 
 
 @pytest.mark.parametrize("dist_opt", [True, False])
+def test_param_without_grad_falls_back_to_megatrons_copy(megatron_cpu, copy_calls, dist_opt):
+    """A step in which the kernel did not write every model param (a main param without a gradient) leaves the
+    copy to megatron, which then makes every model param the rounding of its main param."""
+    from dsv4_primitives.megatron import cuda_as_cpu
+
+    with cuda_as_cpu():
+        ddp, opt = _build("fused-step", dist_opt, clip_grad=1.0)
+        _step(ddp, opt, 0)
+        assert copy_calls == []
+        wrapper = opt.chained_optimizers[0]
+        inner = wrapper.optimizer
+        first = inner.param_groups[0]["params"][0]
+        first.grad = None
+        with torch.no_grad():
+            first.add_(0.5)  # only megatron's copy can bring this into the model param
+        wrapper.step_with_ready_grads()
+    assert len(copy_calls) == 1 and inner.wrote_model_params is False
+    assert float(inner.state[first]["step"]) == 1.0  # no gradient: not stepped
+    if dist_opt:
+        pairs = zip(wrapper.shard_fp32_from_float16_groups, wrapper.model_float16_groups, strict=True)
+    else:
+        pairs = zip(wrapper.fp32_from_float16_groups, wrapper.float16_groups, strict=True)
+    n = 0
+    for mains, models in pairs:
+        for main, model_param in zip(mains, models, strict=True):
+            assert torch.equal(model_param.detach().view(-1), main.detach().view(-1).bfloat16())
+            n += 1
+    assert n >= 2
+
+
+@pytest.mark.parametrize("dist_opt", [True, False])
 @pytest.mark.parametrize(
     "save_impl, load_impl", [("fused-step", "unfused"), ("unfused", "fused-step"), ("fused", "fused-step")]
 )
