@@ -4,31 +4,40 @@ choice: ``torch.optim.AdamW(fused=True)`` directly on bf16 parameters, no fp32 m
 
     PYTHONPATH=<all packages/*/src> python3 packages/dsv4-train/benchmarks/bench_optimizer_step.py --out DIR
 
-Rows (each: the mean of ``--iters`` steps after 3 warm-up steps, CUDA-synchronised around each ``step()``):
+Rows (each: the mean of ``--iters`` steps after 3 warm-up steps, synchronised around each ``step()``), one
+``dsv4 train`` model per ``--optimizer-impl`` (built, stepped once for real, timed, freed before the next):
 
 * ``megatron fallback``: megatron-core's ``DistributedOptimizer.step()`` (fp32 main params, fused torch AdamW,
   gradient clipping at 1.0) with megatron's local multi-tensor ops (what megatron-core uses without transformer-
   engine / apex: a host sync per gradient tensor in the norm);
-* ``ours``: the same step with ``dsv4_primitives.megatron.multi_tensor``'s sync-free ``_foreach`` ops (the default of
-  ``dsv4 train`` since dsv4-train 0.3.0);
+* ``impl fused`` / ``impl foreach`` / ``impl unfused``: the same step with ``dsv4_primitives.megatron.multi_tensor``'s
+  sync-free ``_foreach`` ops (the default of ``dsv4 train`` since dsv4-train 0.3.0) on each torch AdamW kernel;
+* ``impl fused-step``: clip + AdamW + the bf16 model copy in one Triton pass (``dsv4_train.fused_step``);
 * ``peer: fused AdamW on bf16``: ``torch.optim.AdamW(fused=True)`` over bf16 copies of every parameter with bf16
   gradients (no master weights, no clipping): the 28.7 ms HF measured in the issue.
 
-The model and its optimizer come from one real ``dsv4 train`` step at ``--seq-len`` (which fills the gradients and
-creates Adam's state); the timed steps re-apply those gradients. Also printed: the bytes the step must move at
-least (fp32 main param read + write, fp32 grad read, two Adam moments read + write, bf16 param write; the norm's
-grad read) and the bandwidth that implies. Writes ``bench_optimizer_step.json``.
+The timed steps re-apply the gradients of the real step. Also printed: the bytes the step must move at least
+(fp32 main param read + write, fp32 grad read, two Adam moments read + write, bf16 param write; the norm's grad
+read) and the bandwidth that implies. Writes ``bench_optimizer_step.json``.
+
+Dry run of the whole script on the CPU (no GPU; the Triton kernel in the interpreter, times meaningless):
+
+    TRITON_INTERPRET=1 PYTHONPATH=... python3 packages/dsv4-train/benchmarks/bench_optimizer_step.py --out /tmp/b \
+        --preset tiny --seq-len 64 --iters 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_primitives.megatron.multi_tensor import (
     install_foreach_multi_tensor_ops,
     remove_foreach_multi_tensor_ops,
@@ -37,27 +46,28 @@ from dsv4_train.config import TrainConfig
 from dsv4_train.trainer import Trainer
 from dsv4_train.virtual_pipeline import ddp_chunks
 
+IMPLS = ("fused", "foreach", "unfused", "fused-step")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
 
 def _time(fn, iters: int) -> float:
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return 1e3 * sum(times) / len(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--preset", default="flash-smoke")
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=10)
-    args = ap.parse_args()
+def _trainer(args, impl: str) -> Trainer:
     tc = TrainConfig.from_flat(
         preset=args.preset,
         steps=1,
@@ -70,23 +80,47 @@ def main() -> None:
         progress=False,
         warmup_steps=0,
         save_final=False,
+        optimizer_impl=impl,
     )
     trainer = Trainer(tc)
     trainer.run()  # one real step: gradients and Adam state exist
-    params = [p for chunk in ddp_chunks(trainer.model) for p in chunk.parameters() if p.requires_grad]
-    n = sum(p.numel() for p in params)
-    rows = {}
-    remove_foreach_multi_tensor_ops()
-    rows["megatron fallback"] = _time(trainer.optimizer.step, args.iters)
-    install_foreach_multi_tensor_ops()
-    rows["ours"] = _time(trainer.optimizer.step, args.iters)
-    trainer.close()
-    del trainer
-    torch.cuda.empty_cache()
+    return trainer
 
-    peer_params = [
-        torch.nn.Parameter(torch.randn(p.shape, device="cuda", dtype=torch.bfloat16)) for p in params
-    ]
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", default="flash-smoke")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
+    args = ap.parse_args()
+    impls = [i for i in args.impls.split(",") if i]
+    if not impls or any(i not in IMPLS for i in impls):
+        raise ValueError(f"--impls must be a comma-separated subset of {IMPLS}, got {args.impls!r}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, n = {}, 0
+    # on the CPU (dry run) megatron's optimizer needs its CUDA calls mapped to the CPU, as dsv4 train does
+    on_device = contextlib.nullcontext if device == "cuda" else cuda_as_cpu
+    for impl in impls:
+        trainer = _trainer(args, impl)
+        params = [p for chunk in ddp_chunks(trainer.model) for p in chunk.parameters() if p.requires_grad]
+        shapes = [p.shape for p in params]
+        n = sum(p.numel() for p in params)
+        with on_device():
+            if impl == "fused":
+                remove_foreach_multi_tensor_ops()
+                rows["megatron fallback"] = _time(trainer.optimizer.step, args.iters)
+                install_foreach_multi_tensor_ops()
+            rows[f"impl {impl}"] = _time(trainer.optimizer.step, args.iters)
+        print(f"impl {impl}: {rows[f'impl {impl}']:.1f} ms", flush=True)
+        trainer.close()
+        del trainer, params
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    peer_params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.bfloat16)) for s in shapes]
     for p in peer_params:
         p.grad = torch.randn_like(p) * 1e-3
     peer = torch.optim.AdamW(peer_params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -95,7 +129,7 @@ def main() -> None:
     # fp32 main param r+w 8, grad r 4 (+4 for the norm), m and v r+w 16, bf16 param w 2
     min_bytes = n * (8 + 4 + 4 + 16 + 2)
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
         "preset": args.preset,
         "params": n,

@@ -15,6 +15,8 @@ fix-ups) and :func:`set_adam_impl` pins the kernel of each wrapper's inner torch
     impl="fused"    torch's fused AdamW kernel (``fused=True``): one pass per tensor list (CUDA; CPU too)
     impl="foreach"  torch's multi-tensor kernels (``foreach=True``)
     impl="unfused"  megatron's optimizer untouched (torch's default: foreach on CUDA, single-tensor on CPU)
+    impl="fused-step"  clip + AdamW + main -> bf16 model copy in one Triton pass (:mod:`dsv4_train.fused_step`;
+                    CUDA, or the CPU under ``TRITON_INTERPRET=1``)
     impl="auto"     "fused" when the params live on CUDA, else "unfused" (CPU runs keep their exact numbers)
 
 The inner optimizer is converted in place (its class becomes a kernel-pinned subclass, its groups' ``fused`` /
@@ -47,37 +49,18 @@ from megatron.core.optimizer import ChainedOptimizer
 from dsv4_primitives.megatron.multi_tensor import install_foreach_multi_tensor_ops
 from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
 from dsv4_train.config.sections import OPTIMIZER_IMPLS
-from dsv4_train.offload import MEGATRON_ADAM_FLAGS, check_cpu_offload, offload_distributed_optimizer
+from dsv4_train.fused_step import FusedStepAdamW, install_fused_step
+from dsv4_train.kernel_choice import KernelChoice
+from dsv4_train.offload import check_cpu_offload, offload_distributed_optimizer
 
 _KERNEL_FLAGS = {"fused": {"fused": True, "foreach": False}, "foreach": {"fused": False, "foreach": True}}
 
 
-class _KernelChoice:
-    """Mixin for torch Adam / AdamW: the kernel flags are runtime configuration, not checkpoint state."""
-
-    kernel_flags: dict
-
-    def state_dict(self):
-        sd = super().state_dict()
-        for group in sd["param_groups"]:  # fresh dicts (torch packs them per call)
-            group.update(MEGATRON_ADAM_FLAGS)
-        # the fused kernel keeps Adam's step on the params' device: write it where torch's default keeps it (CPU)
-        sd["state"] = {
-            i: {**st, "step": st["step"].detach().cpu()} if torch.is_tensor(st.get("step")) else st
-            for i, st in sd["state"].items()
-        }
-        return sd
-
-    def load_state_dict(self, state_dict):
-        groups = [{**g, **self.kernel_flags} for g in state_dict["param_groups"]]
-        super().load_state_dict({**state_dict, "param_groups": groups})
-
-
-class KernelChoiceAdamW(_KernelChoice, torch.optim.AdamW):
+class KernelChoiceAdamW(KernelChoice, torch.optim.AdamW):
     """``torch.optim.AdamW`` with a pinned kernel (``fused`` / ``foreach``) and megatron's checkpoint format."""
 
 
-class KernelChoiceAdam(_KernelChoice, torch.optim.Adam):
+class KernelChoiceAdam(KernelChoice, torch.optim.Adam):
     """``torch.optim.Adam`` (``decoupled_weight_decay`` as built) with a pinned kernel and megatron's format."""
 
 
@@ -128,18 +111,23 @@ def _pin_kernel(inner: torch.optim.Optimizer, impl: str) -> None:
 def set_adam_impl(optimizer, impl: str):
     """Give every torch Adam/AdamW inside megatron's ``optimizer`` the kernel ``impl`` (module doc); returns it.
 
-    ``impl`` is ``"fused"``, ``"foreach"`` or ``"unfused"`` (no change; resolve ``"auto"`` with
-    :func:`resolve_impl` first). Wrappers whose inner optimizer is not torch's Adam (transformer-engine / apex
+    ``impl`` is ``"fused"``, ``"foreach"``, ``"fused-step"`` (:func:`dsv4_train.fused_step.install_fused_step`) or
+    ``"unfused"`` (no change; resolve ``"auto"`` with :func:`resolve_impl` first). Wrappers whose inner optimizer is not torch's Adam (transformer-engine / apex
     ``FusedAdam``: fused already; SGD; the CPU-offload hybrid) are refused for an explicit kernel.
     """
-    if impl not in ("fused", "foreach", "unfused"):
-        raise ValueError(f"optimizer impl must be 'fused', 'foreach' or 'unfused', got {impl!r}")
+    if impl not in ("fused", "foreach", "fused-step", "unfused"):
+        raise ValueError(
+            f"optimizer impl must be 'fused', 'foreach', 'fused-step' or 'unfused', got {impl!r}"
+        )
     if impl == "unfused":
         return optimizer
     for wrapper in _inner_wrappers(optimizer):
         inner = getattr(wrapper, "optimizer", None)
         if inner is None or getattr(wrapper, "is_stub_optimizer", False):
             continue  # a rank without trainable params of this kind
+        if impl == "fused-step":
+            install_fused_step(wrapper)
+            continue
         if type(inner) not in (torch.optim.AdamW, torch.optim.Adam):
             raise ValueError(
                 f"--optimizer-impl {impl} selects a torch Adam kernel, but megatron built {type(inner).__name__} "
@@ -174,6 +162,7 @@ def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwa
 
 __all__ = [
     "OPTIMIZER_IMPLS",
+    "FusedStepAdamW",
     "KernelChoiceAdam",
     "KernelChoiceAdamW",
     "build_optimizer",

@@ -24,7 +24,7 @@ from dsv4_train.config.fields import (
 )
 
 #: the kernels of megatron's torch AdamW (:mod:`dsv4_train.optimizer`)
-OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "unfused")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "fused-step", "unfused")
 
 _MOCK_HELP = (
     "'mock[:KEY=VALUE,...]', keys mean, sigma, min, max (lognormal lengths; defaults 3/4, 1.1, 1/2 and 1 x --seq-len), "
@@ -149,8 +149,9 @@ class OptimizerSection:
     optimizer_impl: str = field(
         default="auto",
         metadata=option(
-            "kernel of megatron's torch AdamW: fused (one pass), foreach (multi-tensor), unfused (megatron's "
-            "optimizer as built); auto = fused on CUDA, unfused on CPU; checkpoints are interchangeable",
+            "kernel of megatron's torch AdamW: fused (one pass per tensor list), foreach (multi-tensor), fused-step "
+            "(clip + AdamW + bf16 model copy in one Triton pass), unfused (megatron's optimizer as built); auto = "
+            "fused on CUDA, unfused on CPU; checkpoints are interchangeable",
             choices=OPTIMIZER_IMPLS,
         ),
     )
