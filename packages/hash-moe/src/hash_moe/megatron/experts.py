@@ -20,6 +20,8 @@ grouped path, the sums in another order. Training and grad-mode forwards always 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -111,25 +113,18 @@ class ClampedSwiGLUExperts(MegatronModule):
         self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, /
     ) -> tuple[torch.Tensor, None]:
         """``[M, H]`` expert-sorted rows, ``[G]`` rows per expert, ``[M]`` weights -> ``([M, H], None)``."""
-        if self._takes_routed_path(dispatched_input):
-            out = routed_swiglu_experts(
-                dispatched_input,
-                tokens_per_expert,
-                self.gate_up_proj,
-                self.down_proj,
-                limit=self.limit,
-                probs=permuted_probs,
+        routed = self._takes_routed_path(dispatched_input)
+        if routed or not (self.recompute_activation and torch.is_grad_enabled()):
+            experts = (
+                routed_swiglu_experts if routed else partial(grouped_swiglu_experts, backend=self.backend)
             )
-            return out, None
-        if not (self.recompute_activation and torch.is_grad_enabled()):
-            out = grouped_swiglu_experts(
+            out = experts(
                 dispatched_input,
                 tokens_per_expert,
                 self.gate_up_proj,
                 self.down_proj,
                 limit=self.limit,
                 probs=permuted_probs,
-                backend=self.backend,
             )
             return out, None
         # moe_act: the activation [M, F] kept by the down projection is rebuilt from the up projection's output
