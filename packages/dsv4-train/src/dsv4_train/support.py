@@ -63,6 +63,11 @@ FEATURES: dict[str, Feature] = {
         ),
         Feature("offload", "--optimizer-cpu-offload", lambda tc, m: tc.optimizer.optimizer_cpu_offload),
         Feature("activation_offload", "--offload-activations", lambda tc, m: tc.memory.offload_activations),
+        Feature(
+            "fused_step",
+            "--optimizer-impl fused-step",
+            lambda tc, m: tc.optimizer.optimizer_impl == "fused-step",
+        ),
         Feature("deterministic", "--deterministic", lambda tc, m: tc.precision.deterministic),
         Feature("eval", "--eval-interval > 0", lambda tc, m: tc.eval.eval_interval > 0),
         Feature("resume", "--resume", lambda tc, m: bool(tc.checkpoint.resume)),
@@ -354,6 +359,19 @@ RELATIONS: tuple[Relation, ...] = (
         "those without them (CPU, CPU tensors copied the same way; the CUDA run from the CLI, "
         "test_activation_offload_gpu.py, has not run on a GPU yet)",
         "tests/test_activation_offload.py::test_full_recompute_steps_through_the_hooks_equal_the_plain_steps",
+    ),
+    Relation(
+        ("fused_step",),
+        "supported",
+        "clipping, AdamW and the bf16 model-param copy in one Triton pass: steps equal megatron's own (distributed "
+        "and plain optimizer, clipping on and off; CPU interpreter)",
+        "tests/test_optimizer_fused_step.py::test_parity_with_megatron_adam",
+    ),
+    Relation(
+        ("fused_step", "resume"),
+        "supported",
+        "resumes bit for bit, also into and from the other --optimizer-impl choices (same checkpoint format)",
+        "tests/test_optimizer_fused_step.py::test_train_exact_resume_and_cross_impl_resume",
     ),
     Relation(
         ("offload", "dp"),
