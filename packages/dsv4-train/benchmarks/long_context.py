@@ -214,7 +214,9 @@ def _next_lengths(seq_lens, max_seq_len: int):
 
 def offloads_to_host(setting: str) -> bool:
     """Whether ``setting`` moves the optimizer state or the checkpointed activations to the host."""
-    return bool(SETTINGS[setting].get("optimizer_cpu_offload") or SETTINGS[setting].get("offload_activations"))
+    return bool(
+        SETTINGS[setting].get("optimizer_cpu_offload") or SETTINGS[setting].get("offload_activations")
+    )
 
 
 def _plan(setting: str, seq_lens, max_seq_len: int, target: int | None) -> tuple[list[int], list[int]]:
