@@ -15,7 +15,7 @@ sequences of 64 tokens (a THD pack of three documents cut over CP, then over TP:
 block), one thread per process:
 
 * fp32, from a conversion: the 4-rank run ``--init-from`` the ``--tp 2 --ep 2`` conversion of an HF export (each
-  rank reads its TP x EP shards, the two CP chunks the same file), against one process ``--init-from`` the TP 1
+  rank reads its TP and EP shards from it), against one process ``--init-from`` the TP 1
   conversion of the same export: every metric of both steps within ``2e-5`` relative (the bound of
   ``test_convert_released_cli.py`` and ``test_train_tensor_context_parallel.py``: fp32 sums of ``k <= 512`` terms in
   another order). The second step starts from the weights the first step's reduced gradients produced, so it checks
