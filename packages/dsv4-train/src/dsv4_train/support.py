@@ -2,12 +2,13 @@
 
 Each :class:`Feature` says when a run uses it (a predicate of the :class:`~dsv4_train.config.TrainConfig` and the
 :class:`Machine`); each :class:`Relation` says what a set of features does together: ``refused`` (the run stops
-before any work, with the relation's reason) or ``supported`` (and the test that runs it). A refusal that can be
+before any work, with the relation's reason), ``supported`` (and the test that runs it) or ``untested`` (accepted,
+but no test runs the combination: the reason says what is known of it and why no test runs it). A refusal that can be
 decided from the config alone (``when="config"``) is raised when the config is built; one that needs the machine
 (the data-parallel size, CUDA, the resolved precision) when the run starts (:func:`check_run_relations`). A new
 feature adds a :class:`Feature` and its rows; ``python3 packages/dsv4-train/tools/readme_tables.py`` rewrites the
-README's matrix from this table, and the tests check that every supported row names a test that exists and every
-refused row raises its reason.
+README's matrix from this table, and the tests check that every supported row names a test that exists, every
+refused row raises its reason and every untested row is accepted.
 
 This module reads configs duck-typed (no import of :mod:`dsv4_train.config`), so the config can check itself with
 it.
@@ -87,12 +88,13 @@ class Relation:
     """What ``features`` do together (each active, and each of ``without`` inactive).
 
     ``reason``: for a refusal, the error message (``str.format`` fields: the config's flat fields and ``dp``);
-    for a supported row, what is checked. ``tested_by``: ``tests/FILE.py::test_name`` of a test that runs the
-    combination (supported) or asserts the refusal.
+    for a supported row, what is checked; for an untested row, what is known and why no test runs it.
+    ``tested_by``: ``tests/FILE.py::test_name`` of a test that runs the combination (supported) or asserts the
+    refusal; for an untested row, the test that checks the config accepts it.
     """
 
     features: tuple[str, ...]
-    verdict: Literal["supported", "refused"]
+    verdict: Literal["supported", "refused", "untested"]
     reason: str
     tested_by: str
     without: tuple[str, ...] = ()
@@ -123,6 +125,8 @@ _TP = "tests/test_train_tensor_parallel.py::"
 _REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 _TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
 _TPCP = "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process"
+_TPCPEP = "tests/test_train_tp_cp_ep.py::"
+_UNTESTED = "tests/test_support_table.py::test_every_untested_relation_is_accepted"
 
 RELATIONS: tuple[Relation, ...] = (
     # refused: decided by the config
@@ -311,6 +315,29 @@ RELATIONS: tuple[Relation, ...] = (
         _TPCP,
     ),
     Relation(
+        ("tp", "cp", "ep"),
+        "supported",
+        "TP2 x CP2 x EP2 (4 ranks; expert groups over the TP x CP ranks, expert TP 1, expert DP 2) equals one process "
+        "from the CLI: fp32 from a 'dsv4 convert --tp 2 --ep 2' conversion (one process from the TP 1 conversion), "
+        "bf16 from the same --seed",
+        _TPCPEP + "test_tp2xcp2xep2_from_a_tp2_ep2_conversion_equals_one_process",
+    ),
+    Relation(
+        ("tp", "cp", "pp"),
+        "untested",
+        "accepted, no CI test (8 ranks): TP x CP and CP x PP compose in the code (the stage-to-stage streams are the "
+        "CP chunk's sequence-parallel shard); TP2 x CP2 x PP2 ran once by hand from the CLI (fp32, [B, S] B = 3): "
+        "steps 1 and 2 within 2e-7 of one process",
+        _UNTESTED,
+    ),
+    Relation(
+        ("tp", "cp", "dp"),
+        "untested",
+        "accepted, no CI test (8 ranks): DP replicates the TP x CP model (gradients reduced over DP x CP by DDP, "
+        "as under CP x DP); not run",
+        _UNTESTED,
+    ),
+    Relation(
         ("pp", "vpp"),
         "supported",
         "PP2 x VPP2 equals one process, from the same --seed (same initial model; also from the CLI)",
@@ -389,7 +416,9 @@ RELATIONS: tuple[Relation, ...] = (
 
 
 def _cell(verdicts: set[str]) -> str:
-    return "refused" if verdicts == {"refused"} else "yes" if verdicts == {"supported"} else "partly"
+    if len(verdicts) == 1:
+        return {"refused": "refused", "supported": "yes", "untested": "untested"}[next(iter(verdicts))]
+    return "partly"
 
 
 def render_matrix() -> str:
@@ -401,9 +430,9 @@ def render_matrix() -> str:
             key = frozenset(rel.features)
             pairs.setdefault(key, set()).add(rel.verdict)
     lines = [
-        "Pairs of features (`yes`: run by a test; `refused`: stops before any work with the reason below; blank: "
-        "no test combines them yet). Generated from `dsv4_train.support` by "
-        "`python3 packages/dsv4-train/tools/readme_tables.py`.",
+        "Pairs of features (`yes`: run by a test; `refused`: stops before any work with the reason below; "
+        "`untested`: accepted, no test runs it; blank: no test combines them yet). Generated from "
+        "`dsv4_train.support` by `python3 packages/dsv4-train/tools/readme_tables.py`.",
         "",
         "| | " + " | ".join(f"`{n}`" for n in names) + " |",
         "|---|" + "---|" * len(names),
@@ -420,7 +449,8 @@ def render_matrix() -> str:
         feats = " + ".join(f"`{n}`" for n in rel.features) + "".join(f" without `{n}`" for n in rel.without)
         flags = ", ".join(FEATURES[n].flag for n in (*rel.features, *rel.without))
         reason = rel.reason.replace("|", "\\|")
-        lines.append(f"| {feats} | {flags} | {rel.verdict} ({rel.when}) | {reason} | `{rel.tested_by}` |")
+        verdict = rel.verdict if rel.verdict == "untested" else f"{rel.verdict} ({rel.when})"
+        lines.append(f"| {feats} | {flags} | {verdict} | {reason} | `{rel.tested_by}` |")
     return "\n".join(lines + ["", *render_symbol_tp()])
 
 
