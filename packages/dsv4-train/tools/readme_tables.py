@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dsv4_train.config.reference import render_config_reference
 from dsv4_train.memory_tables import render_measured, render_presets, render_tp
-from dsv4_train.support import render_matrix
+from dsv4_train.support_render import render_matrix
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TABLES = {
