@@ -25,7 +25,7 @@ from dsv4_primitives.rope import (
     yarn_ramp_bounds,
 )
 
-__version__ = "0.7.3"
+__version__ = "0.7.4"
 
 __all__ = [
     "KEEP_IN_FP32_ATTR",
