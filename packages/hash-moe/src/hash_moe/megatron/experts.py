@@ -11,7 +11,8 @@ Settings read from the ``TransformerConfig``: ``moe_ffn_hidden_size`` (F), ``moe
 ``init_method`` / ``output_layer_init_method``. Expert tensor parallelism is not supported (DSv4 shards experts by
 EP only).
 
-**Decoding.** In eval mode without grad (cached decoding, ``hybrid_model.generation``), on CUDA, with at most
+**Decoding** (opt-in: ``routed_max_rows`` > 0; the default 0 keeps the grouped GEMM until the kernels are measured
+on a GPU). In eval mode without grad (cached decoding, ``hybrid_model.generation``), on CUDA, with at most
 ``routed_max_rows`` dispatched rows (``tokens · topk``), the routed experts run
 :func:`hash_moe.routed_experts.routed_swiglu_experts`: only the experts with rows have their weights read (the
 grouped GEMM reads all ``G``), with the counts on the device (no sync, CUDA-graph capturable). Same roundings as the
@@ -37,9 +38,9 @@ from hash_moe.grouped_gemm import GroupedBackend, grouped_mm
 from hash_moe.routed_experts import ROUTED_DTYPES, routed_swiglu_experts
 from hash_moe.swiglu import check_swiglu_limit, clamped_swiglu
 
-#: default ``routed_max_rows``: decode batches up to 42 tokens at top-6 (``bench_routed_decode.py`` measures the
-#: crossover with the grouped GEMM)
-ROUTED_MAX_ROWS = 256
+#: default ``routed_max_rows``: 0 (off) until ``bench_routed_decode.py`` has measured the kernels on a GPU; 256
+#: (decode batches up to 42 tokens at top-6) is the value the GPU tests and the benchmark use
+ROUTED_MAX_ROWS = 0
 
 
 def _param_device() -> torch.device:
