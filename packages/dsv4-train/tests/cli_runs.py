@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ONE_PROCESS = [sys.executable, "-m", "dsv4_train"]
 
 
@@ -33,3 +35,33 @@ def train_metrics(cmd: list[str], out: Path, *args: str) -> list[dict]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+#: the metrics a parallel run is compared on against one process (test_train_tensor_context_parallel.py's docstring
+#: derives the bounds): fp32 within ``FP32_REL``; bf16 within twice the one-process bf16-vs-fp32 deviation, with a
+#: ``2·u_bf16`` relative floor for the fp32 statistics
+PARITY_KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
+FP32_REL = 2e-5
+BF16_U = 2.0**-8
+FP32_STATISTICS = ("balance_loss", "indexer_loss")
+
+
+def assert_fp32_parity(got: list[dict], one: list[dict]) -> None:
+    """Every step's ``PARITY_KEYS`` of the parallel fp32 run within ``FP32_REL`` of one process."""
+    for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
+        for key in PARITY_KEYS:
+            assert g[key] == pytest.approx(r[key], rel=FP32_REL, abs=1e-9), (step, key, g[key], r[key])
+
+
+def assert_bf16_parity(got: list[dict], one: list[dict], one_fp32: list[dict]) -> None:
+    """Every step's ``PARITY_KEYS`` of the parallel bf16 run within the bf16 bound of one process's bf16 run
+    (``one``), derived from that run's deviation from its fp32 twin (``one_fp32``)."""
+    for key in PARITY_KEYS:
+        delta = max(
+            abs(b[key] - f[key]) for b, f in zip(one, one_fp32, strict=True)
+        )  # one-process bf16 vs fp32
+        for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
+            bound = 2 * delta
+            if key in FP32_STATISTICS:
+                bound = max(bound, 2 * BF16_U * abs(r[key]))
+            assert abs(g[key] - r[key]) <= bound, (step, key, g[key], r[key], bound)

@@ -50,7 +50,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ONE_PROCESS, torchrun, train_metrics
+from cli_runs import ONE_PROCESS, PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, torchrun, train_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -63,10 +63,6 @@ BATCHES = {
     "bs3": ["--micro-batch-size", "3", "--global-batch-size", "3"],
     "packed": ["--packed", "--global-batch-size", "2"],
 }
-_KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
-_FP32_REL = 2e-5
-_BF16_U = 2.0**-8
-_FP32_STATISTICS = ("balance_loss", "indexer_loss")  # bf16 bound with the 2·u_bf16 relative floor (docstring)
 DTYPES = {"fp32": "--no-bf16", "bf16": "--bf16"}
 
 
@@ -91,18 +87,9 @@ def test_tp2xcp2_from_the_cli_equals_one_process(runs, dtype):
     assert [m["step"] for m in one] == [m["step"] for m in got] == [1, 2]
     for g, r in zip(got, one, strict=True):
         assert g["lr"] == r["lr"]
-        for key in _KEYS:
+        for key in PARITY_KEYS:
             assert r[key] is not None and g[key] is not None, key
     if dtype == "fp32":
-        for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
-            for key in _KEYS:
-                assert g[key] == pytest.approx(r[key], rel=_FP32_REL, abs=1e-9), (step, key, g[key], r[key])
-        return
-    fp32 = runs["one", "fp32"]
-    for key in _KEYS:
-        delta = max(abs(b[key] - f[key]) for b, f in zip(one, fp32, strict=True))  # one-process bf16 vs fp32
-        for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
-            bound = 2 * delta
-            if key in _FP32_STATISTICS:
-                bound = max(bound, 2 * _BF16_U * abs(r[key]))
-            assert abs(g[key] - r[key]) <= bound, (step, key, g[key], r[key], bound)
+        assert_fp32_parity(got, one)
+    else:
+        assert_bf16_parity(got, one, runs["one", "fp32"])

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ONE_PROCESS, torchrun, train_metrics
+from cli_runs import ONE_PROCESS, PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, torchrun, train_metrics
 
 from dsv4_testkit.megatron_cpu import megatron_cpu_context
 from dsv4_train.cli import main
@@ -52,10 +52,6 @@ _COMMON = [
     "--data", "mock:docs=64,min=5,max=40,mean=16", "--micro-batch-size", "3", "--global-batch-size", "3",
 ]  # fmt: skip
 _LAYOUT = ["--tp", "2", "--cp", "2", "--ep", "2"]
-_KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
-_FP32_REL = 2e-5
-_BF16_U = 2.0**-8
-_FP32_STATISTICS = ("balance_loss", "indexer_loss")  # bf16 bound with the 2·u_bf16 relative floor (docstring)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +85,7 @@ def _check_shape(got: list[dict], one: list[dict]) -> None:
     assert [m["step"] for m in one] == [m["step"] for m in got] == [1, 2]
     for g, r in zip(got, one, strict=True):
         assert g["lr"] == r["lr"]
-        for key in _KEYS:
+        for key in PARITY_KEYS:
             assert r[key] is not None and g[key] is not None, key
 
 
@@ -98,18 +94,10 @@ def test_tp2xcp2xep2_from_a_tp2_ep2_conversion_equals_one_process(runs):
     _check_shape(got, one)
     # the conversion, not the seed, gave the initial model (the seed's own model starts elsewhere)
     assert one[0]["lm_loss"] != runs["one", "fp32", "seed"][0]["lm_loss"]
-    for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
-        for key in _KEYS:
-            assert g[key] == pytest.approx(r[key], rel=_FP32_REL, abs=1e-9), (step, key, g[key], r[key])
+    assert_fp32_parity(got, one)
 
 
 def test_tp2xcp2xep2_bf16_from_the_seed_equals_one_process(runs):
     one, got, fp32 = runs["one", "bf16", "seed"], runs["tpcpep", "bf16", "seed"], runs["one", "fp32", "seed"]
     _check_shape(got, one)
-    for key in _KEYS:
-        delta = max(abs(b[key] - f[key]) for b, f in zip(one, fp32, strict=True))  # one-process bf16 vs fp32
-        for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
-            bound = 2 * delta
-            if key in _FP32_STATISTICS:
-                bound = max(bound, 2 * _BF16_U * abs(r[key]))
-            assert abs(g[key] - r[key]) <= bound, (step, key, g[key], r[key], bound)
+    assert_bf16_parity(got, one, fp32)
