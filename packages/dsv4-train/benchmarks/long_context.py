@@ -5,9 +5,10 @@ flash-smoke at growing sequence lengths, for each activation-recompute setting (
 Per setting (:data:`SETTINGS`, most informative first: full recompute with the optimizer CPU offload at F = 1 and
 0.5, then full / selective / no recompute) one fresh process builds the model and megatron's distributed optimizer
 through ``dsv4 train``'s own setup (bf16, fused AdamW or the offload, gradient clipping), then runs
-:class:`StepRunner` steps on one random ``[1, S]`` sequence per point. Offload settings (optimizer or activations to the host): S = 64K first, then longer
-(96K, 128K, ...) until the first out-of-memory, then 4K / 16K / 32K; the others: S = 4K, 16K, 32K, 64K, then longer
-until the first out-of-memory, then one bisection probe between the last fitting length and the first OOM. Every
+:class:`StepRunner` steps on one random ``[1, S]`` sequence per point. Offload settings (optimizer or activations
+to the host): S = 64K first, then longer (96K, 128K, ...) until the first out-of-memory, then 4K / 16K / 32K; the
+others: S = 4K, 16K, 32K, 64K, then longer until the first out-of-memory, then one bisection probe between the last
+fitting length and the first OOM. Every
 point: one warm-up step, ``iters`` timed steps; tokens/s, ms per step, the optimizer step alone (``optimizer_ms``,
 synchronised before and after), peak GiB (``max_memory_allocated`` over the timed steps), the static GiB (weights, gradient buffers, Adam states: allocated between steps) and GiB per 1K tokens (peak
 minus static, per 1K tokens; and the marginal slope of the peak from the previous point). The total time is bounded:

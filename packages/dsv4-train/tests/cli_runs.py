@@ -46,6 +46,15 @@ BF16_U = 2.0**-8
 FP32_STATISTICS = ("balance_loss", "indexer_loss")
 
 
+def assert_same_steps(got: list[dict], one: list[dict]) -> None:
+    """Both runs logged steps 1 and 2 with the same learning rates and a value for every ``PARITY_KEYS``."""
+    assert [m["step"] for m in one] == [m["step"] for m in got] == [1, 2]
+    for g, r in zip(got, one, strict=True):
+        assert g["lr"] == r["lr"]
+        for key in PARITY_KEYS:
+            assert r[key] is not None and g[key] is not None, key
+
+
 def assert_fp32_parity(got: list[dict], one: list[dict]) -> None:
     """Every step's ``PARITY_KEYS`` of the parallel fp32 run within ``FP32_REL`` of one process."""
     for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):

@@ -42,7 +42,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32 as m
 
 from dsv4_primitives.dispatch import triton_usable
 from dsv4_primitives.fused_adamw import AdamWHyper, fused_adamw_step
-from dsv4_train.kernel_choice import KernelChoice
+from dsv4_train.kernel_choice import KernelChoice, check_fresh, convert_in_place
 from dsv4_train.offload import MEGATRON_ADAM_FLAGS
 
 # attribute of a main param: weakref to the FusedStepAdamW stepping it (for the deferred clip)
@@ -52,7 +52,6 @@ _OWNER_ATTR = "_dsv4_fused_step_owner"
 class FusedStepAdamW(KernelChoice, torch.optim.AdamW):
     """``torch.optim.AdamW`` whose ``step()`` is one fused Triton pass (module doc); megatron's checkpoint format."""
 
-    kernel_flags = dict(MEGATRON_ADAM_FLAGS)
     destinations: list  # per main param (param-group order): a callable giving its model-param view, or None
     clip_coefs: dict  # id(main param) -> deferred clip coefficient (float or device tensor) of this step
     wrote_model_params: bool
@@ -244,15 +243,10 @@ def install_fused_step(wrapper) -> None:
     """Turn the fresh torch AdamW inside megatron's ``wrapper`` (a DistributedOptimizer, Float16 or FP32
     optimizer) into :class:`FusedStepAdamW` in place and wire the copy / clip (module doc)."""
     inner = wrapper.optimizer
-    if inner.state:
-        raise ValueError(
-            "--optimizer-impl fused-step must be set on a freshly built optimizer (Adam state exists)"
-        )
+    check_fresh(inner, "fused-step")
     _refuse_unsupported(wrapper, inner)
-    inner.__class__ = FusedStepAdamW
-    inner.defaults.update(MEGATRON_ADAM_FLAGS)
+    convert_in_place(inner, FusedStepAdamW, MEGATRON_ADAM_FLAGS)
     for g in inner.param_groups:
-        g.update(MEGATRON_ADAM_FLAGS)
         for p in g["params"]:
             setattr(p, _OWNER_ATTR, weakref.ref(inner))
     inner.destinations = _destinations(wrapper, inner)

@@ -35,4 +35,22 @@ class KernelChoice:
         super().load_state_dict({**state_dict, "param_groups": groups})
 
 
-__all__ = ["KernelChoice"]
+def check_fresh(inner: torch.optim.Optimizer, impl: str) -> None:
+    """``ValueError`` unless ``inner`` has no Adam state yet (a kernel choice converts a freshly built optimizer)."""
+    if inner.state:
+        raise ValueError(
+            f"--optimizer-impl {impl} must be set on a freshly built optimizer (its Adam state is not empty)"
+        )
+
+
+def convert_in_place(inner: torch.optim.Optimizer, cls: type, flags: dict) -> None:
+    """Make ``inner`` a ``cls`` (a :class:`KernelChoice` subclass) in place, its defaults and every param group
+    carrying ``flags`` (the same object and group dicts: megatron keeps references to them)."""
+    inner.__class__ = cls
+    inner.defaults.update(flags)
+    for g in inner.param_groups:
+        g.update(flags)
+    inner.kernel_flags = dict(flags)
+
+
+__all__ = ["KernelChoice", "check_fresh", "convert_in_place"]

@@ -50,7 +50,7 @@ from dsv4_primitives.megatron.multi_tensor import install_foreach_multi_tensor_o
 from dsv4_primitives.megatron.precision import get_megatron_optimizer_keep_fp32
 from dsv4_train.config.sections import OPTIMIZER_IMPLS
 from dsv4_train.fused_step import FusedStepAdamW, install_fused_step
-from dsv4_train.kernel_choice import KernelChoice
+from dsv4_train.kernel_choice import KernelChoice, check_fresh, convert_in_place
 from dsv4_train.offload import check_cpu_offload, offload_distributed_optimizer
 
 _KERNEL_FLAGS = {"fused": {"fused": True, "foreach": False}, "foreach": {"fused": False, "foreach": True}}
@@ -83,8 +83,7 @@ def _pin_kernel(inner: torch.optim.Optimizer, impl: str) -> None:
 
     In place, because megatron's groups hold tensors torch's constructor refuses (the distributed optimizer's
     shards of native FP32 params are views of leaves) and megatron keeps references to the group dicts."""
-    if inner.state:
-        raise ValueError("set_adam_impl must run on a freshly built optimizer (its Adam state is not empty)")
+    check_fresh(inner, impl)
     flags = _KERNEL_FLAGS[impl]
     params = [p for g in inner.param_groups for p in g["params"]]
     if flags["fused"]:
@@ -99,11 +98,9 @@ def _pin_kernel(inner: torch.optim.Optimizer, impl: str) -> None:
                 f"--optimizer-impl fused needs floating-point params on {supported}, got {bad[0].dtype} on "
                 f"{bad[0].device}; use --optimizer-impl foreach or unfused"
             )
-    inner.__class__ = KernelChoiceAdamW if type(inner) is torch.optim.AdamW else KernelChoiceAdam
-    inner.defaults.update(flags)
-    for g in inner.param_groups:
-        g.update(flags)
-    inner.kernel_flags = dict(flags)
+    convert_in_place(
+        inner, KernelChoiceAdamW if type(inner) is torch.optim.AdamW else KernelChoiceAdam, flags
+    )
     if flags["fused"]:
         inner._step_supports_amp_scaling = True  # what torch's constructor sets for fused=True
 
@@ -112,13 +109,12 @@ def set_adam_impl(optimizer, impl: str):
     """Give every torch Adam/AdamW inside megatron's ``optimizer`` the kernel ``impl`` (module doc); returns it.
 
     ``impl`` is ``"fused"``, ``"foreach"``, ``"fused-step"`` (:func:`dsv4_train.fused_step.install_fused_step`) or
-    ``"unfused"`` (no change; resolve ``"auto"`` with :func:`resolve_impl` first). Wrappers whose inner optimizer is not torch's Adam (transformer-engine / apex
-    ``FusedAdam``: fused already; SGD; the CPU-offload hybrid) are refused for an explicit kernel.
+    ``"unfused"`` (no change; resolve ``"auto"`` with :func:`resolve_impl` first). Wrappers whose inner optimizer is
+    not torch's Adam (transformer-engine / apex ``FusedAdam``: fused already; SGD; the CPU-offload hybrid) are refused for an explicit kernel.
     """
-    if impl not in ("fused", "foreach", "fused-step", "unfused"):
-        raise ValueError(
-            f"optimizer impl must be 'fused', 'foreach', 'fused-step' or 'unfused', got {impl!r}"
-        )
+    kernels = tuple(i for i in OPTIMIZER_IMPLS if i != "auto")
+    if impl not in kernels:
+        raise ValueError(f"optimizer impl must be one of {kernels} (resolve 'auto' first), got {impl!r}")
     if impl == "unfused":
         return optimizer
     for wrapper in _inner_wrappers(optimizer):

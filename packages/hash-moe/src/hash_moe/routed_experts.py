@@ -36,6 +36,7 @@ import torch
 import triton
 
 from dsv4_primitives.dispatch import triton_usable
+from hash_moe.grouped_gemm import _counts_list
 from hash_moe.kernels.routed_experts_triton import _routed_gate_up_kernel, _routed_mm_kernel
 from hash_moe.swiglu import check_swiglu_limit
 
@@ -123,15 +124,32 @@ def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], m: int, device: 
     )
     if not on_host:
         return tokens_per_expert
-    if isinstance(tokens_per_expert, torch.Tensor):
-        if tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype == torch.bool:
-            raise ValueError(f"tokens_per_expert must hold integers, got {tokens_per_expert.dtype}")
-        host = [int(c) for c in tokens_per_expert.tolist()]
-    else:
-        host = [int(c) for c in tokens_per_expert]
+    if isinstance(tokens_per_expert, torch.Tensor) and (
+        tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype == torch.bool
+    ):
+        raise ValueError(f"tokens_per_expert must hold integers, got {tokens_per_expert.dtype}")
+    host = _counts_list(tokens_per_expert)
     if any(c < 0 for c in host) or sum(host) > m:
         raise ValueError(f"tokens_per_expert must be non-negative and sum to at most M={m}, got {host}")
     return torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _routed_slots(
+    tokens_per_expert: torch.Tensor | Sequence[int], m: int, g: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """:func:`_expert_slots` of the counts on ``device`` (:func:`_as_counts`), which must have ``g`` entries."""
+    slots, starts, counts = _expert_slots(_as_counts(tokens_per_expert, m, device), m, device)
+    if counts.shape[0] != g:
+        raise ValueError(f"tokens_per_expert has {counts.shape[0]} entries for {g} experts")
+    return slots, starts, counts
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    """The kernels' ``IEEE`` / ``UPCAST`` switches: exact fp32 products for fp32 and in the interpreter, whose
+    bf16 / fp16 ``tl.dot`` is wrong (it multiplies those tiles in fp32 instead)."""
+    return dict(
+        IEEE=dtype == torch.float32 or _interpreting(), UPCAST=_interpreting() and dtype != torch.float32
+    )
 
 
 def _zero_filler_rows(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -162,8 +180,7 @@ def _launch_mm(x, w, slots, starts, counts, out) -> None:
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
-        IEEE=x.dtype == torch.float32 or _interpreting(),
-        UPCAST=_interpreting() and x.dtype != torch.float32,
+        **_dot_flags(x.dtype),
         num_warps=NUM_WARPS,
         num_stages=stages,
     )
@@ -185,11 +202,7 @@ def routed_mm(
             f"routed_mm expects x [M, K] and w [G, N, K] with equal K; got {tuple(x.shape)} and {tuple(w.shape)}"
         )
     _check_operands("routed_mm", x, (w,), None)
-    slots, starts, counts = _expert_slots(
-        _as_counts(tokens_per_expert, x.shape[0], x.device), x.shape[0], x.device
-    )
-    if counts.shape[0] != w.shape[0]:
-        raise ValueError(f"tokens_per_expert has {counts.shape[0]} entries for {w.shape[0]} experts")
+    slots, starts, counts = _routed_slots(tokens_per_expert, x.shape[0], w.shape[0], x.device)
     x, w = x.contiguous(), w.contiguous()
     out = torch.empty(x.shape[0], w.shape[1], device=x.device, dtype=_store_dtype(x.dtype))  # [M, N]
     if x.shape[0] and w.shape[1] and w.shape[0]:
@@ -237,9 +250,7 @@ def routed_swiglu_experts(
     if probs is not None and probs.shape != (m,):
         raise ValueError(f"probs must be [M] = ({m},), got {tuple(probs.shape)}")
     _check_operands("routed_swiglu_experts", x, (gate_up, down), probs)
-    slots, starts, counts = _expert_slots(_as_counts(tokens_per_expert, m, x.device), m, x.device)
-    if counts.shape[0] != g:
-        raise ValueError(f"tokens_per_expert has {counts.shape[0]} entries for {g} experts")
+    slots, starts, counts = _routed_slots(tokens_per_expert, m, g, x.device)
     f = down.shape[2]
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     h = torch.empty(m, f, device=x.device, dtype=_store_dtype(x.dtype))  # [M, F]; filler rows never read
@@ -264,8 +275,7 @@ def routed_swiglu_experts(
             BLOCK_M=block_m,
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,
-            IEEE=x.dtype == torch.float32 or _interpreting(),
-            UPCAST=_interpreting() and x.dtype != torch.float32,
+            **_dot_flags(x.dtype),
             ROUND_BF16_BY_BITS=_interpreting() and x.dtype == torch.bfloat16,
             HAS_LIMIT=limit is not None,
             HAS_PROBS=probs is not None,
