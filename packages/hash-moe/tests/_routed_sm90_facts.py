@@ -64,16 +64,24 @@ def compile_sm90(kernel, consts: dict, ptrs: dict, ints: dict, stages: int, out_
 def case_facts(kernel: str, dtype: str, m: int, out_dir: Path) -> dict:
     block_m, stages = launch_config(TORCH_DTYPES[dtype], m, EXPERTS)
     consts = {
+        "G_BLOCK": triton.next_power_of_2(EXPERTS),
         "BLOCK_M": block_m,
         "BLOCK_N": BLOCK_N,
         "BLOCK_K": BLOCK_K,
         "IEEE": dtype == "fp32",
         "UPCAST": False,
     }
-    index = {"slot_expert_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32"}
+    index = {"counts_ptr": "*i64"}  # megatron's tokens_per_expert
     if kernel == "mm":  # fc2: [M, F] x [G, H, F]
         ptrs = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", **index}
-        ints = {"n_out": HIDDEN, "n_in": FFN, "stride_x": FFN, "stride_we": HIDDEN * FFN, "stride_wn": FFN}
+        ints = {
+            "n_experts": EXPERTS,
+            "n_out": HIDDEN,
+            "n_in": FFN,
+            "stride_x": FFN,
+            "stride_we": HIDDEN * FFN,
+            "stride_wn": FFN,
+        }
         facts = compile_sm90(
             kernels._routed_mm_kernel, consts, ptrs, {**ints, "stride_out": HIDDEN}, stages, out_dir
         )
@@ -81,6 +89,7 @@ def case_facts(kernel: str, dtype: str, m: int, out_dir: Path) -> dict:
         consts |= {"ROUND_BF16_BY_BITS": False, "HAS_LIMIT": True, "HAS_PROBS": True}
         ptrs = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "p_ptr": "*fp32", "h_ptr": f"*{dtype}", **index}
         ints = {
+            "n_experts": EXPERTS,
             "n_ffn": FFN,
             "n_in": HIDDEN,
             "stride_x": HIDDEN,

@@ -90,9 +90,8 @@ def _check_operands(
         )
 
 
-def _expert_slots(counts: torch.Tensor, m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``(slot_expert [S], starts [G], counts [G])`` on ``device``, all int32: experts with rows first (ascending),
-    then the empty ones; ``S = min(M, G)`` (at most ``M`` experts have rows)."""
+def _checked_counts(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``counts`` if it is an integer ``[G]`` tensor on ``device`` (the kernels find each slot's expert from it)."""
     if (
         counts.dim() != 1
         or counts.dtype.is_floating_point
@@ -103,17 +102,7 @@ def _expert_slots(counts: torch.Tensor, m: int, device: torch.device) -> tuple[t
             f"tokens_per_expert must be an integer [G] tensor on {device}, got {counts.dtype} "
             f"{tuple(counts.shape)} on {counts.device}"
         )
-    counts = counts.to(torch.int32)
-    starts = counts.cumsum(0, dtype=torch.int32) - counts  # [G]
-    active = counts > 0  # [G]
-    n_active = active.sum(dtype=torch.int32)
-    # each expert's slot: the active ones in order, then the empty ones (a stable partition: cumsums, one scatter)
-    slot = torch.where(
-        active, active.cumsum(0, dtype=torch.int32) - 1, n_active + (~active).cumsum(0, dtype=torch.int32) - 1
-    )  # [G]
-    experts = torch.arange(counts.shape[0], device=device, dtype=torch.int32)
-    slot_expert = torch.empty_like(experts).scatter_(0, slot.long(), experts)  # [G]
-    return slot_expert[: min(m, counts.shape[0])], starts, counts
+    return counts
 
 
 def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], m: int, device: torch.device) -> torch.Tensor:
@@ -134,14 +123,20 @@ def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], m: int, device: 
     return torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _routed_slots(
+def _device_counts(
     tokens_per_expert: torch.Tensor | Sequence[int], m: int, g: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """:func:`_expert_slots` of the counts on ``device`` (:func:`_as_counts`), which must have ``g`` entries."""
-    slots, starts, counts = _expert_slots(_as_counts(tokens_per_expert, m, device), m, device)
+) -> torch.Tensor:
+    """The ``[G]`` counts on ``device`` (:func:`_as_counts`), checked to have ``g`` entries."""
+    counts = _checked_counts(_as_counts(tokens_per_expert, m, device), device)
     if counts.shape[0] != g:
         raise ValueError(f"tokens_per_expert has {counts.shape[0]} entries for {g} experts")
-    return slots, starts, counts
+    return counts
+
+
+def _grid_args(counts: torch.Tensor, m: int) -> tuple[int, int]:
+    """``(S, G_BLOCK)``: the static slot count ``min(M, G)`` and the kernels' power-of-two width over ``G``."""
+    g = counts.shape[0]
+    return min(m, g), triton.next_power_of_2(max(g, 1))
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
@@ -152,31 +147,25 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     )
 
 
-def _zero_filler_rows(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows ``>= Σ counts`` (filler of a static-size permutation) get zeros; device-side, no sync."""
-    filler = torch.arange(out.shape[0], device=out.device) >= counts.sum()  # [M]
-    return out.masked_fill_(filler.unsqueeze(1), 0)
-
-
-def _launch_mm(x, w, slots, starts, counts, out) -> None:
-    """``out[r] = x[r] @ w[e_r].T`` for the routed rows (``out`` preallocated ``[M, N]``)."""
+def _launch_mm(x, w, counts, out) -> None:
+    """``out[r] = x[r] @ w[e_r].T`` for the routed rows (``out`` preallocated ``[M, N]``; filler rows untouched)."""
     m, k = x.shape
     n = w.shape[1]
     block_m, stages = launch_config(x.dtype, m, w.shape[0])
-    grid = (slots.shape[0], triton.cdiv(n, BLOCK_N))
-    _routed_mm_kernel[grid](
+    slots, g_block = _grid_args(counts, m)
+    _routed_mm_kernel[(slots, triton.cdiv(n, BLOCK_N))](
         x,
         w,
         out,
-        slots,
-        starts,
         counts,
+        counts.shape[0],
         n,
         k,
         x.stride(0),
         w.stride(0),
         w.stride(1),
         out.stride(0),
+        G_BLOCK=g_block,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
@@ -202,12 +191,14 @@ def routed_mm(
             f"routed_mm expects x [M, K] and w [G, N, K] with equal K; got {tuple(x.shape)} and {tuple(w.shape)}"
         )
     _check_operands("routed_mm", x, (w,), None)
-    slots, starts, counts = _routed_slots(tokens_per_expert, x.shape[0], w.shape[0], x.device)
+    counts = _device_counts(tokens_per_expert, x.shape[0], w.shape[0], x.device)
     x, w = x.contiguous(), w.contiguous()
-    out = torch.empty(x.shape[0], w.shape[1], device=x.device, dtype=_store_dtype(x.dtype))  # [M, N]
+    out = torch.zeros(
+        x.shape[0], w.shape[1], device=x.device, dtype=_store_dtype(x.dtype)
+    )  # [M, N]; filler: 0
     if x.shape[0] and w.shape[1] and w.shape[0]:
-        _launch_mm(x, w, slots, starts, counts, out)
-    return _zero_filler_rows(out, counts).to(x.dtype)
+        _launch_mm(x, w, counts, out)
+    return out.to(x.dtype)
 
 
 def routed_swiglu_experts(
@@ -250,21 +241,21 @@ def routed_swiglu_experts(
     if probs is not None and probs.shape != (m,):
         raise ValueError(f"probs must be [M] = ({m},), got {tuple(probs.shape)}")
     _check_operands("routed_swiglu_experts", x, (gate_up, down), probs)
-    slots, starts, counts = _routed_slots(tokens_per_expert, m, g, x.device)
+    counts = _device_counts(tokens_per_expert, m, g, x.device)
     f = down.shape[2]
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     h = torch.empty(m, f, device=x.device, dtype=_store_dtype(x.dtype))  # [M, F]; filler rows never read
     if m and f and g:
         p = probs.contiguous() if probs is not None else x
         block_m, stages = launch_config(x.dtype, m, g)
-        _routed_gate_up_kernel[(slots.shape[0], triton.cdiv(f, BLOCK_N))](
+        slots, g_block = _grid_args(counts, m)
+        _routed_gate_up_kernel[(slots, triton.cdiv(f, BLOCK_N))](
             x,
             gate_up,
             p,
             h,
-            slots,
-            starts,
             counts,
+            g,
             f,
             h_in,
             x.stride(0),
@@ -272,6 +263,7 @@ def routed_swiglu_experts(
             gate_up.stride(1),
             h.stride(0),
             float(limit) if limit is not None else 0.0,
+            G_BLOCK=g_block,
             BLOCK_M=block_m,
             BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K,
@@ -283,7 +275,7 @@ def routed_swiglu_experts(
             num_stages=stages,
         )
     h = h.to(x.dtype)  # the interpreter's fp32 h rounds here (on the GPU it is stored rounded)
-    out = torch.empty(m, h_in, device=x.device, dtype=_store_dtype(x.dtype))  # [M, H]
+    out = torch.zeros(m, h_in, device=x.device, dtype=_store_dtype(x.dtype))  # [M, H]; filler rows: 0
     if m and h_in and g:
-        _launch_mm(h, down, slots, starts, counts, out)
-    return _zero_filler_rows(out, counts).to(x.dtype)
+        _launch_mm(h, down, counts, out)
+    return out.to(x.dtype)

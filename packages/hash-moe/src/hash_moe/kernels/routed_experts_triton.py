@@ -1,10 +1,12 @@
 """Small-M routed experts in Triton: only the weights of experts that have rows are read (decode, issue 37).
 
-Rows are sorted by expert (``counts [G]`` rows each, starting at ``starts [G]``); ``slot_expert [S]`` lists the
-experts with rows first (``S = min(M, G)`` static slots, so the grid is static: CUDA-graph capturable, no host
-sync). Program ``(s, n)`` takes expert ``e = slot_expert[s]`` and output columns ``[n·BN, (n+1)·BN)``; it loops over
-its expert's rows in blocks of ``BM`` and reads its weight tile once per row block. A slot whose expert has no rows
-does no work (zero trips) and reads no weight. Per row ``r`` of expert ``e``:
+Rows are sorted by expert (``counts [G]`` rows each, starting at ``Σ_{j<e} counts[j]``). The grid has ``S = min(M,
+G)`` static expert slots (at most ``M`` experts have rows), so it is CUDA-graph capturable with no host sync; slot
+``s`` belongs to the ``s``-th expert with rows (ascending), which each program finds itself from the ``[G]`` counts
+(:func:`_slot_expert`: one cumulative sum over ``G``, no separate launches). Program ``(s, n)`` takes that expert
+``e`` and output columns ``[n·BN, (n+1)·BN)``; it loops over its expert's rows in blocks of ``BM`` and reads its
+weight tile once per row block. A slot with no expert (fewer than ``S`` experts have rows) does no work (zero trips)
+and reads no weight. Per row ``r`` of expert ``e``:
 
 ```
 _routed_mm_kernel:        out[r, n]  = Σ_k x[r, k] · w[e, n, k]                                   (fp32 accumulate)
@@ -19,7 +21,7 @@ interpreter, whose bf16 / fp16 ``tl.dot`` is wrong) multiplies bf16 / fp16 tiles
 as the GPU's tensor cores; its fp32 -> bf16 cast truncates, so there
 (``ROUND_BF16_BY_BITS``) the fc1 rounding is done on the bits (nearest, ties to even).
 
-Shape legend: ``M`` rows, ``G`` experts, ``S`` expert slots, ``K`` input width, ``N`` output width, ``F`` expert width.
+Shape legend: ``M`` rows, ``G`` experts (``G_BLOCK``: the next power of two), ``S`` expert slots, ``K`` input width, ``N`` output width, ``F`` expert width.
 """
 
 from __future__ import annotations
@@ -29,28 +31,41 @@ import triton.language as tl
 
 
 @triton.jit
+def _slot_expert(counts_ptr, n_experts, G_BLOCK: tl.constexpr):
+    """``(e, start, count)`` of this program's slot ``s = program_id(0)``: the ``s``-th expert with rows, its first
+    row and its row count; ``count = 0`` (no work) when fewer than ``s + 1`` experts have rows."""
+    g = tl.arange(0, G_BLOCK)  # [G]
+    counts = tl.load(counts_ptr + g, mask=g < n_experts, other=0).to(tl.int32)  # [G]
+    active = counts > 0
+    rank = tl.cumsum(active.to(tl.int32), 0) - 1  # [G] position among the experts with rows
+    mine = active & (rank == tl.program_id(0))  # [G]: one True, or none
+    e = tl.sum(tl.where(mine, g, 0))
+    count = tl.sum(tl.where(mine, counts, 0))
+    start = tl.sum(tl.where(g < e, counts, 0).to(tl.int64))
+    return e.to(tl.int64), start, count
+
+
+@triton.jit
 def _routed_mm_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    slot_expert_ptr,
-    starts_ptr,
     counts_ptr,
+    n_experts,
     n_out,
     n_in,
     stride_x,
     stride_we,
     stride_wn,
     stride_out,
+    G_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    e = tl.load(slot_expert_ptr + tl.program_id(0)).to(tl.int64)
-    count = tl.load(counts_ptr + e).to(tl.int32)
-    start = tl.load(starts_ptr + e).to(tl.int64)
+    e, start, count = _slot_expert(counts_ptr, n_experts, G_BLOCK)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     col_ok = cols < n_out
     w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn  # [BN, 1]
@@ -84,9 +99,8 @@ def _routed_gate_up_kernel(
     w_ptr,
     p_ptr,
     h_ptr,
-    slot_expert_ptr,
-    starts_ptr,
     counts_ptr,
+    n_experts,
     n_ffn,
     n_in,
     stride_x,
@@ -94,6 +108,7 @@ def _routed_gate_up_kernel(
     stride_wn,
     stride_h,
     limit,
+    G_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,9 +118,7 @@ def _routed_gate_up_kernel(
     HAS_LIMIT: tl.constexpr,
     HAS_PROBS: tl.constexpr,
 ):
-    e = tl.load(slot_expert_ptr + tl.program_id(0)).to(tl.int64)
-    count = tl.load(counts_ptr + e).to(tl.int32)
-    start = tl.load(starts_ptr + e).to(tl.int64)
+    e, start, count = _slot_expert(counts_ptr, n_experts, G_BLOCK)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of h (rows n of w1, F + n of w3)
     col_ok = cols < n_ffn
     gate_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn  # [BN, 1]
