@@ -9,7 +9,7 @@ transformers' ``generate`` measured in the same process (``/work/shared/anchors/
     ... --device cpu --preset tiny --quick               # the script's logic on CPU (no HF, no CUDA graph)
 
 Rows (ours): ``prefill`` = one ``CachedDecoder.extend`` of a batch-1 prompt (tokens/s = prompt tokens / time to the
-prompt's logits; after an untimed prefill of the same length); ``decode`` = greedy steps after a prefill of ``--decode-prompt`` tokens per sequence (tokens/s =
+prompt's logits, the median of 3; after an untimed prefill of the same length); ``decode`` = greedy steps after a prefill of ``--decode-prompt`` tokens per sequence (tokens/s =
 new tokens of the whole batch per second; argmax on the device included), per decode mode: ``eager`` (host plans),
 ``static`` (``StaticDecodeStep``), ``graph`` (the static step as a CUDA graph, capture excluded). HF rows: its
 ``run(model, prompt_len, batch)`` (prefill = ``generate(max_new_tokens=1)``, decode = 64 tokens). Cache bytes per
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -92,18 +93,28 @@ def cache_rows(cfg, lengths: list[int], itemsize: int) -> list[dict]:
     return rows
 
 
-def measure_prefill(model, length: int, device: torch.device) -> dict:
+#: timed prefills per length; the row reports their median (one prefill of 4K tokens is tens of ms: single samples
+#: varied 3x between calls on one H100)
+PREFILL_REPEATS = 3
+
+
+def measure_prefill(model, length: int, device: torch.device, repeats: int = PREFILL_REPEATS) -> dict:
     ids = torch.randint(0, model.model_config.vocab_size, (length,)).tolist()
-    dec = CachedDecoder(model, 1, length + 1)
     _reset_peak(device)
-    _sync(device)
-    t0 = time.perf_counter()
-    dec.extend([ids], last_only=True)
-    _sync(device)
-    dt = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        dec = CachedDecoder(model, 1, length + 1)
+        _sync(device)
+        t0 = time.perf_counter()
+        dec.extend([ids], last_only=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        del dec
+    dt = statistics.median(times)
     return {
         "prompt_len": length,
         "prefill_ms": round(dt * 1e3, 1),
+        "prefill_ms_all": [round(t * 1e3, 1) for t in times],
         "prefill_tokens_per_s": round(length / dt, 1),
         "peak_gib": _peak_gib(device),
     }
