@@ -7,12 +7,14 @@ from hybrid_model.config import DSv4ModelConfig
 from hybrid_model.model_flags import apply_model_overrides
 from hybrid_model.presets import get_preset
 from hybrid_model.tensor_parallel import check_tensor_parallel_pattern
+from hybrid_model.tensor_parallel_sizes import check_tensor_parallel_sizes
 
 
 def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
     """The preset of ``tc`` with its ``model_overrides`` (and ``pipeline_stages`` = ``--pp`` x ``--vpp`` unless
     overridden). ``ValueError`` when ``--tp > 1`` and a symbol of the pattern refuses tensor parallelism (its
-    record's reason: DSv4 attention ``W C H``)."""
+    record's reason), or ``--tp`` does not divide a size the model splits over TP (the size, the ``--tp`` values
+    that fit and the ``model_overrides`` that make it fit: :mod:`hybrid_model.tensor_parallel_sizes`)."""
     cfg = get_preset(tc.model.preset)
     changes = dict(tc.model.model_overrides)
     if tc.parallel.pp > 1 and "hybrid_layer_pattern" not in changes:
@@ -36,4 +38,5 @@ def model_config_for(tc: TrainConfig) -> DSv4ModelConfig:
         )
         raise ValueError(f"{layout} with --preset {tc.model.preset}: {e}{fix}") from e
     check_tensor_parallel_pattern(cfg.layer_pattern, tc.parallel.tp)
+    check_tensor_parallel_sizes(cfg, tc.parallel.tp)
     return cfg

@@ -119,6 +119,7 @@ _MATRIX = "tests/test_parallel_matrix.py::test_cell_matches_single_process"
 _CP = "tests/test_train_context_parallel.py::"
 _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
 _TP = "tests/test_train_tensor_parallel.py::"
+_TP4 = "tests/test_train_tp4.py::"
 _REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 _TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
 _TPCP = "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process"
@@ -220,6 +221,13 @@ RELATIONS: tuple[Relation, ...] = (
         "tests/test_train_tensor_parallel.py::test_tp2_from_the_cli_starts_like_one_process",
     ),
     Relation(
+        ("tp",),
+        "supported",
+        "TP4 (4 ranks, a model with 4 output-projection groups: model_overrides o_groups 4 on tiny in a --config "
+        "file) trains 3 steps like one process from the same --seed, from the CLI (fp32, bf16)",
+        _TP4 + "test_tp4_from_the_cli_trains_like_one_process_fp32",
+    ),
+    Relation(
         ("resume", "tp"),
         "supported",
         "TP2 saved at step k and resumed equals the uninterrupted TP2 run bitwise (losses, final weights; fp32, bf16; "
@@ -233,6 +241,13 @@ RELATIONS: tuple[Relation, ...] = (
         "resharded) like the uninterrupted runs, from the CLI; a dp_reshardable checkpoint refuses a TP change "
         "when it is loaded (its flat optimizer buffers follow the TP shard sizes)",
         "tests/test_train_tp_resume.py::test_resume_at_another_tp_size_continues_the_saved_run",
+    ),
+    Relation(
+        ("resume", "tp"),
+        "supported",
+        "a one-process --ckpt-format fully_reshardable checkpoint resumes at TP4 (TP1 -> TP4) like the one-process "
+        "continuation and the uninterrupted TP4 run, from the CLI (fp32)",
+        _TP4 + "test_tp1_checkpoint_resumes_at_tp4_like_the_one_process_continuation",
     ),
     Relation(
         ("tp", "dp"), "supported", "TP2 x DP2 equals one process, from the CLI (fp32, bf16)", _TP_COMBOS

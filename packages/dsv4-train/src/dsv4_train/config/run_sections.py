@@ -24,7 +24,8 @@ class ParallelSection:
         metadata=option(
             "tensor parallel size, with sequence parallelism ([B, S] micro-batches run as a THD pack) (DSv4 attention "
             "W/C/H splits its heads, megatron's '*' / '-' and 'E' their linears; the combinations the support table "
-            "refuses need 1)"
+            "refuses need 1); must divide the model's o_groups, vocabulary and MLP width (tiny: --tp 1 or 2; for "
+            '--tp 4 give model_overrides {"o_groups": 4} in a --config file)'
         ),
     )
     pp: int = field(default=1, metadata=option("pipeline stages"))

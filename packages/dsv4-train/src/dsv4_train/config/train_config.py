@@ -119,7 +119,9 @@ class TrainConfig:
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
-        """Read a JSON config file (nested by section, or flat); ``overrides`` (explicit flags, flat names) win."""
+        """Read a JSON config file (nested by section, or flat); ``overrides`` (explicit flags, flat names) win.
+        ``model_overrides`` merges key by key: the file's entries stay unless a flag (``--model-overrides``,
+        ``--pattern``, ``--no-mhc``) sets the same key."""
         p = Path(path)
         try:
             data = json.loads(p.read_text())
@@ -129,7 +131,15 @@ class TrainConfig:
             raise ValueError(f"config file {p} is not valid JSON: {e}") from e
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a JSON object of TrainConfig sections")
-        flat = {k: v for k, v in flatten(data, where=f"config file {p}").items() if k not in overrides}
+        flat = flatten(data, where=f"config file {p}")
+        if isinstance(flat.get("model_overrides"), dict) and isinstance(
+            overrides.get("model_overrides"), dict
+        ):
+            overrides = {
+                **overrides,
+                "model_overrides": {**flat["model_overrides"], **overrides["model_overrides"]},
+            }
+        flat = {k: v for k, v in flat.items() if k not in overrides}
         try:
             return cls.from_flat(**flat, **overrides)
         except ValueError as e:
