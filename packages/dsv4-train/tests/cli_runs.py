@@ -1,7 +1,11 @@
 """``dsv4 train`` from the CLI in the tests, as users run it: one process or ``torchrun``, the metrics of every step.
 
 Every run gets ``OMP_NUM_THREADS=1`` (torchrun's default per process; the single process too: the CPU GEMMs'
-blocking, and so their rounding, depends on the thread count)."""
+blocking, and so their rounding, depends on the thread count).
+
+:func:`train_in_workers` runs several ``dsv4 train`` command lines one after the other in one set of gloo workers
+(``dsv4_testkit.run_distributed``, one thread each): the CLI's ``main`` itself, minus the process launch, so the
+process start and the imports (most of a tiny run's time) are paid once per world size instead of once per run."""
 
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+from dsv4_train.cli import main
 
 ONE_PROCESS = [sys.executable, "-m", "dsv4_train"]
 
@@ -35,6 +42,19 @@ def train_metrics(cmd: list[str], out: Path, *args: str) -> list[dict]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_in_workers(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, list[dict]]:
+    """``{name: metrics.jsonl rows}`` of ``dsv4 train *flags`` for each ``(name, flags)`` (the flags name their
+    ``--out``), run in turn by ``dsv4_train.cli.main`` in this gloo worker (each run builds and destroys its own
+    megatron state); every rank reads the rows once all ranks finished the run."""
+    results = {}
+    for name, flags in runs:
+        assert main(["train", *flags]) == 0, (name, flags)
+        dist.barrier()
+        out = Path(flags[flags.index("--out") + 1])
+        results[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return results
 
 
 #: the metrics a parallel run is compared on against one process (test_train_tensor_context_parallel.py's docstring

@@ -1,7 +1,7 @@
-"""``--tp 2 --cp 2`` from the CLI (issue 31): ``torchrun --nproc-per-node 4 -m dsv4_train train --tp 2 --cp 2``
-(gloo, CPU; megatron's order puts global rank ``r`` at CP rank ``r // 2``, TP rank ``r % 2``) trains like one
-process on the same global batch from the same ``--seed``: every metric of both steps (LM, MTP, balance and indexer
-losses, grad norm, LR), fp32 and bf16, for the two ways a micro-batch reaches the model:
+"""``--tp 2 --cp 2`` (issue 31): ``dsv4 train --tp 2 --cp 2`` on 4 gloo processes (CPU; megatron's order puts
+global rank ``r`` at CP rank ``r // 2``, TP rank ``r % 2``) trains like one process on the same global batch from the
+same ``--seed``: every metric of both steps (LM, MTP, balance and indexer losses, grad norm, LR), fp32 and bf16, for
+the two ways a micro-batch reaches the model:
 
 * ``[B, S]`` micro-batches of ``B = 3`` sequences of ``S = 64`` tokens (short mock documents, so rows end in padding
   tails): under CP a micro-batch runs as a THD pack of ``B`` documents of ``S`` tokens (192 rows); CP rank ``c``
@@ -18,6 +18,11 @@ crosses CP edges, mHC and MTP one depth as in the TP test. Both steps are compar
 weights the first step's reduced gradients produced, so it checks those gradients through the optimizer too.
 
 Every run uses one thread per process (the CPU GEMMs' blocking, and so their rounding, depends on the thread count).
+The runs: the four 4-process runs (both batches, both dtypes) run one after the other in one set of 4 spawned gloo
+processes, the four one-process runs in one process (:func:`cli_runs.train_in_workers`: the CLI's ``main`` with
+those flags, each run building and destroying its own megatron state), so the process start and the imports are paid
+once per world size instead of once per run (``test_train_tensor_parallel_combos.py`` checks that ``torchrun``
+gives those runs' metrics bit for bit).
 
 fp32: ``2e-5`` relative, the parallel matrix's bound. TP x CP changes the summation order of the row-parallel
 products (two partial sums added by the reduce-scatter), of the vocab-parallel softmax statistics, of the loss
@@ -50,14 +55,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import (
-    ONE_PROCESS,
-    assert_bf16_parity,
-    assert_fp32_parity,
-    assert_same_steps,
-    torchrun,
-    train_metrics,
-)
+from cli_runs import assert_bf16_parity, assert_fp32_parity, assert_same_steps, train_in_workers
+
+from dsv4_testkit import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -71,28 +71,39 @@ BATCHES = {
     "packed": ["--packed", "--global-batch-size", "2"],
 }
 DTYPES = {"fp32": "--no-bf16", "bf16": "--bf16"}
+LAYOUTS = {"one": [], "tpcp": ["--tp", "2", "--cp", "2"]}
 
 
-@pytest.fixture(scope="module", params=list(BATCHES))
-def runs(request, tmp_path_factory) -> dict:
-    """``{(layout, dtype): metrics of steps 1 and 2}`` for one process and TP 2 x CP 2, fp32 and bf16, on one of
-    :data:`BATCHES`."""
-    tmp = tmp_path_factory.mktemp(f"tpcp-{request.param}")
-    args = [*_COMMON, *BATCHES[request.param]]
-    out = {}
-    for dt, flag in DTYPES.items():
-        out["one", dt] = train_metrics(ONE_PROCESS, tmp / f"one-{dt}", *args, flag)
-        out["tpcp", dt] = train_metrics(
-            torchrun(4), tmp / f"tpcp-{dt}", *args, flag, "--tp", "2", "--cp", "2"
-        )
-    return out
+def _runs(layout: str, out: Path) -> list[tuple[str, list[str]]]:
+    """``(f"{batch}-{dtype}", dsv4 train flags)`` of both batches in both dtypes on ``layout``."""
+    return [
+        (f"{b}-{dt}", [*_COMMON, *batch, flag, *LAYOUTS[layout], "--out", str(out / f"{layout}-{b}-{dt}")])
+        for b, batch in BATCHES.items()
+        for dt, flag in DTYPES.items()
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """``{(layout, batch, dtype): metrics of steps 1 and 2}`` for one process (``one``) and TP 2 x CP 2 (``tpcp``),
+    fp32 and bf16, on both :data:`BATCHES`."""
+    tmp = tmp_path_factory.mktemp("tpcp")
+    (one,) = run_distributed(train_in_workers, 1, _runs("one", tmp), timeout=900)
+    per_rank = run_distributed(train_in_workers, 4, _runs("tpcp", tmp), timeout=1800)
+    assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
+    return {
+        (layout, *name.split("-")): rows
+        for layout, metrics in (("one", one), ("tpcp", per_rank[0]))
+        for name, rows in metrics.items()
+    }
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_tp2xcp2_from_the_cli_equals_one_process(runs, dtype):
-    one, got = runs["one", dtype], runs["tpcp", dtype]
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_tp2xcp2_from_the_cli_equals_one_process(runs, batch, dtype):
+    one, got = runs["one", batch, dtype], runs["tpcp", batch, dtype]
     assert_same_steps(got, one)
     if dtype == "fp32":
         assert_fp32_parity(got, one)
     else:
-        assert_bf16_parity(got, one, runs["one", "fp32"])
+        assert_bf16_parity(got, one, runs["one", batch, "fp32"])

@@ -7,6 +7,12 @@ pattern) is covered at the model level (hybrid-model ``tests/test_tensor_paralle
 --packed`` and ``--tp 2 --micro-batch-size 3`` (run as a THD pack of 3 documents, padded by one row) train like one
 process for two steps, fp32 and bf16 (the last two tests).
 
+The runs: the five ``--tp 2`` runs run one after the other in one pair of spawned gloo processes, the five
+one-process runs in one process (:func:`cli_runs.train_in_workers`: the CLI's ``main`` with those flags, each run
+building and destroying its own megatron state), so the process start and the imports are paid once per world size
+instead of once per run (``test_train_tensor_parallel_combos.py`` checks that ``torchrun`` gives those runs' metrics
+bit for bit).
+
 Both runs use one thread per process (the single process is given ``OMP_NUM_THREADS=1`` too: the CPU GEMMs'
 blocking, and so their rounding, depends on the thread count).
 
@@ -27,7 +33,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ONE_PROCESS, torchrun, train_metrics
+from cli_runs import train_in_workers
+
+from dsv4_testkit import run_distributed
 
 _COMMON = [
     "--preset", "tiny", "--pattern", "WEC-HE/WE", "--seed", "11", "--seq-len", "64", "--global-batch-size", "4",
@@ -36,48 +44,65 @@ _COMMON = [
 _ARGS = [*_COMMON, "--no-bf16", "--steps", "1", "--micro-batch-size", "1"]
 _REL = 2e-5
 
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_tp2_from_the_cli_starts_like_one_process(tmp_path):
-    one = train_metrics(ONE_PROCESS, tmp_path / "one", *_ARGS)[0]
-    tp = train_metrics(torchrun(2), tmp_path / "tp", *_ARGS, "--tp", "2")[0]
-    assert one["step"] == tp["step"] == 1
-    for key in ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss"):
-        assert tp[key] == pytest.approx(one[key], rel=_REL), (key, tp[key], one[key])
-
-
 # --- packs and [B, S] micro-batches of several sequences under TP (one THD pack cut into sequence-parallel shards)
 
 #: short mock documents (5..40 tokens) in rows / packs of 64: every pack holds several documents, and document
 #: boundaries fall inside both TP shards and across the shard edge (row 32)
 _DOCS = ["--data", "mock:docs=64,min=5,max=40,mean=16", "--steps", "2"]
 _KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
+_DTYPES = {"fp32": "--no-bf16", "bf16": "--bf16"}
+#: case -> the flags of its runs (``first``: one step; the others in both dtypes, named ``CASE-DTYPE``)
+_CASES = {
+    "packed": [*_COMMON, *_DOCS, "--packed"],
+    "micro": [*_COMMON, *_DOCS, "--seq-len", "63", "--micro-batch-size", "3", "--global-batch-size", "6"],
+}
 
 
-def _tp2_matches_one_process(tmp_path, *batches: str) -> None:
-    """fp32 and bf16, one process and ``--tp 2`` on the same ``batches`` flags: fp32 within :data:`_REL` at every
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+    """``{"one" | "tp": {run: metrics}}``: every run of the module on one process and with ``--tp 2``."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    out = {}
+    for layout, world, extra in (("one", 1, []), ("tp", 2, ["--tp", "2"])):
+        runs = [("first", [*_ARGS, *extra])] + [
+            (f"{case}-{dt}", [*flags, flag, *extra])
+            for case, flags in _CASES.items()
+            for dt, flag in _DTYPES.items()
+        ]
+        runs = [(name, [*flags, "--out", str(tmp / f"{layout}-{name}")]) for name, flags in runs]
+        per_rank = run_distributed(train_in_workers, world, runs, timeout=1800)
+        assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
+        out[layout] = per_rank[0]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_from_the_cli_starts_like_one_process(runs):
+    one, tp = runs["one"]["first"][0], runs["tp"]["first"][0]
+    assert one["step"] == tp["step"] == 1
+    for key in ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss"):
+        assert tp[key] == pytest.approx(one[key], rel=_REL), (key, tp[key], one[key])
+
+
+def _tp2_matches_one_process(runs, case: str) -> None:
+    """fp32 and bf16, one process and ``--tp 2`` on the same ``case`` flags: fp32 within :data:`_REL` at every
     step, bf16 within ``2·δ`` per metric (the docstrings of the callers)."""
-    runs = {}
-    for dt, flag in (("fp32", "--no-bf16"), ("bf16", "--bf16")):
-        runs["one", dt] = train_metrics(ONE_PROCESS, tmp_path / f"one-{dt}", *_COMMON, *_DOCS, *batches, flag)
-        runs["tp", dt] = train_metrics(
-            torchrun(2), tmp_path / f"tp-{dt}", *_COMMON, *_DOCS, *batches, flag, "--tp", "2"
-        )
-    for one, tp in zip(runs["one", "fp32"], runs["tp", "fp32"], strict=True):
+    one_fp32, one_bf16 = runs["one"][f"{case}-fp32"], runs["one"][f"{case}-bf16"]
+    tp_fp32, tp_bf16 = runs["tp"][f"{case}-fp32"], runs["tp"][f"{case}-bf16"]
+    assert [m["step"] for m in one_fp32] == [m["step"] for m in tp_fp32] == [1, 2]
+    for one, tp in zip(one_fp32, tp_fp32, strict=True):
         for key in _KEYS:
             assert tp[key] == pytest.approx(one[key], rel=_REL), ("fp32", one["step"], key, tp[key], one[key])
     for key in _KEYS:
-        delta = max(
-            abs(b[key] - f[key]) for b, f in zip(runs["one", "bf16"], runs["one", "fp32"], strict=True)
-        )
-        for one, tp in zip(runs["one", "bf16"], runs["tp", "bf16"], strict=True):
+        delta = max(abs(b[key] - f[key]) for b, f in zip(one_bf16, one_fp32, strict=True))
+        for one, tp in zip(one_bf16, tp_bf16, strict=True):
             assert abs(tp[key] - one[key]) <= 2 * delta, ("bf16", one["step"], key, tp[key], one[key], delta)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_packed_from_the_cli_trains_like_one_process(tmp_path):
+def test_tp2_packed_from_the_cli_trains_like_one_process(runs):
     """``--tp 2 --packed`` equals one process ``--packed`` for two steps (fp32 and bf16).
 
     The packs (``--seq-len 64`` rows, several mock documents each, a static dummy tail) are fed whole to every TP
@@ -94,12 +119,12 @@ def test_tp2_packed_from_the_cli_trains_like_one_process(tmp_path):
     from the exact value by at most about what the single process's bf16 run deviates from its fp32 run, ``δ =
     max_step |m_bf16 - m_fp32|`` per metric (measured in the test; the fp32 runs agree within 2e-5 relative). By the
     triangle inequality ``|m_tp - m_one| <= 2·δ`` for the losses and the grad norm at both steps."""
-    _tp2_matches_one_process(tmp_path, "--packed")
+    _tp2_matches_one_process(runs, "packed")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_micro_batches_from_the_cli_train_like_one_process(tmp_path):
+def test_tp2_micro_batches_from_the_cli_train_like_one_process(runs):
     """``--tp 2 --micro-batch-size 3`` equals one process with micro-batches of 3 sequences for two steps (fp32, bf16).
 
     Under TP a ``[B, S]`` micro-batch runs as a THD pack of ``B`` documents of ``S`` tokens (row ``b`` is document
@@ -110,6 +135,4 @@ def test_tp2_micro_batches_from_the_cli_train_like_one_process(tmp_path):
     (:func:`dsv4_train.sequence_parallel.pad_pack_rows`), and the shard edge (row 95) falls inside sequence 1.
 
     Bounds: fp32 and bf16 as :func:`test_tp2_packed_from_the_cli_trains_like_one_process` (the same derivation)."""
-    _tp2_matches_one_process(
-        tmp_path, "--seq-len", "63", "--micro-batch-size", "3", "--global-batch-size", "6"
-    )
+    _tp2_matches_one_process(runs, "micro")

@@ -1,6 +1,12 @@
-"""``--tp 2`` combined with DP, PP (and PP x VPP) and EP, from the CLI (issue 31): ``torchrun --nproc-per-node 4 -m
-dsv4_train train --preset tiny --tp 2 [--pp 2 [--vpp 2] | --ep 2]`` (gloo, CPU, sequence parallelism, micro-batches
-of one sequence) trains like the single process on the same global batch from the same ``--seed``.
+"""``--tp 2`` combined with DP, PP (and PP x VPP) and EP (issue 31): ``dsv4 train --preset tiny --tp 2 [--pp 2
+[--vpp 2] | --ep 2]`` on 4 gloo processes (CPU, sequence parallelism, micro-batches of one sequence) trains like the
+single process on the same global batch from the same ``--seed``.
+
+The runs: every cell in both dtypes runs one after the other in one set of 4 spawned gloo processes, both
+single-process runs in one process (:func:`cli_runs.train_in_workers`: the CLI's ``main`` with those flags, each run
+building and destroying its own megatron state), so the process start and the imports are paid once per world size
+instead of once per run. ``torchrun`` itself launches one cell (TP2 x PP2 x VPP2, fp32), whose metrics equal the
+spawned run of the same flags bit for bit (the same arithmetic in the same order).
 
 Cells (4 processes each): TP2 x DP2 (``--tp 2``: DP = 4 / 2), TP2 x PP2 (the mHC streams cross the stage boundary as
 this rank's sequence shard, megatron's p2p shape ``[s/tp, b, n·d]``), TP2 x PP2 x VPP2 (interleaved schedule, 4
@@ -31,12 +37,15 @@ same size and ``|L_tp - L_ref| <= 2·δ`` (measured: within 5e-5). Likewise the 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import torchrun, train_in_workers, train_metrics
+
+from dsv4_testkit import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -55,46 +64,44 @@ CELLS = {
     "tp2xpp2xvpp2": ["--tp", "2", "--pp", "2", "--vpp", "2"],
     "tp2xep2": ["--tp", "2", "--ep", "2"],
 }
+#: the cell that torchrun launches too (fp32)
+TORCHRUN_CELL = "tp2xpp2xvpp2"
 
 
-def _train(nproc: int, dtype: str, layout: list[str], out) -> list[dict]:
-    """The metrics rows of ``dsv4 train`` on ``nproc`` processes (torchrun unless one), one thread each."""
-    torchrun = (
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    )
-    flags = [*_ARGS, _DTYPE_FLAG[dtype], *layout, "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, *torchrun, "-m", "dsv4_train", "train", *flags],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    return rows
+def _flags(layout: list[str], dtype: str, out: Path) -> list[str]:
+    return [*_ARGS, _DTYPE_FLAG[dtype], *layout, "--out", str(out)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``get(name, dtype)``: the metrics of a run, each launched once for the module (``one``: the single process,
-    else a cell on 4 processes)."""
+def runs(tmp_path_factory) -> dict:
+    """``{(name, dtype): metrics of steps 1 and 2}``: ``one`` (the single process) and every cell (4 processes)."""
     out = tmp_path_factory.mktemp("tp-combos")
-    cache: dict[tuple[str, str], list[dict]] = {}
+    single = [(f"one-{dt}", _flags([], dt, out / f"one-{dt}")) for dt in _DTYPE_FLAG]
+    cells = [
+        (f"{c}-{dt}", _flags(lay, dt, out / f"{c}-{dt}")) for c, lay in CELLS.items() for dt in _DTYPE_FLAG
+    ]
+    (one,) = run_distributed(train_in_workers, 1, single, timeout=900)
+    per_rank = run_distributed(train_in_workers, 4, cells, timeout=1800)
+    assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
+    metrics = {tuple(name.rsplit("-", 1)): rows for name, rows in (one | per_rank[0]).items()}
+    for rows in metrics.values():
+        assert [r["step"] for r in rows] == [1, 2]
+    return metrics
 
-    def get(name: str, dtype: str) -> list[dict]:
-        if (name, dtype) not in cache:
-            nproc, layout = (1, []) if name == "one" else (4, CELLS[name])
-            cache[name, dtype] = _train(nproc, dtype, layout, out / f"{name}-{dtype}")
-        return cache[name, dtype]
 
-    return get
+def test_torchrun_launches_a_cell_like_the_spawned_run(runs, tmp_path):
+    """``torchrun --nproc-per-node 4 -m dsv4_train train`` with the cell's flags logs the spawned run's losses,
+    grad norm and LR, bit for bit."""
+    got = train_metrics(
+        torchrun(4), tmp_path / "cli", *_flags(CELLS[TORCHRUN_CELL], "fp32", tmp_path / "x")[:-2]
+    )
+    want = runs[TORCHRUN_CELL, "fp32"]
+    assert [[m[k] for k in (*_KEYS, "lr")] for m in got] == [[m[k] for k in (*_KEYS, "lr")] for m in want]
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_tp2_combination_fp32_matches_one_process(runs, cell):
-    got, one = runs(cell, "fp32"), runs("one", "fp32")
+    got, one = runs[cell, "fp32"], runs["one", "fp32"]
     for step, (g, r) in enumerate(zip(got, one, strict=True), start=1):
         for key in _KEYS:
             assert g[key] == pytest.approx(r[key], rel=_REL), (cell, step, key, g[key], r[key])
@@ -103,7 +110,7 @@ def test_tp2_combination_fp32_matches_one_process(runs, cell):
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_tp2_combination_bf16_within_bf16_rounding_of_one_process(runs, cell):
-    got, ref, fp32 = runs(cell, "bf16"), runs("one", "bf16"), runs("one", "fp32")
+    got, ref, fp32 = runs[cell, "bf16"], runs["one", "bf16"], runs["one", "fp32"]
     delta = max(abs(b[k] - f[k]) for b, f in zip(ref, fp32, strict=True) for k in ("lm_loss", "mtp_loss"))
     assert delta > 0, "the bf16 run must round somewhere"
     for step, (g, r) in enumerate(zip(got, ref, strict=True), start=1):

@@ -9,7 +9,10 @@ rank ``r // 2``, TP rank ``r % 2``, DP 1); the experts get their own rank genera
 chunk goes through the expert all-to-all of its EP group, as under ``--tp 2 --ep 2``; the routed experts' gradients
 are averaged over expert DP (the two CP chunks).
 
-One module-scoped set of runs (two 4-rank runs, three one-process runs), on ``[B, S]`` micro-batches of ``B = 3``
+One module-scoped set of runs (two 4-rank runs one after the other in one set of 4 spawned gloo processes, three
+one-process runs in one process: :func:`cli_runs.train_in_workers`, the CLI's ``main`` with those flags; the process
+start and the imports are paid once per world size, and ``test_train_tensor_parallel_combos.py`` checks that
+``torchrun`` gives such runs' metrics bit for bit), on ``[B, S]`` micro-batches of ``B = 3``
 sequences of 64 tokens (a THD pack of three documents cut over CP, then over TP: the shard edges of
 ``test_train_tensor_context_parallel.py``), the ``tiny`` preset (its pattern has MoE in every layer and the MTP
 block), one thread per process:
@@ -37,15 +40,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import (
-    ONE_PROCESS,
-    assert_bf16_parity,
-    assert_fp32_parity,
-    assert_same_steps,
-    torchrun,
-    train_metrics,
-)
+from cli_runs import assert_bf16_parity, assert_fp32_parity, assert_same_steps, train_in_workers
 
+from dsv4_testkit import run_distributed
 from dsv4_testkit.megatron_cpu import megatron_cpu_context
 from dsv4_train.cli import main
 from hybrid_model.hf.convert import export_hf_checkpoint
@@ -72,19 +69,21 @@ def runs(tmp_path_factory) -> dict:
         export_hf_checkpoint(build_model(get_preset("tiny")).eval(), hf, max_shard_bytes=1 << 40)
         assert main(["convert", str(hf), str(tp1)]) == 0
         assert main(["convert", str(hf), str(tp2ep2), "--tp", "2", "--ep", "2"]) == 0
-    out = {
-        ("one", "fp32", "conv"): train_metrics(
-            ONE_PROCESS, tmp / "one-conv", *_COMMON, "--no-bf16", "--init-from", str(tp1)
-        ),
-        ("tpcpep", "fp32", "conv"): train_metrics(
-            torchrun(4), tmp / "tpcpep-conv", *_COMMON, "--no-bf16", *_LAYOUT, "--init-from", str(tp2ep2)
-        ),
-        ("tpcpep", "bf16", "seed"): train_metrics(
-            torchrun(4), tmp / "tpcpep-bf16", *_COMMON, "--bf16", *_LAYOUT
-        ),
+    single = {
+        ("one", "fp32", "conv"): [*_COMMON, "--no-bf16", "--init-from", str(tp1)],
+        ("one", "fp32", "seed"): [*_COMMON, "--no-bf16"],
+        ("one", "bf16", "seed"): [*_COMMON, "--bf16"],
     }
-    for dt, flag in (("fp32", "--no-bf16"), ("bf16", "--bf16")):
-        out["one", dt, "seed"] = train_metrics(ONE_PROCESS, tmp / f"one-{dt}", *_COMMON, flag)
+    four = {
+        ("tpcpep", "fp32", "conv"): [*_COMMON, "--no-bf16", *_LAYOUT, "--init-from", str(tp2ep2)],
+        ("tpcpep", "bf16", "seed"): [*_COMMON, "--bf16", *_LAYOUT],
+    }
+    out = {}
+    for world, runs in ((1, single), (4, four)):
+        named = [("-".join(key), [*flags, "--out", str(tmp / "-".join(key))]) for key, flags in runs.items()]
+        per_rank = run_distributed(train_in_workers, world, named, timeout=1800)
+        assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
+        out |= {key: per_rank[0]["-".join(key)] for key in runs}
     return out
 
 

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -241,6 +243,28 @@ def test_default_corpus_is_real_deterministic_and_capped():
     # a smaller cap gives a prefix of the same corpus
     small, _ = default_corpus(max_bytes=100_000)
     assert small == docs[: len(small)]
+
+
+def test_default_corpus_selects_every_stdlib_source_outside_the_excluded_directories():
+    """The whole corpus (no cap) is the module docstring's selection, listed here independently: every ``*.py`` file
+    below the stdlib directory, none inside an excluded directory, UTF-8 only, in sorted relative-path order."""
+    docs, info = default_corpus(max_bytes=1 << 40)
+    root = Path(info.stdlib_dir)
+    excluded = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+    selected = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if p.is_file() and not excluded.intersection(p.relative_to(root).parts[:-1])
+    )
+    decodable = []
+    for name in selected:
+        try:
+            (root / name).read_bytes().decode("utf-8")
+            decodable.append(name)
+        except UnicodeDecodeError:
+            pass
+    assert list(info.files) == decodable and len(docs) == len(decodable) > 100
+    assert info.num_undecodable == len(selected) - len(decodable)
 
 
 def test_default_corpus_dataset():

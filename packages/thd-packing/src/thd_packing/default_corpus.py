@@ -18,6 +18,7 @@ under the PSF license.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -54,12 +55,18 @@ def _stdlib_dir() -> Path:
 
 @functools.cache
 def _candidate_files() -> tuple[Path, tuple[Path, ...]]:
+    """Every ``*.py`` file below the stdlib directory outside the excluded directories, sorted by relative POSIX
+    path. The walk prunes the excluded directories instead of listing them (``site-packages`` and the stdlib's
+    ``test`` packages hold most of the tree): every process of a run lists the corpus."""
     root = _stdlib_dir()
-    files = sorted(
-        (p for p in root.rglob("*.py") if not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    return root, tuple(files)
+    found: list[tuple[str, Path]] = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+        base = Path(folder)
+        rel = base.relative_to(root).as_posix()
+        prefix = "" if rel == "." else f"{rel}/"
+        found += [(prefix + name, base / name) for name in names if name.endswith(".py")]
+    return root, tuple(path for _, path in sorted(found))
 
 
 def default_corpus(max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> tuple[list[str], DefaultCorpusInfo]:
