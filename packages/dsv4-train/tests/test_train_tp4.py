@@ -10,10 +10,12 @@ the indexer are replicated). Pattern ``WEC-HE/WE``: DSv4 attention W C H with it
 first two) and learned 'E', megatron's '-' MLP, mHC, one MTP depth, as the TP2 test. 3 steps of 2 sequences of 64
 tokens (16 rows per TP rank).
 
-Five runs, shared by the tests (each 4-rank run takes 1.5-2.5 min on 2 CPU cores): one process fp32, saving at
-step 2 (``fully_reshardable``) and at the end; ``--tp 4`` fp32; ``--tp 4 --resume`` of the one-process step-2
-checkpoint (TP1 -> TP4); one process bf16 and ``--tp 4`` bf16. Every run has one thread per process
-(``cli_runs.train_metrics``).
+Five runs, shared by the tests: one process fp32, saving at step 2 (``fully_reshardable``) and at the end, and one
+process bf16 (one after the other in one process); then ``--tp 4`` fp32, ``--tp 4 --resume`` of the one-process
+step-2 checkpoint (TP1 -> TP4) and ``--tp 4`` bf16 one after the other in one set of 4 spawned gloo processes
+(:func:`cli_runs.train_in_workers`: the CLI's ``main`` with those flags, as ``torchrun`` would run it, without paying
+the process start and imports per run; ``test_train_tensor_parallel_combos.py`` checks that a ``torchrun`` launch
+gives the same metrics bit for bit). One thread per process.
 
 Bounds (fp32): TP4 changes the summation order of the row-parallel products (``linear_proj``, ``linear_fc2``, the
 shared expert's ``linear_down``, DSv4 attention's ``wo_b``: four partial sums of ``k/4`` terms, added by the
@@ -44,15 +46,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import (
-    ONE_PROCESS,
-    PARITY_KEYS,
-    assert_bf16_parity,
-    assert_fp32_parity,
-    torchrun,
-    train_metrics,
-)
+from cli_runs import PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, train_in_workers
 from tp_resume_runs import SAVED_STEP, checkpoint_tensors, final_checkpoint, resume_dir
+
+from dsv4_testkit import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -76,24 +73,22 @@ def runs(tmp_path_factory) -> dict:
     args = [*_ARGS, "--config", str(config)]
     fp32, bf16, no_save = ["--no-bf16"], ["--bf16"], ["--no-save-final"]
     saving = ["--save-interval", str(SAVED_STEP), "--ckpt-format", "fully_reshardable"]
-    out: dict = {"tmp": tmp}
-    out["one-dir"] = tmp / "one"
-    out["one"] = train_metrics(ONE_PROCESS, out["one-dir"], *args, *fp32, *saving)
-    out["tp4"] = train_metrics(torchrun(4), tmp / "tp4", *args, *fp32, *_TP4, *no_save)
+    out: dict = {"tmp": tmp, "one-dir": tmp / "one"}
+    one = [
+        ("one", [*args, *fp32, *saving, "--out", str(out["one-dir"])]),
+        ("one-bf16", [*args, *bf16, *no_save, "--out", str(tmp / "one-bf16")]),
+    ]
+    out |= run_distributed(train_in_workers, 1, one, timeout=1800)[0]
     out["tp1-to-tp4-dir"] = resume_dir(out["one-dir"], tmp / "tp1-to-tp4")
-    out["tp1-to-tp4"] = train_metrics(
-        torchrun(4),
-        out["tp1-to-tp4-dir"],
-        *args,
-        *fp32,
-        *_TP4,
-        "--ckpt-format",
-        "fully_reshardable",
-        "--resume",
-    )
-    out["one-bf16"] = train_metrics(ONE_PROCESS, tmp / "one-bf16", *args, *bf16, *no_save)
-    out["tp4-bf16"] = train_metrics(torchrun(4), tmp / "tp4-bf16", *args, *bf16, *_TP4, *no_save)
-    return out
+    resume = ["--ckpt-format", "fully_reshardable", "--resume", "--out", str(out["tp1-to-tp4-dir"])]
+    tp4 = [
+        ("tp4", [*args, *fp32, *_TP4, *no_save, "--out", str(tmp / "tp4")]),
+        ("tp1-to-tp4", [*args, *fp32, *_TP4, *resume]),
+        ("tp4-bf16", [*args, *bf16, *_TP4, *no_save, "--out", str(tmp / "tp4-bf16")]),
+    ]
+    per_rank = run_distributed(train_in_workers, 4, tp4, timeout=2400)
+    assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
+    return out | per_rank[0]
 
 
 def _same_steps(got: list[dict], one: list[dict], steps: list[int]) -> None:
