@@ -11,7 +11,16 @@ from hash_moe import grouped_mm, grouped_swiglu_experts, routed_mm, routed_swigl
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 # [G] row counts: M = 1, empty experts, all rows on one expert (> 64 rows: several row blocks), all experts used
-COUNTS = [[0, 1, 0], [3, 0, 5, 1, 0], [0, 0, 70, 0], [2, 1, 1, 3, 1], [0, 0, 0]]
+# one expert; 33 experts (the kernels' power-of-two width over G is 64) with rows in one expert past the 16th
+COUNTS = [
+    [0, 1, 0],
+    [3, 0, 5, 1, 0],
+    [0, 0, 70, 0],
+    [2, 1, 1, 3, 1],
+    [0, 0, 0],
+    [4],
+    [0] * 20 + [2] + [0] * 12,
+]
 
 
 def _poison_empty_experts(w: torch.Tensor, counts: list[int]) -> torch.Tensor:
