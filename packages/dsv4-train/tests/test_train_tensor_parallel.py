@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import train_in_workers
+from cli_runs import ONE_PROCESS, train_in_workers, train_metrics
 
 from dsv4_testkit import run_distributed
 
@@ -74,6 +74,16 @@ def runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
         assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
         out[layout] = per_rank[0]
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_last_one_process_run_of_the_worker_equals_a_fresh_process(runs, tmp_path):
+    """The worker's one-process runs share a process: its last run (after four others) logs what a fresh ``dsv4
+    train`` process logs with the same flags, bit for bit (no state leaks from one run into the next)."""
+    got = train_metrics(ONE_PROCESS, tmp_path / "fresh", *_CASES["micro"], _DTYPES["bf16"])
+    want = runs["one"]["micro-bf16"]
+    assert [[m[k] for k in (*_KEYS, "lr")] for m in got] == [[m[k] for k in (*_KEYS, "lr")] for m in want]
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""``--tp 4`` from the CLI (issue 31): ``torchrun --nproc-per-node 4 -m dsv4_train train --tp 4`` (gloo, CPU,
-sequence parallelism, micro-batches of one sequence) trains like one process from the same ``--seed``, and a TP1
+"""``--tp 4`` from the CLI (issue 31): ``dsv4 train --tp 4`` on 4 gloo processes (the CLI's ``main`` as ``torchrun``
+would run it, below; CPU, sequence parallelism, micro-batches of one sequence) trains like one process from the same ``--seed``, and a TP1
 checkpoint (``--ckpt-format fully_reshardable``) resumes at TP4 like the one-process continuation.
 
 The model: the ``tiny`` preset has ``o_groups=2`` (DSv4 attention's grouped output projection, whole groups per TP

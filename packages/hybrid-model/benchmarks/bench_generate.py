@@ -242,7 +242,7 @@ def run_ours(args, device: torch.device) -> dict:
         )
         model = model.to(device).eval()
     cfg = model.model_config
-    measure_prefill(model, min(256, args.prefill_lens[0]), device)  # warm-up (Triton compilation)
+    measure_prefill(model, min(256, args.prefill_lens[0]), device, 1)  # warm-up (Triton compilation)
     out: dict = {"prefill": [], "decode": []}
     if args.speculative:
         out["speculative"] = []
@@ -254,7 +254,7 @@ def run_ours(args, device: torch.device) -> dict:
             print(json.dumps({"speculative": row}), flush=True)
     for n in args.prefill_lens:
         # untimed run at this length first: Triton kernels specialize on sizes (a compile must not be timed)
-        _guarded(measure_prefill, model, n, device, prompt_len=n)
+        _guarded(measure_prefill, model, n, device, 1, prompt_len=n)
         out["prefill"].append(_guarded(measure_prefill, model, n, device, prompt_len=n))
         print(json.dumps({"ours": out["prefill"][-1]}), flush=True)
     for b in args.batches:

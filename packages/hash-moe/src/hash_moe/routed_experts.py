@@ -91,7 +91,8 @@ def _check_operands(
 
 
 def _checked_counts(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``counts`` if it is an integer ``[G]`` tensor on ``device`` (the kernels find each slot's expert from it)."""
+    """``counts`` as a contiguous integer ``[G]`` tensor on ``device`` (the kernels find each slot's expert from it,
+    reading it with stride 1); ``ValueError`` otherwise."""
     if (
         counts.dim() != 1
         or counts.dtype.is_floating_point
@@ -102,7 +103,7 @@ def _checked_counts(counts: torch.Tensor, device: torch.device) -> torch.Tensor:
             f"tokens_per_expert must be an integer [G] tensor on {device}, got {counts.dtype} "
             f"{tuple(counts.shape)} on {counts.device}"
         )
-    return counts
+    return counts.contiguous()
 
 
 def _as_counts(tokens_per_expert: torch.Tensor | Sequence[int], m: int, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,9 @@ carry along their partition axis, :mod:`hybrid_model.hf.megatron_tp`):
   their intermediate size (the routed experts stay whole: expert TP 1).
 
 :func:`check_tensor_parallel_sizes` refuses an ``N`` that does not divide one of them in one line: the size, the
-``--tp`` values that fit, and the ``model_overrides`` that make ``N`` fit.
+``--tp`` values that fit, and the ``model_overrides`` that make ``N`` fit. Not covered: the head counts of
+megatron's ``+`` / ``D`` (TE spec; refused under TP on the local spec) and ``M`` (TE only), which megatron checks
+when their layers are built.
 """
 
 from __future__ import annotations
@@ -20,9 +22,7 @@ import json
 import math
 
 from hybrid_model.config import DSv4ModelConfig
-from hybrid_model.symbols import ATTENTION, CSA, HCA, MLP, MOE, WINDOW
-
-_DSV4_ATTENTION = frozenset({WINDOW, CSA, HCA})
+from hybrid_model.symbols import ATTENTION, DSV4_ATTENTION, MLP, MOE
 
 
 def split_sizes(cfg: DSv4ModelConfig) -> dict[str, tuple[int, str]]:
@@ -30,7 +30,7 @@ def split_sizes(cfg: DSv4ModelConfig) -> dict[str, tuple[int, str]]:
     docstring), for the symbols its pattern uses."""
     symbols = set(cfg.parsed_pattern.all_symbols)
     sizes: dict[str, tuple[int, str]] = {}
-    if symbols & _DSV4_ATTENTION:
+    if symbols & DSV4_ATTENTION:
         sizes["o_groups"] = (
             cfg.o_groups,
             "each TP rank holds whole groups of DSv4 attention's grouped output projection, and their heads",
