@@ -47,8 +47,9 @@ def _toy_cls():
     return Toy
 
 
-def _build(impl, dist_opt, bf16=True, device="cpu", clip_grad=0.0, **fields):
-    """The toy model in megatron's DDP and our optimizer builder; ``fields``: extra ``OptimizerConfig`` fields."""
+def _build(impl, dist_opt, bf16=True, device="cpu", clip_grad=0.0, offload_chunk_numel=None, **fields):
+    """The toy model in megatron's DDP and our optimizer builder; ``fields``: extra ``OptimizerConfig`` fields;
+    ``offload_chunk_numel``: the pipelined offload step (:mod:`dsv4_train.offload_pipeline`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
@@ -76,7 +77,7 @@ def _build(impl, dist_opt, bf16=True, device="cpu", clip_grad=0.0, **fields):
         clip_grad=clip_grad,
         **fields,
     )
-    return ddp, build_optimizer(ocfg, [ddp], impl=impl)
+    return ddp, build_optimizer(ocfg, [ddp], impl=impl, offload_chunk_numel=offload_chunk_numel)
 
 
 def _core(ddp):

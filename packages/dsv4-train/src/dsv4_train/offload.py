@@ -77,6 +77,7 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from dsv4_primitives.megatron.precision import DistributedOptimizerWithNativeFP32Params
+from dsv4_train.offload_pipeline import OffloadPipeline
 
 #: what megatron's torch Adam carries in its param groups (the kernel flags are runtime configuration)
 MEGATRON_ADAM_FLAGS = {"fused": None, "foreach": None}
@@ -146,7 +147,27 @@ _HYBRID_ONLY_KEYS = (
 def _hybrid_device_optimizer_native_fp32():
 
     class HybridDeviceOptimizerNativeFP32(HybridDeviceOptimizer):
-        """megatron's hybrid optimizer with fixes 3, 4 and 5 of the module doc (no new state: a class swap)."""
+        """megatron's hybrid optimizer with fixes 3, 4 and 5 of the module doc (no new state: a class swap); with
+        ``pipeline`` set, its step is :class:`~dsv4_train.offload_pipeline.OffloadPipeline`'s."""
+
+        pipeline: OffloadPipeline | None = None
+
+        def enable_pipeline(self, pipeline: OffloadPipeline) -> None:
+            self.pipeline = pipeline
+            pipeline.pin_host_masters(self)
+
+        def step(self, closure=None):
+            if self.pipeline is None:
+                return super().step(closure)
+            if closure is not None:
+                raise ValueError("the offload pipeline takes no closure; run without --optimizer-offload-overlap")
+            self.pipeline.step(self)
+            return None
+
+        def _init_sub_optimizers(self):
+            super()._init_sub_optimizers()  # also after a checkpoint load: new host masters
+            if self.pipeline is not None:
+                self.pipeline.pin_host_masters(self)
 
         def state_dict(self):
             sd = super().state_dict()
@@ -199,12 +220,18 @@ def _hybrid_device_optimizer_native_fp32():
 
 class DistributedOptimizerCpuOffload(DistributedOptimizerWithNativeFP32Params):
     """The keep-in-FP32 distributed optimizer over megatron's ``HybridDeviceOptimizer``, with the two native-FP32
-    fixes of the module doc."""
+    fixes of the module doc; with ``pipeline_chunk_numel`` set (``--optimizer-offload-overlap``), the host step of
+    :mod:`dsv4_train.offload_pipeline`."""
+
+    #: chunk size of the pipelined host step; None: megatron's step
+    pipeline_chunk_numel: int | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.is_stub_optimizer:
             self.optimizer.__class__ = _hybrid_device_optimizer_native_fp32()
+            if self.pipeline_chunk_numel is not None:
+                self.optimizer.enable_pipeline(OffloadPipeline(self.pipeline_chunk_numel))
 
     @classmethod
     def _build_model_and_main_param_groups(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
@@ -251,12 +278,18 @@ class DistributedOptimizerCpuOffload(DistributedOptimizerWithNativeFP32Params):
 
 
 @contextlib.contextmanager
-def offload_distributed_optimizer():
+def offload_distributed_optimizer(pipeline_chunk_numel: int | None = None):
     """While active, megatron's ``get_megatron_optimizer`` builds :class:`DistributedOptimizerCpuOffload` where
-    it would build ``DistributedOptimizer`` (it looks the class up in its module's namespace)."""
+    it would build ``DistributedOptimizer`` (it looks the class up in its module's namespace); with
+    ``pipeline_chunk_numel``, its hybrid optimizer steps through :class:`~dsv4_train.offload_pipeline.OffloadPipeline`
+    in chunks of that many elements."""
 
+    cls = DistributedOptimizerCpuOffload
+    if pipeline_chunk_numel is not None:
+        OffloadPipeline(pipeline_chunk_numel)  # refuse a bad chunk size before megatron builds anything
+        cls = type(cls.__name__, (cls,), {"pipeline_chunk_numel": pipeline_chunk_numel})
     saved = mcore_optimizer.DistributedOptimizer
-    mcore_optimizer.DistributedOptimizer = DistributedOptimizerCpuOffload
+    mcore_optimizer.DistributedOptimizer = cls
     try:
         yield
     finally:

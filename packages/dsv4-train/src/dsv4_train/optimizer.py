@@ -134,13 +134,17 @@ def set_adam_impl(optimizer, impl: str):
     return optimizer
 
 
-def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwargs):
+def build_optimizer(
+    opt_config, model_chunks: list, *, impl: str = "auto", offload_chunk_numel: int | None = None, **kwargs
+):
     """megatron-core's optimizer for ``model_chunks`` (``get_megatron_optimizer`` with the keep-in-FP32 fix-ups of
     dsv4-primitives) on the torch Adam kernel ``impl`` (``"auto"`` resolved from the first param's device).
 
     With ``opt_config.optimizer_cpu_offload`` (fields from :func:`dsv4_train.offload.offload_config_fields`)
     megatron's ``HybridDeviceOptimizer`` inside :class:`~dsv4_train.offload.DistributedOptimizerCpuOffload`
-    (validated by :func:`~dsv4_train.offload.check_cpu_offload`; ``impl`` must be auto / unfused).
+    (validated by :func:`~dsv4_train.offload.check_cpu_offload`; ``impl`` must be auto / unfused);
+    ``offload_chunk_numel`` set: its host step pipelined in chunks of that many elements
+    (:mod:`dsv4_train.offload_pipeline`, ``--optimizer-offload-overlap``).
 
     Installs :func:`dsv4_primitives.megatron.multi_tensor.install_foreach_multi_tensor_ops` (process-wide): without
     transformer-engine / apex, megatron's gradient norm synchronised with the host once per gradient tensor."""
@@ -150,8 +154,10 @@ def build_optimizer(opt_config, model_chunks: list, *, impl: str = "auto", **kwa
     install_foreach_multi_tensor_ops()
     if opt_config.optimizer_cpu_offload:  # megatron's HybridDeviceOptimizer (dsv4_train.offload)
         check_cpu_offload(opt_config, impl=impl, params_on_cuda=first is not None and first.is_cuda)
-        with offload_distributed_optimizer():
+        with offload_distributed_optimizer(offload_chunk_numel):
             return get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)
+    if offload_chunk_numel is not None:
+        raise ValueError("--optimizer-offload-overlap only applies with --optimizer-cpu-offload; add that flag")
     optimizer = get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)
     return set_adam_impl(optimizer, resolve_impl(impl, device))
 

@@ -29,6 +29,7 @@ from dsv4_train.data import build_batches
 from dsv4_train.eval_data import build_run_data
 from dsv4_train.model_config import model_config_for
 from dsv4_train.offload import offload_config_fields
+from dsv4_train.offload_pipeline import CHUNK_NUMEL as OFFLOAD_CHUNK_NUMEL
 from dsv4_train.optimizer import build_optimizer as build_megatron_optimizer
 from dsv4_train.recompute import recompute_config
 from dsv4_train.support import Machine, check_run_relations
@@ -216,9 +217,9 @@ def build_model(tc: TrainConfig, model_config: DSv4ModelConfig, ps, pg, device: 
     return ModelParts(core=VirtualPipelineChunks(cores), model=models, config=cores[0].config)
 
 
-def build_optimizer(tc: TrainConfig, model) -> Any:
-    """megatron's distributed optimizer (torch Adam, betas 0.9 / 0.95, gradient clipping) over the DDP ``model``,
-    on the AdamW kernel ``tc.optimizer.optimizer_impl`` (:mod:`dsv4_train.optimizer`)."""
+def optimizer_config(tc: TrainConfig) -> OptimizerConfig:
+    """megatron's ``OptimizerConfig`` of the run (torch Adam, betas 0.9 / 0.95, gradient clipping, the offload
+    fields of :mod:`dsv4_train.offload`)."""
 
     offload_fields = (
         offload_config_fields(tc.optimizer.optimizer_offload_fraction)
@@ -226,7 +227,7 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
         else {}
     )
 
-    opt_config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam",
         lr=tc.optimizer.lr,
         min_lr=tc.optimizer.min_lr,
@@ -241,10 +242,20 @@ def build_optimizer(tc: TrainConfig, model) -> Any:
         **offload_fields,
     )
 
+
+def build_optimizer(tc: TrainConfig, model, opt_config: OptimizerConfig | None = None) -> Any:
+    """megatron's distributed optimizer over the DDP ``model`` (``opt_config``: :func:`optimizer_config` unless
+    given), on the AdamW kernel ``tc.optimizer.optimizer_impl`` (:mod:`dsv4_train.optimizer`), its offloaded host
+    step pipelined with ``--optimizer-offload-overlap`` (:mod:`dsv4_train.offload_pipeline`)."""
+
+    opt_config = opt_config if opt_config is not None else optimizer_config(tc)
+    chunk = OFFLOAD_CHUNK_NUMEL if tc.optimizer.optimizer_offload_overlap else None
     with cuda_as_cpu():
         # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten
         # by the loading template, then shared by all params) — the primitives subclass fixes both
-        return build_megatron_optimizer(opt_config, ddp_chunks(model), impl=tc.optimizer.optimizer_impl)
+        return build_megatron_optimizer(
+            opt_config, ddp_chunks(model), impl=tc.optimizer.optimizer_impl, offload_chunk_numel=chunk
+        )
 
 
 def build_scheduler(tc: TrainConfig, optimizer) -> Any:

@@ -170,6 +170,13 @@ class OptimizerSection:
             "the rest keeps its optimizer state on the GPU"
         ),
     )
+    optimizer_offload_overlap: bool = field(
+        default=False,
+        metadata=option(
+            "with --optimizer-cpu-offload: pipeline the host step in 32 MiB chunks (D2H of the grads, the CPU "
+            "AdamW and H2D of the params overlap; fp32 masters pinned); bitwise the same step and checkpoints"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -186,6 +193,8 @@ class OptimizerSection:
             raise ValueError(
                 f"--optimizer-offload-fraction must be in (0, 1], got {self.optimizer_offload_fraction}"
             )
+        if self.optimizer_offload_overlap and not self.optimizer_cpu_offload:
+            raise ValueError("--optimizer-offload-overlap only applies with --optimizer-cpu-offload; add that flag")
         if self.optimizer_cpu_offload and self.optimizer_impl not in ("auto", "unfused"):
             raise ValueError(
                 f"--optimizer-cpu-offload uses megatron's hybrid optimizer (torch AdamW(fused=True) on the host and "
