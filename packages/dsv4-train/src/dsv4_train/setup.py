@@ -243,12 +243,12 @@ def optimizer_config(tc: TrainConfig) -> OptimizerConfig:
     )
 
 
-def build_optimizer(tc: TrainConfig, model, opt_config: OptimizerConfig | None = None) -> Any:
-    """megatron's distributed optimizer over the DDP ``model`` (``opt_config``: :func:`optimizer_config` unless
-    given), on the AdamW kernel ``tc.optimizer.optimizer_impl`` (:mod:`dsv4_train.optimizer`), its offloaded host
-    step pipelined with ``--optimizer-offload-overlap`` (:mod:`dsv4_train.offload_pipeline`)."""
+def build_optimizer(tc: TrainConfig, model) -> Any:
+    """megatron's distributed optimizer (:func:`optimizer_config`) over the DDP ``model``, on the AdamW kernel
+    ``tc.optimizer.optimizer_impl`` (:mod:`dsv4_train.optimizer`), its offloaded host step pipelined with
+    ``--optimizer-offload-overlap`` (:mod:`dsv4_train.offload_pipeline`)."""
 
-    opt_config = opt_config if opt_config is not None else optimizer_config(tc)
+    opt_config = optimizer_config(tc)
     chunk = OFFLOAD_CHUNK_NUMEL if tc.optimizer.optimizer_offload_overlap else None
     with cuda_as_cpu():
         # megatron 0.19.2's distributed optimizer on torch Adam loses the restored Adam ``step`` (overwritten

@@ -1,0 +1,229 @@
+"""The offloaded optimizer step of ``dsv4 train --optimizer-cpu-offload`` at flash-smoke size (issue 33: 3.36 s per
+step at F = 1 on one H200 inside the 64K run; target <= 1 s), side by side in one process, and its parts.
+
+    PYTHONPATH=<all packages/*/src> python3 packages/dsv4-train/benchmarks/bench_offload_step.py --out DIR
+
+One ``dsv4 train`` model (the model is the same with or without the offload: the flag changes the optimizer only)
+runs one real step; its gradients stay in the DDP grad buffers and every row re-applies them. Rows (each the mean
+of ``--iters`` ``optimizer.step()`` calls after 3 warm-ups, synchronised around each; one optimizer at a time over
+the same model, built as ``dsv4_train.setup.build_optimizer`` builds the trainer's, freed before the next):
+
+* ``no offload (peer)``: the run's own optimizer (``--optimizer-impl auto``: fused torch AdamW on the GPU);
+* ``offload: megatron (today)``: megatron-core's ``HybridDeviceOptimizer`` as ``--optimizer-cpu-offload``
+  configures it (``overlap_cpu_optimizer_d2h_h2d=False``: one host AdamW over all offloaded shards);
+* ``offload: megatron overlap``: the same with megatron's ``overlap_cpu_optimizer_d2h_h2d=True`` (one host AdamW
+  per shard, D2H on a side stream);
+* ``offload: pipelined``: ``--optimizer-offload-overlap`` (:mod:`dsv4_train.offload_pipeline`).
+
+Parts of the host step, each timed alone (host timers around synchronised work, ``--iters`` repeats) on the
+optimizers of ``today`` (megatron's unpinned fp32 masters) and ``pipelined`` (pinned masters): ``d2h grads``
+(every offloaded fp32 gradient into its pinned host buffer), ``cpu adamw`` (torch's fused CPU kernel, one call per
+shard, as megatron runs it), ``cpu adamw chunked`` (the pipeline's chunks), ``h2d params`` (every fp32 master into
+the model's bf16 shard: the copy and the bf16 conversion on the GPU), with the bytes each moves and the GB/s that
+implies (PCIe for the copies, host memory for AdamW: 16 bytes read, 12 written per element). Also printed:
+``torch.get_num_threads()`` (the host AdamW's threads). Writes ``bench_offload_step.json``.
+
+Dry run on the CPU (times meaningless): ``tests/test_bench_offload_step.py`` runs :func:`main` with the tiny
+preset under the test suite's simulated device (CPU tensors play the GPU), ``offload_context``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dsv4_primitives.megatron import cuda_as_cpu
+from dsv4_train.config import TrainConfig
+from dsv4_train.offload import hybrid_optimizers, offloaded_numel
+from dsv4_train.offload_pipeline import ALIGN, CHUNK_NUMEL, adamw_chunk, host_chunks
+from dsv4_train.optimizer import build_optimizer
+from dsv4_train.setup import optimizer_config
+from dsv4_train.trainer import Trainer
+from dsv4_train.virtual_pipeline import ddp_chunks
+
+PEER = "no offload (peer)"
+#: row -> (--optimizer-offload-overlap, megatron's overlap_cpu_optimizer_d2h_h2d)
+OFFLOAD_ROWS = {
+    "offload: megatron (today)": (False, False),
+    "offload: megatron overlap": (False, True),
+    "offload: pipelined": (True, False),
+}
+PART_ROWS = ("offload: megatron (today)", "offload: pipelined")
+ADAM_BYTES = 28  # per element: master, grad, exp_avg, exp_avg_sq read (16); master, exp_avg, exp_avg_sq written
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time(fn: Callable[[], None], iters: int, warmup: int = 3) -> float:
+    """Mean ms of ``fn`` over ``iters`` calls after ``warmup`` calls, synchronised around each."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sum(times) / len(times)
+
+
+def _tc(args, **offload) -> TrainConfig:
+    return TrainConfig.from_flat(
+        preset=args.preset,
+        steps=1,
+        seq_len=args.seq_len,
+        global_batch_size=1,
+        micro_batch_size=1,
+        bf16=True,
+        out=str(args.out / "run"),
+        overwrite=True,
+        progress=False,
+        warmup_steps=0,
+        save_final=False,
+        **offload,
+    )
+
+
+def _parts(opt, iters: int) -> dict:
+    """The host step's parts on ``opt``'s hybrid optimizers, each alone: ms, bytes and GB/s."""
+    hdos = hybrid_optimizers(opt)
+    whole = [c for hdo in hdos for c in host_chunks(hdo, _whole_tensor_chunk(hdo))[0] if c.device_grad is not None]
+    chunked = [c for hdo in hdos for c in host_chunks(hdo, CHUNK_NUMEL)[0] if c.device_grad is not None]
+    n = sum(c.master.numel() for c in whole)
+
+    def d2h():
+        for c in whole:
+            c.grad.copy_(c.device_grad, non_blocking=True)
+
+    def h2d():
+        for c in whole:
+            c.device_param.copy_(c.master, non_blocking=True)
+
+    def adam(chunks):
+        return lambda: [adamw_chunk(c) for c in chunks]
+
+    parts = {
+        "d2h grads": (d2h, 4 * n),
+        "cpu adamw": (adam(whole), ADAM_BYTES * n),
+        "cpu adamw chunked": (adam(chunked), ADAM_BYTES * n),
+        "h2d params": (h2d, 4 * n),
+    }
+    out = {"offloaded_elements": n, "masters_pinned": all(c.master.is_pinned() for c in whole)}
+    for name, (fn, nbytes) in parts.items():
+        ms = _time(fn, iters, warmup=1)
+        out[name] = {"ms": ms, "bytes": nbytes, "gb_per_s": nbytes / (ms * 1e-3) / 1e9}
+    return out
+
+
+def _whole_tensor_chunk(hdo) -> int:
+    """A chunk size (a multiple of ALIGN) at least the largest offloaded shard: one chunk per shard."""
+    biggest = max((p.numel() for p in hdo.gpu_params_map_cpu_copy), default=ALIGN)
+    return -(-biggest // ALIGN) * ALIGN
+
+
+def _free(trainer_or_none, opt) -> None:
+    """Drop the optimizer (and the trainer's references to it), and the host's cached pinned blocks."""
+    ref = weakref.ref(opt)
+    if trainer_or_none is not None:
+        t = trainer_or_none
+        t.optimizer = t.scheduler = t.checkpointer = None
+        t.stepper.optimizer = t.stepper.scheduler = None
+    del opt
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+    if ref() is not None:
+        print("warning: an optimizer is still referenced; memory of the next rows includes it", flush=True)
+
+
+def main(argv: list[str] | None = None, offload_context: Callable = contextlib.nullcontext) -> dict:
+    """Run the rows and parts, print the table, write the JSON; ``offload_context``: entered around building and
+    stepping the offloaded optimizers (the CPU dry run's simulated device)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", default="flash-smoke")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--fraction", type=float, default=1.0, help="--optimizer-offload-fraction of the rows")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_device = contextlib.nullcontext if device == "cuda" else cuda_as_cpu  # as bench_optimizer_step.py
+
+    trainer = Trainer(_tc(args))
+    trainer.run()  # one real step: the gradients stay in the grad buffers
+    n = sum(p.numel() for chunk in ddp_chunks(trainer.model) for p in chunk.parameters() if p.requires_grad)
+    rows, parts = {}, {}
+    with on_device():
+        rows[PEER] = _time(trainer.optimizer.step, args.iters)
+    print(f"{PEER}: {rows[PEER]:.1f} ms", flush=True)
+    _free(trainer, trainer.optimizer)
+    offloaded = 0
+    for row, (pipelined, megatron_overlap) in OFFLOAD_ROWS.items():
+        flags = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=args.fraction)
+        tc = _tc(args, optimizer_offload_overlap=pipelined, **flags)
+        cfg = dataclasses.replace(optimizer_config(tc), overlap_cpu_optimizer_d2h_h2d=megatron_overlap)
+        with on_device(), offload_context():  # the simulated streams over cuda_as_cpu's
+            # the call dsv4_train.setup.build_optimizer makes (without its cuda_as_cpu: the dry run's simulated
+            # streams stay in place)
+            opt = build_optimizer(
+                cfg, ddp_chunks(trainer.model), impl="auto", offload_chunk_numel=CHUNK_NUMEL if pipelined else None
+            )
+            rows[row] = _time(opt.step, args.iters)
+            offloaded = offloaded_numel(opt)[0]
+            if row in PART_ROWS:
+                parts[row] = _parts(opt, args.iters)
+        print(f"{row}: {rows[row]:.1f} ms", flush=True)
+        _free(None, opt)
+
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "preset": args.preset,
+        "params": n,
+        "offload_fraction": args.fraction,
+        "offloaded_elements": offloaded,
+        "chunk_numel": CHUNK_NUMEL,
+        "iters": args.iters,
+        "step_ms": rows,
+        "parts": parts,
+    }
+    _print(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_offload_step.json").write_text(json.dumps(result, indent=2) + "\n")
+    trainer.close()
+    return result
+
+
+def _print(r: dict) -> None:
+    print(
+        f"optimizer step, {r['preset']}: {r['params'] / 1e9:.2f} B params, {r['offloaded_elements'] / 1e9:.2f} B "
+        f"offloaded (F = {r['offload_fraction']}), {r['threads']} torch threads, on {r['device']}"
+    )
+    print(f"{'step':34s} {'ms':>9s}")
+    for k, v in r["step_ms"].items():
+        print(f"{k:34s} {v:9.1f}")
+    names = sorted({p for row in r["parts"].values() for p in row if isinstance(row[p], dict)})
+    print(f"{'part (ms | GB/s)':34s} " + " ".join(f"{row[9:]:>22s}" for row in r["parts"]))
+    for name in names:
+        cells = [r["parts"][row][name] for row in r["parts"]]
+        print(f"{name:34s} " + " ".join(f"{c['ms']:11.1f} | {c['gb_per_s']:8.1f}" for c in cells))
+    print(f"{'masters pinned':34s} " + " ".join(f"{str(row['masters_pinned']):>22s}" for row in r["parts"].values()))
+
+
+if __name__ == "__main__":
+    main()
