@@ -27,6 +27,7 @@ ACTIVATE = {
     "cuda_graph": {"cuda_graph": True, "bf16": True},
     "recompute": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
     "offload": {"optimizer_cpu_offload": True},
+    "offload_overlap": {"optimizer_offload_overlap": True},
     "activation_offload": {"offload_activations": True},
     "deterministic": {"deterministic": True},
     "eval": {"eval_interval": 1},

@@ -60,6 +60,11 @@ FEATURES: dict[str, Feature] = {
             "recompute", "--recompute-granularity", lambda tc, m: tc.memory.recompute_granularity is not None
         ),
         Feature("offload", "--optimizer-cpu-offload", lambda tc, m: tc.optimizer.optimizer_cpu_offload),
+        Feature(
+            "offload_overlap",
+            "--optimizer-offload-overlap",
+            lambda tc, m: tc.optimizer.optimizer_offload_overlap,
+        ),
         Feature("activation_offload", "--offload-activations", lambda tc, m: tc.memory.offload_activations),
         Feature(
             "fused_step",
@@ -148,6 +153,13 @@ RELATIONS: tuple[Relation, ...] = (
         "--cuda-graph with --cp {cp} is not supported: graph capture is validated on one GPU only and the CP "
         "attention exchanges document boundaries that change every step; drop --cuda-graph or use --cp 1",
         "tests/test_context_parallel.py::test_cp_config_checks",
+    ),
+    Relation(
+        ("offload_overlap",),
+        "refused",
+        "--optimizer-offload-overlap only applies with --optimizer-cpu-offload; add that flag",
+        "tests/test_offload_pipeline.py::test_cli_flag",
+        without=("offload",),
     ),
     Relation(
         ("offload", "cuda_graph"),
@@ -417,6 +429,27 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "the offloaded optimizer under DP2",
         "tests/test_optimizer_offload.py::test_dp2_offload",
+    ),
+    Relation(
+        ("offload", "offload_overlap"),
+        "supported",
+        "the pipelined host step (chunked D2H / CPU AdamW / H2D) is bitwise megatron's offloaded step: params, "
+        "masters, moments, steps after 3 steps (bf16 and FP32 params, F = 1 and < 1, clipping; CPU, simulated "
+        "device; the CUDA test, test_offload_overlap_gpu.py, has not run on a GPU yet)",
+        "tests/test_offload_pipeline.py::test_pipeline_bitwise_equals_megatron_step",
+    ),
+    Relation(
+        ("offload", "offload_overlap", "resume"),
+        "supported",
+        "checkpoints interchangeable with the unpipelined offload (saved by either, resumed by either, bitwise)",
+        "tests/test_offload_pipeline.py::test_pipeline_checkpoint_round_trip",
+    ),
+    Relation(
+        ("offload", "offload_overlap", "dp"),
+        "untested",
+        "accepted: each rank pipelines its own shards (no collective inside the host step); no CI test runs it "
+        "under DP > 1",
+        _UNTESTED,
     ),
     Relation(
         ("deterministic", "cuda_graph"),

@@ -193,8 +193,6 @@ class OptimizerSection:
             raise ValueError(
                 f"--optimizer-offload-fraction must be in (0, 1], got {self.optimizer_offload_fraction}"
             )
-        if self.optimizer_offload_overlap and not self.optimizer_cpu_offload:
-            raise ValueError("--optimizer-offload-overlap only applies with --optimizer-cpu-offload; add that flag")
         if self.optimizer_cpu_offload and self.optimizer_impl not in ("auto", "unfused"):
             raise ValueError(
                 f"--optimizer-cpu-offload uses megatron's hybrid optimizer (torch AdamW(fused=True) on the host and "
