@@ -60,6 +60,11 @@ Checkpoints: the same sharded format as without the offload (``param``, ``exp_av
 fp32; the step in the param groups, per-param steps not persistent): an offloaded run resumes without the offload
 and vice versa (tested, bitwise on CPU).
 
+``--optimizer-offload-overlap`` (:mod:`dsv4_train.offload_pipeline`): the hybrid optimizer's step with its host
+part pipelined in chunks (D2H, CPU AdamW and H2D overlapping; the fp32 masters pinned, also after a checkpoint
+load rebuilds them), bitwise the same step and checkpoints; :func:`offload_distributed_optimizer` with
+``pipeline_chunk_numel`` turns it on (no new state: the pipeline is an attribute of the class-swapped optimizer).
+
 Refused with the reason (:func:`check_cpu_offload`): without the distributed optimizer (megatron's precision-aware
 path needs it), with a non-Adam optimizer or without decoupled weight decay (megatron asserts AdamW mode), with
 ``--optimizer-impl fused|foreach`` (the hybrid optimizer has its own torch AdamW(fused=True) on both sides), with
