@@ -58,7 +58,9 @@ OFFLOAD_ROWS = {
     "offload: pipelined": (True, False),
 }
 PART_ROWS = ("offload: megatron (today)", "offload: pipelined")
-ADAM_BYTES = 28  # per element: master, grad, exp_avg, exp_avg_sq read (16); master, exp_avg, exp_avg_sq written
+ADAM_BYTES = (
+    28  # per element: master, grad, exp_avg, exp_avg_sq read (16); master, exp_avg, exp_avg_sq written
+)
 
 
 def _sync() -> None:
@@ -97,11 +99,13 @@ def _tc(args, **offload) -> TrainConfig:
     )
 
 
-def _parts(opt, iters: int) -> dict:
+def _parts(opt, iters: int, chunk_numel: int) -> dict:
     """The host step's parts on ``opt``'s hybrid optimizers, each alone: ms, bytes and GB/s."""
     hdos = hybrid_optimizers(opt)
-    whole = [c for hdo in hdos for c in host_chunks(hdo, _whole_tensor_chunk(hdo))[0] if c.device_grad is not None]
-    chunked = [c for hdo in hdos for c in host_chunks(hdo, CHUNK_NUMEL)[0] if c.device_grad is not None]
+    whole = [
+        c for hdo in hdos for c in host_chunks(hdo, _whole_tensor_chunk(hdo))[0] if c.device_grad is not None
+    ]
+    chunked = [c for hdo in hdos for c in host_chunks(hdo, chunk_numel)[0] if c.device_grad is not None]
     n = sum(c.master.numel() for c in whole)
 
     def d2h():
@@ -159,6 +163,12 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=1.0, help="--optimizer-offload-fraction of the rows")
+    ap.add_argument(
+        "--chunk-numel",
+        type=int,
+        default=CHUNK_NUMEL,
+        help="elements per chunk of the pipelined row and part",
+    )
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on_device = contextlib.nullcontext if device == "cuda" else cuda_as_cpu  # as bench_optimizer_step.py
@@ -180,12 +190,15 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
             # the call dsv4_train.setup.build_optimizer makes (without its cuda_as_cpu: the dry run's simulated
             # streams stay in place)
             opt = build_optimizer(
-                cfg, ddp_chunks(trainer.model), impl="auto", offload_chunk_numel=CHUNK_NUMEL if pipelined else None
+                cfg,
+                ddp_chunks(trainer.model),
+                impl="auto",
+                offload_chunk_numel=args.chunk_numel if pipelined else None,
             )
             rows[row] = _time(opt.step, args.iters)
             offloaded = offloaded_numel(opt)[0]
             if row in PART_ROWS:
-                parts[row] = _parts(opt, args.iters)
+                parts[row] = _parts(opt, args.iters, args.chunk_numel)
         print(f"{row}: {rows[row]:.1f} ms", flush=True)
         _free(None, opt)
 
@@ -197,7 +210,7 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
         "params": n,
         "offload_fraction": args.fraction,
         "offloaded_elements": offloaded,
-        "chunk_numel": CHUNK_NUMEL,
+        "chunk_numel": args.chunk_numel,
         "iters": args.iters,
         "step_ms": rows,
         "parts": parts,
@@ -222,7 +235,10 @@ def _print(r: dict) -> None:
     for name in names:
         cells = [r["parts"][row][name] for row in r["parts"]]
         print(f"{name:34s} " + " ".join(f"{c['ms']:11.1f} | {c['gb_per_s']:8.1f}" for c in cells))
-    print(f"{'masters pinned':34s} " + " ".join(f"{str(row['masters_pinned']):>22s}" for row in r["parts"].values()))
+    print(
+        f"{'masters pinned':34s} "
+        + " ".join(f"{row['masters_pinned']!s:>22s}" for row in r["parts"].values())
+    )
 
 
 if __name__ == "__main__":

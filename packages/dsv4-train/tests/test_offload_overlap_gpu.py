@@ -58,7 +58,9 @@ def _build(fraction, chunk, device="cuda"):
     from dsv4_primitives.megatron.precision import Float16ModuleKeepFP32
     from dsv4_train.optimizer import build_optimizer
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
+    )
     model = Float16ModuleKeepFP32(cfg, _big_cls()(cfg).to(device))
     ddp = DistributedDataParallel(
         cfg, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), model
@@ -94,7 +96,9 @@ def _run(fraction, chunk, steps=3):
 
 
 def _steps(opt):
-    return [float(h.state[p]["step"]) for h in hybrid_optimizers(opt) for g in h.param_groups for p in g["params"]]
+    return [
+        float(h.state[p]["step"]) for h in hybrid_optimizers(opt) for g in h.param_groups for p in g["params"]
+    ]
 
 
 def _peak_of_step(ddp, opt, step):

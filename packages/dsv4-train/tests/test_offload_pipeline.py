@@ -27,7 +27,12 @@ CHUNK = 64  # elements: splits the toy's shards (the default, 8 Mi, is for real 
 
 
 def _steps_of(opt):
-    return [float(hdo.state[p]["step"]) for hdo in hybrid_optimizers(opt) for g in hdo.param_groups for p in g["params"]]
+    return [
+        float(hdo.state[p]["step"])
+        for hdo in hybrid_optimizers(opt)
+        for g in hdo.param_groups
+        for p in g["params"]
+    ]
 
 
 def _assert_same(run_a, run_b):

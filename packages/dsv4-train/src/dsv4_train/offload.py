@@ -165,7 +165,9 @@ def _hybrid_device_optimizer_native_fp32():
             if self.pipeline is None:
                 return super().step(closure)
             if closure is not None:
-                raise ValueError("the offload pipeline takes no closure; run without --optimizer-offload-overlap")
+                raise ValueError(
+                    "the offload pipeline takes no closure; run without --optimizer-offload-overlap"
+                )
             self.pipeline.step(self)
             return None
 

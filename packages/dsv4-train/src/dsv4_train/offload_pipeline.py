@@ -55,8 +55,10 @@ def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
 
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError(f"the offload pipeline needs contiguous tensors, but a {what} is strided; run without "
-                         "--optimizer-offload-overlap")
+        raise ValueError(
+            f"the offload pipeline needs contiguous tensors, but a {what} is strided; run without "
+            "--optimizer-offload-overlap"
+        )
     return t.view(-1)
 
 
@@ -132,7 +134,9 @@ def host_chunks(hdo, chunk_numel: int) -> tuple[list[HostChunk], list[torch.Tens
                 device_grad = getattr(device_param, "decoupled_grad", device_param.grad)
                 master.requires_grad = False
                 if device_grad is not None and master not in hdo.cpu_copy_map_grad:
-                    buf = torch.empty(master.shape, dtype=master.dtype, pin_memory=hdo.pin_cpu_grads, device="cpu")
+                    buf = torch.empty(
+                        master.shape, dtype=master.dtype, pin_memory=hdo.pin_cpu_grads, device="cpu"
+                    )
                     hdo.cpu_copy_map_grad[master] = master.grad = buf
                 if master.grad is None:  # AdamW skips a param without a gradient
                     continue
@@ -152,7 +156,9 @@ def host_chunks(hdo, chunk_numel: int) -> tuple[list[HostChunk], list[torch.Tens
                 for a, b in chunk_ranges(master.numel(), chunk_numel):
                     m, g, v1, v2, d = (t[a:b] for t in flat)
                     chunks.append(
-                        HostChunk(m, g, v1, v2, state["step"], group, d, None if dev_grad is None else dev_grad[a:b])
+                        HostChunk(
+                            m, g, v1, v2, state["step"], group, d, None if dev_grad is None else dev_grad[a:b]
+                        )
                     )
     return chunks, steps
 
@@ -182,6 +188,7 @@ class OffloadPipeline:
             if not master.is_pinned():
                 master.data = master.data.pin_memory()
 
+    @torch.no_grad()
     def step(self, hdo) -> None:
         """One step of ``hdo``: its device part as megatron runs it, its host part pipelined."""
         hdo._sync_hdo_param_groups_to_sub_optimizers()
@@ -211,4 +218,12 @@ class OffloadPipeline:
         hdo._sync_sub_optimizers_state_to_hdo()
 
 
-__all__ = ["ALIGN", "CHUNK_NUMEL", "HostChunk", "OffloadPipeline", "adamw_chunk", "chunk_ranges", "host_chunks"]
+__all__ = [
+    "ALIGN",
+    "CHUNK_NUMEL",
+    "HostChunk",
+    "OffloadPipeline",
+    "adamw_chunk",
+    "chunk_ranges",
+    "host_chunks",
+]

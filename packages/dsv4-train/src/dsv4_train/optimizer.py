@@ -157,7 +157,9 @@ def build_optimizer(
         with offload_distributed_optimizer(offload_chunk_numel):
             return get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)
     if offload_chunk_numel is not None:
-        raise ValueError("--optimizer-offload-overlap only applies with --optimizer-cpu-offload; add that flag")
+        raise ValueError(
+            "--optimizer-offload-overlap only applies with --optimizer-cpu-offload; add that flag"
+        )
     optimizer = get_megatron_optimizer_keep_fp32(opt_config, model_chunks, **kwargs)
     return set_adam_impl(optimizer, resolve_impl(impl, device))
 
