@@ -84,16 +84,16 @@ def simulated_device():
         torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Stream = saved
 
 
-def dp_rank_offload_vs_fused(rank: int, world_size: int, fraction: float) -> dict:
-    """One gloo rank of ``test_optimizer_offload.test_dp2_offload``: the same steps with the non-offloaded fused
-    optimizer and with the offload (simulated device), both DP-sharded; returns both runs' params and this rank's
-    shard sizes."""
+def dp_rank_offload_vs_fused(rank: int, world_size: int, fraction: float, chunk: int | None = None) -> dict:
+    """One gloo rank of ``test_optimizer_offload.test_dp2_offload`` (and, with ``chunk``, the pipelined host step's
+    ``test_offload_pipeline.test_dp2_pipeline``): the same steps with the non-offloaded fused optimizer and with the
+    offload (simulated device), both DP-sharded; returns both runs' params and this rank's shard sizes."""
     from megatron.core import parallel_state as ps
     from test_optimizer_impl import _core, _step
     from test_optimizer_offload import _build, _model_params
 
     from dsv4_primitives.megatron import apply_cpu_shims, cuda_as_cpu, init_rng_tracker
-    from dsv4_train.offload import offloaded_numel
+    from dsv4_train.offload import hybrid_optimizers, offloaded_numel
 
     apply_cpu_shims()
     ps.initialize_model_parallel(1, 1)
@@ -103,11 +103,13 @@ def dp_rank_offload_vs_fused(rank: int, world_size: int, fraction: float) -> dic
         for s in range(3):
             _step(ddp0, ref, s + rank)  # different gradients per rank: the DP average is what is applied
         with simulated_device():
-            ddp1, opt = _build(True, fraction=fraction)
+            ddp1, opt = _build(True, fraction=fraction, offload_chunk_numel=chunk)
             for s in range(3):
                 _step(ddp1, opt, s + rank)
     numel = sum(p.numel() for p in _core(ddp1).parameters())
+    pipelined = [hdo.pipeline is not None for hdo in hybrid_optimizers(opt)]
     return {
+        "pipelined": pipelined,
         "ref": _model_params(ddp0),
         "offload": _model_params(ddp1),
         "shard": offloaded_numel(opt),

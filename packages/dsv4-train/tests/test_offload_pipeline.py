@@ -100,6 +100,25 @@ def test_pipeline_checkpoint_round_trip(megatron_cpu, tmp_path, save_chunk, load
     )
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dp2_pipeline():
+    """DP2 on gloo: each rank pipelines the host step of its own half of the shards; both ranks' params equal the
+    non-offloaded fused run bitwise (per-rank gradients differ; the DP average is applied) and each other."""
+    from offload_sim import dp_rank_offload_vs_fused
+
+    from dsv4_testkit import run_distributed
+
+    results = run_distributed(dp_rank_offload_vs_fused, 2, 1.0, CHUNK)
+    for r in results:
+        host, total = r["shard"]
+        assert r["pipelined"] == [True] and host == total and 0 < total < r["numel"]
+        for n, p in r["ref"].items():
+            assert torch.equal(p, r["offload"][n]), n
+    for n, p in results[0]["offload"].items():
+        assert torch.equal(p, results[1]["offload"][n]), n
+
+
 def test_chunk_ranges_and_refusals():
     assert chunk_ranges(200, 64) == [(0, 64), (64, 128), (128, 192), (192, 200)]
     assert chunk_ranges(64, 64) == [(0, 64)] and chunk_ranges(0, 64) == []

@@ -446,10 +446,9 @@ RELATIONS: tuple[Relation, ...] = (
     ),
     Relation(
         ("offload", "offload_overlap", "dp"),
-        "untested",
-        "accepted: each rank pipelines its own shards (no collective inside the host step); no CI test runs it "
-        "under DP > 1",
-        _UNTESTED,
+        "supported",
+        "DP2: each rank pipelines the host step of its own shards, bitwise the non-offloaded run",
+        "tests/test_offload_pipeline.py::test_dp2_pipeline",
     ),
     Relation(
         ("deterministic", "cuda_graph"),
