@@ -169,7 +169,12 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
         default=CHUNK_NUMEL,
         help="elements per chunk of the pipelined row and part",
     )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch.set_num_threads for the host AdamW (0: torch's)"
+    )
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on_device = contextlib.nullcontext if device == "cuda" else cuda_as_cpu  # as bench_optimizer_step.py
 
