@@ -129,6 +129,8 @@ def _parts(opt, iters: int, chunk_numel: int) -> dict:
     for name, (fn, nbytes) in parts.items():
         ms = _time(fn, iters, warmup=1)
         out[name] = {"ms": ms, "bytes": nbytes, "gb_per_s": nbytes / (ms * 1e-3) / 1e9}
+    serial = [out[k]["ms"] for k in ("d2h grads", "cpu adamw", "h2d params")]
+    out["sum of d2h, adamw, h2d ms"], out["max of d2h, adamw, h2d ms"] = sum(serial), max(serial)
     return out
 
 
@@ -240,6 +242,8 @@ def _print(r: dict) -> None:
     for name in names:
         cells = [r["parts"][row][name] for row in r["parts"]]
         print(f"{name:34s} " + " ".join(f"{c['ms']:11.1f} | {c['gb_per_s']:8.1f}" for c in cells))
+    for key in ("sum of d2h, adamw, h2d ms", "max of d2h, adamw, h2d ms"):
+        print(f"{key:34s} " + " ".join(f"{row[key]:11.1f} {'':10s}" for row in r["parts"].values()))
     print(
         f"{'masters pinned':34s} "
         + " ".join(f"{row['masters_pinned']!s:>22s}" for row in r["parts"].values())
