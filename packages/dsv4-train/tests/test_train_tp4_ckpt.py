@@ -11,9 +11,11 @@ name that model as users do: ``--preset tiny`` and a ``--config`` file with ``mo
 
 Runs, shared by the tests: one process ``--init-from`` the TP1 conversion, fp32 and bf16 (the bf16 one saves at
 step 2, ``--ckpt-format fully_reshardable``); then in one set of 4 spawned gloo workers
-(:func:`cli_runs.train_in_workers`: the CLI's ``main`` as ``torchrun`` would run it) ``--tp 4 --init-from`` the TP4
-conversion saving at step 2, its ``--tp 4 --resume`` from that step-2 checkpoint, and ``--tp 4 --bf16 --resume``
-of the one-process bf16 step-2 checkpoint (TP1 -> TP4).
+(:func:`cli_runs.train_in_workers`: the CLI's ``main`` as ``torchrun`` would run it) one ``--tp 4 --init-from`` the
+TP4 conversion ``--resume auto`` command line (the user's rerun after a stop: it starts fresh from ``--init-from``
+where ``--out`` has no checkpoint and resumes where it has one): fp32 in a fresh ``--out``, saving at step 2; fp32
+in an ``--out`` holding that step-2 checkpoint (TP4 -> TP4); bf16 in an ``--out`` holding the one-process bf16
+step-2 checkpoint (TP1 -> TP4). A resumed run logs step 3 only.
 
 Bounds:
 
@@ -39,7 +41,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, train_in_workers
-from test_train_tp4 import MODEL
 from tp_resume_runs import SAVED_STEP, checkpoint_tensors, final_checkpoint
 
 from dsv4_testkit import run_distributed
@@ -52,6 +53,8 @@ from hybrid_model.presets import get_preset
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 TP = 4
+#: the model TP4 splits, given as users give it (module docstring; test_train_tp4.py's)
+MODEL = {"model": {"model_overrides": {"o_groups": TP}}}
 _ARGS = [
     "--preset", "tiny", "--seed", "11", "--steps", "3", "--seq-len", "64", "--global-batch-size", "2",
     "--micro-batch-size", "1", "--no-progress",
@@ -71,7 +74,7 @@ def _hf_source(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """``{name: metrics rows}`` of the five runs (module docstring), ``{name}-dir``: their run directories, and
-    ``convert-tp4``: the TP4 conversion's stdout."""
+    ``meg-tp4``: the TP4 conversion."""
     tmp = tmp_path_factory.mktemp("tp4-ckpt")
     hf = _hf_source(tmp / "hf")
     tp1, tp4 = tmp / "meg-tp1", tmp / "meg-tp4"
