@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from tp_resume_runs import resume_dir
 
 from dsv4_train.cli import main
 
@@ -44,15 +45,23 @@ def train_metrics(cmd: list[str], out: Path, *args: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_in_workers(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, list[dict]]:
+def train_in_workers(
+    rank: int, world: int, runs: list[tuple[str, list[str]]], resumes: dict[str, str] | None = None
+) -> dict[str, list[dict]]:
     """``{name: metrics.jsonl rows}`` of ``dsv4 train *flags`` for each ``(name, flags)`` (the flags name their
     ``--out``), run in turn by ``dsv4_train.cli.main`` in this gloo worker (each run builds and destroys its own
-    megatron state); every rank reads the rows once all ranks finished the run."""
+    megatron state); every rank reads the rows once all ranks finished the run. ``resumes``: ``{name: run
+    directory}`` of the runs that ``--resume`` an earlier run of the list: rank 0 first copies that directory's
+    step-``SAVED_STEP`` checkpoint into the run's ``--out`` (:func:`tp_resume_runs.resume_dir`)."""
     results = {}
     for name, flags in runs:
+        out = Path(flags[flags.index("--out") + 1])
+        if name in (resumes or {}):
+            if rank == 0:
+                resume_dir(Path(resumes[name]), out)
+            dist.barrier()
         assert main(["train", *flags]) == 0, (name, flags)
         dist.barrier()
-        out = Path(flags[flags.index("--out") + 1])
         results[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return results
 

@@ -11,6 +11,7 @@ from dsv4_train.checkpoint import TRAIN_CONFIG_FILE
 from dsv4_train.ckpt_integrity import checkpoint_files, file_entries, write_manifest
 from dsv4_train.cli import main
 from dsv4_train.config import TrainConfig
+from dsv4_train.generate_cli import decode_mode
 from hybrid_model.generation import generate
 from hybrid_model.hf import load_megatron_checkpoint
 from hybrid_model.hf.convert import MODEL_CONFIG_FILE, export_hf_checkpoint, save_megatron_checkpoint
@@ -173,3 +174,18 @@ def test_generate_from_transformers_equals_its_full_forward_greedy(megatron_cpu,
             ids.append(int(logits.argmax()))
     assert len(ids) - len(prompt) >= 6, "near ties end the comparison too early"
     assert got["ids"][0][: len(ids) - len(prompt)] == ids[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "requested, device, speculative, expected",
+    [
+        ("auto", "cuda", None, "graph"),  # the default on a GPU: the decode step as one CUDA graph
+        ("auto", "cpu", None, "eager"),
+        ("auto", "cuda", "mtp", "eager"),  # speculative verify steps are eager
+        ("eager", "cuda", None, "eager"),
+        ("static", "cuda", None, "static"),
+        ("graph", "cpu", None, "graph"),  # as given: generate refuses it on the CPU with one message
+    ],
+)
+def test_decode_mode_auto_is_graph_on_cuda_and_eager_elsewhere(requested, device, speculative, expected):
+    assert decode_mode(requested, torch.device(device), speculative) == expected

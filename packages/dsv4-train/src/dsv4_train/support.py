@@ -125,6 +125,7 @@ _CP = "tests/test_train_context_parallel.py::"
 _EVAL = "tests/test_train_eval_parallel.py::test_parallel_evaluation_matches_single_process"
 _TP = "tests/test_train_tensor_parallel.py::"
 _TP4 = "tests/test_train_tp4.py::"
+_TP4_CKPT = "tests/test_train_tp4_ckpt.py::"
 _REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 _TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
 _TPCP = "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process"
@@ -240,6 +241,13 @@ RELATIONS: tuple[Relation, ...] = (
         _TP4 + "test_tp4_from_the_cli_trains_like_one_process_fp32",
     ),
     Relation(
+        ("tp",),
+        "supported",
+        "dsv4 convert HF OUT --tp 4 then dsv4 train --init-from OUT --tp 4 trains 3 steps like one process "
+        "--init-from the TP1 conversion of the same HF checkpoint, from the CLI (fp32)",
+        _TP4_CKPT + "test_tp4_conversion_trains_at_tp4_like_one_process_from_the_tp1_conversion",
+    ),
+    Relation(
         ("resume", "tp"),
         "supported",
         "TP2 saved at step k and resumed equals the uninterrupted TP2 run bitwise (losses, final weights; fp32, bf16; "
@@ -260,6 +268,20 @@ RELATIONS: tuple[Relation, ...] = (
         "a one-process --ckpt-format fully_reshardable checkpoint resumes at TP4 (TP1 -> TP4) like the one-process "
         "continuation and the uninterrupted TP4 run, from the CLI (fp32)",
         _TP4 + "test_tp1_checkpoint_resumes_at_tp4_like_the_one_process_continuation",
+    ),
+    Relation(
+        ("resume", "tp"),
+        "supported",
+        "TP4 saved at step 2 and resumed at TP4 equals the uninterrupted TP4 run bitwise (losses, weights, fp32 "
+        "main params, Adam moments), from the CLI (fp32)",
+        _TP4_CKPT + "test_tp4_resume_at_tp4_is_bitwise",
+    ),
+    Relation(
+        ("resume", "tp"),
+        "supported",
+        "a one-process bf16 --ckpt-format fully_reshardable checkpoint resumes at TP4 (TP1 -> TP4) within the bf16 "
+        "bound of the one-process continuation, from the CLI",
+        _TP4_CKPT + "test_bf16_tp1_checkpoint_resumes_at_tp4_within_the_bf16_bound",
     ),
     Relation(
         ("tp", "dp"), "supported", "TP2 x DP2 equals one process, from the CLI (fp32, bf16)", _TP_COMBOS

@@ -1,0 +1,141 @@
+"""TP4 checkpoints from the CLI (issue 31): ``dsv4 convert HF OUT --tp 4`` then ``dsv4 train --init-from OUT --tp 4``
+(4 gloo processes) trains like one process ``--init-from`` the TP1 conversion of the same HF checkpoint; a ``--tp 4``
+run saved at step 2 and resumed with ``--tp 4 --resume`` equals the uninterrupted ``--tp 4`` run bit for bit; a
+one-process bf16 checkpoint resumed at ``--tp 4 --bf16`` continues it within the bf16 bound.
+
+The source: an HF DeepSeek-V4 directory written by the project's HF export from a random ``tiny`` model with 4
+output-projection groups (``o_groups=4``: ``tiny``'s 2 groups refuse ``--tp 4``; test_train_tp4.py), its default
+layer pattern (the HF model: DSv4 attention W C H, hash-routed and learned experts, mHC, one MTP depth). The runs
+name that model as users do: ``--preset tiny`` and a ``--config`` file with ``model_overrides {"o_groups": 4}``
+(``--init-from`` refuses a checkpoint of another model). 3 steps of 2 sequences of 64 tokens, fp32 unless named.
+
+Runs, shared by the tests: one process ``--init-from`` the TP1 conversion, fp32 and bf16 (the bf16 one saves at
+step 2, ``--ckpt-format fully_reshardable``); then in one set of 4 spawned gloo workers
+(:func:`cli_runs.train_in_workers`: the CLI's ``main`` as ``torchrun`` would run it) one ``--tp 4 --init-from`` the
+TP4 conversion ``--resume auto`` command line (the user's rerun after a stop: it starts fresh from ``--init-from``
+where ``--out`` has no checkpoint and resumes where it has one): fp32 in a fresh ``--out``, saving at step 2; fp32
+in an ``--out`` holding that step-2 checkpoint (TP4 -> TP4); bf16 in an ``--out`` holding the one-process bf16
+step-2 checkpoint (TP1 -> TP4). A resumed run logs step 3 only.
+
+Bounds:
+
+* TP4 from the TP4 conversion vs one process from the TP1 conversion, fp32: both start from the same weights
+  (hybrid-model's test_hf_megatron_tp4.py: the TP4 conversion reads back bitwise as the TP1 one), so only the TP
+  summation orders differ: ``cli_runs.FP32_REL`` (``2e-5`` relative, derived in test_train_tp4.py) for every step.
+* TP4 -> TP4 resume: the same layout on the same machine, so step 3 and the final checkpoint (weights, fp32 main
+  params, Adam moments: ``fully_reshardable`` writes them per parameter) equal the uninterrupted run's bit for bit.
+* TP1 -> TP4 resume, bf16: the resumed run starts from the one-process step-2 state (bf16 weights, fp32 main
+  params and moments, resharded exactly) and trains step 3, whose forward differs from the one process's only in
+  TP-reordered bf16 sums: ``cli_runs.assert_bf16_parity`` against the one-process bf16 step 3 (within twice that
+  step's bf16-vs-fp32 deviation of the one process, with a ``2·u_bf16`` relative floor for the fp32 statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, train_in_workers
+from tp_resume_runs import SAVED_STEP, checkpoint_tensors, final_checkpoint
+
+from dsv4_testkit import run_distributed
+from dsv4_testkit.megatron_cpu import megatron_cpu_context
+from dsv4_train.cli import main
+from hybrid_model.hf.convert import export_hf_checkpoint
+from hybrid_model.model import build_model
+from hybrid_model.presets import get_preset
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+TP = 4
+#: the model TP4 splits, given as users give it (module docstring; test_train_tp4.py's)
+MODEL = {"model": {"model_overrides": {"o_groups": TP}}}
+_ARGS = [
+    "--preset", "tiny", "--seed", "11", "--steps", "3", "--seq-len", "64", "--global-batch-size", "2",
+    "--micro-batch-size", "1", "--no-progress",
+]  # fmt: skip
+_SAVING = ["--save-interval", str(SAVED_STEP), "--ckpt-format", "fully_reshardable"]
+
+
+def _hf_source(path: Path) -> Path:
+    """An HF DeepSeek-V4 directory of a random ``tiny`` model with ``o_groups=4`` (module docstring)."""
+    with megatron_cpu_context():
+        torch.manual_seed(0)
+        model = build_model(get_preset("tiny").replace(**MODEL["model"]["model_overrides"])).eval()
+        export_hf_checkpoint(model, path, max_shard_bytes=1 << 40)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """``{name: metrics rows}`` of the five runs (module docstring), ``{name}-dir``: their run directories, and
+    ``meg-tp4``: the TP4 conversion."""
+    tmp = tmp_path_factory.mktemp("tp4-ckpt")
+    hf = _hf_source(tmp / "hf")
+    tp1, tp4 = tmp / "meg-tp1", tmp / "meg-tp4"
+    assert main(["convert", str(hf), str(tp1)]) == 0
+    assert main(["convert", str(hf), str(tp4), "--tp", str(TP)]) == 0
+    config = tmp / "tp4-model.json"
+    config.write_text(json.dumps(MODEL))
+    args = [*_ARGS, "--config", str(config)]
+    out: dict = {"tmp": tmp, "meg-tp4": tp4} | {
+        f"{n}-dir": tmp / n for n in ("one", "one-bf16", "tp4", "tp4-resumed")
+    }
+    one = [
+        (
+            "one",
+            [*args, "--no-bf16", "--init-from", str(tp1), "--no-save-final", "--out", str(out["one-dir"])],
+        ),
+        ("one-bf16", [*args, "--bf16", "--init-from", str(tp1), *_SAVING, "--out", str(out["one-bf16-dir"])]),
+    ]
+    out |= run_distributed(train_in_workers, 1, one, timeout=1800)[0]
+    at_tp4 = [*args, "--tp", str(TP), "--init-from", str(tp4), "--resume", "auto", *_SAVING]
+    out["tp1-to-tp4-bf16-dir"] = tmp / "tp1-to-tp4-bf16"
+    tp4_runs = [
+        ("tp4", [*at_tp4, "--no-bf16", "--out", str(out["tp4-dir"])]),
+        ("tp4-resumed", [*at_tp4, "--no-bf16", "--out", str(out["tp4-resumed-dir"])]),
+        ("tp1-to-tp4-bf16", [*at_tp4, "--bf16", "--out", str(out["tp1-to-tp4-bf16-dir"])]),
+    ]
+    resumes = {"tp4-resumed": str(out["tp4-dir"]), "tp1-to-tp4-bf16": str(out["one-bf16-dir"])}
+    per_rank = run_distributed(train_in_workers, TP, tp4_runs, resumes, timeout=2400)
+    assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
+    return out | per_rank[0]
+
+
+def test_tp4_conversion_trains_at_tp4_like_one_process_from_the_tp1_conversion(runs):
+    """``--tp 4 --init-from`` the TP4 conversion: steps 1-3 within ``2e-5`` relative of one process ``--init-from``
+    the TP1 conversion (module docstring)."""
+    one, tp4 = runs["one"], runs["tp4"]
+    assert [m["step"] for m in one] == [m["step"] for m in tp4] == [1, 2, 3]
+    assert [m["lr"] for m in one] == [m["lr"] for m in tp4]
+    assert_fp32_parity(tp4, one)
+    layout = json.loads((runs["meg-tp4"] / "dsv4_model_config.json").read_text())
+    assert layout["layout"]["tp"] == TP and layout["model_config"]["o_groups"] == TP
+
+
+def test_tp4_resume_at_tp4_is_bitwise(runs):
+    """``--tp 4 --resume`` of the ``--tp 4`` step-2 checkpoint: step 3 and the final checkpoint (weights, fp32 main
+    params, Adam moments) equal the uninterrupted ``--tp 4`` run's bit for bit."""
+    (got,) = runs["tp4-resumed"]
+    ref = runs["tp4"][SAVED_STEP]
+    for key in ("step", "lr", *PARITY_KEYS):
+        assert got[key] == ref[key], (key, got[key], ref[key])
+    scratch = runs["tmp"] / "scratch.pt"
+    a = checkpoint_tensors(final_checkpoint(runs["tp4-dir"]), scratch, model_only=False)
+    b = checkpoint_tensors(final_checkpoint(runs["tp4-resumed-dir"]), scratch, model_only=False)
+    assert sorted(a) == sorted(b) and any(k.startswith("chained") for k in a)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_bf16_tp1_checkpoint_resumes_at_tp4_within_the_bf16_bound(runs):
+    """A one-process bf16 step-2 checkpoint resumed by ``--tp 4 --bf16``: step 3 within the bf16 bound of the one
+    process's step 3 (module docstring)."""
+    (got,) = runs["tp1-to-tp4-bf16"]
+    one_bf16, one_fp32 = runs["one-bf16"][SAVED_STEP], runs["one"][SAVED_STEP]
+    assert got["step"] == one_bf16["step"] == SAVED_STEP + 1 and got["lr"] == one_bf16["lr"]
+    assert_bf16_parity([got], [one_bf16], [one_fp32])
