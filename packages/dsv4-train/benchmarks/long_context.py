@@ -47,6 +47,14 @@ SETTINGS: dict[str, dict] = {
     "offload-full-act": dict(
         FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, offload_activations=True
     ),
+    # the same with the offloaded host step pipelined (--optimizer-offload-overlap: D2H, host AdamW, H2D overlap)
+    "offload-full-act-overlap": dict(
+        FULL,
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=1.0,
+        offload_activations=True,
+        optimizer_offload_overlap=True,
+    ),
     # the checkpointed layer inputs on the host, the optimizer on the GPU (64K without optimizer offload)
     "full-act": dict(FULL, offload_activations=True),
     "offload-half-full": dict(FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
