@@ -57,6 +57,13 @@ OFFLOAD_ROWS = {
     "offload: megatron overlap": (False, True),
     "offload: pipelined": (True, False),
 }
+#: --rows names of the offload rows
+ROW_NAMES = {
+    "today": "offload: megatron (today)",
+    "megatron-overlap": "offload: megatron overlap",
+    "pipelined": "offload: pipelined",
+}
+ROW_NAMES_BY_ROW = {v: k for k, v in ROW_NAMES.items()}
 PART_ROWS = ("offload: megatron (today)", "offload: pipelined")
 ADAM_BYTES = (
     28  # per element: master, grad, exp_avg, exp_avg_sq read (16); master, exp_avg, exp_avg_sq written
@@ -174,6 +181,13 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
     ap.add_argument(
         "--threads", type=int, default=0, help="torch.set_num_threads for the host AdamW (0: torch's)"
     )
+    ap.add_argument(
+        "--rows",
+        nargs="+",
+        default=list(ROW_NAMES),
+        choices=list(ROW_NAMES),
+        help="offload rows to run (each holds ~60 GB of host memory for flash-smoke while it runs)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,6 +204,8 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
     _free(trainer, trainer.optimizer)
     offloaded = 0
     for row, (pipelined, megatron_overlap) in OFFLOAD_ROWS.items():
+        if ROW_NAMES_BY_ROW[row] not in args.rows:
+            continue
         flags = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=args.fraction)
         tc = _tc(args, optimizer_offload_overlap=pipelined, **flags)
         cfg = dataclasses.replace(optimizer_config(tc), overlap_cpu_optimizer_d2h_h2d=megatron_overlap)

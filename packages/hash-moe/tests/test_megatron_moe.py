@@ -288,6 +288,8 @@ def test_layer_bf16_alltoall_on_gpu_matches_reference(megatron_cpu, hash_routing
 def test_routed_decode_path_switch(megatron_cpu):
     """The routed-expert kernels serve eval-mode no-grad CUDA forwards only; a negative row limit is refused."""
     layer, _ = build_layer(False)
+    # on by default for decode-size forwards (up to 42 tokens at top-6)
+    assert layer.experts.routed_max_rows == 256
     x = torch.randn(4, HIDDEN, dtype=torch.float64)
     layer.eval()
     with torch.no_grad():
@@ -307,7 +309,7 @@ def test_layer_bf16_decode_takes_routed_kernels_on_gpu(megatron_cpu, tokens):
     w = full_weights(dtype=torch.bfloat16)
     load_weights(layer, w, list(range(EXPERTS)))
     layer.eval()
-    layer.experts.routed_max_rows = 256  # opt-in (the default 0 keeps the grouped GEMM)
+    assert layer.experts.routed_max_rows == 256  # the default: decode-size forwards take the routed kernels
     x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16)
     ids = torch.randint(0, VOCAB, (tokens, 1))
     calls = []

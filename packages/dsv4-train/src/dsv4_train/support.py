@@ -430,7 +430,7 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "full recompute with what the forward saves moved through the hooks: losses and gradient norms bitwise "
         "those without them (CPU, CPU tensors copied the same way; the CUDA run from the CLI, "
-        "test_activation_offload_gpu.py, has not run on a GPU yet)",
+        "test_activation_offload_gpu.py, bitwise on an H100, 2026-12-07)",
         "tests/test_activation_offload.py::test_full_recompute_steps_through_the_hooks_equal_the_plain_steps",
     ),
     Relation(
@@ -457,7 +457,8 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "the pipelined host step (chunked D2H / CPU AdamW / H2D) is bitwise megatron's offloaded step: params, "
         "masters, moments, steps after 3 steps (bf16 and FP32 params, F = 1 and < 1, clipping; CPU, simulated "
-        "device; the CUDA test, test_offload_overlap_gpu.py, has not run on a GPU yet)",
+        "device; on CUDA, test_offload_overlap_gpu.py, bitwise on an H100, 2026-12-07; 1.15 s instead of 2.98 s "
+        "for flash-smoke's 3.81 B parameters there)",
         "tests/test_offload_pipeline.py::test_pipeline_bitwise_equals_megatron_step",
     ),
     Relation(
