@@ -28,6 +28,17 @@ Bounds:
   params and moments, resharded exactly) and trains step 3, whose forward differs from the one process's only in
   TP-reordered bf16 sums: ``cli_runs.assert_bf16_parity`` against the one-process bf16 step 3 (within twice that
   step's bf16-vs-fp32 deviation of the one process, with a ``2·u_bf16`` relative floor for the fp32 statistics).
+  Step 3's metrics come from the forward and backward before step 3's update, so they see the resumed bf16
+  weights only; the optimizer state (fp32 main params, Adam moments and step) is checked on the final checkpoints.
+  Both runs take one torch AdamW step (CPU: the single-tensor path, ``dsv4_train.optimizer``) from the same
+  step-2 state ``(P2, m2, v2)`` with their own clipped gradients ``g``: ``m3 = b1·m2 + (1 - b1)·g``, ``v3 =
+  b2·v2 + (1 - b2)·g²``, ``P3 = (1 - lr·wd)·P2 - lr·U(m3, v3)`` with ``U = (m3 / bc1) / (√v3 / √bc2 + eps)``,
+  ``bc_i = 1 - b_i**3``, ``lr`` the scheduler's rate for step 3. Without knowing ``g``: (a) ``g' = (m3' - b1·m2) /
+  (1 - b1)`` from the saved ``m2`` predicts ``v3' = b2·v2 + (1 - b2)·g'²`` within ``1e-6`` relative per tensor (a
+  few fp32 roundings, amplified at most 10x by the division; measured 1.7e-7; moments that are not the saved ones
+  miss it by O(1)); (b) ``P3' - P3 = -lr·(U(m3', v3') - U(m3, v3))`` elementwise within ``2·ulp(P3) +
+  16·2**-24·lr·(|U'| + |U|)`` (the decayed ``P2`` cancels when both runs hold the same one; measured: 0.6 of the
+  bound; main params re-derived from the bf16 weights miss it 400x, a wrong Adam step count changes ``bc_i``).
 """
 
 from __future__ import annotations
@@ -60,6 +71,9 @@ _ARGS = [
     "--micro-batch-size", "1", "--no-progress",
 ]  # fmt: skip
 _SAVING = ["--save-interval", str(SAVED_STEP), "--ckpt-format", "fully_reshardable"]
+#: the AdamW constants of every dsv4 train run (``dsv4_train.setup``'s ``OptimizerConfig``)
+_BETA1, _BETA2, _EPS = 0.9, 0.95, 1e-8
+_U32 = 2.0**-24  # fp32 unit roundoff
 
 
 def _hf_source(path: Path) -> Path:
@@ -139,3 +153,50 @@ def test_bf16_tp1_checkpoint_resumes_at_tp4_within_the_bf16_bound(runs):
     one_bf16, one_fp32 = runs["one-bf16"][SAVED_STEP], runs["one"][SAVED_STEP]
     assert got["step"] == one_bf16["step"] == SAVED_STEP + 1 and got["lr"] == one_bf16["lr"]
     assert_bf16_parity([got], [one_bf16], [one_fp32])
+
+
+def _optimizer_state(path: Path, scratch: Path) -> dict[tuple[str, str], torch.Tensor]:
+    """``{(kind, parameter): fp64 tensor}`` of a checkpoint's optimizer state (``kind``: ``param`` = the fp32 main
+    param, ``exp_avg``, ``exp_avg_sq``), whatever chained optimizer holds the parameter."""
+    state = {}
+    for key, value in checkpoint_tensors(path, scratch, model_only=False).items():
+        if key.startswith("chained_"):
+            _, _, _, kind, name = key.split(".", 4)
+            assert (kind, name) not in state, key
+            state[kind, name] = value.double()
+    return state
+
+
+def test_bf16_tp1_to_tp4_resume_continues_the_saved_optimizer_state(runs):
+    """The ``--tp 4 --bf16`` run resumed from the one-process bf16 step-2 checkpoint continues its fp32 main
+    params, Adam moments and step: its step-3 moments and main params follow from the saved step-2 state by the
+    AdamW update, compared with the one-process continuation (module docstring: (a) and (b))."""
+    scratch = runs["tmp"] / "scratch.pt"
+    saved = _optimizer_state(runs["one-bf16-dir"] / "checkpoints" / f"iter_{SAVED_STEP:07d}", scratch)
+    one = _optimizer_state(final_checkpoint(runs["one-bf16-dir"]), scratch)
+    tp4 = _optimizer_state(final_checkpoint(runs["tp1-to-tp4-bf16-dir"]), scratch)
+    assert sorted(saved) == sorted(one) == sorted(tp4) and saved
+    lr = runs["one-bf16"][SAVED_STEP - 1][
+        "lr"
+    ]  # the rate of step 3 (``lr`` is logged after the scheduler step)
+    bc1, bc2 = 1 - _BETA1 ** (SAVED_STEP + 1), 1 - _BETA2 ** (SAVED_STEP + 1)
+
+    def update(state: dict, name: str) -> torch.Tensor:
+        return (state["exp_avg", name] / bc1) / (state["exp_avg_sq", name].sqrt() / bc2**0.5 + _EPS)
+
+    moments, params = {}, {}
+    for name in sorted({name for _, name in saved}):
+        m2, v2 = saved["exp_avg", name], saved["exp_avg_sq", name]
+        grad = (tp4["exp_avg", name] - _BETA1 * m2) / (1 - _BETA1)
+        v3 = _BETA2 * v2 + (1 - _BETA2) * grad**2
+        moments[name] = float((tp4["exp_avg_sq", name] - v3).norm() / v3.norm().clamp_min(1e-300))
+        p3 = one["param", name]
+        ulp = (torch.nextafter(p3.float().abs(), torch.tensor(float("inf"))) - p3.float().abs()).double()
+        u_tp4, u_one = update(tp4, name), update(one, name)
+        bound = 2 * ulp + 16 * _U32 * lr * (u_tp4.abs() + u_one.abs())
+        miss = (tp4["param", name] - p3 + lr * (u_tp4 - u_one)).abs() / bound
+        params[name] = float(miss.max())
+    assert [n for n, r in moments.items() if r > 1e-6] == [], sorted(moments.items(), key=lambda kv: -kv[1])[
+        :5
+    ]
+    assert [n for n, r in params.items() if r > 1] == [], sorted(params.items(), key=lambda kv: -kv[1])[:5]

@@ -185,9 +185,9 @@ def test_strided_device_counts_are_read_as_their_values():
     """A non-contiguous ``[G]`` counts view (every other entry of a longer tensor) gives the result of its values."""
     torch.manual_seed(3)
     counts = [2, 0, 3, 1]
-    x, w = torch.randn(6, 21), torch.randn(4, 13, 21)
-    strided = torch.tensor([c for c in counts for _ in range(2)])[::2]  # [G], stride 2
+    x, w = torch.randn(6, 21, device=DEV), torch.randn(4, 13, 21, device=DEV)
+    strided = torch.tensor([c for c in counts for _ in range(2)], device=DEV)[::2]  # [G], stride 2
     assert not strided.is_contiguous()
     torch.testing.assert_close(
-        routed_mm(x, w, strided), routed_mm(x, w, torch.tensor(counts)), rtol=0, atol=0
+        routed_mm(x, w, strided), routed_mm(x, w, torch.tensor(counts, device=DEV)), rtol=0, atol=0
     )

@@ -1,7 +1,9 @@
 """The config-level TP size check (:mod:`hybrid_model.tensor_parallel_sizes`): it refuses a ``--tp`` in one line
 naming the size, the ``--tp`` values that fit and the ``model_overrides`` that make it fit, and it accepts exactly
 the TP sizes the model's own split accepts (the converter's check on the meta model, which reads every TP-split
-parameter's partition axis: :func:`hybrid_model.hf.megatron_tp.check_tensor_split`)."""
+parameter's partition axis: :func:`hybrid_model.hf.megatron_tp.check_tensor_split`) on DSv4 attention and ``E``.
+That split judges tensor sizes, not heads, and the converter reads no ``*`` / ``-`` layer (it passes 4 ``*`` heads
+at TP 8), so for those the check's own refusals are tested."""
 
 import pytest
 
@@ -44,6 +46,20 @@ def test_the_sizes_follow_the_pattern():
     assert sorted(split_sizes(star)) == ["moe_intermediate_size", "num_attention_heads", "vocab_size"]
     assert sorted(split_sizes(star.replace(n_shared_experts=0))) == ["num_attention_heads", "vocab_size"]
     assert "moe_intermediate_size" in split_sizes(tiny.replace(n_shared_experts=0).with_pattern("W-C-"))
+
+
+def test_star_heads_and_mlp_width_refuse_a_tp_that_does_not_divide_them():
+    tiny = get_preset("tiny")  # 4 heads, moe_intermediate_size 32
+    with pytest.raises(
+        ValueError, match=r"^--tp 8: num_attention_heads=4 is not divisible by 8 \(megatron's '\*'"
+    ):
+        check_tensor_parallel_sizes(tiny.with_pattern("*E*E"), 8)
+    mlp = tiny.replace(moe_intermediate_size=36, n_shared_experts=0, o_groups=4).with_pattern("W-C-")
+    check_tensor_parallel_sizes(mlp, 4)
+    with pytest.raises(
+        ValueError, match=r"^--tp 8: moe_intermediate_size=36 is not divisible by 8 \(megatron's '-'"
+    ):
+        check_tensor_parallel_sizes(mlp.replace(o_groups=8, num_attention_heads=8), 8)
 
 
 @pytest.mark.parametrize(
