@@ -247,9 +247,10 @@ class StepRunner:
             )
         else:
             discard_router_loads(self.core)
+        applied_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step's update used (or would have)
         self.scheduler.step(increment=1)  # a skipped step keeps its place in the LR schedule
         m: dict = {"step": step + 1, "grad_norm": float(grad_norm) if grad_norm is not None else None}
-        m["lr"] = self.optimizer.param_groups[0]["lr"]
+        m["lr"] = applied_lr
         if self.model_config.num_nextn_predict_layers:
             m["mtp_weight"] = self.core.step_state.mtp_loss_weight
         m.update(losses)
