@@ -40,7 +40,7 @@ from hash_moe.routing import (
 from hash_moe.scores import SCORE_FUNCTIONS, routing_scores
 from hash_moe.swiglu import clamped_swiglu, clamped_swiglu_ref
 
-__version__ = "0.7.4"
+__version__ = "0.7.5"
 
 __all__ = [
     "SCORE_FUNCTIONS",
