@@ -34,12 +34,12 @@ import contextlib
 import dataclasses
 import gc
 import json
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_optimizer_step import _time  # this folder: the non-offloaded optimizer's benchmark, same timing
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import TrainConfig
@@ -68,25 +68,6 @@ PART_ROWS = ("offload: megatron (today)", "offload: pipelined")
 ADAM_BYTES = (
     28  # per element: master, grad, exp_avg, exp_avg_sq read (16); master, exp_avg, exp_avg_sq written
 )
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _time(fn: Callable[[], None], iters: int, warmup: int = 3) -> float:
-    """Mean ms of ``fn`` over ``iters`` calls after ``warmup`` calls, synchronised around each."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sum(times) / len(times)
 
 
 def _tc(args, **offload) -> TrainConfig:
