@@ -92,8 +92,9 @@ def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("tp4-ckpt")
     hf = _hf_source(tmp / "hf")
     tp1, tp4 = tmp / "meg-tp1", tmp / "meg-tp4"
-    assert main(["convert", str(hf), str(tp1)]) == 0
-    assert main(["convert", str(hf), str(tp4), "--tp", str(TP)]) == 0
+    with megatron_cpu_context():  # megatron's state for the converts in this process, torn down after them
+        assert main(["convert", str(hf), str(tp1)]) == 0
+        assert main(["convert", str(hf), str(tp4), "--tp", str(TP)]) == 0
     config = tmp / "tp4-model.json"
     config.write_text(json.dumps(MODEL))
     args = [*_ARGS, "--config", str(config)]
@@ -176,9 +177,7 @@ def test_bf16_tp1_to_tp4_resume_continues_the_saved_optimizer_state(runs):
     one = _optimizer_state(final_checkpoint(runs["one-bf16-dir"]), scratch)
     tp4 = _optimizer_state(final_checkpoint(runs["tp1-to-tp4-bf16-dir"]), scratch)
     assert sorted(saved) == sorted(one) == sorted(tp4) and saved
-    lr = runs["one-bf16"][SAVED_STEP - 1][
-        "lr"
-    ]  # the rate of step 3 (``lr`` is logged after the scheduler step)
+    lr = runs["one-bf16"][SAVED_STEP]["lr"]  # the rate step 3's update used (its metrics row)
     bc1, bc2 = 1 - _BETA1 ** (SAVED_STEP + 1), 1 - _BETA2 ** (SAVED_STEP + 1)
 
     def update(state: dict, name: str) -> torch.Tensor:
