@@ -1,6 +1,9 @@
+import socket
+
 import pytest
 import torch
 
+import dsv4_testkit.distributed as distributed
 from dsv4_testkit import assert_close_to_ref, assert_fully_written, max_abs_err, nan_poison, run_distributed
 
 
@@ -40,6 +43,28 @@ def _allreduce(rank, world_size, value):
 def test_run_distributed_gloo_allreduce():
     out = run_distributed(_allreduce, 2, 1.0)
     assert out == [3.0, 3.0]
+
+
+@pytest.mark.distributed
+def test_run_distributed_spawns_again_when_the_port_was_taken(monkeypatch):
+    """A port another process took between the pick and rank 0's bind: the workers start again on a new one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        ports = [taken]
+        real = distributed.free_port
+
+        def pick():
+            port = ports.pop(0) if ports else real()
+            picked.append(port)
+            return port
+
+        picked: list[int] = []
+        monkeypatch.setattr(distributed, "free_port", pick)
+        out = run_distributed(_allreduce, 2, 1.0)
+    assert out == [3.0, 3.0]
+    assert picked[0] == taken and len(picked) == 2, picked  # one spawn on the taken port, one on a free one
 
 
 def _tensors(rank, world_size):

@@ -3,7 +3,9 @@
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process group on
 127.0.0.1 in each, calls ``fn(rank, world_size, *args)`` and returns the list of per-rank return values (which
 must be serialisable by ``torch.save``; tensors are fine). An exception on any rank is re-raised in the parent with that rank's
-traceback. Workers never touch anything but the loopback address.
+traceback. Workers never touch anything but the loopback address. The port is picked free just before the spawn;
+when another process takes it in between (rank 0's store fails with ``EADDRINUSE``), the workers are stopped and
+started again on a new port, up to :data:`PORT_ATTEMPTS` times (``fn`` has not run on any rank then).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+#: spawns of one run_distributed call whose rendezvous port another process took first
+PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -36,14 +42,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException:  # the rendezvous failed: fn has not run
+        failure = traceback.format_exc()
+        queue.put((rank, "port taken" if "EADDRINUSE" in failure else "error", failure))
+        return
+    try:
         result = fn(rank, world_size, *args)
         # Serialise through torch.save: tensors put on a multiprocessing queue live in the worker's shared memory,
         # which is gone once the worker exits.
         buf = io.BytesIO()
         torch.save(result, buf)
-        queue.put((rank, True, buf.getvalue()))
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report every failure to the parent, then exit
-        queue.put((rank, False, traceback.format_exc()))
+        queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -56,6 +67,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for _ in range(PORT_ATTEMPTS):
+        results = _spawn(fn, world_size, args, timeout)
+        if results is not None:
+            return results
+    raise RuntimeError(
+        f"run_distributed: {PORT_ATTEMPTS} rendezvous ports in a row were taken by other processes"
+    )
+
+
+def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any] | None:
+    """One spawn of the workers on a fresh port; ``None`` when rank 0 found the port taken (workers stopped)."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -67,8 +89,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         if time.monotonic() > deadline:
@@ -78,9 +98,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 break
             time.sleep(0.05)
             continue
-        rank, ok, payload = queue.get()
-        if ok:
+        rank, status, payload = queue.get()
+        if status == "ok":
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        elif status == "port taken":  # no rank has run fn: stop them all, the caller spawns again
+            for p in procs:
+                p.kill()
+                p.join(timeout=30)
+            return None
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")
     for p in procs:
