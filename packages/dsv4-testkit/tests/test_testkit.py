@@ -1,9 +1,11 @@
 import socket
+import time
 
 import pytest
 import torch
 
 import dsv4_testkit.distributed as distributed
+from dsv4_testkit.distributed import FAILURE_GRACE_S
 from dsv4_testkit import assert_close_to_ref, assert_fully_written, max_abs_err, nan_poison, run_distributed
 
 
@@ -88,6 +90,24 @@ def _boom(rank, world_size):
 def test_run_distributed_reports_rank_errors():
     with pytest.raises(RuntimeError, match="rank one failed"):
         run_distributed(_boom, 2)
+
+
+def _boom_while_rank0_waits(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one failed before the new group")
+    # never completes: the new group's rendezvous waits in the store for rank 1 (as megatron's group building does
+    # when a peer died first), until gloo's 30 min timeout
+    torch.distributed.new_group([0, 1])
+    return rank
+
+
+@pytest.mark.distributed
+def test_run_distributed_stops_ranks_left_waiting_for_a_failed_one():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] stopped(.|\n)*rank one failed before the new group"):
+        run_distributed(_boom_while_rank0_waits, 2, timeout=300)
+    # FAILURE_GRACE_S after rank 1's report, not the 300 s timeout (spawns and imports take ~10 s on 2 cores)
+    assert time.monotonic() - start < FAILURE_GRACE_S + 60
 
 
 def test_megatron_cpu_fixture(megatron_cpu):

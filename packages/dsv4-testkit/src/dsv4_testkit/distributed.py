@@ -5,7 +5,10 @@
 must be serialisable by ``torch.save``; tensors are fine). An exception on any rank is re-raised in the parent with that rank's
 traceback. Workers never touch anything but the loopback address. The port is picked free just before the spawn;
 when another process takes it in between (rank 0's store fails with ``EADDRINUSE``), the workers are stopped and
-started again on a new port, up to :data:`PORT_ATTEMPTS` times (``fn`` has not run on any rank then).
+started again on a new port, up to :data:`PORT_ATTEMPTS` times (``fn`` has not run on any rank then). Once one
+rank has failed, the others get :data:`FAILURE_GRACE_S` seconds to report (their own error, or their result) and are
+then stopped: a rank left waiting in a collective for the failed one would otherwise hold the caller until
+``timeout``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch.multiprocessing as mp
 
 #: spawns of one run_distributed call whose rendezvous port another process took first
 PORT_ATTEMPTS = 3
+#: seconds the other ranks get to report once one rank has failed, before they are stopped
+FAILURE_GRACE_S = 10.0
 
 
 def free_port() -> int:
@@ -88,7 +93,8 @@ def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float)
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}  # rank -> traceback
+    failed_at = 0.0  # when the first rank reported a failure
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         if time.monotonic() > deadline:
@@ -96,6 +102,8 @@ def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float)
         if queue.empty():
             if not any(p.is_alive() for p in procs) and queue.empty():
                 break
+            if errors and time.monotonic() > failed_at + FAILURE_GRACE_S:
+                break  # the rest are most likely blocked in a collective with the failed rank
             time.sleep(0.05)
             continue
         rank, status, payload = queue.get()
@@ -107,13 +115,21 @@ def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float)
                 p.join(timeout=30)
             return None
         else:
-            errors.append(f"--- rank {rank} ---\n{payload}")
+            if not errors:
+                failed_at = time.monotonic()
+            errors[rank] = payload
     for p in procs:
-        p.join(timeout=30)
+        p.join(timeout=1 if errors else 30)
         if p.is_alive():
             p.kill()
+            p.join(timeout=30)
     if errors:
-        raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+        silent = sorted(set(range(world_size)) - set(results) - set(errors))
+        stopped = f" (ranks {silent} stopped {FAILURE_GRACE_S:.0f} s after the first failure)" if silent else ""
+        raise RuntimeError(
+            f"distributed worker failed{stopped}:\n"
+            + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        )
     if len(results) != world_size:
         raise RuntimeError(
             f"only {len(results)} of {world_size} ranks returned (exit codes {[p.exitcode for p in procs]})"
