@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dsv4_testkit.distributed as distributed
-from dsv4_testkit.distributed import FAILURE_GRACE_S
 from dsv4_testkit import assert_close_to_ref, assert_fully_written, max_abs_err, nan_poison, run_distributed
+from dsv4_testkit.distributed import FAILURE_GRACE_S
 
 
 def test_tolerance_rule_accepts_within_bound_and_rejects_beyond():

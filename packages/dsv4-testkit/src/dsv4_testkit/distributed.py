@@ -125,7 +125,9 @@ def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float)
             p.join(timeout=30)
     if errors:
         silent = sorted(set(range(world_size)) - set(results) - set(errors))
-        stopped = f" (ranks {silent} stopped {FAILURE_GRACE_S:.0f} s after the first failure)" if silent else ""
+        stopped = (
+            f" (ranks {silent} stopped {FAILURE_GRACE_S:.0f} s after the first failure)" if silent else ""
+        )
         raise RuntimeError(
             f"distributed worker failed{stopped}:\n"
             + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
