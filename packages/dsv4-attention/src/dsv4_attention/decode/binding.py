@@ -17,6 +17,7 @@ import torch
 from dsv4_attention.decode.cache import AttentionCache
 from dsv4_attention.decode.plan import ExtendPlan
 from dsv4_attention.decode.step_indices import StepIndices
+from dsv4_attention.decode.verify import PairIndices
 
 
 def _check_unbound(layer: torch.nn.Module) -> None:
@@ -89,6 +90,28 @@ def bind_static_decode_step(
         shared = None if indices is None else indices()
         y = cache.extend_static(attn, _rows(hidden_states), lengths, dense=dense, indices=shared)
         return y.unsqueeze(1)  # [B, 1, d]
+
+    layer.decode_step = step
+    try:
+        yield
+    finally:
+        del layer.decode_step
+
+
+@contextlib.contextmanager
+def bind_static_verify_step(
+    layer: torch.nn.Module, cache: AttentionCache, indices: Callable[[], PairIndices]
+) -> Iterator[None]:
+    """Inside the block, ``layer``'s forward on ``[2B, 1, d]`` (each sequence's row at ``n``, then each sequence's
+    row at ``n + 1``) is the static speculative verify step :meth:`AttentionCache.extend_static_pair`;
+    ``indices``: returns the step's :class:`~dsv4_attention.decode.verify.PairIndices` (read at every forward,
+    shared by every layer of the step)."""
+    _check_unbound(layer)
+
+    def step(attn: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        dense = bool(getattr(attn, "dense_attention", False))
+        y = cache.extend_static_pair(attn, _rows(hidden_states), dense=dense, indices=indices())
+        return y.unsqueeze(1)  # [2B, 1, d]
 
     layer.decode_step = step
     try:

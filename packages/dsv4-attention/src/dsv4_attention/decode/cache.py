@@ -47,6 +47,7 @@ from dsv4_attention.decode.plan import ExtendPlan
 from dsv4_attention.decode.prefill import prefill
 from dsv4_attention.decode.static import extend_static
 from dsv4_attention.decode.step_indices import StepIndices
+from dsv4_attention.decode.verify import PairIndices, extend_static_pair, rollback_static_pair
 from dsv4_attention.decode.window import WindowCache
 
 
@@ -98,6 +99,7 @@ class AttentionCache:
         self.lengths: tuple[int, ...] = (0,) * batch
         self._device_lengths: torch.Tensor | None = None  # [B] the lengths on the device (None: not uploaded)
         self._undo: _WindowUndo | None = None
+        self.pair_undo = None  # the last extend_static_pair's snapshot (rollback_static_pair)
         self.window = WindowCache(batch, core.window, attn.head_dim, **buffers)
         self.compressed = (
             None
@@ -279,6 +281,23 @@ class AttentionCache:
             raise ValueError(f"this cache belongs to a {self.kind.name} layer, got a {attn.kind.name} layer")
         self._undo = None
         return extend_static(self, attn, x, lengths, dense=dense, indices=indices)
+
+    def extend_static_pair(
+        self, attn: DSv4Attention, x: torch.Tensor, *, dense: bool = False, indices: PairIndices
+    ) -> torch.Tensor:
+        """A static-shape speculative verify step (:func:`~dsv4_attention.decode.verify.extend_static_pair`):
+        rows ``x [2B, d]`` at the device positions ``n`` and ``n + 1`` (``indices``); returns ``[2B, d]``. Drop
+        the second rows again per sequence with :meth:`rollback_static_pair`. Host lengths untouched
+        (:meth:`advance`)."""
+        if attn.kind is not self.kind:
+            raise ValueError(f"this cache belongs to a {self.kind.name} layer, got a {attn.kind.name} layer")
+        self._undo = None
+        return extend_static_pair(self, attn, x, dense=dense, indices=indices)
+
+    def rollback_static_pair(self, accepted: torch.Tensor) -> None:
+        """Drop the second row of the last :meth:`extend_static_pair` where ``accepted [B]`` is false (on the
+        device, :func:`~dsv4_attention.decode.verify.rollback_static_pair`)."""
+        rollback_static_pair(self, accepted)
 
     def advance(self, lengths: tuple[int, ...]) -> None:
         """Record the host lengths after static steps (the device lengths are the caller's)."""
