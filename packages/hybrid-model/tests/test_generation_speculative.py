@@ -143,8 +143,6 @@ def test_speculative_sampling_seed_top_p_and_refusals(megatron_cpu):
     stop = greedy[0][1]
     stopped = generate(model, prompts, 4, eos_token_id=stop, speculative="mtp")
     assert stopped[0] == greedy[0][: greedy[0].index(stop) + 1]
-    with pytest.raises(ValueError, match="decode='static' is not supported"):
-        generate(model, prompts, 2, speculative="mtp", decode="static")
     with pytest.raises(ValueError, match="speculative must be None or 'mtp'"):
         generate(model, prompts, 2, speculative="eagle")
     with pytest.raises(ValueError, match="pass it with speculative='mtp'"):

@@ -7,7 +7,9 @@
 - :class:`StaticDecodeStep`: a lockstep decode step on static shapes (device-side lengths), optionally captured in a
   CUDA graph (``generate(decode="static" | "graph")``).
 - ``generate(..., speculative="mtp", stats=SpeculationStats())``: MTP speculative decoding
-  (:mod:`~hybrid_model.generation.speculative`; :class:`MTPDrafter` drafts, the main model verifies, exact rollback).
+  (:mod:`~hybrid_model.generation.speculative`; :class:`MTPDrafter` drafts, the main model verifies, exact rollback);
+  :class:`StaticSpeculativeStep`: its static-shape step (acceptance and rollback on the device, CUDA-graph
+  capturable; ``generate(speculative="mtp", decode="static" | "graph")``).
 - :class:`SamplingConfig`, :func:`next_tokens`: greedy / temperature / top-p choice.
 - :func:`check_generation_support`: what is supported (DSv4 ``W``/``C``/``H`` attention and ``E`` MoE on one
   process; megatron's own symbols are refused); :func:`generation_cache_bytes`: the caches' size.
@@ -21,6 +23,7 @@ from hybrid_model.generation.generate import DECODE_MODES, generate
 from hybrid_model.generation.mtp_draft import MTPDrafter
 from hybrid_model.generation.sampling import SamplingConfig, next_tokens
 from hybrid_model.generation.speculative import SPECULATIVE_MODES, SpeculationStats
+from hybrid_model.generation.static_speculative import StaticSpeculativeStep
 from hybrid_model.generation.static_step import StaticDecodeStep
 from hybrid_model.generation.support import SUPPORTED_SYMBOLS, check_generation_support
 
@@ -33,6 +36,7 @@ __all__ = [
     "SamplingConfig",
     "SpeculationStats",
     "StaticDecodeStep",
+    "StaticSpeculativeStep",
     "check_generation_support",
     "generate",
     "generation_cache_bytes",

@@ -189,7 +189,7 @@ class CachedDecoder:
             for layer, cache in zip(self.layers, self.caches):
                 bound.enter_context(bind_decode_step(layer, cache, lambda: self._plan, undo=undo))
             if kept is not None:
-                bound.enter_context(_decoder_streams(self.model, kept))
+                bound.enter_context(decoder_streams(self.model, kept))
             if head_rows is not None:
                 bound.enter_context(_head_rows(self.model, head_rows))
             self.model.eval()
@@ -215,7 +215,7 @@ def assert_token_ids(ids: torch.Tensor, vocab: int) -> None:
 
 
 @contextlib.contextmanager
-def _decoder_streams(model, kept: list):
+def decoder_streams(model, kept: list):
     """Inside the block, the main decoder's output streams ``[s, 1, n, d]`` are appended to ``kept``."""
 
     def grab(_module, _args, output):

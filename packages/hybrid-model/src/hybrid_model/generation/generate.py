@@ -19,6 +19,7 @@ import torch
 from hybrid_model.generation.decoder import CachedDecoder
 from hybrid_model.generation.sampling import SamplingConfig, next_tokens
 from hybrid_model.generation.speculative import SPECULATIVE_MODES, SpeculationStats, speculative_generate
+from hybrid_model.generation.static_speculative import static_speculative_generate
 from hybrid_model.generation.static_step import StaticDecodeStep
 from hybrid_model.generation.support import check_generation_support
 
@@ -96,8 +97,10 @@ def generate(
             in a CUDA graph; CUDA only). All three give the same tokens (fp32: the same logits within 1e-5).
         speculative: ``None`` (plain decoding) or ``"mtp"``: the model's MTP depth 1 drafts one token per step and
             the main model verifies it (:mod:`~hybrid_model.generation.speculative`; greedy: plain greedy's tokens,
-            sampling: the speculative-sampling rule, the main model's distribution). Eager decode only; the model
-            needs an MTP depth.
+            sampling: the speculative-sampling rule, the main model's distribution); the model needs an MTP depth.
+            With ``decode="static"`` / ``"graph"`` the verify steps run on static shapes with acceptance and the
+            rejected rows' rollback on the device (:class:`~hybrid_model.generation.StaticSpeculativeStep`, one host
+            read per step; ``"graph"``: CUDA graphs), with the eager loop's tokens and counters.
         stats: a :class:`~hybrid_model.generation.SpeculationStats` that a speculative generation fills
             (drafts, accepted drafts, verify steps; ``acceptance_rate``).
     Returns:
@@ -124,12 +127,18 @@ def generate(
         raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
     if stats is not None and speculative is None:
         raise ValueError("stats counts speculative drafts: pass it with speculative='mtp'")
+    if speculative is not None and decode != "eager":
+        return static_speculative_generate(
+            model,
+            prompts,
+            max_new_tokens,
+            sampling,
+            eos_token_id=eos_token_id,
+            on_token=on_token,
+            stats=stats,
+            cuda_graph=decode == "graph",
+        )
     if speculative is not None:
-        if decode != "eager":
-            raise ValueError(
-                f"speculative='mtp' verifies drafts with eager (host-planned) decode steps; decode={decode!r} is "
-                "not supported with it: use decode='eager'"
-            )
         return speculative_generate(
             model,
             prompts,
