@@ -25,7 +25,11 @@ def _buffers(cache: AttentionCache) -> dict[str, torch.Tensor]:
     out = {"ring": cache.window.kv}
     for name, part in (("comp", cache.compressed), ("index", cache.indexer and cache.indexer.keys)):
         if part:
-            out |= {f"{name}.kv": part.held_kv, f"{name}.score": part.held_score, f"{name}.entries": part.entries}
+            out |= {
+                f"{name}.kv": part.held_kv,
+                f"{name}.score": part.held_score,
+                f"{name}.entries": part.entries,
+            }
     return out
 
 

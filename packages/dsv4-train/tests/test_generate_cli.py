@@ -76,6 +76,12 @@ def test_generate_from_a_train_run_equals_the_api(megatron_cpu, run_dir, capsys)
         and 0 <= report["accepted"] <= report["drafted"]
     )
     assert report["acceptance_rate"] == round(report["accepted"] / report["drafted"], 4)
+    static_spec = _json(
+        capsys,
+        ["--checkpoint", str(run_dir), "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-new-tokens", "6"]
+        + ["--speculative", "mtp", "--decode", "static"],
+    )
+    assert static_spec == spec  # the static speculative step: the eager loop's tokens and counters
     text = _json(capsys, ["--checkpoint", str(run_dir), "--prompt", "def f(", "--max-new-tokens", "4"])
     assert text["ids"] == generate(model, [ByteTokenizer().encode("def f(")], 4)
 
@@ -99,10 +105,6 @@ def test_generate_from_an_hf_directory(megatron_cpu, run_dir, capsys):
             "exceeds the model's max_position_embeddings=4096",
         ),
         (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
-        (
-            ["--prompt-ids", "1", "--speculative", "mtp", "--decode", "static"],
-            "runs with --decode eager only",
-        ),
         pytest.param(
             ["--prompt-ids", "1", "--decode", "graph"],
             "needs the model on a CUDA device",
@@ -177,15 +179,14 @@ def test_generate_from_transformers_equals_its_full_forward_greedy(megatron_cpu,
 
 
 @pytest.mark.parametrize(
-    "requested, device, speculative, expected",
+    "requested, device, expected",
     [
-        ("auto", "cuda", None, "graph"),  # the default on a GPU: the decode step as one CUDA graph
-        ("auto", "cpu", None, "eager"),
-        ("auto", "cuda", "mtp", "eager"),  # speculative verify steps are eager
-        ("eager", "cuda", None, "eager"),
-        ("static", "cuda", None, "static"),
-        ("graph", "cpu", None, "graph"),  # as given: generate refuses it on the CPU with one message
+        ("auto", "cuda", "graph"),  # the default on a GPU: the decode step as CUDA graphs (--speculative too)
+        ("auto", "cpu", "eager"),
+        ("eager", "cuda", "eager"),
+        ("static", "cuda", "static"),
+        ("graph", "cpu", "graph"),  # as given: generate refuses it on the CPU with one message
     ],
 )
-def test_decode_mode_auto_is_graph_on_cuda_and_eager_elsewhere(requested, device, speculative, expected):
-    assert decode_mode(requested, torch.device(device), speculative) == expected
+def test_decode_mode_auto_is_graph_on_cuda_and_eager_elsewhere(requested, device, expected):
+    assert decode_mode(requested, torch.device(device)) == expected

@@ -17,10 +17,11 @@ token: ours (``generation_cache_bytes``, the marginal bytes of one more token at
 MLA-style cache (every attention layer keeps its ``c = head_dim`` shared K = V row for every token). Writes
 ``bench_generate.json`` to ``--out``.
 
-``--speculative``: MTP speculative decoding against plain decoding, side by side in one table per batch: greedy
-``generate(..., decode="eager")`` and ``generate(..., speculative="mtp")`` of ``--new-tokens`` tokens after a
-``--decode-prompt`` prompt (end-to-end time of the decode phase: a whole ``generate`` minus its prefill-only run),
-tokens/s, speed-up and the acceptance rate. With random weights the MTP head's drafts are almost never accepted:
+``--speculative``: MTP speculative decoding against plain decoding, side by side in one table per batch and decode
+mode (``--modes``; ``graph``: plain graph decode next to the static speculative step's CUDA graphs): greedy
+``generate(..., decode=mode)`` and ``generate(..., decode=mode, speculative="mtp")`` of ``--new-tokens`` tokens
+after a ``--decode-prompt`` prompt (decode-phase time: a whole ``generate`` minus a 4-token run's, which holds the
+prefills and the graph capture), tokens/s, speed-up and the acceptance rate. With random weights the MTP head's drafts are almost never accepted:
 that row is the worst case (the overhead of one 2-row verify + one MTP depth per token). ``--checkpoint DIR`` (an
 HF DeepSeek-V4 directory, e.g. ``dsv4 convert`` output of a trained run) benchmarks a trained model instead of
 random weights of ``--preset`` (prompts: random token ids either way).
@@ -164,29 +165,40 @@ def measure_decode(
     }
 
 
-def measure_speculative(model, batch: int, prompt: int, new: int, device: torch.device) -> dict:
-    """Plain greedy vs MTP speculative greedy ``generate`` on the same prompts: decode-phase tokens/s of each
-    (a ``max_new_tokens=1`` run's time, the prefill, subtracted), speed-up, acceptance rate, same tokens."""
+#: tokens of the short run whose time is subtracted from a speculative row's (prefill, drafter prefill, capture)
+SPEC_BASE_TOKENS = 4
+
+
+def measure_speculative(
+    model, batch: int, prompt: int, new: int, device: torch.device, mode: str = "eager"
+) -> dict:
+    """Plain greedy vs MTP speculative greedy ``generate(..., decode=mode)`` on the same prompts: decode-phase
+    tokens/s of each, ``batch (new - 4) / (t(new) - t(4))`` (a 4-token run's time subtracted: the prefill, the
+    drafter's prefill and, for ``graph``, the capture), speed-up, acceptance rate, same tokens."""
     vocab = model.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch, prompt)).tolist()
+    base = SPEC_BASE_TOKENS
 
-    def timed(**kw):
+    def timed(n: int, **kw):
         _sync(device)
         t0 = time.perf_counter()
-        out = generate(model, prompts, kw.pop("n"), **kw)
+        out = generate(model, prompts, n, decode=mode, **kw)
         _sync(device)
         return out, time.perf_counter() - t0
 
-    generate(model, [p[:64] for p in prompts], 4, speculative="mtp")  # warm-up
-    _, prefill = timed(n=1)
-    plain, t_plain = timed(n=new)
+    for spec_mode in (None, "mtp"):  # warm-up (Triton compilation, cached tables)
+        generate(model, [p[:64] for p in prompts], base, decode=mode, speculative=spec_mode)
+    t_base_plain = timed(base)[1]
+    plain, t_plain = timed(new)
+    t_base_spec = timed(base, speculative="mtp")[1]
     stats = SpeculationStats()
-    spec, t_spec = timed(n=new, speculative="mtp", stats=stats)
-    plain_tps = batch * (new - 1) / max(t_plain - prefill, 1e-9)
-    spec_tps = batch * (new - 1) / max(t_spec - prefill, 1e-9)
+    spec, t_spec = timed(new, speculative="mtp", stats=stats)
+    plain_tps = batch * (new - base) / max(t_plain - t_base_plain, 1e-9)
+    spec_tps = batch * (new - base) / max(t_spec - t_base_spec, 1e-9)
     return {
         "batch": batch,
         "prompt_len": prompt,
+        "mode": mode,
         "plain_tokens_per_s": round(plain_tps, 1),
         "mtp_tokens_per_s": round(spec_tps, 1),
         "speedup": round(spec_tps / plain_tps, 3),
@@ -197,11 +209,12 @@ def measure_speculative(model, batch: int, prompt: int, new: int, device: torch.
 
 
 def speculative_table(rows: list[dict]) -> str:
-    head = ["batch", "prompt", "plain tok/s", "mtp tok/s", "speed-up", "acceptance", "same tokens"]
+    head = ["batch", "prompt", "mode", "plain tok/s", "mtp tok/s", "speed-up", "acceptance", "same tokens"]
     cells = [head] + [
         [
             str(r.get("batch")),
             str(r.get("prompt_len")),
+            str(r.get("mode")),
             *(
                 [r.get("error", "")[:40], "", "", "", ""]
                 if "error" in r
@@ -247,11 +260,20 @@ def run_ours(args, device: torch.device) -> dict:
     if args.speculative:
         out["speculative"] = []
         for b in args.batches:
-            row = _guarded(
-                measure_speculative, model, b, args.decode_prompt, args.new_tokens, device, batch=b
-            )
-            out["speculative"].append({"prompt_len": args.decode_prompt, **row})
-            print(json.dumps({"speculative": row}), flush=True)
+            for mode in args.modes:
+                row = _guarded(
+                    measure_speculative,
+                    model,
+                    b,
+                    args.decode_prompt,
+                    args.new_tokens,
+                    device,
+                    mode,
+                    batch=b,
+                    mode=mode,
+                )
+                out["speculative"].append({"prompt_len": args.decode_prompt, **row})
+                print(json.dumps({"speculative": row}), flush=True)
     for n in args.prefill_lens:
         # untimed run at this length first: Triton kernels specialize on sizes (a compile must not be timed)
         _guarded(measure_prefill, model, n, device, 1, prompt_len=n)
@@ -405,6 +427,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke: prefill 4K, batches 1 8, 16 new tokens")
     p.add_argument("--out", help="folder for bench_generate.json")
     args = p.parse_args(argv)
+    if args.speculative and args.new_tokens <= SPEC_BASE_TOKENS:
+        p.error(
+            f"--speculative times tokens after the first {SPEC_BASE_TOKENS}: pass --new-tokens > {SPEC_BASE_TOKENS}"
+        )
     if args.quick:
         args.prefill_lens, args.batches, args.new_tokens = args.prefill_lens[:1], args.batches[:2], 16
     if args.device == "cpu":
@@ -431,7 +457,7 @@ def main(argv=None) -> int:
     hf = run_hf(args) if args.hf_anchors else None
     print(table(ours, hf, args.modes), flush=True)
     if args.speculative:
-        print("\nMTP speculative decoding vs plain (greedy, eager decode, same prompts)", flush=True)
+        print("\nMTP speculative decoding vs plain (greedy, same prompts, per decode mode)", flush=True)
         print(speculative_table(ours["speculative"]), flush=True)
     if args.out:
         out = Path(args.out)

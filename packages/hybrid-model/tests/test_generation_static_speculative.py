@@ -81,7 +81,9 @@ def test_scripted_steps_equal_the_full_forward(model):
         step.advance([r[2] for r in record])
         for b in range(bsz):
             pos = int(n[b])
-            assert_close(f"verify, prompt {prompts[b]}, step {i}", step.logits[[b, bsz + b]], full[b][pos : pos + 2])
+            assert_close(
+                f"verify, prompt {prompts[b]}, step {i}", step.logits[[b, bsz + b]], full[b][pos : pos + 2]
+            )
             kept = pos + int(accept[b, i])  # the drafter's last kept row
             assert_close(f"draft, prompt {prompts[b]}, step {i}", step.draft_logits[b], full_mtp[b][kept])
         assert step.lengths.tolist() == (n + 1 + accept[:, i].long()).tolist()
@@ -139,5 +141,10 @@ def test_cuda_graph_speculative_replays_the_static_step():
             runs = []
             for decode in ("static", "graph"):
                 stats = SpeculationStats()
-                runs.append((generate(gpu, prompts, 12, speculative="mtp", decode=decode, stats=stats, **kwargs), stats))
+                runs.append(
+                    (
+                        generate(gpu, prompts, 12, speculative="mtp", decode=decode, stats=stats, **kwargs),
+                        stats,
+                    )
+                )
             assert runs[0] == runs[1], kwargs

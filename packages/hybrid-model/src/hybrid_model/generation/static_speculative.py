@@ -119,7 +119,9 @@ class StaticSpeculativeStep:
 
     def _bound(self, layers, caches) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
-        stack.enter_context(token_ids_checked())  # sampled ids, or prompt ids checked on the host by the prefill
+        stack.enter_context(
+            token_ids_checked()
+        )  # sampled ids, or prompt ids checked on the host by the prefill
         for layer, cache in zip(layers, caches):
             stack.enter_context(bind_static_verify_step(layer, cache, lambda: self._indices))
         return stack
@@ -171,7 +173,9 @@ class StaticSpeculativeStep:
             )  # [2B, 1, d]
         for cache in drafter.caches:
             cache.rollback_static_pair(accepted)
-        rows = torch.arange(bsz, device=h.device) + bsz * accepted.long()  # the last kept row of each sequence
+        rows = (
+            torch.arange(bsz, device=h.device) + bsz * accepted.long()
+        )  # the last kept row of each sequence
         logits = model.output_layer(h[rows])[0][:, 0].float()  # [B, V]
         if self.draft_logits is None:
             self.draft_logits = torch.empty_like(logits)
