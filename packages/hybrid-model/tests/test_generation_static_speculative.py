@@ -31,14 +31,29 @@ from hybrid_model.model import build_model
 from hybrid_model.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_generation import assert_close, full_logits, tiny_model
-from test_generation_speculative import PROMPT_LENGTHS, full_mtp_logits, prompts_of
+from test_generation import assert_close, tiny_model
+from test_generation_speculative import PROMPT_LENGTHS, prompts_of
 
 
 @pytest.fixture(scope="module")
 def model():
     with megatron_cpu_context():
         yield tiny_model()
+
+
+def full_forward(model, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full forward (no cache) of the whole sequences ``seqs [B, T]``: the main logits ``[B, T, V]`` and depth
+    1's MTP logits ``[B, T, V]`` (row ``t`` predicts token ``t + 2``)."""
+    kept = []
+    handle = model.decoder.register_forward_hook(lambda _m, _a, out: kept.append(out[1]))
+    try:
+        with torch.no_grad():
+            logits = model.compute_logits(seqs)  # [B, T, V]
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        mtp = model.mtp_logits(kept[0], seqs).float()  # [T, B, V]
+    return logits, mtp.transpose(0, 1)
 
 
 class ScriptedStep(StaticSpeculativeStep):
@@ -71,8 +86,7 @@ def test_scripted_steps_equal_the_full_forward(model):
     draft = drafter.extend(streams, [seqs[b, 1 : p + 1].tolist() for b, p in enumerate(prompts)])
     step = ScriptedStep(dec, drafter, SamplingConfig(), seqs=seqs)
     step.start(seqs[torch.arange(bsz), torch.tensor(prompts)], torch.cat(draft))
-    full = [full_logits(model, s.tolist()) for s in seqs]  # [T, V] each
-    full_mtp = [full_mtp_logits(model, s.tolist()) for s in seqs]
+    full, full_mtp = full_forward(model, seqs)  # [B, T, V] each
     accept = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 0, 1], [0, 0, 1, 1]], dtype=torch.bool)
     for i in range(steps):
         n = step.lengths.clone()  # [B] the position of t
@@ -108,6 +122,20 @@ def test_greedy_static_speculative_equals_plain_and_eager(model):
     assert static == eager == plain
     assert static_stats == eager_stats and static_stats.drafted > 0
     assert sorted(streamed) == sorted((b, t) for b, seq in enumerate(plain) for t in seq)
+    # a zero head: every logit 0, the main model's and the MTP head's argmax token 0 (ties: the first), so every
+    # draft is accepted (2 tokens per step; the last step's bonus dropped at max_new_tokens = 4)
+    saved = model.output_layer.weight.detach().clone()
+    with torch.no_grad():
+        model.output_layer.weight.zero_()
+    try:
+        eager_stats, static_stats = SpeculationStats(), SpeculationStats()
+        eager = generate(model, prompts, 4, speculative="mtp", stats=eager_stats)
+        assert generate(model, prompts, 4, speculative="mtp", decode="static", stats=static_stats) == eager
+        assert eager == [[0] * 4] * len(prompts)
+        assert static_stats == eager_stats == SpeculationStats(drafted=4, accepted=4, steps=2)
+    finally:
+        with torch.no_grad():
+            model.output_layer.weight.copy_(saved)
     stop = plain[2][1]  # a sequence that stops early keeps being fed; the others are unaffected
     assert generate(model, prompts, 5, speculative="mtp", decode="static", eos_token_id=stop) == generate(
         model, prompts, 5, speculative="mtp", eos_token_id=stop
