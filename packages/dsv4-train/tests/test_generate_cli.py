@@ -179,14 +179,16 @@ def test_generate_from_transformers_equals_its_full_forward_greedy(megatron_cpu,
 
 
 @pytest.mark.parametrize(
-    "requested, device, expected",
+    "requested, device, speculative, expected",
     [
-        ("auto", "cuda", "graph"),  # the default on a GPU: the decode step as CUDA graphs (--speculative too)
-        ("auto", "cpu", "eager"),
-        ("eager", "cuda", "eager"),
-        ("static", "cuda", "static"),
-        ("graph", "cpu", "graph"),  # as given: generate refuses it on the CPU with one message
+        ("auto", "cuda", None, "graph"),  # the default on a GPU: the decode step as CUDA graphs
+        ("auto", "cuda", "mtp", "eager"),  # until the static speculative graphs have run on a GPU
+        ("graph", "cuda", "mtp", "graph"),  # on request
+        ("auto", "cpu", None, "eager"),
+        ("eager", "cuda", None, "eager"),
+        ("static", "cuda", None, "static"),
+        ("graph", "cpu", None, "graph"),  # as given: generate refuses it on the CPU with one message
     ],
 )
-def test_decode_mode_auto_is_graph_on_cuda_and_eager_elsewhere(requested, device, expected):
-    assert decode_mode(requested, torch.device(device)) == expected
+def test_decode_mode_auto_is_graph_on_cuda_and_eager_elsewhere(requested, device, speculative, expected):
+    assert decode_mode(requested, torch.device(device), speculative) == expected

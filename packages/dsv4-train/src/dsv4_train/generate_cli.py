@@ -70,13 +70,14 @@ def add_generate_parser(sub) -> None:
     )
 
 
-def decode_mode(requested: str, device: torch.device) -> str:
+def decode_mode(requested: str, device: torch.device, speculative: str | None = None) -> str:
     """The decode mode ``--decode requested`` runs: ``auto`` is ``graph`` on CUDA (the decode step replayed as one
-    CUDA graph: about 10x the eager step's tokens/s at batch 1 on an H100, hybrid-model README "Generation"; with
-    ``--speculative`` the static speculative step's graphs) and ``eager`` on the CPU; any other mode as given."""
+    CUDA graph: about 10x the eager step's tokens/s at batch 1 on an H100, hybrid-model README "Generation") and
+    ``eager`` on the CPU; with ``--speculative``, ``auto`` stays ``eager`` until the static speculative step's
+    graphs have run on a GPU (``--decode static`` / ``graph`` run it on request); any other mode as given."""
     if requested != "auto":
         return requested
-    return "graph" if device.type == "cuda" else "eager"
+    return "graph" if device.type == "cuda" and speculative is None else "eager"
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -131,7 +132,7 @@ def run_generate(args) -> int:
     speculative = args.speculative
     stats = SpeculationStats() if speculative is not None else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    decode = decode_mode(args.decode, device)
+    decode = decode_mode(args.decode, device, args.speculative)
     model = _load_model(path, device)
     stream = sys.stdout.isatty() and not args.json and len(prompts) == 1 and tokenizer is not None
     streamed: list[int] = []
