@@ -1,7 +1,8 @@
 """TP4 checkpoints from the CLI (issue 31): ``dsv4 convert HF OUT --tp 4`` then ``dsv4 train --init-from OUT --tp 4``
 (4 gloo processes) trains like one process ``--init-from`` the TP1 conversion of the same HF checkpoint; a ``--tp 4``
 run saved at step 2 and resumed with ``--tp 4 --resume`` equals the uninterrupted ``--tp 4`` run bit for bit; a
-one-process bf16 checkpoint resumed at ``--tp 4 --bf16`` continues it within the bf16 bound.
+one-process bf16 checkpoint resumed at ``--tp 4 --bf16`` continues it within the bf16 bound, and a ``--tp 4 --bf16``
+checkpoint resumed by one process continues the TP4 run within the bf16 bound (TP4 -> TP1), optimizer state included.
 
 The source: an HF DeepSeek-V4 directory written by the project's HF export from a random ``tiny`` model with 4
 output-projection groups (``o_groups=4``: ``tiny``'s 2 groups refuse ``--tp 4``; test_train_tp4.py), its default
@@ -15,7 +16,9 @@ step 2, ``--ckpt-format fully_reshardable``); then in one set of 4 spawned gloo 
 TP4 conversion ``--resume auto`` command line (the user's rerun after a stop: it starts fresh from ``--init-from``
 where ``--out`` has no checkpoint and resumes where it has one): fp32 in a fresh ``--out``, saving at step 2; fp32
 in an ``--out`` holding that step-2 checkpoint (TP4 -> TP4); bf16 in an ``--out`` holding the one-process bf16
-step-2 checkpoint (TP1 -> TP4). A resumed run logs step 3 only.
+step-2 checkpoint (TP1 -> TP4); bf16 in a fresh ``--out``, saving at step 2 (the uninterrupted TP4 bf16 run).
+Then one process resumes that TP4 bf16 step-2 checkpoint (TP4 -> TP1, the same ``--resume auto`` command line
+without ``--tp``, ``--init-from`` the TP1 conversion). A resumed run logs step 3 only.
 
 Bounds:
 
@@ -39,6 +42,17 @@ Bounds:
   miss it by O(1)); (b) ``P3' - P3 = -lr·(U(m3', v3') - U(m3, v3))`` elementwise within ``2·ulp(P3) +
   16·2**-24·lr·(|U'| + |U|)`` (the decayed ``P2`` cancels when both runs hold the same one; measured: 0.6 of the
   bound; main params re-derived from the bf16 weights miss it 400x, a wrong Adam step count changes ``bc_i``).
+* TP4 -> TP1 resume, bf16: the mirror image. The one process resumes the TP4 step-2 state (resharded exactly into
+  whole tensors) and trains step 3, whose forward differs from the uninterrupted TP4 run's step 3 only in the bf16
+  sums TP4 splits: within ``2·δ_m`` of it, ``δ_m`` the uninterrupted TP4 bf16 run's largest deviation from its
+  fp32 twin (the TP4 fp32 run) over steps 1-3, with the ``2·u_bf16`` floor for the fp32 statistics
+  (``cli_runs.assert_bf16_parity``: step 1's deviation is one bf16 forward's rounding from identical weights, the
+  size of what step 3's reordering adds). Its trajectory (steps 1-2 of the TP4 run it continued, then its step 3)
+  is a 3-step bf16 run like any other, so it is also within ``cli_runs.assert_bf16_parity``'s bound of the
+  one-process bf16 run. The optimizer state: (a) and (b) as above, from the TP4 step-2 checkpoint, against the
+  uninterrupted TP4 run's final checkpoint. Measured (CPU), step 3 against the TP4 run: LM 1.2e-4 (bound 4.3e-4),
+  MTP 6.7e-5 (4.0e-4), grad norm 4.1e-4 (1.1e-2), indexer 3.2e-4 (1.9e-3), balance 1.8e-9 (7.9e-7); against one
+  process: LM 2.5e-4 (6.8e-4), MTP 1.4e-4 (2.7e-4), grad norm 8.7e-4 (1.0e-2), indexer 1.3e-4 (1.4e-3).
 """
 
 from __future__ import annotations
@@ -87,7 +101,7 @@ def _hf_source(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """``{name: metrics rows}`` of the five runs (module docstring), ``{name}-dir``: their run directories, and
+    """``{name: metrics rows}`` of the runs (module docstring), ``{name}-dir``: their run directories, and
     ``meg-tp4``: the TP4 conversion."""
     tmp = tmp_path_factory.mktemp("tp4-ckpt")
     hf = _hf_source(tmp / "hf")
@@ -99,7 +113,7 @@ def runs(tmp_path_factory) -> dict:
     config.write_text(json.dumps(MODEL))
     args = [*_ARGS, "--config", str(config)]
     out: dict = {"tmp": tmp, "meg-tp4": tp4} | {
-        f"{n}-dir": tmp / n for n in ("one", "one-bf16", "tp4", "tp4-resumed")
+        f"{n}-dir": tmp / n for n in ("one", "one-bf16", "tp4", "tp4-resumed", "tp4-bf16", "tp4-to-tp1-bf16")
     }
     one = [
         (
@@ -115,11 +129,17 @@ def runs(tmp_path_factory) -> dict:
         ("tp4", [*at_tp4, "--no-bf16", "--out", str(out["tp4-dir"])]),
         ("tp4-resumed", [*at_tp4, "--no-bf16", "--out", str(out["tp4-resumed-dir"])]),
         ("tp1-to-tp4-bf16", [*at_tp4, "--bf16", "--out", str(out["tp1-to-tp4-bf16-dir"])]),
+        ("tp4-bf16", [*at_tp4, "--bf16", "--out", str(out["tp4-bf16-dir"])]),
     ]
     resumes = {"tp4-resumed": str(out["tp4-dir"]), "tp1-to-tp4-bf16": str(out["one-bf16-dir"])}
     per_rank = run_distributed(train_in_workers, TP, tp4_runs, resumes, timeout=2400)
     assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
-    return out | per_rank[0]
+    out |= per_rank[0]
+    # TP4 -> TP1: the one-process command line of the "one-bf16" run, resuming the TP4 bf16 step-2 checkpoint
+    back = [*args, "--bf16", "--init-from", str(tp1), "--resume", "auto", *_SAVING]
+    to_tp1 = [("tp4-to-tp1-bf16", [*back, "--out", str(out["tp4-to-tp1-bf16-dir"])])]
+    resumed = {"tp4-to-tp1-bf16": str(out["tp4-bf16-dir"])}
+    return out | run_distributed(train_in_workers, 1, to_tp1, resumed, timeout=1800)[0]
 
 
 def test_tp4_conversion_trains_at_tp4_like_one_process_from_the_tp1_conversion(runs):
@@ -168,16 +188,16 @@ def _optimizer_state(path: Path, scratch: Path) -> dict[tuple[str, str], torch.T
     return state
 
 
-def test_bf16_tp1_to_tp4_resume_continues_the_saved_optimizer_state(runs):
-    """The ``--tp 4 --bf16`` run resumed from the one-process bf16 step-2 checkpoint continues its fp32 main
-    params, Adam moments and step: its step-3 moments and main params follow from the saved step-2 state by the
-    AdamW update, compared with the one-process continuation (module docstring: (a) and (b))."""
-    scratch = runs["tmp"] / "scratch.pt"
-    saved = _optimizer_state(runs["one-bf16-dir"] / "checkpoints" / f"iter_{SAVED_STEP:07d}", scratch)
-    one = _optimizer_state(final_checkpoint(runs["one-bf16-dir"]), scratch)
-    tp4 = _optimizer_state(final_checkpoint(runs["tp1-to-tp4-bf16-dir"]), scratch)
-    assert sorted(saved) == sorted(one) == sorted(tp4) and saved
-    lr = runs["one-bf16"][SAVED_STEP]["lr"]  # the rate step 3's update used (its metrics row)
+def _assert_adam_step_continues(
+    saved_dir: Path, ref_dir: Path, got_dir: Path, lr: float, scratch: Path
+) -> None:
+    """The run in ``got_dir``, resumed from ``saved_dir``'s step-2 checkpoint, took step 3's AdamW update from that
+    saved state: its final moments and fp32 main params follow from the saved ``(P2, m2, v2)`` compared with the
+    final ones of the run in ``ref_dir`` that continued the same state (module docstring: (a) and (b))."""
+    saved = _optimizer_state(saved_dir / "checkpoints" / f"iter_{SAVED_STEP:07d}", scratch)
+    ref = _optimizer_state(final_checkpoint(ref_dir), scratch)
+    got = _optimizer_state(final_checkpoint(got_dir), scratch)
+    assert sorted(saved) == sorted(ref) == sorted(got) and saved
     bc1, bc2 = 1 - _BETA1 ** (SAVED_STEP + 1), 1 - _BETA2 ** (SAVED_STEP + 1)
 
     def update(state: dict, name: str) -> torch.Tensor:
@@ -186,16 +206,46 @@ def test_bf16_tp1_to_tp4_resume_continues_the_saved_optimizer_state(runs):
     moments, params = {}, {}
     for name in sorted({name for _, name in saved}):
         m2, v2 = saved["exp_avg", name], saved["exp_avg_sq", name]
-        grad = (tp4["exp_avg", name] - _BETA1 * m2) / (1 - _BETA1)
+        grad = (got["exp_avg", name] - _BETA1 * m2) / (1 - _BETA1)
         v3 = _BETA2 * v2 + (1 - _BETA2) * grad**2
-        moments[name] = float((tp4["exp_avg_sq", name] - v3).norm() / v3.norm().clamp_min(1e-300))
-        p3 = one["param", name]
+        moments[name] = float((got["exp_avg_sq", name] - v3).norm() / v3.norm().clamp_min(1e-300))
+        p3 = ref["param", name]
         ulp = (torch.nextafter(p3.float().abs(), torch.tensor(float("inf"))) - p3.float().abs()).double()
-        u_tp4, u_one = update(tp4, name), update(one, name)
-        bound = 2 * ulp + 16 * _U32 * lr * (u_tp4.abs() + u_one.abs())
-        miss = (tp4["param", name] - p3 + lr * (u_tp4 - u_one)).abs() / bound
+        u_got, u_ref = update(got, name), update(ref, name)
+        bound = 2 * ulp + 16 * _U32 * lr * (u_got.abs() + u_ref.abs())
+        miss = (got["param", name] - p3 + lr * (u_got - u_ref)).abs() / bound
         params[name] = float(miss.max())
     assert [n for n, r in moments.items() if r > 1e-6] == [], sorted(moments.items(), key=lambda kv: -kv[1])[
         :5
     ]
     assert [n for n, r in params.items() if r > 1] == [], sorted(params.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_bf16_tp1_to_tp4_resume_continues_the_saved_optimizer_state(runs):
+    """The ``--tp 4 --bf16`` run resumed from the one-process bf16 step-2 checkpoint continues its fp32 main
+    params, Adam moments and step: its step-3 moments and main params follow from the saved step-2 state by the
+    AdamW update, compared with the one-process continuation (module docstring: (a) and (b))."""
+    lr = runs["one-bf16"][SAVED_STEP]["lr"]  # the rate step 3's update used (its metrics row)
+    dirs = (runs["one-bf16-dir"], runs["one-bf16-dir"], runs["tp1-to-tp4-bf16-dir"])
+    _assert_adam_step_continues(*dirs, lr, runs["tmp"] / "scratch.pt")
+
+
+def test_bf16_tp4_checkpoint_resumes_in_one_process_within_the_bf16_bound(runs):
+    """A ``--tp 4 --bf16`` step-2 checkpoint resumed by one process: step 3 within the bf16 bound of the
+    uninterrupted TP4 run's step 3, the whole trajectory within that of the one-process bf16 run (module
+    docstring)."""
+    (got,) = runs["tp4-to-tp1-bf16"]
+    tp4_bf16 = runs["tp4-bf16"]
+    assert [m["step"] for m in tp4_bf16] == [1, 2, 3] and got["step"] == SAVED_STEP + 1
+    assert got["lr"] == tp4_bf16[SAVED_STEP]["lr"] == runs["one-bf16"][SAVED_STEP]["lr"]
+    trajectory = [*tp4_bf16[:SAVED_STEP], got]  # the steps the resumed run's weights went through
+    assert_bf16_parity(trajectory, tp4_bf16, runs["tp4"])
+    assert_bf16_parity(trajectory, runs["one-bf16"], runs["one"])
+
+
+def test_bf16_tp4_to_tp1_resume_continues_the_saved_optimizer_state(runs):
+    """The one process resumed from the ``--tp 4 --bf16`` step-2 checkpoint continues its fp32 main params, Adam
+    moments and step, compared with the uninterrupted TP4 run (module docstring: (a) and (b))."""
+    lr = runs["tp4-bf16"][SAVED_STEP]["lr"]
+    dirs = (runs["tp4-bf16-dir"], runs["tp4-bf16-dir"], runs["tp4-to-tp1-bf16-dir"])
+    _assert_adam_step_continues(*dirs, lr, runs["tmp"] / "scratch.pt")

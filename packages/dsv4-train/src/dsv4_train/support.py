@@ -130,7 +130,7 @@ _REFUSALS = "tests/test_support_table.py::test_every_refusal_raises_its_reason"
 _TP_COMBOS = "tests/test_train_tensor_parallel_combos.py::test_tp2_combination_fp32_matches_one_process"
 _TPCP = "tests/test_train_tensor_context_parallel.py::test_tp2xcp2_from_the_cli_equals_one_process"
 _TPCPEP = "tests/test_train_tp_cp_ep.py::"
-_UNTESTED = "tests/test_support_table.py::test_every_untested_relation_is_accepted"
+_TPCP8 = "tests/test_train_tp_cp_pp_dp.py::"
 
 RELATIONS: tuple[Relation, ...] = (
     # refused: decided by the config
@@ -284,6 +284,14 @@ RELATIONS: tuple[Relation, ...] = (
         _TP4_CKPT + "test_bf16_tp1_checkpoint_resumes_at_tp4_within_the_bf16_bound",
     ),
     Relation(
+        ("resume", "tp"),
+        "supported",
+        "a TP4 bf16 --ckpt-format fully_reshardable checkpoint resumes in one process (TP4 -> TP1) within the bf16 "
+        "bound of the uninterrupted TP4 run and of one process, and continues its fp32 main params and Adam moments "
+        "(step 3's update derived from the saved step-2 state), from the CLI",
+        _TP4_CKPT + "test_bf16_tp4_checkpoint_resumes_in_one_process_within_the_bf16_bound",
+    ),
+    Relation(
         ("tp", "dp"), "supported", "TP2 x DP2 equals one process, from the CLI (fp32, bf16)", _TP_COMBOS
     ),
     Relation(
@@ -370,18 +378,18 @@ RELATIONS: tuple[Relation, ...] = (
     ),
     Relation(
         ("tp", "cp", "pp"),
-        "untested",
-        "accepted, no CI test (8 ranks): TP x CP and CP x PP compose in the code (the stage-to-stage streams are the "
-        "CP chunk's sequence-parallel shard); TP2 x CP2 x PP2 ran once by hand from the CLI (fp32, [B, S] B = 3): "
-        "steps 1 and 2 within 2e-7 of one process",
-        _UNTESTED,
+        "supported",
+        "TP2 x CP2 x PP2 (8 ranks; the stage-to-stage streams are the CP chunk's sequence-parallel shard "
+        "[s/(cp·tp), b, n·d]) equals one process on the same global batch from the same --seed, from the CLI "
+        "(fp32, bf16); --seq-len a multiple of cp x tp",
+        _TPCP8 + "test_tp2xcp2xpp2_from_the_cli_equals_one_process",
     ),
     Relation(
         ("tp", "cp", "dp"),
-        "untested",
-        "accepted, no CI test (8 ranks): DP replicates the TP x CP model (gradients reduced over DP x CP by DDP, "
-        "as under CP x DP); not run",
-        _UNTESTED,
+        "supported",
+        "TP2 x CP2 x DP2 (8 ranks; DP replicates the TP x CP model, gradients reduced over DP x CP) equals one "
+        "process on the same global batch from the same --seed, from the CLI (fp32, bf16)",
+        _TPCP8 + "test_tp2xcp2xdp2_from_the_cli_equals_one_process",
     ),
     Relation(
         ("pp", "vpp"),
