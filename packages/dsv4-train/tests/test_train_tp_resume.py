@@ -104,7 +104,9 @@ def all_runs(tmp_path_factory):
     out = {dtype: {"dtype": dtype, "tmp": tmp / dtype} for dtype in DTYPES}
     sets: list[tuple[int, list, dict]] = [(1, [], {}), (2, [], {}), (1, [], {}), (2, [], {})]
 
-    def add(worker_set: int, dtype: str, name: str, *, tp: int, fmt: str, extra=(), resumes: str | None = None):
+    def add(
+        worker_set: int, dtype: str, name: str, *, tp: int, fmt: str, extra=(), resumes: str | None = None
+    ):
         run = out[dtype][name] = out[dtype]["tmp"] / name
         key = f"{dtype}/{name}"
         sets[worker_set][1].append((key, flags(run, tp=tp, dtype=dtype, fmt=fmt, extra=extra)))
