@@ -66,8 +66,10 @@ def _check(tmp_path, lengths, device, bound, **settings):
     # A fresh process: on CPU every Python-reachable tensor counts, so tensors that earlier tests of this pytest
     # process left in bounded caches, freed when this test's entries evict them, would read as a shrink (CI saw
     # 18,708 B fewer after step 2 than after step 1).
-    runs = run_distributed(_runs, 1, tmp_path, lengths, device, settings)[0] if device == "cpu" else _runs(
-        0, 1, tmp_path, lengths, device, settings
+    runs = (
+        run_distributed(_runs, 1, tmp_path, lengths, device, settings)[0]
+        if device == "cpu"
+        else _runs(0, 1, tmp_path, lengths, device, settings)
     )
     after = {s: r[0] for s, r in runs.items()}
     for s, steps in after.items():
