@@ -11,8 +11,8 @@ index tables of the window / visible entries and the token layout of the last le
 
 import pytest
 import torch
-from dsv4_testkit.distributed import run_distributed
 
+from dsv4_testkit.distributed import run_distributed
 from dsv4_train.config import TrainConfig
 from dsv4_train.live_memory import census_growth, live_tensor_bytes, live_tensor_census
 from dsv4_train.trainer import Trainer
