@@ -1,4 +1,5 @@
-"""End-to-end CPU training: loss falls, same seed -> same metrics, save at k + resume == uninterrupted run."""
+"""End-to-end CPU training: loss falls, same seed -> same metrics, save at k + resume == uninterrupted run. Every
+run of the module one after the other in one fresh process (the process start and the imports paid once)."""
 
 import json
 import os
@@ -51,14 +52,38 @@ def _train_runs(tmp_path, *runs: dict) -> list[list[dict]]:
     return [json.loads(x[len("METRICS ") :]) for x in lines]
 
 
-def _train(tmp_path, **kw) -> list[float]:
-    (metrics,) = _train_runs(tmp_path, kw)
-    return [m["lm_loss"] for m in metrics]
+_RESUME = dict(steps=8, warmup_steps=5, dense_steps=4)
+_FUSED = dict(steps=6, warmup_steps=2)
 
 
-def test_loss_falls_and_outputs_written(tmp_path):
-    out = tmp_path / "run"
-    losses = _train(tmp_path, steps=30, out=str(out))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The runs of every test below, one after the other in one fresh process (:func:`_train_runs`): ``{name:
+    per-step metrics}`` and ``{name}-dir``: the run directories."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    dirs = {"loss": tmp / "loss", "full": tmp / "full", "resume": tmp / "resume", "fused": tmp / "fused"}
+    named = {
+        "loss": dict(steps=30, out=str(dirs["loss"])),
+        # save at step 3, resume from step 3 (not the latest, 8)
+        "full": dict(out=str(dirs["full"]), save_final=False, **_RESUME),
+        "saved": dict(out=str(dirs["resume"]), save_interval=3, **_RESUME),
+        "tail": dict(out=str(dirs["resume"]), resume=True, latest="iter_0000003", **_RESUME),
+        # --optimizer-impl fused, then its step-3 checkpoint resumed under fused and under unfused
+        "fused-full": dict(out=str(dirs["fused"]), save_interval=3, optimizer_impl="fused", **_FUSED),
+        "fused-tail": dict(
+            out=str(dirs["fused"]), resume=True, optimizer_impl="fused", latest="iter_0000003", **_FUSED
+        ),
+        "fused-other": dict(
+            out=str(dirs["fused"]), resume=True, optimizer_impl="unfused", latest="iter_0000003", **_FUSED
+        ),
+    }
+    metrics = _train_runs(tmp, *named.values())
+    return dict(zip(named, metrics, strict=True)) | {f"{k}-dir": v for k, v in dirs.items()}
+
+
+def test_loss_falls_and_outputs_written(runs):
+    out = runs["loss-dir"]
+    losses = [m["lm_loss"] for m in runs["loss"]]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.3, losses
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -82,43 +107,27 @@ def test_loss_falls_and_outputs_written(tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000030"
 
 
-def test_exact_resume(tmp_path):
+def test_exact_resume(runs):
     """Save at step 3, resume: steps 4..8 (lm + MTP loss, grad norm, lr) are bit-identical to an uninterrupted run.
 
     Exercises the Adam state restore (moments and the per-param ``step`` of megatron's distributed optimizer, fixed
     by dsv4_primitives' ``get_megatron_optimizer_keep_fp32``), the cosine LR scheduler mid-warm-up, the data
     position and the dense -> sparse CSA switch after the resume point.
     """
-    kw = dict(steps=8, warmup_steps=5, dense_steps=4)
-    run = tmp_path / "run"
-    full, saved, tail = _train_runs(
-        tmp_path,
-        dict(out=str(tmp_path / "full"), save_final=False, **kw),
-        dict(out=str(run), save_interval=3, **kw),
-        dict(
-            out=str(run), resume=True, latest="iter_0000003", **kw
-        ),  # resume from step 3 (not the latest, 8)
-    )
-    assert not (tmp_path / "full" / "checkpoints").exists()  # --no-save-final: no checkpoint written
+    full, saved, tail = runs["full"], runs["saved"], runs["tail"]
+    assert not (runs["full-dir"] / "checkpoints").exists()  # --no-save-final: no checkpoint written
     assert saved == full  # same seed -> identical runs; saving does not perturb training
     assert len(tail) == 5
     assert tail == full[3:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (runs["resume-dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))  # rows after the resume point are rewritten
 
 
-def test_fused_optimizer_exact_resume_and_cross_impl_resume(tmp_path):
+def test_fused_optimizer_exact_resume_and_cross_impl_resume(runs):
     """``--optimizer-impl fused`` (torch's fused AdamW kernel; on CPU here) resumes bit-identically, and a checkpoint
     it wrote resumes under megatron's own optimizer (``unfused``): same format, Adam state and step restored, so
     the losses stay within the fused/unfused rounding difference (dsv4_train.optimizer)."""
-    kw = dict(steps=6, warmup_steps=2)
-    run = tmp_path / "run"
-    full, tail, other = _train_runs(
-        tmp_path,
-        dict(out=str(run), save_interval=3, optimizer_impl="fused", **kw),
-        dict(out=str(run), resume=True, optimizer_impl="fused", latest="iter_0000003", **kw),
-        dict(out=str(run), resume=True, optimizer_impl="unfused", latest="iter_0000003", **kw),
-    )
+    full, tail, other = runs["fused-full"], runs["fused-tail"], runs["fused-other"]
     assert tail == full[3:]
     assert len(other) == 3
     for a, b in zip(other, full[3:], strict=True):

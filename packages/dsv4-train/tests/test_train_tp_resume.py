@@ -1,6 +1,13 @@
-"""TP checkpoints from the CLI: ``dsv4 train --tp 2`` (gloo, CPU, ``torchrun --nproc-per-node 2``) saved at step 2 and
-resumed with ``--resume``, at the same TP size (both ``--ckpt-format`` values) and at another one
-(``fully_reshardable``: TP2 -> TP1 and TP1 -> TP2), fp32 and bf16.
+"""TP checkpoints from the CLI: ``dsv4 train --tp 2`` (gloo, CPU) saved at step 2 and resumed with ``--resume``, at
+the same TP size (both ``--ckpt-format`` values) and at another one (``fully_reshardable``: TP2 -> TP1 and TP1 ->
+TP2), fp32 and bf16.
+
+The runs: the CLI's ``main`` with each run's flags, one run after the other in four sets of spawned gloo workers
+(:func:`cli_runs.train_in_workers`, one thread per process), so the process start and the imports are paid per set
+instead of per run; a resumed run is always in a later set than the run that saved its checkpoint (a fresh process).
+``torchrun --nproc-per-node 2`` itself launches the TP2 run initialised from a TP2 checkpoint, the single process
+the refused TP change (``test_train_tensor_parallel_combos.py`` checks that a ``torchrun`` launch gives the spawned
+run's metrics bit for bit).
 
 Every run trains 3 steps of 2 sequences (pattern ``WECEHE/WE``: DSv4 attention W C H with its heads split,
 hash-routed and learned 'E', mHC, one MTP depth) and saves at step 2 and at the end; a resumed run loads the step-2
@@ -47,17 +54,20 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_runs import train_in_workers
 from tp_resume_runs import (
     METRICS,
     SAVED_STEP,
     checked,
     checkpoint_tensors,
     final_checkpoint,
+    flags,
     metrics,
     resume_dir,
     train,
 )
 
+from dsv4_testkit import run_distributed
 from dsv4_train.cli import main
 from dsv4_train.convert_cli import run_model_config
 from dsv4_train.inspect_checkpoint import checkpoint_report
@@ -67,6 +77,9 @@ from hybrid_model.hf import load_megatron_checkpoint
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FORMATS = ("dp_reshardable", "fully_reshardable")
+DTYPES = ("fp32", "bf16")
+# with --init-from: the first step from a checkpoint's weights
+_INIT_FROM = ("--steps", "1", "--no-save-final")
 _FP32_REL = 2e-5
 _LR = 3e-3  # the tiny preset's default --lr
 _FP32_WEIGHT_ATOL = _LR * 1e-2
@@ -77,27 +90,53 @@ _BF16_KEYS = ("lm_loss", "mtp_loss", "grad_norm")
 _FP32_ONLY = pytest.mark.parametrize("runs", ["fp32"], indirect=True)
 
 
-@pytest.fixture(scope="module", params=("fp32", "bf16"))
-def runs(request, tmp_path_factory):
-    """``{name: run directory}``: uninterrupted TP2 runs in both formats and a TP1 run (``fully_reshardable``),
-    each one's step-2 checkpoint resumed at its own TP size (``tp2-FORMAT-resumed``) and, for
-    ``fully_reshardable``, at the other one (``tp2-to-tp1``, ``tp1-to-tp2``)."""
-    dtype = request.param
-    tmp = tmp_path_factory.mktemp(f"tp-resume-{dtype}")
-    out = {"dtype": dtype, "tmp": tmp}
-    for fmt in FORMATS:
-        out[f"tp2-{fmt}"] = tmp / f"tp2-{fmt}"
-        checked(train(out[f"tp2-{fmt}"], tp=2, dtype=dtype, fmt=fmt))
-        out[f"tp2-{fmt}-resumed"] = resume_dir(out[f"tp2-{fmt}"], tmp / f"tp2-{fmt}-resumed")
-        checked(train(out[f"tp2-{fmt}-resumed"], tp=2, dtype=dtype, fmt=fmt, extra=("--resume",)))
-    fmt = "fully_reshardable"
-    out["tp1"] = tmp / "tp1"
-    checked(train(out["tp1"], tp=1, dtype=dtype, fmt=fmt))
-    out["tp2-to-tp1"] = resume_dir(out[f"tp2-{fmt}"], tmp / "tp2-to-tp1")
-    checked(train(out["tp2-to-tp1"], tp=1, dtype=dtype, fmt=fmt, extra=("--resume",)))
-    out["tp1-to-tp2"] = resume_dir(out["tp1"], tmp / "tp1-to-tp2")
-    checked(train(out["tp1-to-tp2"], tp=2, dtype=dtype, fmt=fmt, extra=("--resume",)))
+@pytest.fixture(scope="module")
+def all_runs(tmp_path_factory):
+    """``{dtype: {name: run directory}}`` (module docstring: every run from the CLI's ``main``), in four sets of
+    gloo workers, each run's resumes in a later set than the run that saved it (a fresh process, as after a stop):
+
+    1. one process: the TP1 runs (``fully_reshardable``);
+    2. two processes: the uninterrupted TP2 runs in both formats, then TP1 -> TP2 (``tp1-to-tp2``);
+    3. one process: TP2 -> TP1 (``tp2-to-tp1``) and the fp32 TP1 run initialised from a TP2 checkpoint;
+    4. two processes: each TP2 run's step-2 checkpoint resumed at TP2 (``tp2-FORMAT-resumed``).
+    """
+    tmp = tmp_path_factory.mktemp("tp-resume")
+    out = {dtype: {"dtype": dtype, "tmp": tmp / dtype} for dtype in DTYPES}
+    sets: list[tuple[int, list, dict]] = [(1, [], {}), (2, [], {}), (1, [], {}), (2, [], {})]
+
+    def add(
+        worker_set: int, dtype: str, name: str, *, tp: int, fmt: str, extra=(), resumes: str | None = None
+    ):
+        run = out[dtype][name] = out[dtype]["tmp"] / name
+        key = f"{dtype}/{name}"
+        sets[worker_set][1].append((key, flags(run, tp=tp, dtype=dtype, fmt=fmt, extra=extra)))
+        if resumes is not None:
+            sets[worker_set][2][key] = str(out[dtype][resumes])
+
+    reshardable = "fully_reshardable"
+    for dtype in DTYPES:
+        add(0, dtype, "tp1", tp=1, fmt=reshardable)
+        for fmt in FORMATS:
+            add(1, dtype, f"tp2-{fmt}", tp=2, fmt=fmt)
+        add(1, dtype, "tp1-to-tp2", tp=2, fmt=reshardable, extra=("--resume",), resumes="tp1")
+        add(2, dtype, "tp2-to-tp1", tp=1, fmt=reshardable, extra=("--resume",), resumes=f"tp2-{reshardable}")
+        for fmt in FORMATS:
+            add(3, dtype, f"tp2-{fmt}-resumed", tp=2, fmt=fmt, extra=("--resume",), resumes=f"tp2-{fmt}")
+    src = out["fp32"]["tp2-dp_reshardable"] / "checkpoints" / f"iter_{SAVED_STEP:07d}"
+    init = ("--init-from", str(src), *_INIT_FROM)
+    add(2, "fp32", "init-tp1", tp=1, fmt="dp_reshardable", extra=init)
+    for world, runs_of_set, resumes in sets:
+        per_rank = run_distributed(train_in_workers, world, runs_of_set, resumes, timeout=1800)
+        assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
     return out
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def runs(request, all_runs):
+    """``{name: run directory}`` of one dtype: uninterrupted TP2 runs in both formats and a TP1 run
+    (``fully_reshardable``), each one's step-2 checkpoint resumed at its own TP size (``tp2-FORMAT-resumed``) and,
+    for ``fully_reshardable``, at the other one (``tp2-to-tp1``, ``tp1-to-tp2``); ``dtype`` and ``tmp``."""
+    return all_runs[request.param]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -162,12 +201,11 @@ def test_init_from_a_tp2_checkpoint_at_tp1(runs):
     """``--init-from`` a TP2 checkpoint: the first step at TP1 equals the first step at TP2 from the same weights
     (the TP bound)."""
     src = runs["tmp"] / "tp2-dp_reshardable" / "checkpoints" / f"iter_{SAVED_STEP:07d}"
-    first = {}
-    for tp in (1, 2):
-        out = runs["tmp"] / f"init-tp{tp}"
-        extra = ("--init-from", str(src), "--steps", "1", "--no-save-final")
-        checked(train(out, tp=tp, dtype=runs["dtype"], fmt="dp_reshardable", extra=extra))
-        first[tp] = metrics(out)[1]
+    out = runs["tmp"] / "init-tp2"  # torchrun --nproc-per-node 2; the TP1 run is one of the fixture's
+    extra = ("--init-from", str(src), *_INIT_FROM)
+    checked(train(out, tp=2, dtype=runs["dtype"], fmt="dp_reshardable", extra=extra))
+    first = {1: metrics(runs["init-tp1"])[1], 2: metrics(out)[1]}
+    assert sorted(metrics(out)) == sorted(metrics(runs["init-tp1"])) == [1]
     for key in METRICS:
         assert abs(first[1][key] - first[2][key]) <= _FP32_REL * abs(first[2][key]), (key, first)
 

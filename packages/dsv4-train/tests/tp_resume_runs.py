@@ -35,12 +35,17 @@ def command(tp: int) -> list[str]:
     return [*launcher, "-m", "dsv4_train", "train"]
 
 
+def flags(out: Path, *, tp: int, dtype: str, fmt: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The ``dsv4 train`` flags of one run (after ``train``)."""
+    precision = "--no-bf16" if dtype == "fp32" else "--bf16"
+    return [*ARGS, precision, "--tp", str(tp), "--ckpt-format", fmt, *extra, "--out", str(out)]
+
+
 def train(
     out: Path, *, tp: int, dtype: str, fmt: str, extra: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    precision = "--no-bf16" if dtype == "fp32" else "--bf16"
     return subprocess.run(
-        [*command(tp), *ARGS, precision, "--tp", str(tp), "--ckpt-format", fmt, *extra, "--out", str(out)],
+        [*command(tp), *flags(out, tp=tp, dtype=dtype, fmt=fmt, extra=extra)],
         capture_output=True,
         text=True,
         timeout=900,

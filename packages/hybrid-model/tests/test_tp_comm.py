@@ -1,10 +1,11 @@
 """The TP communication model (:mod:`hybrid_model.tp_comm`) against the collectives a gloo TP=2 run calls: one bf16
 forward + backward of the tiny preset (DSv4 attention ``W C H``, MoE ``E`` with hash and learned routers, the
 dense MLP ``-``, mHC, one MTP depth, the fused head; then megatron's ``*`` with the unfused head) on one sequence
-of 64 tokens. Every ``torch.distributed`` collective (and megatron-core's aliases of them) is recorded with the
-module that ran it (forward: the module's pre-hook; backward: a hook on its output's gradient) and compared exactly,
-as a multiset of (op, elements of the full tensor, bytes per element) per layer and phase, with the model. The
-parameters each layer holds on a rank (split / replicated) are compared exactly with
+of 64 tokens, both cases one after the other in one set of 2 gloo workers. Every ``torch.distributed`` collective
+(and megatron-core's aliases of them) is recorded with the module that ran it (forward: the module's pre-hook;
+backward: a hook on its output's gradient) and compared exactly, as a multiset of (op, elements of the full tensor,
+bytes per element) per layer and phase, with the model. The parameters each layer holds on a rank (split /
+replicated) are compared exactly with
 :func:`~hybrid_model.tp_comm.head_split_params` / :func:`~hybrid_model.tp_comm.replicated_params`.
 
 Counting only (shapes and dtypes, not values): no numerical tolerance applies; the collectives' values are checked
@@ -19,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
-from tp_comm_workers import tp_comm_run
+from tp_comm_workers import tp_comm_runs
 from tp_cost_table import README, with_table
 
 from dsv4_testkit import run_distributed
@@ -68,14 +69,21 @@ def _expected(cfg, fused):
     return want
 
 
+CASES = [("WEC-HE/WE", True), ("*E-E/*E", False)]
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """Per rank, ``{pattern: tp_comm_run result}`` of both cases, one after the other in one set of 2 gloo workers."""
+    return run_distributed(tp_comm_runs, TP, CASES, SEQ, timeout=900)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "pattern,fused", [("WEC-HE/WE", True), ("*E-E/*E", False)], ids=["dsv4-fused", "megatron-unfused"]
-)
-def test_tp2_collectives_equal_the_model(pattern, fused):
+@pytest.mark.parametrize("pattern,fused", CASES, ids=["dsv4-fused", "megatron-unfused"])
+def test_tp2_collectives_equal_the_model(recorded, pattern, fused):
     cfg = get_preset("tiny").with_pattern(pattern)
-    ranks = run_distributed(tp_comm_run, TP, pattern, SEQ, fused, timeout=900)
+    ranks = [r[pattern] for r in recorded]
     assert ranks[0]["log"] == ranks[1]["log"]  # every rank runs the same collectives
     got: dict = {}
     for (name, phase), op, elements, itemsize in ranks[0]["log"]:

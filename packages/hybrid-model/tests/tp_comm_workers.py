@@ -154,3 +154,9 @@ def tp_comm_run(rank: int, world: int, pattern: str, seq: int, fused: bool) -> d
             return {"log": log, "params": _layer_params(model)}
     finally:
         cp_comm._has_reduce_scatter = has_rs
+
+
+def tp_comm_runs(rank: int, world: int, cases: list[tuple[str, bool]], seq: int) -> dict[str, dict]:
+    """``{pattern: tp_comm_run(...)}`` of each ``(pattern, fused)`` case, one after the other in this worker (the
+    process start and the imports paid once; each run builds and destroys its own megatron state)."""
+    return {pattern: tp_comm_run(rank, world, pattern, seq, fused) for pattern, fused in cases}
