@@ -7,8 +7,8 @@ pattern) is covered at the model level (hybrid-model ``tests/test_tensor_paralle
 --packed`` and ``--tp 2 --micro-batch-size 3`` (run as a THD pack of 3 documents, padded by one row) train like one
 process for two steps, fp32 and bf16 (the last two tests).
 
-The runs: the five ``--tp 2`` runs run one after the other in one pair of spawned gloo processes, the five
-one-process runs in one process (:func:`cli_runs.train_in_workers`: the CLI's ``main`` with those flags, each run
+The runs: the five ``--tp 2`` runs run one after the other in one pair of spawned gloo processes, the seven
+one-process runs (those five and the bf16 runs' fp32 twins) in one process (:func:`cli_runs.train_in_workers`: the CLI's ``main`` with those flags, each run
 building and destroying its own megatron state), so the process start and the imports are paid once per world size
 instead of once per run (``test_train_tensor_parallel_combos.py`` checks that ``torchrun`` gives those runs' metrics
 bit for bit).
@@ -50,7 +50,11 @@ _REL = 2e-5
 #: boundaries fall inside both TP shards and across the shard edge (row 32)
 _DOCS = ["--data", "mock:docs=64,min=5,max=40,mean=16", "--steps", "2"]
 _KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
-_DTYPES = {"fp32": "--no-bf16", "bf16": "--bf16"}
+#: fp32 updates at the full rate from step 1 (``--warmup-steps 0``: step 2 checks the update); bf16 keeps the default
+#: warm-up (step 1's rate 0) and is compared through a one-process fp32 ``twin`` of its schedule
+#: (test_train_tensor_context_parallel.py says why)
+_DTYPES = {"fp32": ["--no-bf16", "--warmup-steps", "0"], "bf16": ["--bf16"]}
+_TWIN = {"twin": ["--no-bf16"]}
 #: case -> the flags of its runs (``first``: one step; the others in both dtypes, named ``CASE-DTYPE``)
 _CASES = {
     "packed": [*_COMMON, *_DOCS, "--packed"],
@@ -64,10 +68,11 @@ def runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
     tmp = tmp_path_factory.mktemp("tp2")
     out = {}
     for layout, world, extra in (("one", 1, []), ("tp", 2, ["--tp", "2"])):
+        dtypes = _DTYPES | (_TWIN if layout == "one" else {})
         runs = [("first", [*_ARGS, *extra])] + [
-            (f"{case}-{dt}", [*flags, flag, *extra])
+            (f"{case}-{dt}", [*flags, *dt_flags, *extra])
             for case, flags in _CASES.items()
-            for dt, flag in _DTYPES.items()
+            for dt, dt_flags in dtypes.items()
         ]
         runs = [(name, [*flags, "--out", str(tmp / f"{layout}-{name}")]) for name, flags in runs]
         per_rank = run_distributed(train_in_workers, world, runs, timeout=1800)
@@ -81,7 +86,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
 def test_last_one_process_run_of_the_worker_equals_a_fresh_process(runs, tmp_path):
     """The worker's one-process runs share a process: its last run (after four others) logs what a fresh ``dsv4
     train`` process logs with the same flags, bit for bit (no state leaks from one run into the next)."""
-    got = train_metrics(ONE_PROCESS, tmp_path / "fresh", *_CASES["micro"], _DTYPES["bf16"])
+    got = train_metrics(ONE_PROCESS, tmp_path / "fresh", *_CASES["micro"], *_DTYPES["bf16"])
     want = runs["one"]["micro-bf16"]
     assert [[m[k] for k in (*_KEYS, "lr")] for m in got] == [[m[k] for k in (*_KEYS, "lr")] for m in want]
 
@@ -98,14 +103,19 @@ def test_tp2_from_the_cli_starts_like_one_process(runs):
 def _tp2_matches_one_process(runs, case: str) -> None:
     """fp32 and bf16, one process and ``--tp 2`` on the same ``case`` flags: fp32 within :data:`_REL` at every
     step, bf16 within ``2·δ`` per metric (the docstrings of the callers)."""
-    one_fp32, one_bf16 = runs["one"][f"{case}-fp32"], runs["one"][f"{case}-bf16"]
+    one_fp32, one_bf16, twin = (
+        runs["one"][f"{case}-fp32"],
+        runs["one"][f"{case}-bf16"],
+        runs["one"][f"{case}-twin"],
+    )
     tp_fp32, tp_bf16 = runs["tp"][f"{case}-fp32"], runs["tp"][f"{case}-bf16"]
     assert [m["step"] for m in one_fp32] == [m["step"] for m in tp_fp32] == [1, 2]
+    assert one_fp32[0]["lr"] > 0  # step 2 starts from step 1's update
     for one, tp in zip(one_fp32, tp_fp32, strict=True):
         for key in _KEYS:
             assert tp[key] == pytest.approx(one[key], rel=_REL), ("fp32", one["step"], key, tp[key], one[key])
     for key in _KEYS:
-        delta = max(abs(b[key] - f[key]) for b, f in zip(one_bf16, one_fp32, strict=True))
+        delta = max(abs(b[key] - f[key]) for b, f in zip(one_bf16, twin, strict=True))
         for one, tp in zip(one_bf16, tp_bf16, strict=True):
             assert abs(tp[key] - one[key]) <= 2 * delta, ("bf16", one["step"], key, tp[key], one[key], delta)
 

@@ -20,7 +20,8 @@ vocab-parallel softmax statistics and of the replicated parameters' gradients (t
 all-reduce); DP, PP and EP add the order of the micro-batch accumulation and of the DP / expert-DP reductions.
 Each is an fp32 sum of ``k <= 512`` terms in another order, within ``k·u`` relative (``u = 2**-24``, ``512·u ≈
 3e-5``): the losses and the grad norm are compared at ``2e-5`` relative, as the TP2 and parallel-matrix tests do.
-Step 2 also checks the update: the distributed optimizer's DP shards, and the learned routers' selection bias,
+The fp32 runs pass ``--warmup-steps 0``, so step 1 updates at the full rate and step 2 also checks the update:
+the distributed optimizer's DP shards, and the learned routers' selection bias,
 whose expert loads are summed over every rank that routed other tokens (TP's sequence shards too: with DP x CP only,
 the TP ranks' biases drifted apart after step 1 and step 2's indexer loss moved by 2e-3 relative). Measured: step 1's
 LM / MTP losses and step 2's LM loss bitwise, every value of both steps within 4.3e-7 relative.
@@ -30,7 +31,8 @@ partial products rounded to bf16 and then added, instead of one sum rounded once
 vocabulary's statistics are reduced in another order), so nothing is bitwise. We bound it by bf16 rounding itself,
 as the parallel matrix does: the single-process bf16 run deviates from the fp32 run of the same weights by its
 accumulated bf16 rounding ``δ`` (``max`` over both steps of ``|L_bf16 - L_fp32|``, LM and MTP losses; measured
-2.9e-4); a TP run makes roundings of the same magnitudes in another grouping, so its deviation from fp32 is of the
+2.9e-4; the bf16 runs keep the default warm-up, step 1's rate 0, and their fp32 twin is a third single-process run
+of that schedule); a TP run makes roundings of the same magnitudes in another grouping, so its deviation from fp32 is of the
 same size and ``|L_tp - L_ref| <= 2·δ`` (measured: within 5e-5). Likewise the first step's grad norm within
 ``2·|g_bf16 - g_fp32|`` (one process; measured 1.1e-2 against a TP deviation of at most 9.1e-5).
 """
@@ -55,7 +57,11 @@ _ARGS = [
 ]  # fmt: skip
 _REL = 2e-5
 _KEYS = ("lm_loss", "mtp_loss", "grad_norm", "balance_loss", "indexer_loss")
-_DTYPE_FLAG = {"fp32": "--no-bf16", "bf16": "--bf16"}
+#: fp32 updates at the full rate from step 1 (``--warmup-steps 0``: step 2 checks the update); bf16 keeps the default
+#: warm-up (step 1's rate 0) and is compared through a one-process fp32 ``twin`` of its schedule
+#: (test_train_tensor_context_parallel.py says why)
+_DTYPE_FLAGS = {"fp32": ["--no-bf16", "--warmup-steps", "0"], "bf16": ["--bf16"]}
+_TWIN = {"twin": ["--no-bf16"]}
 
 #: cell -> the layout flags of a 4-process run
 CELLS = {
@@ -69,16 +75,16 @@ TORCHRUN_CELL = "tp2xpp2xvpp2"
 
 
 def _flags(layout: list[str], dtype: str, out: Path) -> list[str]:
-    return [*_ARGS, _DTYPE_FLAG[dtype], *layout, "--out", str(out)]
+    return [*_ARGS, *(_DTYPE_FLAGS | _TWIN)[dtype], *layout, "--out", str(out)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """``{(name, dtype): metrics of steps 1 and 2}``: ``one`` (the single process) and every cell (4 processes)."""
     out = tmp_path_factory.mktemp("tp-combos")
-    single = [(f"one-{dt}", _flags([], dt, out / f"one-{dt}")) for dt in _DTYPE_FLAG]
+    single = [(f"one-{dt}", _flags([], dt, out / f"one-{dt}")) for dt in _DTYPE_FLAGS | _TWIN]
     cells = [
-        (f"{c}-{dt}", _flags(lay, dt, out / f"{c}-{dt}")) for c, lay in CELLS.items() for dt in _DTYPE_FLAG
+        (f"{c}-{dt}", _flags(lay, dt, out / f"{c}-{dt}")) for c, lay in CELLS.items() for dt in _DTYPE_FLAGS
     ]
     (one,) = run_distributed(train_in_workers, 1, single, timeout=900)
     per_rank = run_distributed(train_in_workers, 4, cells, timeout=1800)
@@ -106,11 +112,12 @@ def test_tp2_combination_fp32_matches_one_process(runs, cell):
         for key in _KEYS:
             assert g[key] == pytest.approx(r[key], rel=_REL), (cell, step, key, g[key], r[key])
     assert [r["lr"] for r in got] == [r["lr"] for r in one]
+    assert one[0]["lr"] > 0  # step 2 starts from step 1's update
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_tp2_combination_bf16_within_bf16_rounding_of_one_process(runs, cell):
-    got, ref, fp32 = runs[cell, "bf16"], runs["one", "bf16"], runs["one", "fp32"]
+    got, ref, fp32 = runs[cell, "bf16"], runs["one", "bf16"], runs["one", "twin"]
     delta = max(abs(b[k] - f[k]) for b, f in zip(ref, fp32, strict=True) for k in ("lm_loss", "mtp_loss"))
     assert delta > 0, "the bf16 run must round somewhere"
     for step, (g, r) in enumerate(zip(got, ref, strict=True), start=1):

@@ -56,6 +56,9 @@ _COMMON = [
     "--data", "mock:docs=64,min=5,max=40,mean=16", "--micro-batch-size", "3", "--global-batch-size", "3",
 ]  # fmt: skip
 _LAYOUT = ["--tp", "2", "--cp", "2", "--ep", "2"]
+#: the fp32 runs: step 1 updates at the full rate, so step 2 checks the reduced gradients through the optimizer (the
+#: bf16 runs and their fp32 twin keep the default warm-up, step 1's rate 0: test_train_tensor_context_parallel.py)
+_FULL_RATE = ["--warmup-steps", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +73,19 @@ def runs(tmp_path_factory) -> dict:
         assert main(["convert", str(hf), str(tp1)]) == 0
         assert main(["convert", str(hf), str(tp2ep2), "--tp", "2", "--ep", "2"]) == 0
     single = {
-        ("one", "fp32", "conv"): [*_COMMON, "--no-bf16", "--init-from", str(tp1)],
+        ("one", "fp32", "conv"): [*_COMMON, "--no-bf16", *_FULL_RATE, "--init-from", str(tp1)],
         ("one", "fp32", "seed"): [*_COMMON, "--no-bf16"],
         ("one", "bf16", "seed"): [*_COMMON, "--bf16"],
     }
     four = {
-        ("tpcpep", "fp32", "conv"): [*_COMMON, "--no-bf16", *_LAYOUT, "--init-from", str(tp2ep2)],
+        ("tpcpep", "fp32", "conv"): [
+            *_COMMON,
+            "--no-bf16",
+            *_FULL_RATE,
+            *_LAYOUT,
+            "--init-from",
+            str(tp2ep2),
+        ],
         ("tpcpep", "bf16", "seed"): [*_COMMON, "--bf16", *_LAYOUT],
     }
     out = {}
