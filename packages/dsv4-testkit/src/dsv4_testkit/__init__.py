@@ -30,4 +30,4 @@ __all__ = [
     "poison_allocations",
     "run_distributed",
 ]
-__version__ = "0.3.1"
+__version__ = "0.3.2"
