@@ -49,7 +49,7 @@ from thd_packing.text_sources import (
 )
 from thd_packing.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
-__version__ = "0.5.1"
+__version__ = "0.5.2"
 
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
