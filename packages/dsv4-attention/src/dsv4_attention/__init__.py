@@ -46,7 +46,7 @@ from dsv4_attention.layout import (
 )
 from dsv4_attention.param_counts import parameter_table
 
-__version__ = "0.8.2"
+__version__ = "0.8.3"
 
 __all__ = [
     "LAYER_KINDS",
