@@ -19,6 +19,18 @@ from dsv4_attention.decode import AttentionCache, ExtendPlan, PairIndices, exten
 # verify steps from prompts inside / on the window (8), on ratio-4 boundaries, just before the ratio-128 boundary
 PROMPTS = [1, 3, 8, 12, 126, 127]
 STEPS = 5
+# ACCEPT[b][step]: whether sequence b keeps its second row. Every sequence keeps and drops one; a dropped second row
+# completes entry 0 of a ratio-4 compressor (prompt 1, step 1: position 3), a later ratio-4 entry that shifts the
+# overlapping held rows (prompt 3, step 4: position 11; prompt 12, steps 1 and 4) and the ratio-128 entry 0 (prompt
+# 126, step 0: position 127), so every part of the rollback (ring, held rows, entries, indexer keys) is compared.
+ACCEPT = [
+    [0, 0, 1, 0, 1],
+    [1, 0, 1, 1, 0],
+    [0, 1, 0, 1, 1],
+    [1, 0, 0, 1, 0],
+    [0, 1, 1, 0, 1],
+    [1, 0, 1, 0, 0],
+]
 
 
 def _buffers(cache: AttentionCache) -> dict[str, torch.Tensor]:
@@ -42,11 +54,9 @@ def test_verify_pair_and_rollback_equal_the_kept_steps(kind):
     plan = ExtendPlan((0,) * bsz, tuple(PROMPTS))
     for cache in (pair, ref):
         cache.extend(layer, torch.cat([x[:p] for x, p in zip(xs, PROMPTS)]), plan)
-    g = torch.Generator().manual_seed(1)
     lengths = torch.tensor(PROMPTS)  # [B] device positions
     for step in range(STEPS):
-        accepted = torch.rand(bsz, generator=g) < 0.5  # [B]
-        accepted[step % bsz] = True  # every sequence keeps 2 rows at least once, and drops one
+        accepted = torch.tensor([a[step] for a in ACCEPT], dtype=torch.bool)  # [B]
         rows = torch.arange(bsz)
         x_t, x_d = xs_at(xs, lengths), xs_at(xs, lengths + 1)  # [B, d] each
         y = pair.extend_static_pair(layer, torch.cat([x_t, x_d]), indices=PairIndices.of(lengths, bsz))

@@ -159,6 +159,22 @@ def test_sampling_static_speculative_equals_eager(model):
         StaticSpeculativeStep(dec, drafter, SamplingConfig())
 
 
+def test_static_speculative_refusals(model):
+    # decode="graph" off CUDA: refused before the prefill (no token streamed), even when one token is asked for
+    streamed = []
+    with pytest.raises(ValueError, match="needs the model on a CUDA device"):
+        generate(
+            model, [[1, 2, 3]], 1, speculative="mtp", decode="graph", on_token=lambda b, t: streamed.append(t)
+        )
+    assert streamed == []
+    # a step writes positions n and n + 1 < max_length: a sequence of 7 rows does not fit max_length 8
+    dec, drafter = CachedDecoder(model, 2, 8), MTPDrafter(model, 2, 8)
+    _, streams = dec.extend([[1, 2, 3], [1, 2, 3, 4, 5, 6, 7]], streams=True)
+    drafter.extend(streams, [[2, 3, 4], [2, 3, 4, 5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="at most 6 rows"):
+        StaticSpeculativeStep(dec, drafter, SamplingConfig())
+
+
 @pytest.mark.gpu
 def test_cuda_graph_speculative_replays_the_static_step():
     """bf16 on CUDA: the graphed speculative steps (greedy: one graph; sampling: two) give the static eager

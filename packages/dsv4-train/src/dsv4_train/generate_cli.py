@@ -54,8 +54,8 @@ def add_generate_parser(sub) -> None:
         choices=("auto", *DECODE_MODES),
         default="auto",
         help="how decode steps run: eager (host plans), static (static shapes, device-side lengths) or graph (the "
-        "static step as a CUDA graph; CUDA only); all give the same tokens, with --speculative too (default: auto = "
-        "graph on CUDA, eager on the CPU)",
+        "static step as a CUDA graph; CUDA only); all give the same tokens, with --speculative too (greedy) (default: "
+        "auto = graph on CUDA, eager on the CPU or with --speculative)",
     )
     p.add_argument(
         "--speculative",

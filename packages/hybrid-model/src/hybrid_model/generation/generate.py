@@ -100,7 +100,9 @@ def generate(
             sampling: the speculative-sampling rule, the main model's distribution); the model needs an MTP depth.
             With ``decode="static"`` / ``"graph"`` the verify steps run on static shapes with acceptance and the
             rejected rows' rollback on the device (:class:`~hybrid_model.generation.StaticSpeculativeStep`, one host
-            read per step; ``"graph"``: CUDA graphs), with the eager loop's tokens and counters.
+            read per step; ``"graph"``: CUDA graphs): greedy, the eager loop's tokens and counters; sampling, the
+            same distribution and, while no sequence has stopped, the eager loop's draws and tokens (a stopped
+            sequence keeps drawing here, not in the eager loop, so later draws of a batch differ).
         stats: a :class:`~hybrid_model.generation.SpeculationStats` that a speculative generation fills
             (drafts, accepted drafts, verify steps; ``acceptance_rate``).
     Returns:

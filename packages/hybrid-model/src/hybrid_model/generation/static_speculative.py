@@ -9,7 +9,8 @@ every step (``t``: the newest chosen token, at position ``n``; ``d``: its draft,
                AttentionCache.extend_static_pair (rows at n and n + 1, snapshot of the second)  -> logits [2B, V],
                the main streams [2B, n_s, d]
     decide   greedy: y = argmax(logits at n), accepted = (d == y);  sampling: accept_drafts(p, q, d) (the same rule
-             and generator draws as the eager loop);  bonus = next token of the logits at n + 1
+             and generator draws as the eager loop while every sequence is live: a stopped one keeps drawing here,
+             so a batch's later draws differ from the eager loop's);  bonus = next token of the logits at n + 1
     commit   every main cache: rollback_static_pair(accepted)      (the rejected second rows, per sequence)
              MTP depth 1 on the streams [2B] with the ids [y (B); bonus (B)] at n and n + 1 (its caches: the
              same pair step + rollback)  -> draft logits of row n (rejected) or n + 1 (accepted)
@@ -73,6 +74,12 @@ class StaticSpeculativeStep:
             raise ValueError(
                 f"the decoder and the drafter need the same max_length >= 2, got {decoder.max_length} and "
                 f"{drafter.max_length}"
+            )
+        if max(decoder.lengths) > decoder.max_length - 2:
+            raise ValueError(
+                f"a static speculative step writes two rows per sequence (positions n and n + 1 < max_length="
+                f"{decoder.max_length}), so every sequence may hold at most {decoder.max_length - 2} rows, got "
+                f"{decoder.lengths}; allocate the decoder and the drafter with a larger max_length"
             )
         device = next(decoder.model.parameters()).device
         if cuda_graph and device.type != "cuda":
@@ -257,6 +264,9 @@ def static_speculative_generate(
     :class:`StaticSpeculativeStep` per verify step, the record of each read once by the host (the tokens, the
     counters, the stopping rule: those of :func:`~hybrid_model.generation.speculative.speculative_generate`)."""
     stats = SpeculationStats() if stats is None else stats
+    device = next(model.parameters()).device
+    if cuda_graph and device.type != "cuda":  # refused before the prefill streams a first token
+        raise ValueError(f"decode='graph' (CUDA graphs) needs the model on a CUDA device, it is on {device}")
     batch = len(prompts)
     max_length = max(len(p) for p in prompts) + max_new_tokens  # the eager loop's caches
     decoder = CachedDecoder(model, batch, max_length)
