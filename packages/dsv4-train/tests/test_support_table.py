@@ -78,14 +78,13 @@ def test_every_supported_relation_is_accepted_and_tested(rel):
     assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, rel.tested_by
 
 
-@pytest.mark.parametrize(
-    "rel", [r for r in RELATIONS if r.verdict == "untested"], ids=lambda r: "+".join(r.features)
-)
-def test_every_untested_relation_is_accepted(rel):
-    """An untested combination is not refused (the run goes ahead); its reason says that no test runs it."""
-    values, machine = _case(rel)
-    assert _outcome(values, machine) is None, rel
-    assert "no CI test" in rel.reason, rel
+def test_every_untested_relation_is_accepted():
+    """An untested combination is not refused (the run goes ahead); its reason says that no test runs it. (One
+    test over the rows, not one per row: the table may have none, and an empty parametrization is a skip.)"""
+    for rel in (r for r in RELATIONS if r.verdict == "untested"):
+        values, machine = _case(rel)
+        assert _outcome(values, machine) is None, rel
+        assert "no CI test" in rel.reason, rel
 
 
 def test_refusals_name_an_existing_test_and_features_are_known():
