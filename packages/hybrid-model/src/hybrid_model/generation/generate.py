@@ -13,6 +13,7 @@ as they come).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -129,19 +130,13 @@ def generate(
         raise ValueError(f"speculative must be None or 'mtp', got {speculative!r}")
     if stats is not None and speculative is None:
         raise ValueError("stats counts speculative drafts: pass it with speculative='mtp'")
-    if speculative is not None and decode != "eager":
-        return static_speculative_generate(
-            model,
-            prompts,
-            max_new_tokens,
-            sampling,
-            eos_token_id=eos_token_id,
-            on_token=on_token,
-            stats=stats,
-            cuda_graph=decode == "graph",
-        )
     if speculative is not None:
-        return speculative_generate(
+        run = (
+            speculative_generate
+            if decode == "eager"
+            else partial(static_speculative_generate, cuda_graph=decode == "graph")
+        )
+        return run(
             model,
             prompts,
             max_new_tokens,

@@ -52,6 +52,37 @@ class SpeculationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+class TokenSink:
+    """The tokens generated per sequence (``out``) and which sequences still run (``active``): a sequence stops at
+    ``eos_token_id`` or after ``max_new_tokens`` tokens; every emitted token goes to ``on_token(b, tok)`` too."""
+
+    def __init__(
+        self,
+        batch: int,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        on_token: Callable[[int, int], None] | None,
+    ) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_id = eos_token_id
+        self.on_token = on_token
+        self.out: list[list[int]] = [[] for _ in range(batch)]
+        self.active = [True] * batch
+
+    def emit(self, b: int, tok: int) -> None:
+        self.out[b].append(tok)
+        if self.on_token is not None:
+            self.on_token(b, tok)
+        if tok == self.eos_token_id or len(self.out[b]) == self.max_new_tokens:
+            self.active[b] = False
+
+    def count_draft(self, stats: SpeculationStats, b: int, accepted: bool) -> None:
+        """A draft of sequence ``b`` verified: counted where the sequence still needed two or more tokens."""
+        if self.max_new_tokens - len(self.out[b]) >= 2:
+            stats.drafted += 1
+            stats.accepted += int(accepted)
+
+
 def speculative_generate(
     model,
     prompts: list[list[int]],
@@ -74,16 +105,8 @@ def speculative_generate(
     drafter = MTPDrafter(model, batch, max_length) if drafter is None else drafter
     logits, streams = decoder.extend(prompts, last_only=True, streams=True)
     generator = sampling.generator(logits[0].device)
-    out: list[list[int]] = [[] for _ in prompts]
-    active = [True] * batch
-
-    def emit(b: int, tok: int) -> None:
-        out[b].append(tok)
-        if on_token is not None:
-            on_token(b, tok)
-        if tok == eos_token_id or len(out[b]) == max_new_tokens:
-            active[b] = False
-
+    sink = TokenSink(batch, max_new_tokens, eos_token_id, on_token)
+    out, active, emit = sink.out, sink.active, sink.emit
     for b, tok in enumerate(next_tokens(torch.cat(logits), sampling, generator).tolist()):
         emit(b, tok)
     # the drafter takes every prompt row: row t with the token at t + 1 (the last row: the first chosen token)
@@ -119,9 +142,7 @@ def speculative_generate(
         feed_ids = [[] for _ in range(batch)]
         for i, b in enumerate(live):
             ok = bool(accepted[i])
-            if max_new_tokens - len(out[b]) >= 2:
-                stats.drafted += 1
-                stats.accepted += int(ok)
+            sink.count_draft(stats, b, ok)
             emit(b, int(first[i]))
             kept = 1
             if ok and active[b]:

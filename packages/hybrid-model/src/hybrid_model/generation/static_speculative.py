@@ -40,7 +40,7 @@ from hybrid_model.generation.decoder import CachedDecoder, decoder_streams
 from hybrid_model.generation.mtp_draft import MTPDrafter
 from hybrid_model.generation.sampling import SamplingConfig, next_tokens, token_probabilities
 from hybrid_model.generation.spec_sampling import accept_drafts
-from hybrid_model.generation.speculative import SpeculationStats
+from hybrid_model.generation.speculative import SpeculationStats, TokenSink
 from hybrid_model.mtp import run_mtp_depth
 
 
@@ -273,16 +273,8 @@ def static_speculative_generate(
     drafter = MTPDrafter(model, batch, max_length)
     logits, streams = decoder.extend(prompts, last_only=True, streams=True)
     generator = sampling.generator(logits[0].device)
-    out: list[list[int]] = [[] for _ in prompts]
-    active = [True] * batch
-
-    def emit(b: int, tok: int) -> None:
-        out[b].append(tok)
-        if on_token is not None:
-            on_token(b, tok)
-        if tok == eos_token_id or len(out[b]) == max_new_tokens:
-            active[b] = False
-
+    sink = TokenSink(batch, max_new_tokens, eos_token_id, on_token)
+    out, active, emit = sink.out, sink.active, sink.emit
     first = next_tokens(torch.cat(logits), sampling, generator)  # [B]
     for b, tok in enumerate(first.tolist()):
         emit(b, tok)
@@ -298,9 +290,7 @@ def static_speculative_generate(
         for b, (tok, bonus, ok) in enumerate(record):
             if not active[b]:
                 continue
-            if max_new_tokens - len(out[b]) >= 2:
-                stats.drafted += 1
-                stats.accepted += ok
+            sink.count_draft(stats, b, bool(ok))
             emit(b, tok)
             if ok and active[b]:
                 emit(b, bonus)
