@@ -88,3 +88,65 @@ def checkpoint_tensors(path: Path, scratch: Path, *, model_only: bool) -> dict[s
         for k, v in flat.items()
         if isinstance(v, torch.Tensor) and (not model_only or k.split(".")[0] in _MODEL_PARTS)
     }
+
+
+#: the AdamW constants of every dsv4 train run (``dsv4_train.setup``'s ``OptimizerConfig``)
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.95, 1e-8
+_U32 = 2.0**-24  # fp32 unit roundoff
+
+
+def optimizer_state(path: Path, scratch: Path) -> dict[tuple[str, str], torch.Tensor]:
+    """``{(kind, name): fp64 tensor}`` of a checkpoint's optimizer state (``kind``: ``param`` = the fp32 main
+    param, ``exp_avg``, ``exp_avg_sq``), whatever chained optimizer holds it: ``name`` is the parameter's
+    (``fully_reshardable``: ``chained_<i>.optimizer.state.<kind>.<name>``) or the flat bucket's key
+    (``dp_reshardable``: ``chained_<i>.optimizer.distributed.<bucket>.<kind>``, the bucket without its padding to a
+    DP multiple, so the same elements at every DP size)."""
+    state = {}
+    for key, value in checkpoint_tensors(path, scratch, model_only=False).items():
+        if not key.startswith("chained_"):
+            continue
+        if ".optimizer.state." in key:
+            _, _, _, kind, name = key.split(".", 4)
+        else:
+            name, kind = key.rsplit(".", 1)
+        assert (kind, name) not in state, key
+        state[kind, name] = value.double()
+    return state
+
+
+def assert_adam_step_continues(
+    saved: Path, ref: Path, got: Path, lr: float, step: int, scratch: Path
+) -> None:
+    """The run whose final checkpoint is ``got``, resumed from the checkpoint ``saved`` (step ``step - 1``), took
+    step ``step``'s AdamW update from that saved state: its final moments and fp32 main params follow from the
+    saved ``(P, m, v)`` compared with the final checkpoint ``ref`` of a run that continued the same state (the
+    derivation: test_train_tp4_ckpt.py's module docstring, (a) and (b)). ``lr``: the rate of step ``step``."""
+    before = optimizer_state(saved, scratch)
+    ref_state = optimizer_state(ref, scratch)
+    got_state = optimizer_state(got, scratch)
+    assert sorted(before) == sorted(ref_state) == sorted(got_state) and before
+    bc1, bc2 = 1 - ADAM_BETA1**step, 1 - ADAM_BETA2**step
+
+    def update(state: dict, name: str) -> torch.Tensor:
+        return (state["exp_avg", name] / bc1) / (state["exp_avg_sq", name].sqrt() / bc2**0.5 + ADAM_EPS)
+
+    moments, params = {}, {}
+    for name in sorted({name for _, name in before}):
+        m_prev, v_prev = before["exp_avg", name], before["exp_avg_sq", name]
+        grad = (got_state["exp_avg", name] - ADAM_BETA1 * m_prev) / (1 - ADAM_BETA1)
+        v_next = ADAM_BETA2 * v_prev + (1 - ADAM_BETA2) * grad**2
+        moments[name] = float(
+            (got_state["exp_avg_sq", name] - v_next).norm() / v_next.norm().clamp_min(1e-300)
+        )
+        p_ref = ref_state["param", name]
+        ulp = (
+            torch.nextafter(p_ref.float().abs(), torch.tensor(float("inf"))) - p_ref.float().abs()
+        ).double()
+        u_got, u_ref = update(got_state, name), update(ref_state, name)
+        bound = 2 * ulp + 16 * _U32 * lr * (u_got.abs() + u_ref.abs())
+        miss = (got_state["param", name] - p_ref + lr * (u_got - u_ref)).abs() / bound
+        params[name] = float(miss.max())
+    worst = sorted(moments.items(), key=lambda kv: -kv[1])[:5]
+    assert [n for n, r in moments.items() if r > 1e-6] == [], worst
+    worst = sorted(params.items(), key=lambda kv: -kv[1])[:5]
+    assert [n for n, r in params.items() if r > 1] == [], worst
