@@ -5,15 +5,26 @@ them from ``--seed`` as users do (layout-independent initialisation, checked bit
 reference's step-0 checkpoint through ``init_from``):
 
 * 1 process: the references ``--cp 1`` for packed THD and ``[B, S]`` batches, fp32 and bf16 (4 documents of up to
-  256 tokens per global batch, 2 steps; ``[B, S]``: micro-batches of 2 rows).
+  256 tokens per global batch, 2 steps; ``[B, S]``: micro-batches of 2 rows), and for each batch format the fp32
+  twin of the bf16 run (fp32 on the bf16 runs' schedule, below), from which the bf16 bounds are derived.
 * 2 processes: ``--cp 2`` (DP 1) for the same four runs. Each CP rank holds 128 contiguous rows of every pack
   (documents cross the rank boundary; ``[B, S]`` micro-batches run as a THD pack of 2 documents of 256 tokens).
-  The fp32 packed run also saves its step-1 checkpoint.
+  The fp32 packed run also saves its step-1 and step-2 checkpoints.
 * 4 processes, one world for every case: ``--cp 2 --pp 2`` and ``--cp 2 --ep 2`` (packed, fp32 and bf16),
   ``--cp 2`` with DP 2 (``[B, S]``, fp32: each DP replica one micro-batch of 2 rows, split over its 2 CP ranks), and
-  the resume of the ``--cp 2`` step-1 checkpoint at ``--cp 1`` (DP 4) and at ``--cp 4`` (64 rows per rank).
+  the resume of the ``--cp 2`` step-1 checkpoint at ``--cp 1`` (DP 4) and at ``--cp 4`` (64 rows per rank), each
+  saving its step-2 checkpoint.
 
-What is compared: every metric of every step (LM, MTP, balance and indexer losses, grad norm, LR; each the global
+Schedules (megatron's linear warm-up starts at rate 0): the fp32 runs pass ``warmup_steps=0``, so step 1 updates
+at the full rate and step 2 runs the weights the first step's reduced gradients produced through AdamW: step 2's
+metrics check those gradients (CP, DP x CP reductions, the pipeline's backward, the distributed optimizer's
+shards) through the optimizer too. The bf16 runs keep ``warmup_steps=1`` (step 1's rate is 0, so their step 2 runs
+the initial weights on the second batch) and their bounds come from the fp32 twin of that schedule: after a
+full-rate first AdamW step (an update of about ``lr·sign(g)`` per element) bf16 rounding flips the sign of small
+gradients, and a layout's deviation from one process is no longer of the size of the one-process bf16 run's own
+(test_train_tp_cp_pp_dp.py measured it 1.4 times that for the indexer loss, beyond ``2·δ``).
+
+What is compared: every metric of both steps (LM, MTP, balance and indexer losses, grad norm, LR; each the global
 value, identical on every rank) and the first step's reduced gradient of every parameter.
 
 fp32: to ``2e-5`` relative (the parallel matrix's bound: fp32 sums in another order — the CP attention's gathers and
@@ -23,8 +34,9 @@ bf16 (the bound of ``test_parallel_matrix``, re-derived for CP):
 
 * losses: a CP run makes the same bf16 roundings as the single-process run, of the same magnitudes, in another
   order (each rank's rows, the gathered compressed entries), so its deviation from the fp32 run is of the size of the
-  single-process bf16 run's own deviation ``δ = max_step |L_bf16 - L_fp32|``; by the triangle inequality
-  ``|L_cp - L_ref| <= 2·δ`` (``test_parallel_matrix._bf16_loss_bound``).
+  single-process bf16 run's own deviation ``δ = max_step |L_bf16 - L_fp32|`` (``L_fp32``: the fp32 twin, the same
+  schedule, so the same weights at both steps); by the triangle inequality ``|L_cp - L_ref| <= 2·δ``
+  (``test_parallel_matrix._bf16_loss_bound``).
 * gradients, two effects added: (1) per micro-batch a weight gradient is one bf16 GEMM output over all rows at
   CP=1, and two bf16 GEMM outputs over half the rows each (summed in fp32 by the DP x CP reduction) at CP=2: at most
   two bf16 roundings of at most ``max|g_ref|`` per micro-batch, accumulated over at most ``M = 4`` micro-batches in
@@ -32,7 +44,8 @@ bf16 (the bound of ``test_parallel_matrix``, re-derived for CP):
   rows, the gathered compressed entries), so the bf16 activations the gradients are made of round differently. Some
   gradients are sums over all tokens of terms that nearly cancel (mHC's ``base`` / ``scale``: ``max|g|`` ~ 5e-7), so
   this is not bounded relative to ``max|g_ref|``. As for the losses, we bound it by bf16 rounding itself: the
-  single-process bf16 gradient deviates from the fp32 one by ``δ_g = max|g_bf16 - g_fp32|`` (per tensor, measured);
+  single-process bf16 gradient deviates from the fp32 twin's by ``δ_g = max|g_bf16 - g_fp32|`` (per tensor,
+  measured; the first step's gradients precede any update, so they are the same under either schedule);
   a CP bf16 run makes the same roundings in another order, so by the triangle inequality it stays within ``2·δ_g``.
   Bound per tensor: ``max|g - g_ref| <= 2·δ_g + 2·M·u·max|g_ref|``.
 * CP2 x PP2 and CP2 x EP2: the same loss bound ``2·δ``. PP adds no rounding to the forward (the mHC streams cross
@@ -42,9 +55,36 @@ bf16 (the bound of ``test_parallel_matrix``, re-derived for CP):
   (PP: the word embedding's main-head and MTP contributions summed in fp32 across stages instead of in bf16 on one
   stage; EP: a rounding per expert GEMM output over another row grouping): ``2·δ_g + (2 + 1)·M·u·max|g_ref|``.
 
-Resume: the step-2 losses of the ``--cp 1`` and ``--cp 4`` resumes equal the uninterrupted ``--cp 2`` run's to the
-fp32 bound above (the checkpoint is CP-agnostic: weights, ``dp_reshardable`` optimizer state and data position;
-only the layout of the step differs).
+Resume (fp32): the checkpoint is CP-agnostic (weights, ``dp_reshardable`` optimizer state: fp32 main params and
+Adam moments in flat buffers whose checkpoint form drops the padding to a DP multiple, so the same elements at
+every DP x CP size; scheduler, data position); only the layout of step 2 differs. Step 1 updated at the full rate,
+so the saved state differs from the initial one.
+
+* The step-2 metrics of the ``--cp 1`` and ``--cp 4`` resumes equal the uninterrupted ``--cp 2`` run's to the fp32
+  bound above. They come from the forward and backward before step 2's update, so they check the resumed weights
+  (and, through the grad norm, step 2's reduced gradients), not the optimizer state.
+* The optimizer state, from the step-2 checkpoints: both runs take step 2's AdamW update from the same saved
+  step-1 state ``(P1, m1, v1)`` with their own gradients ``g``. Without knowing ``g``, (a) ``g' = (m2' - b1·m1) /
+  (1 - b1)`` from the saved ``m1`` predicts the resumed ``v2' = b2·v1 + (1 - b2)·g'²`` within ``1e-6`` relative
+  per flat buffer, and (b) the resumed main params satisfy ``P2' - P2 = -lr·(U(m2', v2') - U(m2, v2))``
+  elementwise within ``2·ulp(P2) + 16·2**-24·lr·(|U'| + |U|)`` (``U`` AdamW's normalized update with step 2's bias
+  corrections, ``P2`` the uninterrupted run's; the derivation of test_train_tp4_ckpt.py,
+  :func:`tp_resume_runs.assert_adam_step_continues`): moments that are not the saved ones miss (a) by O(1), main
+  params that are not the saved ones miss (b) by far more than its ulp-sized bound, a wrong Adam step count
+  changes ``U``'s bias corrections. The flat buffers' alignment gaps are left out: megatron writes them from
+  ``torch.empty`` (arbitrary values, NaN included, different in every checkpoint;
+  :func:`tp_resume_runs.bucket_masks` finds the parameters' elements as the fp32 weights' copies in the main
+  params).
+* The final weights within ``lr·1e-2`` of the uninterrupted run's (test_train_tp4.py's derivation: from the same
+  state, one Adam step moves a weight by about ``lr`` at most and fp32 gradient reordering changes the normalized
+  update noticeably only where the gradient is near zero).
+
+Measured (CPU): fp32, every cell's step 2 (after the full-rate step 1) within 3.1e-7 relative of one process
+(step 1: 1.6e-7); bf16, the LM / MTP losses within 4.2e-7 of the one-process bf16 run (``2·δ`` = 1.9e-4), the
+gradients at most 0.37 of their bound. Resumes: step-2 metrics within 7e-8 relative; (a) 7.3e-8 (bound 1e-6); (b)
+0.50 of its bound; final weights within 1.5e-6 (bound 3e-5). Tampered resumes (scratch runs) that still pass the
+step-2 metrics (within 4.7e-7): the loaded Adam moments halved miss (a) by 0.41 (4e5 times its bound) and the
+weights by 5.2e-4 (17 times); the loaded main params scaled by ``1 + 2**-20`` miss (b) 8.5 times.
 """
 
 from __future__ import annotations
@@ -59,14 +99,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
 from test_parallel_matrix import _BF16_U, _bf16_loss_bound
+from tp_resume_runs import assert_adam_step_continues, checkpoint_tensors, final_checkpoint
 
 from dsv4_testkit import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-_BASE = dict(seq_len=256, global_batch_size=4, warmup_steps=1, lr=3e-3, steps=2)
+_LR = 3e-3
+_BASE = dict(seq_len=256, global_batch_size=4, lr=_LR, steps=2)
 FORMATS = {"packed": dict(packed=True), "bs": dict(micro_batch_size=2)}
 DTYPES = ("fp32", "bf16")
+# fp32: step 1 at the full rate; bf16: megatron's warm-up from rate 0 (step 1 does not move the weights)
+_WARMUP = {"fp32": 0, "bf16": 1}
+# the one-process fp32 twins of the bf16 runs (their schedule), from which the bf16 bounds are derived
+TWIN = "twin"
+# the resumed runs' final weights against the uninterrupted run's (module docstring)
+_FP32_WEIGHT_ATOL = _LR * 1e-2
 _MICRO_BATCHES = 4  # at most 4 micro-batches per step (4 documents)
 _FP32_REL = 2e-5
 # 4-process cells (packed, fp32 and bf16): (name, layout)
@@ -78,7 +126,9 @@ RESUMES = {"resume-cp1": 1, "resume-cp4": 4}
 
 
 def _kw(fmt: str, dt: str, out: Path, **extra) -> dict:
-    return dict(_BASE, bf16=dt == "bf16", out=str(out)) | FORMATS[fmt] | extra
+    """``dt``: ``fp32``, ``bf16`` or :data:`TWIN` (fp32 on the bf16 runs' schedule)."""
+    warmup = _WARMUP["bf16" if dt == TWIN else dt]
+    return dict(_BASE, bf16=dt == "bf16", warmup_steps=warmup, out=str(out)) | FORMATS[fmt] | extra
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +137,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp")
     names = [(f, d) for f in FORMATS for d in DTYPES]
     ref_runs = [(f"{f}-{d}", _kw(f, d, tmp / f"ref-{f}-{d}")) for f, d in names]
+    ref_runs += [(f"{f}-{TWIN}", _kw(f, TWIN, tmp / f"ref-{f}-{TWIN}")) for f in FORMATS]
     (ref,) = run_distributed(train_layouts, 1, ref_runs, True, timeout=900)
     init = {key: str(tmp / f"ref-{key}" / "checkpoints" / "iter_0000000") for key in ref}
     for key in ref:
@@ -112,9 +163,9 @@ def runs(tmp_path_factory):
         dst = tmp / name / "checkpoints"
         shutil.copytree(tmp / "cp2-packed-fp32" / "checkpoints" / "iter_0000001", dst / "iter_0000001")
         (dst / "latest").write_text("iter_0000001")
-        world4_runs.append((name, _kw("packed", "fp32", tmp / name, resume=True, cp=cp)))
+        world4_runs.append((name, _kw("packed", "fp32", tmp / name, resume=True, cp=cp, save_final=True)))
     world4 = run_distributed(train_layouts, 4, world4_runs, timeout=1800)
-    return {"ref": ref, "cp2": cp2, "world4": world4}
+    return {"ref": ref, "cp2": cp2, "world4": world4, "tmp": tmp}
 
 
 def _check_fp32(got_ranks: list[dict], ref: dict, cell: str) -> None:
@@ -137,7 +188,7 @@ def _check_bf16(
     got_ranks: list[dict], ref: dict, ref_fp32: dict, cell: str, extra_roundings: int = 0
 ) -> None:
     """Losses within ``2·δ``, gradients within ``2·δ_g + (2 + extra_roundings)·M·u·max|g_ref|`` (module
-    docstring)."""
+    docstring); ``ref_fp32``: the one-process fp32 twin of ``ref`` (same schedule)."""
     metrics = [r["metrics"] for r in got_ranks]
     assert all(m == metrics[0] for m in metrics), "every metric is the global value on every rank"
     bound = _bf16_loss_bound({"fp32": ref_fp32, "bf16": ref})
@@ -166,7 +217,7 @@ def test_cp2_matches_cp1(runs, fmt, dtype):
     if dtype == "fp32":
         _check_fp32(per_rank, ref, f"cp2-{fmt}")
     else:
-        _check_bf16(per_rank, ref, runs["ref"][f"{fmt}-fp32"], f"cp2-{fmt}")
+        _check_bf16(per_rank, ref, runs["ref"][f"{fmt}-{TWIN}"], f"cp2-{fmt}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -177,7 +228,7 @@ def test_cp2_with_pp2_or_ep2_matches_cp1(runs, cell, dtype):
     if dtype == "fp32":
         _check_fp32(per_rank, ref, cell)
     else:
-        _check_bf16(per_rank, ref, runs["ref"]["packed-fp32"], cell, _EXTRA_ROUNDINGS4)
+        _check_bf16(per_rank, ref, runs["ref"][f"packed-{TWIN}"], cell, _EXTRA_ROUNDINGS4)
 
 
 def test_cp2_with_dp2_matches_cp1(runs):
@@ -193,3 +244,23 @@ def test_resume_cp2_checkpoint_at_another_cp_gives_the_same_next_step_loss(runs,
         g, f = got[0][key], full[1][key]
         assert g == pytest.approx(f, rel=_FP32_REL), (resume, key, g, f)
     assert got[0]["lr"] == full[1]["lr"]
+
+
+@pytest.mark.parametrize("resume", list(RESUMES))
+def test_resume_cp2_checkpoint_at_another_cp_continues_the_optimizer_state(runs, resume):
+    """The ``--cp 1`` / ``--cp 4`` resume's final checkpoint (after step 2): its fp32 main params and Adam moments
+    follow from the saved ``--cp 2`` step-1 state by step 2's AdamW update, compared with the uninterrupted
+    ``--cp 2`` run's final state; its weights within ``lr·1e-2`` of that run's (module docstring)."""
+    full_dir, scratch = runs["tmp"] / "cp2-packed-fp32", runs["tmp"] / "scratch.pt"
+    saved = full_dir / "checkpoints" / "iter_0000001"
+    ref, got = final_checkpoint(full_dir), final_checkpoint(runs["tmp"] / resume)
+    assert ref.name == got.name == "iter_0000002"
+    lr = runs["cp2"][-1]["packed-fp32"]["metrics"][1]["lr"]  # the rate of step 2's update
+    assert lr > 0
+    assert_adam_step_continues(saved, ref, got, lr, 2, scratch)
+    a = checkpoint_tensors(ref, scratch, model_only=True)
+    b = checkpoint_tensors(got, scratch, model_only=True)
+    assert sorted(a) == sorted(b) and a
+    errs = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point()}
+    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+    assert [k for k, e in errs.items() if e > _FP32_WEIGHT_ATOL] == [], worst

@@ -66,7 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, train_in_workers
-from tp_resume_runs import SAVED_STEP, checkpoint_tensors, final_checkpoint
+from tp_resume_runs import SAVED_STEP, assert_adam_step_continues, checkpoint_tensors, final_checkpoint
 
 from dsv4_testkit import run_distributed
 from dsv4_testkit.megatron_cpu import megatron_cpu_context
@@ -85,9 +85,6 @@ _ARGS = [
     "--micro-batch-size", "1", "--no-progress",
 ]  # fmt: skip
 _SAVING = ["--save-interval", str(SAVED_STEP), "--ckpt-format", "fully_reshardable"]
-#: the AdamW constants of every dsv4 train run (``dsv4_train.setup``'s ``OptimizerConfig``)
-_BETA1, _BETA2, _EPS = 0.9, 0.95, 1e-8
-_U32 = 2.0**-24  # fp32 unit roundoff
 
 
 def _hf_source(path: Path) -> Path:
@@ -176,58 +173,14 @@ def test_bf16_tp1_checkpoint_resumes_at_tp4_within_the_bf16_bound(runs):
     assert_bf16_parity([got], [one_bf16], [one_fp32])
 
 
-def _optimizer_state(path: Path, scratch: Path) -> dict[tuple[str, str], torch.Tensor]:
-    """``{(kind, parameter): fp64 tensor}`` of a checkpoint's optimizer state (``kind``: ``param`` = the fp32 main
-    param, ``exp_avg``, ``exp_avg_sq``), whatever chained optimizer holds the parameter."""
-    state = {}
-    for key, value in checkpoint_tensors(path, scratch, model_only=False).items():
-        if key.startswith("chained_"):
-            _, _, _, kind, name = key.split(".", 4)
-            assert (kind, name) not in state, key
-            state[kind, name] = value.double()
-    return state
-
-
-def _assert_adam_step_continues(
-    saved_dir: Path, ref_dir: Path, got_dir: Path, lr: float, scratch: Path
-) -> None:
-    """The run in ``got_dir``, resumed from ``saved_dir``'s step-2 checkpoint, took step 3's AdamW update from that
-    saved state: its final moments and fp32 main params follow from the saved ``(P2, m2, v2)`` compared with the
-    final ones of the run in ``ref_dir`` that continued the same state (module docstring: (a) and (b))."""
-    saved = _optimizer_state(saved_dir / "checkpoints" / f"iter_{SAVED_STEP:07d}", scratch)
-    ref = _optimizer_state(final_checkpoint(ref_dir), scratch)
-    got = _optimizer_state(final_checkpoint(got_dir), scratch)
-    assert sorted(saved) == sorted(ref) == sorted(got) and saved
-    bc1, bc2 = 1 - _BETA1 ** (SAVED_STEP + 1), 1 - _BETA2 ** (SAVED_STEP + 1)
-
-    def update(state: dict, name: str) -> torch.Tensor:
-        return (state["exp_avg", name] / bc1) / (state["exp_avg_sq", name].sqrt() / bc2**0.5 + _EPS)
-
-    moments, params = {}, {}
-    for name in sorted({name for _, name in saved}):
-        m2, v2 = saved["exp_avg", name], saved["exp_avg_sq", name]
-        grad = (got["exp_avg", name] - _BETA1 * m2) / (1 - _BETA1)
-        v3 = _BETA2 * v2 + (1 - _BETA2) * grad**2
-        moments[name] = float((got["exp_avg_sq", name] - v3).norm() / v3.norm().clamp_min(1e-300))
-        p3 = ref["param", name]
-        ulp = (torch.nextafter(p3.float().abs(), torch.tensor(float("inf"))) - p3.float().abs()).double()
-        u_got, u_ref = update(got, name), update(ref, name)
-        bound = 2 * ulp + 16 * _U32 * lr * (u_got.abs() + u_ref.abs())
-        miss = (got["param", name] - p3 + lr * (u_got - u_ref)).abs() / bound
-        params[name] = float(miss.max())
-    assert [n for n, r in moments.items() if r > 1e-6] == [], sorted(moments.items(), key=lambda kv: -kv[1])[
-        :5
-    ]
-    assert [n for n, r in params.items() if r > 1] == [], sorted(params.items(), key=lambda kv: -kv[1])[:5]
-
-
 def test_bf16_tp1_to_tp4_resume_continues_the_saved_optimizer_state(runs):
     """The ``--tp 4 --bf16`` run resumed from the one-process bf16 step-2 checkpoint continues its fp32 main
     params, Adam moments and step: its step-3 moments and main params follow from the saved step-2 state by the
     AdamW update, compared with the one-process continuation (module docstring: (a) and (b))."""
     lr = runs["one-bf16"][SAVED_STEP]["lr"]  # the rate step 3's update used (its metrics row)
-    dirs = (runs["one-bf16-dir"], runs["one-bf16-dir"], runs["tp1-to-tp4-bf16-dir"])
-    _assert_adam_step_continues(*dirs, lr, runs["tmp"] / "scratch.pt")
+    saved = runs["one-bf16-dir"] / "checkpoints" / f"iter_{SAVED_STEP:07d}"
+    ref, got = final_checkpoint(runs["one-bf16-dir"]), final_checkpoint(runs["tp1-to-tp4-bf16-dir"])
+    assert_adam_step_continues(saved, ref, got, lr, SAVED_STEP + 1, runs["tmp"] / "scratch.pt")
 
 
 def test_bf16_tp4_checkpoint_resumes_in_one_process_within_the_bf16_bound(runs):
@@ -247,5 +200,6 @@ def test_bf16_tp4_to_tp1_resume_continues_the_saved_optimizer_state(runs):
     """The one process resumed from the ``--tp 4 --bf16`` step-2 checkpoint continues its fp32 main params, Adam
     moments and step, compared with the uninterrupted TP4 run (module docstring: (a) and (b))."""
     lr = runs["tp4-bf16"][SAVED_STEP]["lr"]
-    dirs = (runs["tp4-bf16-dir"], runs["tp4-bf16-dir"], runs["tp4-to-tp1-bf16-dir"])
-    _assert_adam_step_continues(*dirs, lr, runs["tmp"] / "scratch.pt")
+    saved = runs["tp4-bf16-dir"] / "checkpoints" / f"iter_{SAVED_STEP:07d}"
+    ref, got = final_checkpoint(runs["tp4-bf16-dir"]), final_checkpoint(runs["tp4-to-tp1-bf16-dir"])
+    assert_adam_step_continues(saved, ref, got, lr, SAVED_STEP + 1, runs["tmp"] / "scratch.pt")
