@@ -115,7 +115,7 @@ def rollback_static_pair(cache, accepted: torch.Tensor) -> None:
     """Drop the second row of the last :func:`extend_static_pair` of every sequence where ``accepted [B]`` (bool,
     device) is false: its ring slot, held compressor rows and entry slot get their values from before the row back.
     The snapshot stays (a repeated rollback is a no-op), so a captured graph may read it after the one that made it."""
-    undo = getattr(cache, "pair_undo", None)
+    undo = cache.pair_undo
     if undo is None:
         raise ValueError("rollback_static_pair needs an extend_static_pair call on this cache first")
     if accepted.shape != (cache.batch,) or accepted.dtype != torch.bool:
