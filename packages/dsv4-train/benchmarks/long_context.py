@@ -236,8 +236,16 @@ def _plan(setting: str, seq_lens, max_seq_len: int, target: int | None) -> tuple
     return [target, *_longer(target, max_seq_len)], [s for s in seq_lens if s < target]
 
 
-def child_main(setting: str, iters: int, deadline: float, max_seq_len: int, preset: str | None) -> None:
-    """One setting (in its own process): print ``LONG_CONTEXT {json}`` lines, one per point."""
+def child_main(
+    setting: str,
+    iters: int,
+    deadline: float,
+    max_seq_len: int,
+    preset: str | None,
+    points: list[int] | None = None,
+) -> None:
+    """One setting (in its own process): print ``LONG_CONTEXT {json}`` lines, one per point (``points``: exactly
+    these lengths, in this order, instead of the plan)."""
     preset = preset or ("flash-smoke" if torch.cuda.is_available() else "tiny")
     smoke = preset != "flash-smoke"
     seq_lens = SEQ_LENS if not smoke else (64, 256)
@@ -250,6 +258,8 @@ def child_main(setting: str, iters: int, deadline: float, max_seq_len: int, pres
     run = _Run(setting, preset)
     print(f"LONG_CONTEXT {json.dumps({'setting': setting, 'build_s': time.time() - t0})}", flush=True)
     growing, shorter = _plan(setting, seq_lens, max_seq_len, None if smoke else TARGET_SEQ_LEN)
+    if points:
+        growing, shorter = [], list(points)
 
     def point(s: int) -> dict | None:
         if time.time() > deadline:
@@ -367,6 +377,8 @@ def run_long_context(args, out: Path) -> dict:
                "--deadline", str(deadline - hf_reserve)]  # fmt: skip
         if args.preset:
             cmd += ["--preset", args.preset]
+        if args.points:
+            cmd += ["--points", *map(str, args.points)]
         rows: list[dict] = []
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 15)
@@ -429,6 +441,12 @@ def add_flags(ap) -> None:
         "--hf-anchors", help="directory holding hf_full_step.py (default: found next to the repo)"
     )
     ap.add_argument("--no-hf-peer", action="store_true")
+    ap.add_argument(
+        "--points",
+        type=int,
+        nargs="+",
+        help="--long-context: exactly these sequence lengths per setting, in order",
+    )
     ap.add_argument("--preset", help=argparse_suppress())
     ap.add_argument("--long-context-child", choices=list(SETTINGS), help=argparse_suppress())
     ap.add_argument("--deadline", type=float, help=argparse_suppress())
@@ -450,6 +468,7 @@ def dispatch(args, out: Path) -> bool:
                 args.deadline or time.time() + 600,
                 args.max_seq_len,
                 args.preset,
+                args.points,
             )
         except Exception:
             print(traceback.format_exc(), flush=True)

@@ -24,7 +24,10 @@ after a ``--decode-prompt`` prompt (decode-phase time: a whole ``generate`` minu
 prefills and the graph capture), tokens/s, speed-up and the acceptance rate. With random weights the MTP head's drafts are almost never accepted:
 that row is the worst case (the overhead of one 2-row verify + one MTP depth per token). ``--checkpoint DIR`` (an
 HF DeepSeek-V4 directory, e.g. ``dsv4 convert`` output of a trained run) benchmarks a trained model instead of
-random weights of ``--preset`` (prompts: random token ids either way).
+random weights of ``--preset`` (prompts: random token ids either way). ``--accept-all`` zeroes the output head (shared
+by the main model and the MTP depth): every logit is 0, both argmaxes are token 0, so every draft is accepted and the
+speculative row shows the speed-up at 100% acceptance with the same kernels (the upper end; random weights give the
+lower end). ``--speculative-only`` runs only the speculative rows.
 """
 
 from __future__ import annotations
@@ -255,6 +258,9 @@ def run_ours(args, device: torch.device) -> dict:
         )
         model = model.to(device).eval()
     cfg = model.model_config
+    if args.accept_all:
+        with torch.no_grad():
+            model.output_layer.weight.zero_()  # every logit 0: main and MTP argmax both token 0
     measure_prefill(model, min(256, args.prefill_lens[0]), device, 1)  # warm-up (Triton compilation)
     out: dict = {"prefill": [], "decode": []}
     if args.speculative:
@@ -272,8 +278,13 @@ def run_ours(args, device: torch.device) -> dict:
                     batch=b,
                     mode=mode,
                 )
-                out["speculative"].append({"prompt_len": args.decode_prompt, **row})
+                out["speculative"].append(
+                    {"prompt_len": args.decode_prompt, "accept_all": args.accept_all, **row}
+                )
                 print(json.dumps({"speculative": row}), flush=True)
+    if args.speculative_only:
+        out["cache"] = []
+        return out
     for n in args.prefill_lens:
         # untimed run at this length first: Triton kernels specialize on sizes (a compile must not be timed)
         _guarded(measure_prefill, model, n, device, 1, prompt_len=n)
@@ -424,6 +435,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="also compare MTP speculative decoding with plain decoding (table: speed-up, acceptance rate)",
     )
     p.add_argument("--checkpoint", help="an HF DeepSeek-V4 directory to benchmark instead of random weights")
+    p.add_argument(
+        "--accept-all",
+        action="store_true",
+        help="zero the output head: every MTP draft is accepted (the speculative speed-up at 100%% acceptance)",
+    )
+    p.add_argument("--speculative-only", action="store_true", help="only the --speculative rows")
     p.add_argument("--quick", action="store_true", help="smoke: prefill 4K, batches 1 8, 16 new tokens")
     p.add_argument("--out", help="folder for bench_generate.json")
     args = p.parse_args(argv)
@@ -431,6 +448,8 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(
             f"--speculative times tokens after the first {SPEC_BASE_TOKENS}: pass --new-tokens > {SPEC_BASE_TOKENS}"
         )
+    if args.speculative_only and not args.speculative:
+        p.error("--speculative-only needs --speculative")
     if args.quick:
         args.prefill_lens, args.batches, args.new_tokens = args.prefill_lens[:1], args.batches[:2], 16
     if args.device == "cpu":
