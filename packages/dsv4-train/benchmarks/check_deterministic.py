@@ -31,9 +31,12 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 
+from csa_kernels.ops.sparse_attn import launch_config
+
 _DEV = (
     "cuda" if torch.cuda.is_available() else "cpu"
 )  # CPU: a dry run of the script (--preset tiny --modes eager)
+_PAIR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CHUNK = 1 << 26  # elements per fingerprint slice (bounds the int64 temporaries to ~1.5 GiB)
 
 
@@ -142,6 +145,8 @@ def _run_child(name: str, args, *, deterministic: bool, graph: bool) -> dict:
         str(args.seed),
         "--preset",
         args.preset,
+        "--pair-dtype",
+        args.pair_dtype,
         "--child",
         f"{name}:{int(deterministic)}:{int(graph)}",
     ]
@@ -167,8 +172,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--preset", default="flash-smoke")
     ap.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=["eager", "graph"])
+    ap.add_argument(
+        "--pair-dtype",
+        choices=tuple(_PAIR_DTYPES),
+        default="fp32",
+        help="the deterministic sparse-attention dkv's pair rows (csa-kernels launch_config.PAIR_DTYPE)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)  # NAME:DETERMINISTIC:GRAPH, one run in this process
     args = ap.parse_args()
+    launch_config.PAIR_DTYPE = _PAIR_DTYPES[args.pair_dtype]
     if args.child:
         name, det, graph = args.child.split(":")
         row = _run(name, Path(args.out), args, deterministic=det == "1", graph=graph == "1")
@@ -208,6 +220,7 @@ def main() -> int:
         "torch": torch.__version__,
         "steps": args.steps,
         "seq_len": args.seq_len,
+        "pair_dtype": args.pair_dtype,
         "verdict": verdict,
         "deterministic_eager_equals_graph": eager_vs_graph is None,
         "eager_vs_graph_difference": eager_vs_graph,
@@ -215,11 +228,12 @@ def main() -> int:
     }
     (out / "check_deterministic.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{'mode':6} {'bitwise 2 runs':>15} {'default tok/s':>14} {'determ. tok/s':>14} {'ratio':>6}")
+    nan = float("nan")  # no timed step (runs shorter than the warm-up)
     for mode, v in verdict.items():
         ratio = v["deterministic_over_default"]
         print(
-            f"{mode:6} {'yes' if v['bitwise_identical'] else 'NO':>15} {v['tokens_per_s_default']:>14,.0f} "
-            f"{v['tokens_per_s_deterministic']:>14,.0f} {ratio if ratio else float('nan'):>6.3f}"
+            f"{mode:6} {'yes' if v['bitwise_identical'] else 'NO':>15} {v['tokens_per_s_default'] or nan:>14,.0f} "
+            f"{v['tokens_per_s_deterministic'] or nan:>14,.0f} {ratio or nan:>6.3f}"
             + (f"   {v['difference']}" if v["difference"] else "")
         )
     print(f"deterministic eager == graphed: {eager_vs_graph is None} ({eager_vs_graph or 'every step'})")
