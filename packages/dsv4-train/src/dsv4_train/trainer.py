@@ -50,6 +50,7 @@ from dsv4_train.init_source import check_init_from
 from dsv4_train.loss_trend import loss_is_falling, loss_trend
 from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_point
 from dsv4_train.model_config import model_config_for
+from dsv4_train.offload_defer import DeferredHostStep
 from dsv4_train.outputs import RunOutputs
 from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
 from dsv4_train.setup import (
@@ -157,6 +158,7 @@ class Trainer:
     def _build(self, tc: TrainConfig, ps) -> None:
         """Model, optimizer, scheduler, data, checkpointer and step runner of this rank (after the parallel state)."""
 
+        self.deferred = None  # --optimizer-offload-defer (dsv4_train.offload_defer)
         # what the pattern cannot train is refused before the RNG and determinism settings change
         self.model_config = model_config_for(tc)
         check_gdn_training(
@@ -200,6 +202,8 @@ class Trainer:
         self.core = parts.core  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.model, self.config = parts.model, parts.config
         self.optimizer = build_optimizer(tc, self.model)
+        if tc.optimizer.optimizer_offload_defer:
+            self.deferred = DeferredHostStep(self.optimizer, ddp_chunks(self.model))
         self.scheduler = build_scheduler(tc, self.optimizer)
         attach_schedule_hooks(self.config, self.model)
         self.checkpointer = Checkpointer(
@@ -224,6 +228,7 @@ class Trainer:
             ps=ps,
             device=self.device,
             world=self.world,
+            deferred=self.deferred,
         )
         if tc.data.packed:  # the packs' document capacity (the static cu_seqlens size of --cuda-graph)
             self.stepper.max_docs_per_pack = self.batches.config.max_num_seqs - 1
@@ -261,10 +266,17 @@ class Trainer:
         """Save the training state of this step as ``checkpoints/iter_XXXXXXX`` and point ``latest`` at it (once
         per step: a second call at the same step does not write again)."""
         path = self.checkpointer.dir / f"iter_{self.step:07d}"
+        self.finish_deferred_step()
         if self._saved_step != self.step:
             path = self.checkpointer.save(self.step)
             self._saved_step = self.step
         return path
+
+    def finish_deferred_step(self) -> None:
+        """``--optimizer-offload-defer``: wait for the host AdamW of the last step (and raise its error), so that
+        what follows reads the updated params and Adam state (saves, evaluation, the end of the run)."""
+        if self.deferred is not None:
+            self.deferred.finish()
 
     def load_checkpoint(self) -> bool:
         """Restore the state of ``checkpoints/latest`` (see :meth:`Checkpointer.load_latest`); ``False`` if none."""
@@ -425,6 +437,7 @@ class Trainer:
             outputs.log(m)
             self._count_nonfinite(m, outputs)
             if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
+                self.finish_deferred_step()
                 self.eval_metrics.append(self.evaluator(self.step))
                 outputs.log_eval(self.eval_metrics[-1])
             if tc.checkpoint.save_interval and self.step % tc.checkpoint.save_interval == 0:
@@ -446,11 +459,21 @@ class Trainer:
                 )
             if tc.checkpoint.save_final:
                 self.save_checkpoint()
+        self.finish_deferred_step()  # the caller may read the trained model
 
     def close(self) -> None:
-        """Release everything the run holds: graphs, streams, determinism settings, megatron's parallel state and
-        its process groups (the model is finished afterwards; nothing may run on it)."""
+        """Release everything the run holds: the deferred host step (finished first; its error raised), graphs,
+        streams, determinism settings, megatron's parallel state and its process groups (the model is finished
+        afterwards; nothing may run on it)."""
 
+        deferred, self.deferred = self.deferred, None
+        try:
+            if deferred is not None:
+                deferred.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self.stepper.graphed is not None:
             self.stepper.graphed.close()
             self.stepper.graphed = None
