@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offload_sim import simulated_device
@@ -23,8 +24,10 @@ from test_optimizer_impl import _load, _save
 from test_optimizer_offload import _hybrid_state, _model_params
 
 from dsv4_train import offload_defer
+from dsv4_train.config import TrainConfig
 from dsv4_train.offload import hybrid_optimizers, offload_config_fields
-from dsv4_train.offload_defer import DeferredHostStep
+from dsv4_train.offload_defer import DeferredHostStep, ForwardOrder
+from dsv4_train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CHUNK = 64  # elements: the [16, 16] params are 4 chunks each
@@ -301,3 +304,123 @@ def test_cli_flag():
         tc_of("--optimizer-cpu-offload", "--optimizer-offload-defer")
     with pytest.raises(ValueError, match="needs --optimizer-offload-overlap"):
         TrainConfig.from_flat(optimizer_offload_defer=True)
+
+
+class _Recorder:
+    """Stands in for the trainer's :class:`DeferredHostStep` (the offload needs CUDA params) and logs its calls."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def zero_grad_buffers(self, chunks):
+        self.log.append("zero")
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+
+    def before_backward(self):
+        self.log.append("before_backward")
+
+    def launch(self):
+        self.log.append("launch")
+
+    def finish(self):
+        self.log.append("finish")
+
+    def close(self):
+        self.log.append("close")
+
+
+class _EvalRecorder:
+    def __init__(self, evaluator, log):
+        self.evaluator, self.log = evaluator, log
+
+    def due(self, step):
+        return self.evaluator.due(step)
+
+    def __call__(self, step):
+        self.log.append("eval")
+        return self.evaluator(step)
+
+
+class _ParamReads(TorchFunctionMode):
+    """Inside the model's forward: every op reading a param whose waiter (:class:`ForwardOrder`: the module whose
+    forward pre-hook waits for it) has not begun its forward yet is recorded, i.e. a read the deferred step's hooks
+    would not have waited for. Metadata (dtype, shape, ...) is no read."""
+
+    METADATA = ("__get__", "dim", "size", "numel", "stride", "is_contiguous", "data_ptr", "element_size")
+
+    def __init__(self, chunks):
+        super().__init__()
+        self.order, self.reached, self.late = ForwardOrder(chunks), -1, []
+        names = {id(p): n for c in chunks for n, p in c.named_parameters()}
+        self.owner = {id(p): (m, names[id(p)]) for p, m in self.order.params()}  # first owners
+        for m in self.order.modules:
+            m.register_forward_pre_hook(self._begin)
+
+    def begin_forward(self) -> None:
+        self.reached = -1
+        self.__enter__()
+
+    def _begin(self, module, args):
+        self.order.record(module)
+        self.reached = max(self.reached, self.order.rank[id(module)])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in self.METADATA:
+            for a in (*args, *(kwargs or {}).values()):
+                if isinstance(a, torch.nn.Parameter) and id(a) in self.owner:
+                    owner, name = self.owner[id(a)]
+                    if self.order.waiter(owner)[0] > self.reached:
+                        self.late.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_trainer_waits_for_the_deferred_step(tmp_path):
+    """The trainer's wait points, on the real (tiny, CPU) training loop: each step zeroes the grad buffers through
+    the deferred step, waits before each micro-batch's backward and launches after the optimizer step; every
+    evaluation and checkpoint save, the end of the run and ``close`` finish the deferred step first.
+
+    And the hooks suffice for the DSv4 model (embedding, mHC, CSA/HCA attention, hash and learned MoE, MTP, tied
+    head): a third step's forward reads no param before its owner's forward (or a later module's) has begun, in the
+    order the first forward ran them."""
+    tc = TrainConfig.from_flat(
+        preset="tiny",
+        steps=2,
+        seq_len=64,
+        global_batch_size=2,
+        micro_batch_size=1,
+        warmup_steps=0,
+        out=str(tmp_path / "run"),
+        progress=False,
+        save_interval=1,
+        eval_interval=2,
+        eval_iters=1,
+    )
+    initialised = torch.distributed.is_initialized()
+    log = []
+    trainer = Trainer(tc)
+    try:
+        trainer.deferred = trainer.stepper.deferred = _Recorder(log)
+        trainer.evaluator = _EvalRecorder(trainer.evaluator, log)
+        save = trainer.checkpointer.save
+        trainer.checkpointer.save = lambda step: (log.append("save"), save(step))[1]
+        reads = _ParamReads([trainer.model])
+        trainer.run()
+        at_end = list(log)
+        trainer.model.register_forward_pre_hook(lambda m, a: reads.begin_forward())
+        trainer.model.register_forward_hook(lambda m, a, out: reads.__exit__(None, None, None))
+        trainer._train_step(next(trainer.batches))
+    finally:
+        trainer.close()
+        if not initialised and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    step = ["zero", "before_backward", "before_backward", "launch"]
+    evaluation = [
+        "finish",
+        "eval",
+        "before_backward",
+        "before_backward",
+    ]  # its forward steps wait too (no-op)
+    assert at_end == [*step, "finish", "save", *step, *evaluation, "finish", "save", "finish", "finish"]
+    assert log[-1] == "close"
+    assert len(reads.order.rank) > 20 and reads.late == [], sorted(set(reads.late))

@@ -108,6 +108,41 @@ class DeferredPipeline(OffloadPipeline):
         self.owner.collect([replace(c, group=groups.setdefault(id(c.group), dict(c.group))) for c in chunks])
 
 
+class ForwardOrder:
+    """Which module's forward waits for which param, in the order the forward first ran the modules.
+
+    A param belongs to the first module owning it directly (a tied embedding: the embedding). Its waiter is its
+    owner if the owner's forward ran, else the nearest ancestor whose forward ran: a param read without its owner's
+    forward (the DSv4 head's weight, read by the fused linear cross-entropy in the model's own forward; tests check
+    this on the DSv4 model) is read inside some ancestor's forward, whose pre-hook runs before that read.
+    ``record`` (a forward pre-hook on every module) notes the order."""
+
+    def __init__(self, model_chunks: list[torch.nn.Module]):
+        self.modules = [m for chunk in model_chunks for m in chunk.modules()]
+        self.parent = {id(c): m for m in self.modules for c in m.children()}
+        self.rank: dict[int, int] = {}  # id(module) -> place of its first forward
+
+    def record(self, module) -> None:
+        self.rank.setdefault(id(module), len(self.rank))
+
+    def waiter(self, module) -> tuple[float, int]:
+        """(rank, id) of the module whose forward waits for ``module``'s params (``inf`` if none ran yet)."""
+        m = module
+        while m is not None and id(m) not in self.rank:
+            m = self.parent.get(id(m))
+        return (math.inf, id(module)) if m is None else (self.rank[id(m)], id(m))
+
+    def params(self) -> list[tuple[torch.nn.Parameter, torch.nn.Module]]:
+        """Every param with its first owner."""
+        seen, out = set(), []
+        for m in self.modules:
+            for p in m.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((p, m))
+        return out
+
+
 def _wrappers(optimizer) -> list:
     return optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
@@ -142,14 +177,8 @@ class DeferredHostStep:
         self._pending: list[HostChunk] = []
         self._job: _Job | None = None
         self._zeroed = None  # CUDA event: the grad buffers are zeroed behind the D2H copies
-        self._rank: dict[int, int] = {}  # id(module) -> place of its first forward
-        self._modules = [
-            m
-            for chunk in model_chunks
-            for m in chunk.modules()
-            if any(True for _ in m.parameters(recurse=False))
-        ]
-        self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self._modules]
+        self.order = ForwardOrder(model_chunks)
+        self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in self.order.modules]
 
     # ------------------------------------------------------------------ the step
     def _streams(self):
@@ -162,22 +191,21 @@ class DeferredHostStep:
         self._pending.extend(chunks)
 
     def _forward_order(self, chunks: list[HostChunk]) -> tuple[list[HostChunk], dict[int, int]]:
-        spans, seen = [], set()  # (start address, end address, id(module)) of every param, its first owner
-        for m in self._modules:
-            for p in m.parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    spans.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), id(m)))
-        spans.sort()
+        spans = []  # (start address, end address, waiter) of every param
+        for p, owner in self.order.params():
+            spans.append(
+                (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), self.order.waiter(owner))
+            )
+        spans.sort(key=lambda s: s[0])
         starts = [s[0] for s in spans]
 
-        def owner(c: HostChunk) -> int | None:
+        def waiter(c: HostChunk) -> tuple[float, int | None]:
             i = bisect_right(starts, c.device_param.data_ptr()) - 1
-            return spans[i][2] if i >= 0 and c.device_param.data_ptr() < spans[i][1] else None
+            return spans[i][2] if i >= 0 and c.device_param.data_ptr() < spans[i][1] else (math.inf, None)
 
-        owners = [owner(c) for c in chunks]
-        order = sorted(range(len(chunks)), key=lambda i: self._rank.get(owners[i], math.inf))
-        last = {owners[i]: k for k, i in enumerate(order) if owners[i] is not None}
+        waiters = [waiter(c) for c in chunks]
+        order = sorted(range(len(chunks)), key=lambda i: waiters[i][0])
+        last = {waiters[i][1]: k for k, i in enumerate(order) if waiters[i][1] is not None}
         return [chunks[i] for i in order], last
 
     def launch(self) -> None:
@@ -247,7 +275,7 @@ class DeferredHostStep:
         self.wait_launched()
 
     def _before_forward(self, module, args) -> None:
-        self._rank.setdefault(id(module), len(self._rank))
+        self.order.record(module)
         self.launch()
         job = self._job
         i = None if job is None else job.last_chunk.get(id(module))
@@ -290,4 +318,4 @@ class DeferredHostStep:
             self._hooks = []
 
 
-__all__ = ["DeferredHostStep", "DeferredPipeline", "queue_d2h"]
+__all__ = ["DeferredHostStep", "DeferredPipeline", "ForwardOrder", "queue_d2h"]
