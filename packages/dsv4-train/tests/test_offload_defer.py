@@ -104,10 +104,10 @@ def _build(fraction, chunk=CHUNK):
     return core, ddp, build_optimizer(ocfg, [ddp], impl="auto", offload_chunk_numel=chunk)
 
 
-def _grads(step):
+def _grads(step, device):
     gen = torch.Generator().manual_seed(100 + step)
     return {
-        n: 10.0 ** (-3 + (i + step) % 4) * torch.randn(s, generator=gen)
+        n: (10.0 ** (-3 + (i + step) % 4) * torch.randn(s, generator=gen)).to(device)
         for i, (n, s) in enumerate(SIZES.items())
     }
 
@@ -119,7 +119,7 @@ def _step(ddp, opt, step, defer=None):
     else:
         defer.zero_grad_buffers([ddp])
     opt.zero_grad()
-    loss = ddp(_grads(step))
+    loss = ddp(_grads(step, next(ddp.parameters()).device))
     if defer is not None:
         defer.before_backward()
     loss.backward()
