@@ -257,6 +257,22 @@ def test_next_optimizer_step_waits_for_the_deferred_one(megatron_cpu, slow_host)
         _assert_same(run(False), run(True))
 
 
+def test_step_before_any_forward_is_not_deferred(megatron_cpu):
+    """Without a forward yet there is no order to wait in: a step launched before any forward (a checkpoint load's
+    allocation step, say) finishes at once."""
+    from dsv4_primitives.megatron import cuda_as_cpu
+
+    with cuda_as_cpu(), simulated_device():
+        _, ddp, opt = _build(1.0)
+        defer = DeferredHostStep(opt, [ddp])
+        for p in ddp.parameters():
+            p.main_grad.normal_()
+        assert opt.step()[0]
+        defer.launch()
+        assert defer._job is None and not defer._pending
+        defer.close()
+
+
 def test_host_thread_error_is_raised_in_the_main_thread(megatron_cpu, monkeypatch):
     """An exception in the host thread's AdamW is raised at the main thread's next wait (the next forward's hook),
     chained to the original with its traceback; nothing hangs, and ``close`` afterwards does not raise again."""
@@ -400,7 +416,7 @@ def test_trainer_waits_for_the_deferred_step(tmp_path):
     log = []
     trainer = Trainer(tc)
     try:
-        trainer.deferred = trainer.stepper.deferred = _Recorder(log)
+        trainer.stepper.deferred = _Recorder(log)
         trainer.evaluator = _EvalRecorder(trainer.evaluator, log)
         save = trainer.checkpointer.save
         trainer.checkpointer.save = lambda step: (log.append("save"), save(step))[1]

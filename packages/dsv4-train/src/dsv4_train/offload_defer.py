@@ -223,6 +223,8 @@ class DeferredHostStep:
         threading.Thread(
             target=self._run, args=(job, grads_final, device), name="dsv4-offload-defer", daemon=True
         ).start()
+        if not self.order.rank:  # no forward ran yet: no order to wait in, nothing may run ahead
+            self.wait_launched()
 
     def _run(self, job: _Job, grads_final, device) -> None:
         try:

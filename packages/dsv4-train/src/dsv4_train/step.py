@@ -86,11 +86,12 @@ class StepRunner:
         ps,
         device,
         world: int,
-        deferred: DeferredHostStep | None = None,
     ) -> None:
         self.tc, self.model_config = tc, model_config
-        # --optimizer-offload-defer: the host part of the offloaded step runs behind the next forward
-        self.deferred = deferred
+        # --optimizer-offload-defer: the host AdamW of a step runs behind the next forward (dsv4_train.offload_defer)
+        self.deferred = (
+            DeferredHostStep(optimizer, ddp_chunks(model)) if tc.optimizer.optimizer_offload_defer else None
+        )
         self.core, self.model, self.config = core, model, config
         self.optimizer, self.scheduler, self.ps, self.device, self.world = (
             optimizer,

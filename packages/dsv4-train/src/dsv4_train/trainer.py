@@ -50,7 +50,6 @@ from dsv4_train.init_source import check_init_from
 from dsv4_train.loss_trend import loss_is_falling, loss_trend
 from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_point
 from dsv4_train.model_config import model_config_for
-from dsv4_train.offload_defer import DeferredHostStep
 from dsv4_train.outputs import RunOutputs
 from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
 from dsv4_train.setup import (
@@ -158,7 +157,6 @@ class Trainer:
     def _build(self, tc: TrainConfig, ps) -> None:
         """Model, optimizer, scheduler, data, checkpointer and step runner of this rank (after the parallel state)."""
 
-        self.deferred = None  # --optimizer-offload-defer (dsv4_train.offload_defer)
         # what the pattern cannot train is refused before the RNG and determinism settings change
         self.model_config = model_config_for(tc)
         check_gdn_training(
@@ -202,8 +200,6 @@ class Trainer:
         self.core = parts.core  # the DSv4Model itself (under the Float16Module and DDP wrappers)
         self.model, self.config = parts.model, parts.config
         self.optimizer = build_optimizer(tc, self.model)
-        if tc.optimizer.optimizer_offload_defer:
-            self.deferred = DeferredHostStep(self.optimizer, ddp_chunks(self.model))
         self.scheduler = build_scheduler(tc, self.optimizer)
         attach_schedule_hooks(self.config, self.model)
         self.checkpointer = Checkpointer(
@@ -228,7 +224,6 @@ class Trainer:
             ps=ps,
             device=self.device,
             world=self.world,
-            deferred=self.deferred,
         )
         if tc.data.packed:  # the packs' document capacity (the static cu_seqlens size of --cuda-graph)
             self.stepper.max_docs_per_pack = self.batches.config.max_num_seqs - 1
@@ -273,10 +268,9 @@ class Trainer:
         return path
 
     def finish_deferred_step(self) -> None:
-        """``--optimizer-offload-defer``: wait for the host AdamW of the last step (and raise its error), so that
-        what follows reads the updated params and Adam state (saves, evaluation, the end of the run)."""
-        if self.deferred is not None:
-            self.deferred.finish()
+        """``--optimizer-offload-defer``: the last step's host AdamW is done (its error raised) before saves etc."""
+        if self.stepper.deferred is not None:
+            self.stepper.deferred.finish()
 
     def load_checkpoint(self) -> bool:
         """Restore the state of ``checkpoints/latest`` (see :meth:`Checkpointer.load_latest`); ``False`` if none."""
@@ -466,10 +460,9 @@ class Trainer:
         streams, determinism settings, megatron's parallel state and its process groups (the model is finished
         afterwards; nothing may run on it)."""
 
-        deferred, self.deferred = self.deferred, None
         try:
-            if deferred is not None:
-                deferred.close()
+            if self.stepper.deferred is not None:
+                self.stepper.deferred.close()
         finally:
             self._release()
 
