@@ -27,6 +27,7 @@ from dsv4_train import offload_defer
 from dsv4_train.config import TrainConfig
 from dsv4_train.offload import hybrid_optimizers, offload_config_fields
 from dsv4_train.offload_defer import DeferredHostStep, ForwardOrder
+from dsv4_train.offload_pipeline import OffloadPipeline
 from dsv4_train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -203,6 +204,7 @@ def test_deferred_steps_bitwise_equal_pipelined(megatron_cpu, slow_host, fractio
     # embed's chunks (F = 1: the first 2; F = 0.5: embed stays on the device) done, not all of the later ones
     assert all((2 if fraction == 1.0 else 0) <= done < total for done, total in done_at[1:]), done_at
     assert defer._hooks == [] and defer._job is None
+    assert all(type(h.pipeline) is OffloadPipeline for h in defer._hdos)  # closed: pipelined again
 
 
 def test_deferred_checkpoint_resumes_in_either_mode(megatron_cpu, slow_host, tmp_path):

@@ -167,10 +167,11 @@ class DeferredHostStep:
                         "all-gathers the updated param shards right after its step), got a data-parallel group "
                         f"of {group.intra_distributed_optimizer_instance_size}; drop --optimizer-offload-defer"
                     )
-        for wrapper in _wrappers(optimizer):
-            wrapper._defer_param_sync = (
-                True  # one rank: the gather is a no-op that would race the host thread
-            )
+        self._hdos, self._wrappers = hdos, _wrappers(optimizer)
+        for (
+            wrapper
+        ) in self._wrappers:  # one rank: the param gather is a no-op that would race the host thread
+            wrapper._defer_param_sync = True
         for hdo in hdos:
             hdo.pipeline = DeferredPipeline(self, hdo.pipeline.chunk_numel)
         self._stream_pair = None  # (D2H stream, H2D stream), made on the first launch (main thread)
@@ -311,13 +312,17 @@ class DeferredHostStep:
             self._zeroed = None
 
     def close(self) -> None:
-        """Finish the deferred step and remove the forward hooks."""
+        """Finish the deferred step, remove the forward hooks; the optimizer steps pipelined again."""
         try:
             self.finish()
         finally:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            for hdo in self._hdos:
+                hdo.pipeline = OffloadPipeline(hdo.pipeline.chunk_numel)
+            for wrapper in self._wrappers:
+                wrapper._defer_param_sync = False
 
 
 __all__ = ["DeferredHostStep", "DeferredPipeline", "ForwardOrder", "queue_d2h"]
