@@ -23,8 +23,17 @@ the model's bf16 shard: the copy and the bf16 conversion on the GPU), with the b
 implies (PCIe for the copies, host memory for AdamW: 16 bytes read, 12 written per element). Also printed:
 ``torch.get_num_threads()`` (the host AdamW's threads). Writes ``bench_offload_step.json``.
 
+What the user sees (``--full-steps K``, 0: skipped): the wall time of a whole training step (zero the grad buffers,
+forward and backward of the one step's batch through megatron's schedule, ``optimizer.step()``), the mean over K
+steps after 2 warm-ups, timed from before the first to after the last step's host and device work (so a deferred
+step's host AdamW is counted where the next forward waits for it): ``fwd+bwd (no optimizer)``, ``pipelined``
+(``--optimizer-offload-overlap``) and ``deferred`` (``--optimizer-offload-defer``, :mod:`dsv4_train.offload_defer`);
+the exposed optimizer time of each is its full step minus ``fwd+bwd``.
+
 Dry run on the CPU (times meaningless): ``tests/test_bench_offload_step.py`` runs :func:`main` with the tiny
-preset under the test suite's simulated device (CPU tensors play the GPU), ``offload_context``.
+preset under the test suite's simulated device (CPU tensors play the GPU), ``offload_context``; the full steps' forward
+and backward run in ``forward_context`` (the dry run leaves the simulated device there: the model's kernels choose
+by ``is_cuda``).
 """
 
 from __future__ import annotations
@@ -34,16 +43,22 @@ import contextlib
 import dataclasses
 import gc
 import json
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_optimizer_step import _time  # this folder: the non-offloaded optimizer's benchmark, same timing
+from bench_optimizer_step import (
+    _sync,
+    _time,
+)  # this folder: the non-offloaded optimizer's benchmark, same timing
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dsv4_primitives.megatron import cuda_as_cpu
 from dsv4_train.config import TrainConfig
 from dsv4_train.offload import hybrid_optimizers, offloaded_numel
+from dsv4_train.offload_defer import DeferredHostStep
 from dsv4_train.offload_pipeline import ALIGN, CHUNK_NUMEL, adamw_chunk, host_chunks
 from dsv4_train.optimizer import build_optimizer
 from dsv4_train.setup import optimizer_config
@@ -122,6 +137,49 @@ def _parts(opt, iters: int, chunk_numel: int) -> dict:
     return out
 
 
+FULL_ROWS = ("fwd+bwd (no optimizer)", "pipelined", "deferred")
+
+
+def _full_steps(trainer, batch, opt, deferred, steps: int, forward_context: Callable) -> float:
+    """Mean wall ms of a whole training step on ``batch`` with ``opt`` (None: forward and backward only) and, for
+    ``deferred``, its host AdamW behind the next forward; over ``steps`` steps after 2 warm-ups, from before the
+    first to after the last one's host and device work."""
+    chunks = ddp_chunks(trainer.model)
+    stepper = trainer.stepper
+    stepper.deferred = deferred  # its forward_step waits before each micro-batch's backward
+    fb = get_forward_backward_func()
+
+    def one():
+        if deferred is not None:
+            deferred.zero_grad_buffers(chunks)
+        else:
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+        if opt is not None:
+            opt.zero_grad()
+        with forward_context():
+            fb(**stepper.schedule(batch, stepper.forward_step, forward_only=False))
+        if opt is not None:
+            assert opt.step()[0], "the benchmark's step was skipped"
+        if deferred is not None:
+            deferred.launch()
+
+    def done():
+        if deferred is not None:
+            deferred.finish()
+        _sync()
+
+    for _ in range(2):
+        one()
+    done()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    done()
+    stepper.deferred = None
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
 def _whole_tensor_chunk(hdo) -> int:
     """A chunk size (a multiple of ALIGN) at least the largest offloaded shard: one chunk per shard."""
     biggest = max((p.numel() for p in hdo.gpu_params_map_cpu_copy), default=ALIGN)
@@ -144,9 +202,14 @@ def _free(trainer_or_none, opt) -> None:
         print("warning: an optimizer is still referenced; memory of the next rows includes it", flush=True)
 
 
-def main(argv: list[str] | None = None, offload_context: Callable = contextlib.nullcontext) -> dict:
+def main(
+    argv: list[str] | None = None,
+    offload_context: Callable = contextlib.nullcontext,
+    forward_context: Callable = contextlib.nullcontext,
+) -> dict:
     """Run the rows and parts, print the table, write the JSON; ``offload_context``: entered around building and
-    stepping the offloaded optimizers (the CPU dry run's simulated device)."""
+    stepping the offloaded optimizers (the CPU dry run's simulated device); ``forward_context``: around the full
+    steps' forward and backward, inside ``offload_context``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", default="flash-smoke")
@@ -169,6 +232,12 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
         choices=list(ROW_NAMES),
         help="offload rows to run (each holds ~60 GB of host memory for flash-smoke while it runs)",
     )
+    ap.add_argument(
+        "--full-steps",
+        type=int,
+        default=5,
+        help="whole training steps per full-step row (fwd+bwd, pipelined, deferred); 0: skip those rows",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,6 +246,7 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
 
     trainer = Trainer(_tc(args))
     trainer.run()  # one real step: the gradients stay in the grad buffers
+    batch = next(trainer.batches)  # the full-step rows' batch (the same every step)
     n = sum(p.numel() for chunk in ddp_chunks(trainer.model) for p in chunk.parameters() if p.requires_grad)
     rows, parts = {}, {}
     with on_device():
@@ -206,6 +276,32 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
         print(f"{row}: {rows[row]:.1f} ms", flush=True)
         _free(None, opt)
 
+    full = {}
+    for row in FULL_ROWS if args.full_steps else ():
+        opt = deferred = None
+        with on_device(), offload_context():
+            if row != "fwd+bwd (no optimizer)":
+                flags = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=args.fraction)
+                tc = _tc(
+                    args, optimizer_offload_overlap=True, optimizer_offload_defer=row == "deferred", **flags
+                )
+                opt = build_optimizer(
+                    optimizer_config(tc),
+                    ddp_chunks(trainer.model),
+                    impl="auto",
+                    offload_chunk_numel=args.chunk_numel,
+                )
+                if row == "deferred":
+                    deferred = DeferredHostStep(opt, ddp_chunks(trainer.model))
+            full[row] = _full_steps(trainer, batch, opt, deferred, args.full_steps, forward_context)
+            if deferred is not None:
+                deferred.close()
+        print(f"full step, {row}: {full[row]:.1f} ms", flush=True)
+        if opt is not None:
+            _free(None, opt)
+    fwd_bwd = full.get("fwd+bwd (no optimizer)")
+    exposed = {row: ms - fwd_bwd for row, ms in full.items() if row != "fwd+bwd (no optimizer)"}
+
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
@@ -218,6 +314,9 @@ def main(argv: list[str] | None = None, offload_context: Callable = contextlib.n
         "iters": args.iters,
         "step_ms": rows,
         "parts": parts,
+        "full_steps": args.full_steps,
+        "full_step_ms": full,
+        "exposed_optimizer_ms": exposed,
     }
     _print(result)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -245,6 +344,11 @@ def _print(r: dict) -> None:
         f"{'masters pinned':34s} "
         + " ".join(f"{row['masters_pinned']!s:>22s}" for row in r["parts"].values())
     )
+    if r["full_step_ms"]:
+        print(f"{'full step (mean of ' + str(r['full_steps']) + ')':34s} {'ms':>9s} {'exposed ms':>11s}")
+        for k, v in r["full_step_ms"].items():
+            exposed = r["exposed_optimizer_ms"].get(k)
+            print(f"{k:34s} {v:9.1f} {'' if exposed is None else f'{exposed:11.1f}'}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ ACTIVATE = {
     "recompute": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
     "offload": {"optimizer_cpu_offload": True},
     "offload_overlap": {"optimizer_offload_overlap": True},
+    "offload_defer": {"optimizer_offload_defer": True},
     "activation_offload": {"offload_activations": True},
     "deterministic": {"deterministic": True},
     "eval": {"eval_interval": 1},

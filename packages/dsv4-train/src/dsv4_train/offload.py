@@ -176,7 +176,14 @@ def _hybrid_device_optimizer_native_fp32():
             if self.pipeline is not None:
                 self.pipeline.pin_host_masters(self)
 
+        def settle(self) -> None:
+            """Wait for a deferred host step (:mod:`dsv4_train.offload_defer`) before the state is read or
+            written."""
+            if self.pipeline is not None:
+                self.pipeline.settle()
+
         def state_dict(self):
+            self.settle()
             sd = super().state_dict()
             sub_defaults = self.sub_optimizers[0].defaults if self.sub_optimizers else {}
             for group in sd["param_groups"]:  # fix 5: the plain optimizer's groups (no runtime configuration)
@@ -191,6 +198,7 @@ def _hybrid_device_optimizer_native_fp32():
             return sd
 
         def load_state_dict(self, state_dict):
+            self.settle()
             own = [
                 {k: g[k] for k in (*_HYBRID_ONLY_KEYS, *MEGATRON_ADAM_FLAGS) if k in g}
                 for g in self.param_groups
@@ -268,16 +276,34 @@ class DistributedOptimizerCpuOffload(DistributedOptimizerWithNativeFP32Params):
                 if shard not in offloaded:
                     shard.grad = getattr(shard, "decoupled_grad", None)
 
+    def prepare_grads(self) -> bool:
+        if not self.is_stub_optimizer:  # a deferred host step still copying the grads down is finished before
+            self.optimizer.settle()  # they are read and clipped again (dsv4_train.offload_defer)
+        return super().prepare_grads()
+
+    def state_dict(self):
+        if not self.is_stub_optimizer:
+            self.optimizer.settle()  # a deferred host step (dsv4_train.offload_defer) is finished first
+        return super().state_dict()
+
+    def sharded_state_dict(self, *args, **kwargs):
+        if not self.is_stub_optimizer:
+            self.optimizer.settle()
+        return super().sharded_state_dict(*args, **kwargs)
+
     def load_state_dict(self, state_dict):
         """megatron's load, without its side effect on the model: to allocate the hybrid optimizer's state it runs
         ``dummy_step()`` (random gradients, one real AdamW step) whose copy-back hooks write the stepped masters
         into this rank's shards of the model params, so a model loaded *before* the optimizer (our checkpoint
         order) would start from perturbed weights. The shards are restored right after that step."""
         hdo = self.optimizer
+        if not self.is_stub_optimizer:
+            hdo.settle()
         if not self.is_stub_optimizer and len(hdo.state) == 0:
             shards = [p for g in hdo.param_groups for p in g["params"]]
             saved = [p.detach().clone() for p in shards]
             hdo.dummy_step()
+            hdo.settle()  # a deferred host step (dsv4_train.offload_defer) writes its params now, not later
             with torch.no_grad():
                 for p, s in zip(shards, saved, strict=True):
                     p.copy_(s)

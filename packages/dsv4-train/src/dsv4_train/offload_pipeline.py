@@ -180,6 +180,9 @@ class OffloadPipeline:
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
         return self._streams
 
+    def settle(self) -> None:
+        """Nothing to wait for: the step is done when it returns (:mod:`dsv4_train.offload_defer` waits here)."""
+
     @staticmethod
     def pin_host_masters(hdo) -> None:
         """Pin the offloaded fp32 masters in place (``.data`` swapped: the same tensor objects, so megatron's maps

@@ -26,6 +26,7 @@ from dsv4_train.graph_data_parallel import (
     data_parallel_size,
 )
 from dsv4_train.graph_packs import static_packed_seq_params
+from dsv4_train.offload_defer import DeferredHostStep
 from dsv4_train.virtual_pipeline import check_vpp_microbatches, ddp_chunks
 from hash_moe.megatron import release_forward_state, update_selection_biases
 from hybrid_model.latent_attention import drain_dsa_indexer_losses
@@ -87,6 +88,10 @@ class StepRunner:
         world: int,
     ) -> None:
         self.tc, self.model_config = tc, model_config
+        # --optimizer-offload-defer: the host AdamW of a step runs behind the next forward (dsv4_train.offload_defer)
+        self.deferred = (
+            DeferredHostStep(optimizer, ddp_chunks(model)) if tc.optimizer.optimizer_offload_defer else None
+        )
         self.core, self.model, self.config = core, model, config
         self.optimizer, self.scheduler, self.ps, self.device, self.world = (
             optimizer,
@@ -137,6 +142,8 @@ class StepRunner:
             out = model(
                 tokens, pos, None, labels=labels, loss_mask=loss_mask, packed_seq_params=psp, padding_mask=pad
             )
+        if self.deferred is not None:  # the grad buffers are zeroed behind the deferred step's D2H copies
+            self.deferred.before_backward()
 
         cp_group = unwrapped.context_parallel_group
 
@@ -210,8 +217,11 @@ class StepRunner:
         the step's metrics (``step`` is 1-based there)."""
 
         tc = self.tc
-        for chunk in ddp_chunks(self.model):
-            chunk.zero_grad_buffer()
+        if self.deferred is not None:  # behind the previous step's D2H copies (dsv4_train.offload_defer)
+            self.deferred.zero_grad_buffers(ddp_chunks(self.model))
+        else:
+            for chunk in ddp_chunks(self.model):
+                chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         fb = get_forward_backward_func()
         schedule = self.schedule(batch, self.forward_step, forward_only=False)
@@ -241,6 +251,10 @@ class StepRunner:
         if finite:
             with cuda_as_cpu():
                 ok, grad_norm, _ = self.optimizer.step()
+            if (
+                self.deferred is not None
+            ):  # the host AdamW starts; the next forward waits for it module by module
+                self.deferred.launch()
             # the loads of every rank that routed other tokens: DP, CP and TP (sequence-parallel shards)
             update_selection_biases(
                 self.core, group=self.ps.get_tensor_and_data_parallel_group(with_context_parallel=True)

@@ -53,6 +53,11 @@ FEATURES: dict[str, Feature] = {
             "--optimizer-offload-overlap",
             lambda tc, m: tc.optimizer.optimizer_offload_overlap,
         ),
+        Feature(
+            "offload_defer",
+            "--optimizer-offload-defer",
+            lambda tc, m: tc.optimizer.optimizer_offload_defer,
+        ),
         Feature("activation_offload", "--offload-activations", lambda tc, m: tc.memory.offload_activations),
         Feature(
             "fused_step",

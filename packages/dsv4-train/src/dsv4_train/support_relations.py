@@ -52,6 +52,29 @@ RELATIONS: tuple[Relation, ...] = (
         without=("offload",),
     ),
     Relation(
+        ("offload_defer",),
+        "refused",
+        "--optimizer-offload-defer defers the pipelined host step: it needs --optimizer-offload-overlap "
+        "(and --optimizer-cpu-offload); add them",
+        "tests/test_offload_defer.py::test_cli_flag",
+        without=("offload_overlap",),
+    ),
+    Relation(
+        ("offload", "offload_overlap", "offload_defer", "cuda_graph"),
+        "refused",
+        "--optimizer-offload-defer with --cuda-graph: not supported (the forward waits on the host thread's "
+        "events module by module, host synchronisation a captured graph cannot hold); drop one of them",
+        _REFUSALS,
+    ),
+    Relation(
+        ("offload", "offload_overlap", "offload_defer", "cp"),
+        "refused",
+        "--optimizer-offload-defer with --cp {cp}: not supported (the distributed optimizer shards over the "
+        "data- and context-parallel ranks and all-gathers the updated shards right after its step, which a "
+        "deferred host step cannot feed); drop --optimizer-offload-defer or use --cp 1",
+        _REFUSALS,
+    ),
+    Relation(
         ("offload", "cuda_graph"),
         "refused",
         "--optimizer-cpu-offload with --cuda-graph: not supported (the graphs capture forward+backward; the "
@@ -107,6 +130,14 @@ RELATIONS: tuple[Relation, ...] = (
         "ranks different micro-batch counts, and every rank must replay the same captured step; drop --packed "
         "(fixed-length [B, S] batches graph under DP) or --cuda-graph",
         "tests/test_train_cuda_graph.py::test_data_parallel_is_accepted_model_parallel_is_not",
+    ),
+    Relation(
+        ("offload", "offload_overlap", "offload_defer", "dp"),
+        "refused",
+        "--optimizer-offload-defer runs on one data-parallel rank (got DP={dp}): the distributed optimizer "
+        "all-gathers the updated param shards right after its step, which a deferred host step cannot feed; drop "
+        "--optimizer-offload-defer",
+        _REFUSALS,
     ),
     # supported, with the test that runs the combination
     Relation(
@@ -369,6 +400,21 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "DP2: each rank pipelines the host step of its own shards, bitwise the non-offloaded run",
         "tests/test_offload_pipeline.py::test_dp2_pipeline",
+    ),
+    Relation(
+        ("offload", "offload_overlap", "offload_defer"),
+        "supported",
+        "the host AdamW of step k runs behind step k+1's forward (each module waits for its own params): losses, "
+        "grad norms, the values each forward reads, params, masters, moments and steps are bitwise the pipelined "
+        "step's after 3 steps (F = 1 and 0.5, a slowed host thread; CPU, simulated device; the CUDA test "
+        "test_offload_defer_gpu.py has not run yet)",
+        "tests/test_offload_defer.py::test_deferred_steps_bitwise_equal_pipelined",
+    ),
+    Relation(
+        ("offload", "offload_overlap", "offload_defer", "resume"),
+        "supported",
+        "a checkpoint saved while a step is deferred resumes pipelined and vice versa, bitwise (same format)",
+        "tests/test_offload_defer.py::test_deferred_checkpoint_resumes_in_either_mode",
     ),
     Relation(
         ("deterministic", "cuda_graph"),

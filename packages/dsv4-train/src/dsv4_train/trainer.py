@@ -261,10 +261,16 @@ class Trainer:
         """Save the training state of this step as ``checkpoints/iter_XXXXXXX`` and point ``latest`` at it (once
         per step: a second call at the same step does not write again)."""
         path = self.checkpointer.dir / f"iter_{self.step:07d}"
+        self.finish_deferred_step()
         if self._saved_step != self.step:
             path = self.checkpointer.save(self.step)
             self._saved_step = self.step
         return path
+
+    def finish_deferred_step(self) -> None:
+        """``--optimizer-offload-defer``: the last step's host AdamW is done (its error raised) before saves etc."""
+        if self.stepper.deferred is not None:
+            self.stepper.deferred.finish()
 
     def load_checkpoint(self) -> bool:
         """Restore the state of ``checkpoints/latest`` (see :meth:`Checkpointer.load_latest`); ``False`` if none."""
@@ -425,6 +431,7 @@ class Trainer:
             outputs.log(m)
             self._count_nonfinite(m, outputs)
             if self.evaluator is not None and self.evaluator.due(self.step) and not self._stop:
+                self.finish_deferred_step()
                 self.eval_metrics.append(self.evaluator(self.step))
                 outputs.log_eval(self.eval_metrics[-1])
             if tc.checkpoint.save_interval and self.step % tc.checkpoint.save_interval == 0:
@@ -446,11 +453,20 @@ class Trainer:
                 )
             if tc.checkpoint.save_final:
                 self.save_checkpoint()
+        self.finish_deferred_step()  # the caller may read the trained model
 
     def close(self) -> None:
-        """Release everything the run holds: graphs, streams, determinism settings, megatron's parallel state and
-        its process groups (the model is finished afterwards; nothing may run on it)."""
+        """Release everything the run holds: the deferred host step (finished first; its error raised), graphs,
+        streams, determinism settings, megatron's parallel state and its process groups (the model is finished
+        afterwards; nothing may run on it)."""
 
+        try:
+            if self.stepper.deferred is not None:
+                self.stepper.deferred.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self.stepper.graphed is not None:
             self.stepper.graphed.close()
             self.stepper.graphed = None

@@ -177,6 +177,14 @@ class OptimizerSection:
             "AdamW and H2D of the params overlap; fp32 masters pinned); bitwise the same step and checkpoints"
         ),
     )
+    optimizer_offload_defer: bool = field(
+        default=False,
+        metadata=option(
+            "with --optimizer-offload-overlap: run the host AdamW of a step in a host thread behind the next "
+            "step's forward, each module waiting for its own params (one data-parallel rank); bitwise the same "
+            "steps and checkpoints"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_types(self)
