@@ -55,6 +55,15 @@ SETTINGS: dict[str, dict] = {
         offload_activations=True,
         optimizer_offload_overlap=True,
     ),
+    # the same with the host step deferred into the next step's forward (--optimizer-offload-defer)
+    "offload-full-act-defer": dict(
+        FULL,
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=1.0,
+        offload_activations=True,
+        optimizer_offload_overlap=True,
+        optimizer_offload_defer=True,
+    ),
     # the checkpointed layer inputs on the host, the optimizer on the GPU (64K without optimizer offload)
     "full-act": dict(FULL, offload_activations=True),
     "offload-half-full": dict(FULL, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
