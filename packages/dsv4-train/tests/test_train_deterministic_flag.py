@@ -91,7 +91,10 @@ def test_run_determinism_sets_and_restores_the_kernel_default(deterministic, mon
     (``warn_only``, the CPU behaviour before the default changed), ``--deterministic`` makes them strict."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("NCCL_ALGO", raising=False)
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     assert csa_kernels.deterministic_default() is True
     restore = use_run_determinism(torch.device("cpu"), 3, deterministic)
     try:
@@ -101,7 +104,10 @@ def test_run_determinism_sets_and_restores_the_kernel_default(deterministic, mon
     finally:
         restore()
     assert csa_kernels.deterministic_default() is True
-    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == before
+    assert (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    ) == before
 
 
 def test_trainer_no_deterministic_tells_csa_kernels(tmp_path, monkeypatch):
@@ -121,7 +127,9 @@ def test_trainer_no_deterministic_tells_csa_kernels(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         trainer = Trainer(TrainConfig.from_flat(out=str(tmp_path / "run2"), **kw))
         try:
-            assert trainer.tc.precision.deterministic is False  # CPU: resolved off, PyTorch's kernels warn_only
+            assert (
+                trainer.tc.precision.deterministic is False
+            )  # CPU: resolved off, PyTorch's kernels warn_only
             assert torch.is_deterministic_algorithms_warn_only_enabled()
         finally:
             trainer.close()

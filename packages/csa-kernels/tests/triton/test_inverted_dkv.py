@@ -212,7 +212,7 @@ def test_sparse_attn_default_switch_and_explicit_argument(torch_flag_off, dkv_sp
         assert not resolve_deterministic(None)
         raise RuntimeError("inside")
     assert ck.deterministic_default() is True
-    with pytest.raises(ValueError, match="must be True .* or False"):
+    with pytest.raises(ValueError, match=r"must be True .* or False"):
         ck.set_deterministic_default(None)
     assert ck.deterministic_default() is True
 

@@ -189,7 +189,9 @@ def use_run_determinism(device: torch.device, seed: int, deterministic: bool) ->
     previous = csa_kernels.set_deterministic_default(deterministic)
     try:
         restore = (
-            use_deterministic_training(device, seed) if deterministic else use_deterministic_cpu_kernels(device)
+            use_deterministic_training(device, seed)
+            if deterministic
+            else use_deterministic_cpu_kernels(device)
         )
     except BaseException:
         csa_kernels.set_deterministic_default(previous)

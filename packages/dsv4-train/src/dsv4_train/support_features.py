@@ -63,8 +63,10 @@ FEATURES: dict[str, Feature] = {
             "deterministic",
             "--deterministic (default with CUDA)",
             # unset: on with CUDA (resolved when the run starts; at config time only an explicit --deterministic)
-            lambda tc, m: bool(tc.precision.deterministic)
-            or (tc.precision.deterministic is None and m is not None and m.cuda),
+            lambda tc, m: (
+                bool(tc.precision.deterministic)
+                or (tc.precision.deterministic is None and m is not None and m.cuda)
+            ),
         ),
         Feature("eval", "--eval-interval > 0", lambda tc, m: tc.eval.eval_interval > 0),
         Feature("resume", "--resume", lambda tc, m: bool(tc.checkpoint.resume)),
