@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import csa_kernels
+from dsv4_train import trainer as trainer_module
 from dsv4_train.cli import build_parser, train_config_from_args
 from dsv4_train.config import TrainConfig, effective_config
 from dsv4_train.determinism import (
@@ -112,7 +113,8 @@ def test_run_determinism_sets_and_restores_the_kernel_default(deterministic, mon
 
 def test_trainer_no_deterministic_tells_csa_kernels(tmp_path, monkeypatch):
     """A Trainer built with ``deterministic=False`` sets csa-kernels' default to the atomic kernels for the run and
-    puts it back in ``close``; on CPU the default run resolves to ``deterministic=False`` (not strict)."""
+    puts it back in ``close`` (and when its build fails); on CPU the default run resolves to
+    ``deterministic=False`` (not strict)."""
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     kw = dict(steps=1, seq_len=32, global_batch_size=2, micro_batch_size=2, warmup_steps=0, data=[str(data)],
@@ -124,6 +126,15 @@ def test_trainer_no_deterministic_tells_csa_kernels(tmp_path, monkeypatch):
     finally:
         trainer.close()
     assert csa_kernels.deterministic_default() is True
+
+    def no_data(*a, **k):
+        raise RuntimeError("no data")
+
+    monkeypatch.setattr(trainer_module, "build_data", no_data)  # a build that fails after the switch
+    with pytest.raises(RuntimeError, match="no data"):
+        Trainer(TrainConfig.from_flat(out=str(tmp_path / "run1"), deterministic=False, **kw))
+    assert csa_kernels.deterministic_default() is True
+    monkeypatch.undo()
     if not torch.cuda.is_available():
         trainer = Trainer(TrainConfig.from_flat(out=str(tmp_path / "run2"), **kw))
         try:

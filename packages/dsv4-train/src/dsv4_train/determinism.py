@@ -22,9 +22,9 @@ for the same inputs, so two runs with the same seed give bitwise-identical losse
   instead of warning). PyTorch then runs the sort-based ``index_put_`` / ``index_add`` / ``scatter_add_``
   (embedding backward, reference gathers, hash-moe's balance statistics) and our Triton kernels that take
   ``deterministic=None`` follow it (csa-kernels' own default is deterministic too, and the run sets it on):
-  csa-kernels' inverted-index sparse-attention ``dkv`` and key-major indexer ``dk`` instead of fp32 atomics (the only atomics of the step; every other kernel — compressor, mHC, hash-moe permute / gathers,
-  RMSNorm, RoPE, cross entropy, linear cross entropy — reduces in a fixed order always; audit table in the
-  csa-kernels README);
+  csa-kernels' inverted-index sparse-attention ``dkv`` and key-major indexer ``dk`` instead of fp32 atomics (the
+  only atomics of the step; every other kernel — compressor, mHC, hash-moe permute / gathers, RMSNorm, RoPE, cross
+  entropy, linear cross entropy — reduces in a fixed order always; audit table in the csa-kernels README);
 * megatron's ``deterministic_mode`` (its vocab-parallel embedding gathers with ``weight[ids]`` instead of
   ``F.embedding``), cuDNN's deterministic algorithms (no benchmarking);
 * cuBLAS: ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which cuBLAS and PyTorch read once, at the first cuBLAS call of the

@@ -133,9 +133,12 @@ class Trainer:
         self._previous_stream = None
         # several processes: a heartbeat, so that the survivors of a lost rank can name it (dsv4_train.lost_rank)
         self.watch = RankWatch(self.rank, self.world) if self.world > 1 else None
+        self._restore_determinism = None  # set by _build
         try:
             self._build(tc, ps)
         except BaseException:  # leave no half-initialised megatron state behind
+            if self._restore_determinism is not None:  # PyTorch's and csa-kernels' settings as they were
+                self._restore_determinism()
             if self.watch is not None:
                 self.watch.close()
             if self._previous_stream is not None:

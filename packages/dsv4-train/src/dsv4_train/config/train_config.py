@@ -262,8 +262,9 @@ def _resolved(path: str) -> str:
 
 def effective_config(tc: TrainConfig, *, cuda_available: bool) -> TrainConfig:
     """``tc`` with the values left to the machine resolved: ``precision.bf16`` and ``precision.deterministic`` (on
-    with CUDA; a CPU run uses PyTorch's deterministic kernels without the strict flag), ``parallel.dist_backend`` (NCCL on CUDA, gloo on CPU; NCCL without CUDA is refused) and the data, evaluation
-    and tokenizer paths made absolute. The run prints, saves and trains with this config."""
+    with CUDA; a CPU run uses PyTorch's deterministic kernels without the strict flag), ``parallel.dist_backend``
+    (NCCL on CUDA, gloo on CPU; NCCL without CUDA is refused) and the data, evaluation and tokenizer paths made
+    absolute. The run prints, saves and trains with this config."""
     changes: dict[str, Any] = {
         "sources": [_resolved(s) for s in tc.data.sources],
         "eval_data": [_resolved(s) for s in tc.eval.eval_data],
