@@ -12,6 +12,10 @@ and cuDNN SDPA dense causal at d=128 on the same token count (the FA3-class anch
 useful TFLOP/s (only valid query-key pairs: fwd ``2*H*pairs*(d_qk+d_v)``, bwd 2.5x fwd), % of the measured 804
 TFLOP/s peak (and of the 989 datasheet), peak extra memory, speedup vs eager.
 
+``--backward deterministic`` (the library's default) or ``atomic`` (``csa_kernels.set_deterministic_default(False)``):
+the backward that ``ours`` fwd+bwd rows time (``deterministic=None``); every such row says which in its note, and
+the JSON records it. Results committed before issue 35 timed the atomic backward (then the default).
+
 Our timed calls pass the trusted-caller options (``cu_seqlens_host``, ``check_indices=False``: no host sync per
 call, as the attention layer calls them); the correctness gates and the eager reference keep the checks.
 
@@ -52,6 +56,8 @@ from bench_common import (  # noqa: F401  (re-exported: bench_scores_at.py and p
     timeit,
 )
 from bench_csa_ops import section_compressor, section_indexer, section_indexer_loss  # noqa: F401  (main's sections)
+
+import csa_kernels
 
 
 # ------------------------------------------------------------------------------------------ sparse attention
@@ -117,7 +123,14 @@ def _bench_attention_shape(
         eager_fwd_ms = eager_fb_ms = None
         ours_f = record("attention", shape, "ours", "fwd", timeit(ours_fwd), fl, peak_extra_gib(ours_fwd))
         ours_b = record(
-            "attention", shape, "ours", "fwd+bwd", timeit(ours_fb, leaves), 3.5 * fl, peak_extra_gib(ours_fb)
+            "attention",
+            shape,
+            "ours",
+            "fwd+bwd",
+            timeit(ours_fb, leaves),
+            3.5 * fl,
+            peak_extra_gib(ours_fb),
+            note=f"{_backward_name()} dkv",  # --backward: what deterministic=None means in this run
         )
         if eager_max_s >= S:
 
@@ -331,6 +344,10 @@ ATTN_SHAPES = {
 
 
 # ---------------------------------------------------------------------------------------------------- main
+def _backward_name() -> str:
+    return "deterministic" if csa_kernels.deterministic_default() else "atomic"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="directory for the JSON result")
@@ -344,13 +361,21 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep launch configs of the attention forward")
     ap.add_argument("--sweep-bwd", action="store_true", help="with --sweep: backward configs too")
     ap.add_argument("--tag", default="h200")
+    ap.add_argument(
+        "--backward",
+        choices=("deterministic", "atomic"),
+        default="deterministic",
+        help="the sparse-attention / index-scores backward of the timed default calls (deterministic=None)",
+    )
     args = ap.parse_args(argv)
+    csa_kernels.set_deterministic_default(args.backward == "deterministic")
     if not torch.cuda.is_available():
         print("bench_csa: no CUDA device; nothing to measure (exit 0)")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     sections = set(args.sections.split(","))
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"backward of deterministic=None calls: {_backward_name()} (--backward)")
     failed = []
     args.out.mkdir(parents=True, exist_ok=True)
     if "attention" in sections:
@@ -381,6 +406,7 @@ def main(argv=None) -> int:
         torch=torch.__version__,
         triton=triton.__version__,
         peak_tflops=PEAK / 1e12,
+        backward=_backward_name(),
         gates=GATES,
         rows=ROWS,
         failed=failed,

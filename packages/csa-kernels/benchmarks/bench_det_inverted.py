@@ -6,7 +6,8 @@ side at V4-Flash shapes (H 64, D 512, 640 slots per token, bf16), S = 4096 and 1
   entries ``< (t + 1) // 4``), the distribution of issue 35's measurements;
 * ``hot``: the first 128 raw rows read by every token that sees them (hot keys), plus 512 random visible rows.
 
-Implementations: ``atomic`` (fp32 atomics, today's default), ``keymajor`` (the 0.3 deterministic pass),
+Implementations (each passes ``deterministic=`` explicitly): ``atomic`` (fp32 atomics, ``deterministic=False``: the
+opt-in fast path since issue 35), ``keymajor`` (the 0.3 deterministic pass),
 ``inv-fp32`` / ``inv-bf16`` (the inverted-index gather-reduce with fp32 / bf16 pair rows, 1 GiB pair buffer),
 ``inv-fp32-4G`` (fp32 pairs, 4 GiB buffer: fewer token chunks), ``atomic-dc64`` / ``inv-fp32-dc64`` (the
 token-major kernel with ``BLOCK_DC`` 64 instead of 128: far fewer register spills in ptxas' report). Rows: fwd+bwd

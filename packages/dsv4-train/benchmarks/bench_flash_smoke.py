@@ -7,6 +7,11 @@ Correctness first: at initialisation the LM loss must be finite and close to ln(
 sequence must match an fp32 run of the same weights. Then each S in --seq-lens (default 2048 4096 8192, then
 doubling until out of memory). Writes ``flash_smoke.json`` to --out and to benchmarks/results/.
 
+``--kernels deterministic`` (default: what ``dsv4 train`` runs with CUDA) or ``atomic`` (``--no-deterministic``): the
+sparse-attention ``dkv`` / indexer ``dk`` of every row (the model rows through
+``csa_kernels.set_deterministic_default``, the optimizer-step runs through the Trainer's flag); the JSON records it.
+Results committed before issue 35 timed the atomic kernels (then the default).
+
 Graph rows: ``CUDA graph`` (``dsv4 train --cuda-graph``, ``[1, S]``) at every S, and at 4096 ``CUDA graph, packed``
 (``--cuda-graph --packed``: static THD packs with device-side document boundaries, a new pack at every replay;
 ``--no-packed-graph`` skips it); the optimizer-step runs include ``thd_cuda_graph``. The profile, gap and sync
@@ -37,6 +42,8 @@ from flash_smoke_diagnostics import fwd_bwd_step as _fwd_bwd_step
 from flash_smoke_diagnostics import gap_report as _gap_report
 from flash_smoke_diagnostics import profile as _profile
 from flash_smoke_diagnostics import sync_report as _sync_report
+
+import csa_kernels
 
 # Hugging Face transformers eager DeepseekV4ForCausalLM, same shapes, fwd+bwd, no optimizer (issue 10)
 HF_EAGER = {2048: (10965, 20), 4096: (8763, 40), 8192: (6075, 105)}  # S: (tokens/s, GiB)
@@ -250,7 +257,7 @@ def _time_fwd_bwd_graphed(model, S: int, iters: int, packed: bool = False) -> di
     }
 
 
-def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = False) -> dict:
+def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool, kernels: str) -> dict:
     """Full training steps through ``dsv4 train``'s loop (DDP + distributed optimizer, Adam, grad clipping) in this
     process; run by :func:`_time_optimizer_step` in a fresh process (the Trainer owns its parallel state)."""
     from dsv4_train.config import TrainConfig
@@ -273,6 +280,7 @@ def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = F
         progress=False,
         warmup_steps=0,
         save_final=False,  # a flash-smoke checkpoint with Adam state is ~45 GB
+        deterministic=kernels == "deterministic",  # --kernels: --deterministic or --no-deterministic
     )
     trainer = Trainer(tc)
     optimizer_s: list[float] = []
@@ -305,17 +313,27 @@ def _optimizer_step_child(S: int, iters: int, packed: bool, cuda_graph: bool = F
         "lm_loss": [m.get("lm_loss") for m in metrics],
         "layout": "thd" if packed else "sbhd",
         "cuda_graph": cuda_graph,
+        "kernels": kernels,
         "step_time_s": [m["step_time_s"] for m in metrics],
         **({"optimizer_s": optimizer_s} if optimizer_s else {}),
     }
 
 
-def _time_optimizer_step(S: int, iters: int, packed: bool, cuda_graph: bool = False) -> dict:
+def _time_optimizer_step(S: int, iters: int, packed: bool, cuda_graph: bool, kernels: str) -> dict:
     """:func:`_optimizer_step_child` in a subprocess; raises with the child's output tail when it fails."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, __file__, "--optimizer-step-child", str(S), "--iters", str(iters)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--optimizer-step-child",
+        str(S),
+        "--iters",
+        str(iters),
+        "--kernels",
+        kernels,
+    ]
     if packed:
         cmd.append("--packed")
     if cuda_graph:
@@ -406,6 +424,13 @@ def main() -> None:
         default=["sbhd", "thd", "sbhd_cuda_graph", "thd_cuda_graph"],
         help="full optimizer-step runs at S=4096 (sbhd, thd, sbhd_cuda_graph, thd_cuda_graph)",
     )
+    ap.add_argument(
+        "--kernels",
+        choices=("deterministic", "atomic"),
+        default="deterministic",
+        help="csa-kernels' sparse-attention dkv / indexer dk: deterministic (dsv4 train's default with CUDA; the "
+        "optimizer-step runs use --deterministic) or atomic (--no-deterministic); recorded in the JSON",
+    )
     long_context.add_flags(ap)
     args = ap.parse_args()
     if long_context.dispatch(args, Path(args.out)):  # --long-context (its own report; CPU: a tiny smoke run)
@@ -414,15 +439,25 @@ def main() -> None:
         print("bench_flash_smoke: no CUDA device; nothing measured")
         return
     if args.optimizer_step_child:
-        r = _optimizer_step_child(args.optimizer_step_child, args.iters, args.packed, args.cuda_graph)
+        r = _optimizer_step_child(
+            args.optimizer_step_child, args.iters, args.packed, args.cuda_graph, args.kernels
+        )
         print("OPTIMIZER_STEP " + json.dumps(r), flush=True)
         return
     _init()
     from dsv4_train.cuda_graph import use_capture_stream
 
     use_capture_stream()  # as dsv4 train --cuda-graph: model and steps on the capture stream (eager rows too)
+    csa_kernels.set_deterministic_default(
+        args.kernels == "deterministic"
+    )  # the model rows' deterministic=None
     model = _model(bf16=True)
-    result = {"device": torch.cuda.get_device_name(), "check": _check(model), "fwd_bwd": {}}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "kernels": args.kernels,
+        "check": _check(model),
+        "fwd_bwd": {},
+    }
 
     def save() -> None:  # after every measurement, so a run cut short keeps its numbers
         text = json.dumps(result, indent=2, default=str)
@@ -508,7 +543,9 @@ def main() -> None:
                 continue
             packed, graph = runs[key]
             try:
-                result["optimizer_step"][key] = _time_optimizer_step(4096, args.iters, packed, graph)
+                result["optimizer_step"][key] = _time_optimizer_step(
+                    4096, args.iters, packed, graph, args.kernels
+                )
             except Exception:  # report, do not hide: the fwd/bwd table is still useful
                 result["optimizer_step"][key] = {"error": traceback.format_exc()[-4000:]}
             print(f"optimizer step S=4096 {key}:", result["optimizer_step"][key], flush=True)

@@ -1,19 +1,20 @@
 """``dsv4 train --deterministic`` on one GPU at flash-smoke shapes: two runs with the same seed must agree bit for
 bit (every loss, every step's gradients, the final weights), eager and ``--cuda-graph``; and what it costs
-(training tokens/s of the deterministic runs against the default kernels, same batches).
+(training tokens/s of the deterministic runs — the default with CUDA — against the atomic kernels of
+``--no-deterministic``, same batches).
 
     PYTHONPATH=<all packages/*/src> python3 packages/dsv4-train/benchmarks/check_deterministic.py --out DIR
 
 Six runs of the Trainer, each in its own process (``--steps`` 20 at ``--seq-len`` 4096, one sequence per step, sparse attention
-from step 0, the MTP-weight recapture at the end of the 10-step warm-up): default eager, deterministic eager twice,
-default graphed, deterministic graphed twice. Gradients are compared through an exact fingerprint of every
+from step 0, the MTP-weight recapture at the end of the 10-step warm-up): atomic eager (``--no-deterministic``),
+deterministic eager twice (``--deterministic``, explicit), atomic graphed, deterministic graphed twice. Gradients are compared through an exact fingerprint of every
 gradient buffer taken just before each optimizer step (two int64 sums over the fp32 bit patterns: the plain sum
 and a position-weighted one; integer sums are exact, so any changed bit changes them). The weights after the last
 step are fingerprinted the same way. Writes ``check_deterministic.json`` to --out (and prints a table). Exit 1 when
 a deterministic pair differs. About 3-4 minutes on an H200 (Triton compiles included).
 
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` is set for the whole process before torch loads (cuBLAS reads it once); the
-default runs therefore use the same cuBLAS workspace as the deterministic ones (the timing compares the kernels).
+atomic runs therefore use the same cuBLAS workspace as the deterministic ones (the timing compares the kernels).
 """
 
 from __future__ import annotations
@@ -197,21 +198,21 @@ def main() -> int:
     runs = {}
     for mode in args.modes:
         graph = mode == "graph"
-        runs[f"{mode}_default"] = _run_child(f"{mode}_default", args, deterministic=False, graph=graph)
+        runs[f"{mode}_atomic"] = _run_child(f"{mode}_atomic", args, deterministic=False, graph=graph)
         for k in ("a", "b"):
             runs[f"{mode}_det_{k}"] = _run_child(f"{mode}_det_{k}", args, deterministic=True, graph=graph)
     verdict = {}
     for mode in args.modes:
         diff = _first_difference(runs[f"{mode}_det_a"], runs[f"{mode}_det_b"])
-        default_vs_det = _first_difference(runs[f"{mode}_default"], runs[f"{mode}_det_a"])
-        tps_d, tps_0 = runs[f"{mode}_det_a"]["tokens_per_s"], runs[f"{mode}_default"]["tokens_per_s"]
+        atomic_vs_det = _first_difference(runs[f"{mode}_atomic"], runs[f"{mode}_det_a"])
+        tps_d, tps_0 = runs[f"{mode}_det_a"]["tokens_per_s"], runs[f"{mode}_atomic"]["tokens_per_s"]
         verdict[mode] = {
             "bitwise_identical": diff is None,
             "difference": diff,
-            "default_equals_deterministic": default_vs_det is None,
-            "tokens_per_s_default": tps_0,
+            "atomic_equals_deterministic": atomic_vs_det is None,
+            "tokens_per_s_atomic": tps_0,
             "tokens_per_s_deterministic": tps_d,
-            "deterministic_over_default": tps_d / tps_0 if tps_d and tps_0 else None,
+            "deterministic_over_atomic": tps_d / tps_0 if tps_d and tps_0 else None,
         }
     both = len(args.modes) == 2
     eager_vs_graph = _first_difference(runs["eager_det_a"], runs["graph_det_a"]) if both else "not run"
@@ -221,18 +222,19 @@ def main() -> int:
         "steps": args.steps,
         "seq_len": args.seq_len,
         "pair_dtype": args.pair_dtype,
+        "runs_compared": "atomic = --no-deterministic (csa-kernels' fp32-atomic dkv / dk); det = --deterministic",
         "verdict": verdict,
         "deterministic_eager_equals_graph": eager_vs_graph is None,
         "eager_vs_graph_difference": eager_vs_graph,
         "runs": runs,
     }
     (out / "check_deterministic.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n{'mode':6} {'bitwise 2 runs':>15} {'default tok/s':>14} {'determ. tok/s':>14} {'ratio':>6}")
+    print(f"\n{'mode':6} {'bitwise 2 runs':>15} {'atomic tok/s':>14} {'determ. tok/s':>14} {'ratio':>6}")
     nan = float("nan")  # no timed step (runs shorter than the warm-up)
     for mode, v in verdict.items():
-        ratio = v["deterministic_over_default"]
+        ratio = v["deterministic_over_atomic"]
         print(
-            f"{mode:6} {'yes' if v['bitwise_identical'] else 'NO':>15} {v['tokens_per_s_default'] or nan:>14,.0f} "
+            f"{mode:6} {'yes' if v['bitwise_identical'] else 'NO':>15} {v['tokens_per_s_atomic'] or nan:>14,.0f} "
             f"{v['tokens_per_s_deterministic'] or nan:>14,.0f} {ratio or nan:>6.3f}"
             + (f"   {v['difference']}" if v["difference"] else "")
         )

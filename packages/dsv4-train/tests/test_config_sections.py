@@ -64,11 +64,22 @@ def test_bad_nested_files_name_the_key(tmp_path, data, match):
 
 def test_effective_config_resolves_only_the_machine_values():
     tc = TrainConfig.from_flat(steps=3)
-    assert tc.precision.bf16 is None and tc.parallel.dist_backend is None
+    assert (
+        tc.precision.bf16 is None and tc.parallel.dist_backend is None and tc.precision.deterministic is None
+    )
     cpu, gpu = effective_config(tc, cuda_available=False), effective_config(tc, cuda_available=True)
-    assert (cpu.precision.bf16, cpu.parallel.dist_backend) == (False, "gloo")
-    assert (gpu.precision.bf16, gpu.parallel.dist_backend) == (True, "nccl")
-    assert cpu.replace(bf16=None, dist_backend=None) == tc
+    assert (cpu.precision.bf16, cpu.precision.deterministic, cpu.parallel.dist_backend) == (
+        False,
+        False,
+        "gloo",
+    )
+    assert (gpu.precision.bf16, gpu.precision.deterministic, gpu.parallel.dist_backend) == (
+        True,
+        True,
+        "nccl",
+    )
+    assert cpu.replace(bf16=None, deterministic=None, dist_backend=None) == tc
+    assert gpu.replace(bf16=None, deterministic=None, dist_backend=None) == tc
     with pytest.raises(ValueError, match="--dist-backend nccl needs CUDA"):
         effective_config(TrainConfig.from_flat(dist_backend="nccl"), cuda_available=False)
 

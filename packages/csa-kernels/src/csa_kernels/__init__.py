@@ -6,6 +6,11 @@ Every op has an fp32 PyTorch reference (``*_ref``) and a public name without suf
 and SBHD entry points (``*_sbhd``) take an equal-length batch ``[S, B, ...]``.
 """
 
+from csa_kernels.determinism import (
+    deterministic_default,
+    deterministic_default_scope,
+    set_deterministic_default,
+)
 from csa_kernels.ops.compressor import (
     CompressorState,
     compress,
@@ -63,6 +68,8 @@ __all__ = [
     "compressor_pool_ref",
     "compressor_pool_sbhd",
     "csa_dense_mask",
+    "deterministic_default",
+    "deterministic_default_scope",
     "indexer_loss",
     "indexer_loss_ref",
     "indexer_loss_sbhd",
@@ -77,6 +84,7 @@ __all__ = [
     "indexer_topk_sbhd",
     "indices_to_mask",
     "local_to_global_rows",
+    "set_deterministic_default",
     "sparse_attn",
     "sparse_attn_dense_ref",
     "sparse_attn_ref",

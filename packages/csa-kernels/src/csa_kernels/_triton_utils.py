@@ -8,6 +8,8 @@ import os
 import torch
 import triton
 
+from csa_kernels.determinism import deterministic_default
+
 
 def interpreting() -> bool:
     """True when Triton runs in the CPU interpreter (``TRITON_INTERPRET=1``): kernels then upcast before ``tl.dot``."""
@@ -32,12 +34,14 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
         )
 
 
-def resolve_deterministic(flag: bool | None, default: bool = False) -> bool:
-    """The ``deterministic`` switch of the backward kernels: an explicit ``True`` / ``False`` wins; ``None`` is
-    ``default`` (the op's ``DETERMINISTIC_DEFAULT``) or ``torch.are_deterministic_algorithms_enabled()``
-    (``torch.use_deterministic_algorithms(True)``, which ``dsv4 train --deterministic`` sets)."""
+def resolve_deterministic(flag: bool | None) -> bool:
+    """The ``deterministic`` switch of the backward kernels: an explicit ``True`` / ``False`` wins; ``None`` is the
+    process-wide default (:func:`csa_kernels.determinism.deterministic_default`, ``True`` unless
+    :func:`~csa_kernels.determinism.set_deterministic_default` changed it), forced on by
+    ``torch.are_deterministic_algorithms_enabled()`` (``torch.use_deterministic_algorithms(True)``, which
+    ``dsv4 train --deterministic`` sets)."""
     if flag is None:
-        return default or torch.are_deterministic_algorithms_enabled()
+        return deterministic_default() or torch.are_deterministic_algorithms_enabled()
     return bool(flag)
 
 

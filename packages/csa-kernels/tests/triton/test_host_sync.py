@@ -150,11 +150,14 @@ def _deterministic_algorithms():
 
 
 @interpreter_only
+@pytest.mark.parametrize("mode", ["torch_flag", "atomic"])
 @pytest.mark.parametrize("op", ["indexer", "attention_and_loss", "compressor_pool"])
-def test_trusted_calls_read_nothing_back_deterministic(op):
-    """The deterministic backwards (key-major dkv / dk: transposed index built on the device) stay sync-free."""
+def test_trusted_calls_read_nothing_back_other_modes(op, mode):
+    """The other backward modes stay sync-free too: under torch's deterministic flag, and the fp32-atomic kernels
+    (``set_deterministic_default(False)``; the calls above run the deterministic default)."""
     fn = op_calls(Case("cpu"), "triton")[op]
-    with _deterministic_algorithms(), no_host_reads():
+    scope = _deterministic_algorithms() if mode == "torch_flag" else ck.deterministic_default_scope(False)
+    with scope, no_host_reads():
         fn()
 
 

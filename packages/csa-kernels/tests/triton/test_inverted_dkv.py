@@ -8,9 +8,10 @@ import pytest
 import torch
 from _cases import sparse_attn_oracle
 
+import csa_kernels as ck
 from csa_kernels._inverted import build_inverted_index, chunk_index, gather_reduce, sort_pairs
 from csa_kernels._triton_utils import resolve_deterministic
-from csa_kernels.ops.indexer import scores_at_config
+from csa_kernels.ops.indexer import scores_at_config, scores_at_triton
 from csa_kernels.ops.indexer.reference import indexer_scores_at_ref
 from csa_kernels.ops.indexer.scores_at_autograd import indexer_scores_at_triton
 from csa_kernels.ops.sparse_attn import launch_config
@@ -143,24 +144,103 @@ def test_sparse_attn_inverted_dkv_corner_cases(name):
 
 
 @interpreter_only
-def test_sparse_attn_keymajor_switch_and_default(monkeypatch):
-    """``DETERMINISTIC_DKV = "keymajor"`` still runs the 0.3 key-major pass; ``DETERMINISTIC_DEFAULT = True`` makes
-    ``deterministic=None`` take the atomic-free path without torch's flag."""
+def test_sparse_attn_keymajor_switch():
+    """``DETERMINISTIC_DKV = "keymajor"`` still runs the 0.3 key-major pass (same dkv as the inverted path)."""
     gen = torch.Generator().manual_seed(5)
     T, H, D, N, idx = _attn_case("holes_dups_oddk", gen)
     q, kv, sink, do = torch.randn(T, H, D), torch.randn(N, D), torch.randn(H), torch.randn(T, H, D)
     inverted = _attn_grads(q, kv, sink, idx, do, torch.float32, True)
-    monkeypatch.setattr(launch_config, "DETERMINISTIC_DKV", "keymajor")
-    keymajor = _attn_grads(q, kv, sink, idx, do, torch.float32, True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch_config, "DETERMINISTIC_DKV", "keymajor")
+        keymajor = _attn_grads(q, kv, sink, idx, do, torch.float32, True)
     torch.testing.assert_close(keymajor[1], inverted[1], atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(launch_config, "DETERMINISTIC_DKV", "inverted")
-    assert resolve_deterministic(None, True) and not resolve_deterministic(False, True)
+
+
+@pytest.fixture
+def torch_flag_off():
+    """torch.use_deterministic_algorithms(False) for the test (the flag would force the deterministic path)."""
+    prev = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+
+
+@pytest.fixture
+def dkv_spy(monkeypatch):
+    """Which dkv reduction each backward ran: a list of "inverted" / "atomic"."""
+    seen: list[str] = []
+    for name, fn in (("inverted", attn_triton.dkv_inverted), ("atomic", attn_triton.dkv_atomic)):
+        monkeypatch.setattr(attn_triton, f"dkv_{name}", lambda *a, _n=name, _f=fn: seen.append(_n) or _f(*a))
+    return seen
+
+
+@interpreter_only
+def test_sparse_attn_default_backward_is_deterministic(torch_flag_off, dkv_spy):
+    """Issue 35: ``deterministic=None`` without torch's flag runs the inverted-index dkv (not the atomics), and two
+    such runs are bitwise equal at a hot row read three times by every token (two head blocks, bf16)."""
+    assert ck.deterministic_default() is True
+    T, H, D, N, idx = _attn_case("hot_row", torch.Generator().manual_seed(3))
+    q, kv, sink, do = torch.randn(T, H, D), torch.randn(N, D), torch.randn(H), torch.randn(T, H, D)
+    first = _attn_grads(q, kv, sink, idx, do, torch.bfloat16, None)
+    again = _attn_grads(q, kv, sink, idx, do, torch.bfloat16, None)
+    assert dkv_spy == ["inverted", "inverted"]
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "two default runs differ"
+
+
+@interpreter_only
+def test_sparse_attn_default_switch_and_explicit_argument(torch_flag_off, dkv_spy):
+    """``set_deterministic_default(False)`` makes ``None`` the atomic path (and returns the previous default); an
+    explicit ``deterministic=`` wins over either default; the scope restores the default, also on an error;
+    torch's flag forces the deterministic path whatever the default."""
+    T, H, D, N, idx = _attn_case("holes_dups_oddk", torch.Generator().manual_seed(5))
+    q, kv, sink, do = torch.randn(T, H, D), torch.randn(N, D), torch.randn(H), torch.randn(T, H, D)
+    assert ck.set_deterministic_default(False) is True
+    try:
+        assert ck.deterministic_default() is False
+        _attn_grads(q, kv, sink, idx, do, torch.float32, None)
+        _attn_grads(q, kv, sink, idx, do, torch.float32, True)
+        torch.use_deterministic_algorithms(True)
+        assert resolve_deterministic(None) and not resolve_deterministic(False)
+        torch.use_deterministic_algorithms(False)
+    finally:
+        assert ck.set_deterministic_default(True) is False
+    _attn_grads(q, kv, sink, idx, do, torch.float32, False)
+    assert dkv_spy == ["atomic", "inverted", "atomic"]
+    with pytest.raises(RuntimeError, match="inside"), ck.deterministic_default_scope(False):
+        assert not resolve_deterministic(None)
+        raise RuntimeError("inside")
+    assert ck.deterministic_default() is True
+    with pytest.raises(ValueError, match=r"must be True .* or False"):
+        ck.set_deterministic_default(None)
+    assert ck.deterministic_default() is True
+
+
+@interpreter_only
+def test_scores_at_default_dk_is_deterministic(torch_flag_off, monkeypatch):
+    """The index scores' ``dk`` under ``deterministic=None``: the key-major pass (the faster deterministic dk,
+    ``scores_at_config.DETERMINISTIC_DK``) by default, the row kernel's atomics after
+    ``set_deterministic_default(False)``."""
+    assert scores_at_config.DETERMINISTIC_DK == "keymajor"
     seen = []
-    real = attn_triton.dkv_inverted
-    monkeypatch.setattr(attn_triton, "dkv_inverted", lambda *a: seen.append(1) or real(*a))
-    monkeypatch.setattr(launch_config, "DETERMINISTIC_DEFAULT", True)
-    _attn_grads(q, kv, sink, idx, do, torch.float32, None)
+    real = scores_at_triton.scores_at_dk_keymajor
+    monkeypatch.setattr(scores_at_triton, "scores_at_dk_keymajor", lambda *a: seen.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(6)
+    q, k, w = torch.randn(5, 3, 16, generator=gen), torch.randn(4, 16, generator=gen), torch.randn(5, 3)
+    idx = torch.randint(-1, 4, (5, 3), generator=gen, dtype=torch.int32)
+
+    def dk():
+        leaves = [x.clone().requires_grad_() for x in (q, k, w)]
+        indexer_scores_at_triton(*leaves, idx).masked_fill(idx < 0, 0.0).sum().backward()
+        return leaves[1].grad
+
+    first = dk()
     assert seen == [1]
+    with ck.deterministic_default_scope(False):
+        atomic = dk()
+    assert seen == [1]
+    torch.testing.assert_close(atomic, first, atol=1e-5, rtol=1e-5)
 
 
 @interpreter_only

@@ -129,16 +129,18 @@ def test_sparse_attn_deterministic_interpreter_bf16_hot_rows():
 
 @interpreter_only
 def test_sparse_attn_deterministic_follows_torch_flag():
-    """``deterministic=None`` follows ``torch.use_deterministic_algorithms``."""
+    """``deterministic=None`` with the atomic default follows ``torch.use_deterministic_algorithms``."""
+    from csa_kernels import deterministic_default_scope
     from csa_kernels._triton_utils import resolve_deterministic
 
     assert resolve_deterministic(True) and not resolve_deterministic(False)
     prev = torch.are_deterministic_algorithms_enabled()
     try:
-        torch.use_deterministic_algorithms(True)
-        assert resolve_deterministic(None)
-        torch.use_deterministic_algorithms(False)
-        assert not resolve_deterministic(None)
+        with deterministic_default_scope(False):
+            torch.use_deterministic_algorithms(True)
+            assert resolve_deterministic(None)
+            torch.use_deterministic_algorithms(False)
+            assert not resolve_deterministic(None)
     finally:
         torch.use_deterministic_algorithms(prev)
 

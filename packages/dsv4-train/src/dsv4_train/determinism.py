@@ -1,11 +1,18 @@
-"""Bit-reproducible training: ``dsv4 train --deterministic`` (CPU and GPU) and the CPU default.
+"""Bit-reproducible training: ``dsv4 train --deterministic`` (the default with CUDA), ``--no-deterministic``, and the
+CPU default.
 
 **CPU default.** With more than one intra-op thread, PyTorch's CPU ``index_put_(..., accumulate=True)`` on float
 tensors of at least ``GRAIN_SIZE`` (32768) elements adds with parallel atomics, so the summation order changes from
 run to run. That op is the backward of every advanced-indexing gather ``x[idx]``, e.g. the ``kv[indices]`` gather of
 the sparse / window attention reference (csa-kernels) that a CPU run uses: two ``--packed`` runs with the same seed
 (and a resumed run against an uninterrupted one) drifted apart in the last bits after a few steps. A CPU run
-therefore always uses PyTorch's deterministic kernels (:func:`use_deterministic_cpu_kernels`, ``warn_only``).
+therefore always uses PyTorch's deterministic kernels (:func:`use_deterministic_cpu_kernels`, ``warn_only``); its
+``--deterministic`` resolves to off (the strict mode below only on request), as before.
+
+**Default with CUDA: ``--deterministic``** (``precision.deterministic = None`` resolves to on when CUDA is visible;
+:func:`use_run_determinism`). ``--no-deterministic`` keeps PyTorch's defaults and tells csa-kernels to use its
+fp32-atomic sparse-attention ``dkv`` / indexer ``dk`` (``csa_kernels.set_deterministic_default(False)`` for the
+run; restored by ``Trainer.close``): faster, but their summation order varies from run to run.
 
 **``--deterministic``** (:func:`use_deterministic_training`): every kernel of a training step gives the same bits
 for the same inputs, so two runs with the same seed give bitwise-identical losses and gradients (eager and
@@ -14,10 +21,10 @@ for the same inputs, so two runs with the same seed give bitwise-identical losse
 * ``torch.use_deterministic_algorithms(True)`` (strict: an op without a deterministic implementation raises
   instead of warning). PyTorch then runs the sort-based ``index_put_`` / ``index_add`` / ``scatter_add_``
   (embedding backward, reference gathers, hash-moe's balance statistics) and our Triton kernels that take
-  ``deterministic=None`` follow it: csa-kernels' key-major sparse-attention ``dkv`` and indexer ``dk`` instead of
-  fp32 atomics (the only atomics of the step; every other kernel — compressor, mHC, hash-moe permute / gathers,
-  RMSNorm, RoPE, cross entropy, linear cross entropy — reduces in a fixed order always; audit table in the
-  csa-kernels README);
+  ``deterministic=None`` follow it (csa-kernels' own default is deterministic too, and the run sets it on):
+  csa-kernels' inverted-index sparse-attention ``dkv`` and key-major indexer ``dk`` instead of fp32 atomics (the
+  only atomics of the step; every other kernel — compressor, mHC, hash-moe permute / gathers, RMSNorm, RoPE, cross
+  entropy, linear cross entropy — reduces in a fixed order always; audit table in the csa-kernels README);
 * megatron's ``deterministic_mode`` (its vocab-parallel embedding gathers with ``weight[ids]`` instead of
   ``F.embedding``), cuDNN's deterministic algorithms (no benchmarking);
 * cuBLAS: ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which cuBLAS and PyTorch read once, at the first cuBLAS call of the
@@ -42,6 +49,8 @@ import sys
 from collections.abc import Callable
 
 import torch
+
+import csa_kernels
 
 CUBLAS_VAR = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")  # the two values PyTorch accepts as deterministic
@@ -172,9 +181,33 @@ def use_deterministic_cpu_kernels(device: torch.device) -> Callable[[], None]:
     return restore
 
 
+def use_run_determinism(device: torch.device, seed: int, deterministic: bool) -> Callable[[], None]:
+    """The determinism settings of a run with the resolved ``--deterministic``: csa-kernels' default of
+    ``deterministic=None`` set to ``deterministic`` (``--no-deterministic``: its fp32-atomic kernels), then
+    :func:`use_deterministic_training` when on, else :func:`use_deterministic_cpu_kernels` (a CPU run's PyTorch
+    kernels stay deterministic; nothing else changes on CUDA). Returns the function that restores all of it."""
+    previous = csa_kernels.set_deterministic_default(deterministic)
+    try:
+        restore = (
+            use_deterministic_training(device, seed)
+            if deterministic
+            else use_deterministic_cpu_kernels(device)
+        )
+    except BaseException:
+        csa_kernels.set_deterministic_default(previous)
+        raise
+
+    def restore_all() -> None:
+        restore()
+        csa_kernels.set_deterministic_default(previous)
+
+    return restore_all
+
+
 __all__ = [
     "CUBLAS_DETERMINISTIC",
     "prepare_deterministic_environment",
     "use_deterministic_cpu_kernels",
     "use_deterministic_training",
+    "use_run_determinism",
 ]

@@ -30,7 +30,8 @@ activations a pipeline stage holds under 1F1B (``min(PP - stage, M)``; interleav
 (``host_activations``); the device holds one recompute chunk's input copied back during the backward.
 
 Not modelled: selective recompute (refused), the allocator's fragmentation (``reserved - allocated``), CUDA /
-NCCL workspaces.
+NCCL workspaces, the deterministic sparse-attention backward's pair buffer (``--deterministic``, the default with
+CUDA: at most csa-kernels' ``launch_config.PAIR_BYTES``, 1 GiB, during one layer's backward).
 """
 
 from __future__ import annotations

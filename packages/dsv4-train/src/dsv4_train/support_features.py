@@ -64,7 +64,15 @@ FEATURES: dict[str, Feature] = {
             "--optimizer-impl fused-step",
             lambda tc, m: tc.optimizer.optimizer_impl == "fused-step",
         ),
-        Feature("deterministic", "--deterministic", lambda tc, m: tc.precision.deterministic),
+        Feature(
+            "deterministic",
+            "--deterministic (default with CUDA)",
+            # unset: on with CUDA (resolved when the run starts; at config time only an explicit --deterministic)
+            lambda tc, m: (
+                bool(tc.precision.deterministic)
+                or (tc.precision.deterministic is None and m is not None and m.cuda)
+            ),
+        ),
         Feature("eval", "--eval-interval > 0", lambda tc, m: tc.eval.eval_interval > 0),
         Feature("resume", "--resume", lambda tc, m: bool(tc.checkpoint.resume)),
         Feature(

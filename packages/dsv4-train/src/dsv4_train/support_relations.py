@@ -419,7 +419,7 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(
         ("deterministic", "cuda_graph"),
         "supported",
-        "deterministic runs are bitwise identical, eager and graphed (GPU)",
+        "deterministic runs (the default with CUDA) are bitwise identical, eager and graphed (GPU)",
         "tests/test_train_deterministic_flag.py::test_deterministic_runs_are_bitwise_identical_on_gpu",
     ),
 )

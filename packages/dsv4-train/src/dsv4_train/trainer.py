@@ -101,7 +101,7 @@ class Trainer:
             self.data_identity = data_identity(tc)
         self.cleared: list[str] = []
         if (
-            tc.precision.deterministic
+            tc.precision.deterministic  # resolved: on for every CUDA run unless --no-deterministic
         ):  # cuBLAS / NCCL read their variables at their first use: before any CUDA work
             prepare_deterministic_environment()
         apply_cpu_shims()
@@ -133,9 +133,12 @@ class Trainer:
         self._previous_stream = None
         # several processes: a heartbeat, so that the survivors of a lost rank can name it (dsv4_train.lost_rank)
         self.watch = RankWatch(self.rank, self.world) if self.world > 1 else None
+        self._restore_determinism = None  # set by _build
         try:
             self._build(tc, ps)
         except BaseException:  # leave no half-initialised megatron state behind
+            if self._restore_determinism is not None:  # PyTorch's and csa-kernels' settings as they were
+                self._restore_determinism()
             if self.watch is not None:
                 self.watch.close()
             if self._previous_stream is not None:
@@ -177,10 +180,10 @@ class Trainer:
             else torch.device("cpu")
         )
 
-        self._restore_determinism = (
-            determinism.use_deterministic_training(self.device, tc.schedule.seed)
-            if tc.precision.deterministic
-            else determinism.use_deterministic_cpu_kernels(self.device)  # CPU: bit-reproducible runs anyway
+        # --deterministic (the default with CUDA) or --no-deterministic (csa-kernels' atomic kernels); a CPU run keeps
+        # PyTorch's deterministic kernels either way (bit-reproducible runs)
+        self._restore_determinism = determinism.use_run_determinism(
+            self.device, tc.schedule.seed, tc.precision.deterministic
         )
         if tc.graphs.cuda_graph:  # the model, its gradient hooks and every step live on the capture stream
             self._previous_stream = use_capture_stream()

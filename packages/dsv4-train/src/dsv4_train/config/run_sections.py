@@ -98,12 +98,13 @@ class PrecisionSection:
             default_help="on with CUDA, off (fp32) on CPU",
         ),
     )
-    deterministic: bool = field(
-        default=False,
+    deterministic: bool | None = field(
+        default=None,
         metadata=option(
             "bitwise-reproducible steps: deterministic kernels everywhere (no atomics in the sparse-attention dkv / "
-            "indexer dk), torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8; costs speed "
-            "(dsv4-train README)"
+            "indexer dk), torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8; --no-deterministic: "
+            "csa-kernels' fp32-atomic dkv / dk (faster, not bitwise reproducible; dsv4-train README)",
+            default_help="on with CUDA; off on CPU, whose runs use PyTorch's deterministic kernels anyway",
         ),
     )
     fused_linear_ce: bool = field(

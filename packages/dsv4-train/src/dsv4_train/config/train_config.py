@@ -2,8 +2,8 @@
 
 Each section validates itself; the rules between sections (which features combine) are the support table's
 (:mod:`dsv4_train.support`), checked when the tree is built. Nothing here touches a device or the environment:
-values left to the machine (``precision.bf16``, ``parallel.dist_backend``) stay ``None`` until
-:func:`effective_config` resolves them at the start of a run.
+values left to the machine (``precision.bf16``, ``precision.deterministic``, ``parallel.dist_backend``) stay
+``None`` until :func:`effective_config` resolves them at the start of a run.
 
 Three spellings of the same settings: the tree (``tc.data.seq_len``), a nested dict / ``--config`` JSON file with
 the section names as keys (``{"data": {"seq_len": 512}}``), and the flat field names of the command-line flags
@@ -261,9 +261,10 @@ def _resolved(path: str) -> str:
 
 
 def effective_config(tc: TrainConfig, *, cuda_available: bool) -> TrainConfig:
-    """``tc`` with the values left to the machine resolved: ``precision.bf16`` (on with CUDA),
-    ``parallel.dist_backend`` (NCCL on CUDA, gloo on CPU; NCCL without CUDA is refused) and the data, evaluation
-    and tokenizer paths made absolute. The run prints, saves and trains with this config."""
+    """``tc`` with the values left to the machine resolved: ``precision.bf16`` and ``precision.deterministic`` (on
+    with CUDA; a CPU run uses PyTorch's deterministic kernels without the strict flag), ``parallel.dist_backend``
+    (NCCL on CUDA, gloo on CPU; NCCL without CUDA is refused) and the data, evaluation and tokenizer paths made
+    absolute. The run prints, saves and trains with this config."""
     changes: dict[str, Any] = {
         "sources": [_resolved(s) for s in tc.data.sources],
         "eval_data": [_resolved(s) for s in tc.eval.eval_data],
@@ -272,6 +273,8 @@ def effective_config(tc: TrainConfig, *, cuda_available: bool) -> TrainConfig:
         changes["tokenizer"] = _resolved(tc.data.tokenizer)
     if tc.precision.bf16 is None:
         changes["bf16"] = cuda_available
+    if tc.precision.deterministic is None:
+        changes["deterministic"] = cuda_available
     backend = tc.parallel.dist_backend
     if backend is None:
         changes["dist_backend"] = "nccl" if cuda_available else "gloo"

@@ -47,8 +47,8 @@ REFUSALS = (
         Layout.PACKED,
         "cannot run packed THD batches here: {why}, so megatron's torch gated delta rule runs, and it has no "
         "per-document boundaries (its conv1d and recurrence would cross documents); use [B, S] batches (drop "
-        "--packed), or run where fla's kernels are trusted (Triton >= 3.7.1 on Hopper, or another GPU) and without "
-        "--deterministic",
+        "--packed), or run where fla's kernels are trusted (Triton >= 3.7.1 on Hopper, or another GPU) with "
+        "--no-deterministic (dsv4 train's default with CUDA is --deterministic)",
         condition=TORCH_RULE,
     ),
     Refusal(

@@ -68,9 +68,10 @@ def indexer_scores_at(
     ``chunk_size`` unused (nothing larger than ``[T, K]`` is formed). ``check_indices=False`` skips the range
     check of ``indices`` (one device -> host sync); the caller guarantees ``-1 <= indices < Tc``, out-of-range
     values are then undefined behaviour. ``deterministic`` (Triton): ``True`` computes the backward's ``dk``
-    without atomics (per-pair rows summed per key over an inverted index; bitwise reproducible), ``False`` with
-    fp32 atomics, ``None`` (default): ``scores_at_config.DETERMINISTIC_DEFAULT`` or
-    ``torch.are_deterministic_algorithms_enabled()``.
+    without atomics (bitwise reproducible; the key-major pass by default, ``scores_at_config.DETERMINISTIC_DK``),
+    ``False`` with fp32 atomics (faster, summation order varies), ``None`` (default): the process-wide
+    :func:`csa_kernels.deterministic_default` (``True`` unless :func:`csa_kernels.set_deterministic_default`
+    changed it) or ``torch.are_deterministic_algorithms_enabled()``.
     """
     if resolve_backend(backend, q_idx, k_idx, op="csa_kernels.indexer_scores_at") == "triton":
         check_scores_at_inputs(q_idx, k_idx, weights, indices, check_indices)

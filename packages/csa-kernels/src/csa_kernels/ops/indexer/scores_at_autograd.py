@@ -6,9 +6,10 @@
   backward runs the fused backward kernel at the selected entries (formerly a chunked fp32 reference recomputation,
   ~30 ms per flash-smoke step on the H200).
 
-``deterministic`` (``None``: ``scores_at_config.DETERMINISTIC_DEFAULT`` or
-``torch.are_deterministic_algorithms_enabled()``): ``dk`` without atomics, bitwise reproducible (per-pair rows
-summed per key over an inverted index; :func:`.scores_at_triton.scores_at_bwd`); otherwise the row kernel adds
+``deterministic`` (``None``: :func:`csa_kernels.deterministic_default`, ``True`` unless set otherwise, or
+``torch.are_deterministic_algorithms_enabled()``; resolved when the backward runs): ``dk`` without atomics, bitwise
+reproducible (the key-major pass, or per-pair rows summed per key over an inverted index:
+``scores_at_config.DETERMINISTIC_DK``; :func:`.scores_at_triton.scores_at_bwd`); otherwise the row kernel adds
 ``dk`` with fp32 atomics, whose summation order varies between runs. (Before 0.3 the deterministic mode ran the
 fp32 reference.)
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._triton_utils import resolve_deterministic
-from csa_kernels.ops.indexer import scores_at_config
 from csa_kernels.ops.indexer.scores_at_triton import scores_at_bwd, scores_at_fwd
 
 
@@ -30,7 +30,7 @@ def _backward(q_idx, k_idx, weights, indices, grad, needs, deterministic):
         weights,
         indices,
         grad,
-        deterministic=resolve_deterministic(deterministic, scores_at_config.DETERMINISTIC_DEFAULT),
+        deterministic=resolve_deterministic(deterministic),
     )
     return tuple(g if n else None for g, n in zip((dq, dk, dw), needs))
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from csa_kernels._triton_utils import interpreting
 
-# What ``deterministic=None`` means when torch's flag is off (``indexer_scores_at`` / ``indexer_topk``'s gradient):
-# ``True`` makes the atomic-free dk the default (one line to flip once the GPU numbers say so).
-DETERMINISTIC_DEFAULT = False
+# What ``deterministic=None`` means is one process-wide default for every op: csa_kernels.determinism
+# (deterministic unless ``csa_kernels.set_deterministic_default(False)``).
 
-# The deterministic dk: "inverted" (per-pair dk rows stored by the row kernel, summed per key over an inverted
-# index; cost proportional to the pairs) or "keymajor" (the 0.3 key-major pass, kept to compare).
-DETERMINISTIC_DK = "inverted"
+# The deterministic dk: "keymajor" (the key-major pass of scores_at_keymajor) or "inverted" (per-pair dk rows
+# stored by the row kernel, summed per key over an inverted index; cost proportional to the pairs). Key-major is
+# the default because it is the faster one in the only measurement (H100, 2026-12-05, T 4096, DI 128,
+# benchmarks/results/bench_csa_h100_det_inverted.log): fwd+bwd 1.81 ms key-major vs 2.68 ms inverted with
+# uniformly random indices (the key-major pass's worst case), 1.54 vs 2.41 ms at a hot key, atomic 0.89 ms; it
+# also needs 0.11 GiB instead of 0.63. The per-pair dk rows are small (DI 128), so the inverted path's sort and
+# pair-row round trip dominate it. Revisit if longer contexts measure otherwise.
+DETERMINISTIC_DK = "keymajor"
 
 # Cap of the fp32 pair buffer ``[head blocks, rows, K, DI]``: query rows are processed in chunks that fit it.
 PAIR_BYTES = 512 << 20

@@ -13,8 +13,9 @@ Schedule: one program per (query row, block of BLOCK_H heads). The row's heads s
 each gathered ``[BLOCK_J, DI]`` key tile (gathered once per head block): the score GEMM ``q k^T`` is
 ``[BLOCK_H, DI] x [DI, BLOCK_J]``; the backward adds ``dq += dS k`` (``[BLOCK_H, BLOCK_J] x [BLOCK_J, DI]``, fp32 in
 registers for the whole row) and ``dk_tile = dS^T q`` (``[BLOCK_J, BLOCK_H] x [BLOCK_H, DI]``), added into an fp32
-``[Tc, DI]`` buffer with relaxed atomics (deterministic mode: stored per (row, slot) pair and summed per key over an
-inverted index, :mod:`csa_kernels._inverted`, rows in chunks that fit ``scores_at_config.PAIR_BYTES``). Each program first scans its index row for the last valid slot and loops
+``[Tc, DI]`` buffer with relaxed atomics (deterministic mode: the key-major pass of :mod:`.scores_at_keymajor`, the
+default, or, with ``scores_at_config.DETERMINISTIC_DK = "inverted"``, stored per (row, slot) pair and summed per key
+over an inverted index, :mod:`csa_kernels._inverted`, rows in chunks that fit ``scores_at_config.PAIR_BYTES``). Each program first scans its index row for the last valid slot and loops
 only up to it (top-k rows keep their ``-1`` slots at the end: early tokens cost only their valid work). Nothing of
 size ``[T, K, DI]`` or ``[T, HI, K]`` is ever formed.
 
@@ -352,10 +353,10 @@ def scores_at_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq [T, HI, DI] q dtype, dk [Tc, DI] k dtype, dw [T, HI] weights dtype)`` of the scores at ``indices``.
 
-    ``deterministic``: ``dk`` without atomics, bitwise reproducible: the row kernel stores each pair's ``dk`` row
-    and :func:`csa_kernels._inverted.gather_reduce` sums each key's pairs in (row, slot, head block) order (or,
-    with ``scores_at_config.DETERMINISTIC_DK = "keymajor"``, the key-major pass of :mod:`.scores_at_keymajor`)
-    instead of fp32 atomics in the row kernel; ``dq`` and ``dw`` are deterministic either way."""
+    ``deterministic``: ``dk`` without atomics, bitwise reproducible: the key-major pass of
+    :mod:`.scores_at_keymajor` (``scores_at_config.DETERMINISTIC_DK = "keymajor"``, the default) or, with
+    ``"inverted"``, the row kernel stores each pair's ``dk`` row and :func:`csa_kernels._inverted.gather_reduce`
+    sums each key's pairs in (row, slot, head block) order, instead of fp32 atomics in the row kernel; ``dq`` and ``dw`` are deterministic either way."""
     check_triton_device(q_idx, k_idx, weights, indices, grad)
     T, HI, DI = q_idx.shape
     KS = indices.shape[1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from csa_kernels._triton_utils import resolve_deterministic
-from csa_kernels.ops.sparse_attn import launch_config
 from csa_kernels.ops.sparse_attn.checks import check_inputs
 from csa_kernels.ops.sparse_attn.triton import compact_indices, sparse_attn_bwd, sparse_attn_fwd
 
@@ -58,8 +57,9 @@ def sparse_attn_triton(
     Same contract and validation as :func:`csa_kernels.ops.sparse_attn.reference.sparse_attn_ref`;
     ``check_indices=False`` skips the index-range and finite-sink checks (their device -> host sync).
     ``deterministic``: the backward's ``dkv`` without atomics (inverted-index gather-reduce, bitwise
-    reproducible); ``None``: ``launch_config.DETERMINISTIC_DEFAULT`` or ``torch.are_deterministic_algorithms_enabled()``.
+    reproducible); ``None``: :func:`csa_kernels.deterministic_default` (``True`` unless set otherwise) or
+    ``torch.are_deterministic_algorithms_enabled()``.
     """
     _check(q, kv, attn_sink, indices, softmax_scale, check_indices)
-    det = resolve_deterministic(deterministic, launch_config.DETERMINISTIC_DEFAULT)
+    det = resolve_deterministic(deterministic)
     return SparseAttnTritonFunction.apply(q, kv, attn_sink, indices, softmax_scale, det)

@@ -28,8 +28,9 @@ def sparse_attn(
     ``attn_sink``; both backends): the caller guarantees them, violations are undefined behaviour.
     ``deterministic`` (Triton backend): ``True`` computes the backward's ``dkv`` without atomics (per-pair rows
     summed per kv row over an inverted index; bitwise reproducible, cost independent of index collisions),
-    ``False`` with fp32 atomics, ``None`` (default): ``launch_config.DETERMINISTIC_DEFAULT`` or
-    ``torch.are_deterministic_algorithms_enabled()``. The reference backend is deterministic on CPU, and on CUDA
+    ``False`` with fp32 atomics (faster, summation order varies), ``None`` (default): the process-wide
+    :func:`csa_kernels.deterministic_default` (``True`` unless :func:`csa_kernels.set_deterministic_default`
+    changed it) or ``torch.are_deterministic_algorithms_enabled()``. The reference backend is deterministic on CPU, and on CUDA
     under ``torch.use_deterministic_algorithms(True)``.
     """
     if resolve_backend(backend, q, kv, op="csa_kernels.sparse_attn") == "triton":
