@@ -54,7 +54,7 @@ from csa_kernels.ops.visibility import (
     window_indices_sbhd,
 )
 
-__version__ = "0.5.2"
+__version__ = "0.6.0"
 
 __all__ = [
     "CompressorState",
