@@ -46,7 +46,7 @@ from dsv4_attention.layout import (
 )
 from dsv4_attention.param_counts import parameter_table
 
-__version__ = "0.8.3"
+__version__ = "0.9.0"
 
 __all__ = [
     "LAYER_KINDS",
