@@ -12,6 +12,6 @@ quiet_known_warnings()
 
 from dsv4_train.config import TrainConfig  # noqa: E402  (after the filters: megatron-core warns while importing)
 
-__version__ = "0.5.3"
+__version__ = "0.6.0"
 
 __all__ = ["TrainConfig", "__version__"]
