@@ -8,7 +8,7 @@ Sessions:
   dag                        package dependency rules and import circles (tools/check_dag.py, its tests); released
                              CHANGELOG sections never change (tools/check_changelogs.py)
   release                    release one package: `nox -s release -- csa-kernels [--minor|--patch|--dry-run]`
-  downstream                 examples/downstream upgrades csa-kernels alone and trains (README 'Selective upgrade')
+  downstream                 examples/downstream upgrades thd-packing alone and trains (README 'Selective upgrade')
   compat                     each package's fast tests on its siblings' released wheels at their range floors and
                              previous releases (tools/compat.py)
   gpu                        gpu-marked tests (says so and exits 0 without CUDA)
@@ -203,7 +203,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def downstream(session: nox.Session) -> None:
-    """examples/downstream: a project on the released wheels (tools/build_index.py) upgrades csa-kernels alone,
+    """examples/downstream: a project on the released wheels (tools/build_index.py) upgrades thd-packing alone,
     trains a few steps, and downgrades it again (README 'Selective upgrade')."""
     junit = ROOT / ".reports" / "downstream.xml"
     session.run(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-SLICE = "csa-kernels"
+SLICE = "thd-packing"
 STEPS = 2
 
 
