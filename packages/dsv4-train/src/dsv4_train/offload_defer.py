@@ -56,6 +56,7 @@ from dsv4_train.offload_pipeline import (
     adamw_chunk,
     device_master_grads,
     host_chunks,
+    queue_d2h,
 )
 
 
@@ -70,17 +71,6 @@ class _Job:
     copied: threading.Event = field(default_factory=threading.Event)  # every D2H copy queued
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-
-
-def queue_d2h(chunks: list[HostChunk], d2h) -> list:
-    """Queue every chunk's gradient copy into its pinned host buffer on ``d2h``; one event per chunk."""
-    arrived = []
-    with torch.cuda.stream(d2h):
-        for c in chunks:
-            if c.device_grad is not None:
-                c.grad.copy_(c.device_grad, non_blocking=True)
-            arrived.append(d2h.record_event())
-    return arrived
 
 
 class DeferredPipeline(OffloadPipeline):
@@ -325,4 +315,4 @@ class DeferredHostStep:
                 wrapper._defer_param_sync = False
 
 
-__all__ = ["DeferredHostStep", "DeferredPipeline", "ForwardOrder", "queue_d2h"]
+__all__ = ["DeferredHostStep", "DeferredPipeline", "ForwardOrder"]

@@ -108,6 +108,17 @@ def adamw_chunk(c: HostChunk) -> None:
     )
 
 
+def queue_d2h(chunks: list[HostChunk], d2h) -> list:
+    """Queue every chunk's gradient copy into its pinned host buffer on ``d2h``; one event per chunk."""
+    arrived = []
+    with torch.cuda.stream(d2h):
+        for c in chunks:
+            if c.device_grad is not None:
+                c.grad.copy_(c.device_grad, non_blocking=True)
+            arrived.append(d2h.record_event())
+    return arrived
+
+
 def device_master_grads(hdo) -> None:
     """What megatron's ``_set_sub_optimizer_grads`` does for the shards *not* offloaded: a bf16 shard's fp32
     master on the device gets the fp32 gradient."""
@@ -200,12 +211,7 @@ class OffloadPipeline:
         d2h, h2d = self.streams()
         current = torch.cuda.current_stream()
         d2h.wait_stream(current)  # the gradients are final on the current stream
-        arrived = []
-        with torch.cuda.stream(d2h):
-            for c in chunks:
-                if c.device_grad is not None:
-                    c.grad.copy_(c.device_grad, non_blocking=True)
-                arrived.append(d2h.record_event())
+        arrived = queue_d2h(chunks, d2h)
         if hdo.gpu_optimizer is not None:  # device AdamW (and megatron's copy-back hook) meanwhile
             hdo.gpu_optimizer.step()
         if steps:
@@ -229,4 +235,5 @@ __all__ = [
     "adamw_chunk",
     "chunk_ranges",
     "host_chunks",
+    "queue_d2h",
 ]
