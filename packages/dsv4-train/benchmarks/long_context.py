@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
+from csa_kernels import deterministic_default
 from dsv4_train.recompute import LONG_CONTEXT_SELECTIVE
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -265,7 +266,9 @@ def child_main(
         return
     t0 = time.time()
     run = _Run(setting, preset)
-    print(f"LONG_CONTEXT {json.dumps({'setting': setting, 'build_s': time.time() - t0})}", flush=True)
+    # the CSA backwards this process runs (csa-kernels' default: deterministic since 0.6; torch's strict mode is off)
+    built = {"setting": setting, "build_s": time.time() - t0, "csa_deterministic": deterministic_default()}
+    print(f"LONG_CONTEXT {json.dumps(built)}", flush=True)
     growing, shorter = _plan(setting, seq_lens, max_seq_len, None if smoke else TARGET_SEQ_LEN)
     if points:
         growing, shorter = [], list(points)
