@@ -15,7 +15,6 @@ optimizer step and the loss reduction); :class:`Trainer` holds them and runs the
 from __future__ import annotations
 
 import functools
-import json
 import math
 import signal
 import time
@@ -39,7 +38,7 @@ from dsv4_primitives.megatron import (
 from dsv4_train import determinism
 from dsv4_train.atomic_save import CheckpointSaveError
 from dsv4_train.checkpoint import DISTOPT_FORMAT, Checkpointer, latest_checkpoint, preflight_resume
-from dsv4_train.ckpt_integrity import unverified_note, verify_resume
+from dsv4_train.ckpt_integrity import verify_resume
 from dsv4_train.config import TrainConfig
 from dsv4_train.cuda_graph import use_capture_stream
 from dsv4_train.data_identity import check_same_data, data_identity
@@ -51,7 +50,8 @@ from dsv4_train.loss_trend import loss_is_falling, loss_trend
 from dsv4_train.lost_rank import RankWatch, kill_self, test_kill_point
 from dsv4_train.model_config import model_config_for
 from dsv4_train.outputs import RunOutputs
-from dsv4_train.rundir import CONFIG_FILE, check_writable, clear_run, decide_resume
+from dsv4_train.run_start import announce_start
+from dsv4_train.rundir import check_writable, clear_run, decide_resume
 from dsv4_train.setup import (
     attach_schedule_hooks,
     build_data,
@@ -292,43 +292,6 @@ class Trainer:
         self._stop = True
         self.interrupted_by = signum
 
-    def _announce_start(self, resumed: bool) -> None:
-        """One line saying whether this run resumed (from where) or started fresh (and what it replaced); the
-        effective config written to the run directory, and its settings that differ from the defaults."""
-        tc = self.tc
-        if not self.is_logger:
-            return
-        (self.out / CONFIG_FILE).write_text(json.dumps(tc.to_dict(), indent=1) + "\n")
-        default = TrainConfig.from_flat().flat()
-        changed = [f"{k}={v}" for k, v in tc.flat().items() if v != default[k]]
-        print(
-            f"dsv4 train: config {self.out / CONFIG_FILE}: {', '.join(changed) or 'the defaults'}", flush=True
-        )
-        if resumed and not self.verified:
-            print(f"dsv4 train: note: {unverified_note(self.out / 'checkpoints' / f'iter_{self.step:07d}')}")
-        for note in self.data_notes:
-            print(note, flush=True)
-        if resumed:
-            ignored = (
-                f"; --init-from {tc.checkpoint.init_from} is not used (the checkpoint has the weights)"
-                if tc.checkpoint.init_from
-                else ""
-            )
-            print(
-                f"dsv4 train: resuming {self.out / 'checkpoints' / f'iter_{self.step:07d}'} at step {self.step}{ignored}",
-                flush=True,
-            )
-        elif tc.checkpoint.resume == "auto":
-            replaced = f" (replacing {', '.join(self.cleared)})" if self.cleared else ""
-            print(
-                f"dsv4 train: --resume auto: no checkpoint in {self.out}, starting a new run{replaced}",
-                flush=True,
-            )
-        elif self.cleared:
-            print(
-                f"dsv4 train: --overwrite: removed {', '.join(self.cleared)} of the previous run in {self.out}"
-            )
-
     def _count_nonfinite(self, m: dict, outputs) -> None:
         """Count a skipped non-finite (or exploded: ``--max-loss-growth``) step; :class:`TrainingDiverged` after
         ``max_nonfinite_steps`` in a row."""
@@ -372,7 +335,16 @@ class Trainer:
         self._current = self.step + 1
         if not resumed and tc.checkpoint.init_from:
             self.load_model_weights(tc.checkpoint.init_from)
-        self._announce_start(resumed)
+        if self.is_logger:
+            announce_start(
+                tc,
+                self.out,
+                resumed=resumed,
+                step=self.step,
+                verified=self.verified,
+                data_notes=self.data_notes,
+                cleared=self.cleared,
+            )
         outputs = RunOutputs(
             self.out,
             enabled=self.is_logger,
