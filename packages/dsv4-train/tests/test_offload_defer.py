@@ -76,7 +76,7 @@ def _chain_cls():
     return Chain
 
 
-def _build(fraction, chunk=CHUNK):
+def _build(fraction, chunk=CHUNK, device="cpu"):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
@@ -87,7 +87,7 @@ def _build(fraction, chunk=CHUNK):
     cfg = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
     )
-    core = _chain_cls()(cfg)
+    core = _chain_cls()(cfg).to(device)
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(cfg, ddp_cfg, Float16ModuleKeepFP32(cfg, core))
     ocfg = OptimizerConfig(

@@ -189,15 +189,23 @@ def measure_speculative(
         _sync(device)
         return out, time.perf_counter() - t0
 
-    for spec_mode in (None, "mtp"):  # warm-up (Triton compilation, cached tables)
-        generate(model, [p[:64] for p in prompts], base, decode=mode, speculative=spec_mode)
+    # warm-up at the timed prompts' shapes (Triton compilation and autotuning of the prefill and decode kernels,
+    # cached tables): a warm-up on shorter prompts left the prefill's compilation inside the 4-token base run, whose
+    # time then exceeded the whole run's (negative decode time, H100 12-07)
+    for spec_mode in (None, "mtp"):
+        generate(model, prompts, base, decode=mode, speculative=spec_mode)
     t_base_plain = timed(base)[1]
     plain, t_plain = timed(new)
     t_base_spec = timed(base, speculative="mtp")[1]
     stats = SpeculationStats()
     spec, t_spec = timed(new, speculative="mtp", stats=stats)
-    plain_tps = batch * (new - base) / max(t_plain - t_base_plain, 1e-9)
-    spec_tps = batch * (new - base) / max(t_spec - t_base_spec, 1e-9)
+    if t_plain <= t_base_plain or t_spec <= t_base_spec:
+        raise RuntimeError(
+            f"speculative row batch {batch}: a {base}-token run took longer than the {new}-token run "
+            f"(plain {t_base_plain:.3f} vs {t_plain:.3f} s, mtp {t_base_spec:.3f} vs {t_spec:.3f} s): not warmed up"
+        )
+    plain_tps = batch * (new - base) / (t_plain - t_base_plain)
+    spec_tps = batch * (new - base) / (t_spec - t_base_spec)
     return {
         "batch": batch,
         "prompt_len": prompt,
