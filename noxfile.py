@@ -130,8 +130,9 @@ def _pytest(session: nox.Session, package: str, *extra: str, shards: int = 1) ->
 
 def _run_pool(session: nox.Session, jobs: list[tuple[str, list[str]]], extra, posargs, slots: int) -> None:
     """Run the pytest ``jobs`` (``(package, files)``, in this order) with at most ``slots`` at a time, each starting
-    as soon as a slot frees; each job's output is printed when it ends; junit reports ``.reports/<package>.<i>.xml``
-    (``i`` counts the package's jobs). Fails the session once every job ended if any exited other than 0 or 5."""
+    as soon as a slot frees; the first job streams to the terminal (progress while the longest job runs), the others'
+    output is printed when they end; junit reports ``.reports/<package>.<i>.xml`` (``i`` counts the package's jobs).
+    Fails the session once every job ended if any exited other than 0 or 5."""
     reports = ROOT / ".reports"
     reports.mkdir(exist_ok=True)
     env = {**os.environ, **TEST_ENV}
@@ -149,7 +150,8 @@ def _run_pool(session: nox.Session, jobs: list[tuple[str, list[str]]], extra, po
                 cmd = _pytest_command(
                     package, reports / f"{name}.xml", group, extra, ["--basetemp", f"{tmp}/{name}", *posargs]
                 )
-                log = open(f"{tmp}/{name}.log", "w")  # noqa: SIM115 (closed when the job ends)
+                first = not running and len(todo) == len(numbered) - 1
+                log = None if first else open(f"{tmp}/{name}.log", "w")  # noqa: SIM115 (closed when the job ends)
                 session.log(f"start {name}: {len(group)} files ({len(todo)} jobs waiting)")
                 proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
                 running.append((name, proc, log, time.monotonic()))
@@ -157,12 +159,13 @@ def _run_pool(session: nox.Session, jobs: list[tuple[str, list[str]]], extra, po
             for job in [j for j in running if j[1].poll() is not None]:
                 name, proc, log, started = job
                 running.remove(job)
-                log.close()
                 print(
-                    f"---- {name} (exit {proc.returncode}, {time.monotonic() - started:.0f} s) ----",
+                    f"\n---- {name} (exit {proc.returncode}, {time.monotonic() - started:.0f} s) ----",
                     flush=True,
                 )
-                print(Path(log.name).read_text(), flush=True)
+                if log is not None:
+                    log.close()
+                    print(Path(log.name).read_text(), flush=True)
                 if proc.returncode not in (0, 5):  # 5 = no tests collected
                     failed.append(f"{name} (exit {proc.returncode})")
     if failed:
