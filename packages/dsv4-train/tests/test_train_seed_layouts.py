@@ -36,8 +36,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import torchrun, train_in_workers, train_metrics
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_train.__main__ import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -59,7 +59,7 @@ def one(tmp_path_factory):
         ("preset", [*_ARGS, "--out", str(tmp / "preset")]),
         ("pattern", [*_ARGS, "--pattern", _CUT.replace("|", ""), "--out", str(tmp / "pattern")]),
     ]
-    (metrics,) = run_distributed(train_in_workers, 1, runs, timeout=900)
+    (metrics,) = run_warm(train_in_workers, 1, runs, timeout=900)
     return {name: rows[0] for name, rows in metrics.items()}
 
 
@@ -77,7 +77,7 @@ def test_a_cut_pattern_under_pp2_starts_like_its_uncut_pattern(one, tmp_path, ca
     second hash layer was routed by a learned router under PP only: step-1 LM loss 2.7e-5 relative off one process,
     balance loss 1.4e-3)."""
     runs = [("pp", [*_ARGS, "--pattern", _CUT, "--pp", "2", "--out", str(tmp_path / "pp")])]
-    per_rank = run_distributed(train_in_workers, 2, runs, timeout=900)
+    per_rank = run_warm(train_in_workers, 2, runs, timeout=900)
     assert per_rank[0] == per_rank[1]  # both ranks read the same metrics.jsonl
     pp, ref = per_rank[0]["pp"][0], one["pattern"]
     assert pp["step"] == ref["step"] == 1
