@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import torchrun, train_in_workers, train_metrics
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_train.cli import main
 from hybrid_model.hf.convert import export_hf_checkpoint
 from hybrid_model.model import build_model
@@ -73,7 +73,7 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
         ("one", [*args, "--init-from", str(meg), "--out", str(tmp_path / "one")]),
         ("one_tp2", [*args, "--init-from", str(meg2), "--out", str(tmp_path / "one_tp2")]),
     ]
-    (rows,) = run_distributed(train_in_workers, 1, single, timeout=900)
+    (rows,) = run_warm(train_in_workers, 1, single, timeout=900)
     one, one_from_tp2 = rows["one"][0], rows["one_tp2"][0]
     tp2 = train_metrics(torchrun(2), tmp_path / "tp2", *args, "--tp", "2", "--init-from", str(meg2))[0]
     # the --tp 2 conversion loaded by one process (megatron reassembles the TP shards): the same weights as the TP 1
