@@ -11,6 +11,9 @@ its result through ``torch.save``. Nothing but imports ran in the server (no meg
 threads), so a forked worker starts from the same state as a spawned one: a 1-step ``dsv4 train --pp 2`` in 2
 workers logs the same metrics bit for bit either way (13 s of CPU spawned, 2.2 s forked, this machine).
 
+One difference: a worker's stdout / stderr are the server's, i.e. those of the test that started it (pytest's
+capture of that test), not the calling test's; a failing rank's traceback still comes back through the queue.
+
 Contract as ``dsv4_testkit.run_distributed``: results in rank order, a failed rank's traceback re-raised in the
 caller, the other ranks stopped ``FAILURE_GRACE_S`` after the first failure, a new port when another process took
 the rendezvous port first."""
