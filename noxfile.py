@@ -2,6 +2,7 @@
 
 Sessions:
   test(package=...)          CPU tests of one package in the synced .venv (gpu/benchmark markers excluded)
+  test_all                   every package's CPU tests in one pool of concurrent pytest processes (what CI runs)
   test_isolated(package=...) import smoke without extras, then the tests with them, in a venv holding only
                              that package's declared closure
   lint                       ruff format --check + ruff check
@@ -18,9 +19,11 @@ Sessions:
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -34,7 +37,7 @@ CPU_MARKERS = "not gpu and not benchmark"
 GPU_ONLY_EXTRAS = frozenset({"gpu", "gdn"})
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "dag", "test"]
+nox.options.sessions = ["lint", "dag", "test_all"]
 
 
 def _cuda_available(session: nox.Session) -> bool:
@@ -44,10 +47,10 @@ def _cuda_available(session: nox.Session) -> bool:
     return out.strip().endswith("1")
 
 
-# Concurrent pytest processes per package for `nox -s test` (CI's 2-core box): many tests wait on subprocesses,
-# spawned gloo worlds or single-threaded interpreter loops, so one process leaves a core idle much of the time.
-# Files are split greedily by ci/test_weights.json (seconds per test file; a missing file counts as
-# DEFAULT_WEIGHT); DSV4_TEST_SHARDS=1 runs one process as before. Module-scoped fixtures stay within one file.
+# Concurrent pytest processes for `nox -s test_all` and per package for `nox -s test` (CI's 2-core box): many tests
+# wait on subprocesses, spawned gloo worlds or single-threaded interpreter loops, so one process leaves a core idle
+# much of the time. Files are split greedily by ci/test_weights.json (seconds per test file; a missing file counts
+# as DEFAULT_WEIGHT); DSV4_TEST_SHARDS=1 runs one process at a time. Module-scoped fixtures stay within one file.
 TEST_SHARDS = int(os.environ.get("DSV4_TEST_SHARDS", "2"))
 DEFAULT_WEIGHT = 10.0
 
@@ -78,17 +81,39 @@ def shard_files(files: list[str], weights: dict[str, float], shards: int) -> lis
     return [sorted(g) for _, g in groups if g]
 
 
+def plan_jobs(
+    files: dict[str, list[str]], weights: dict[str, float], slots: int
+) -> list[tuple[str, list[str]]]:
+    """The pytest jobs ``(package, files)`` of one pool of ``slots`` concurrent processes over ``files`` (``{package:
+    its test files}``), in the order to start them: a package heavier than one slot's share of the total weight is
+    split (:func:`shard_files`) into ``ceil(weight / share)`` jobs, the others run whole (one process start each);
+    heaviest first, so that the last jobs to start, the lightest, fill whichever slot frees first and the slots
+    finish together. A job never mixes packages (each package's tests import their own helper modules by name)."""
+    weight = {pkg: sum(weights.get(f, DEFAULT_WEIGHT) for f in fs) for pkg, fs in files.items() if fs}
+    share = sum(weight.values()) / max(1, slots)
+    jobs = []  # (weight, package, files)
+    for pkg, w in weight.items():
+        pieces = min(len(files[pkg]), math.ceil(w / share)) if share > 0 else 1
+        for group in shard_files(files[pkg], weights, max(1, pieces)):
+            jobs.append((sum(weights.get(f, DEFAULT_WEIGHT) for f in group), pkg, group))
+    jobs.sort(key=lambda j: (-j[0], j[1]))
+    return [(pkg, group) for _, pkg, group in jobs]
+
+
 def _pytest_command(package: str, junit: Path, targets: list[str], extra, posargs) -> list[str]:
     return ["python", "-m", "pytest", *targets, "-q", f"--junitxml={junit}", *extra, *posargs]
+
+
+def _weights() -> dict[str, float]:
+    weights_file = ROOT / "ci" / "test_weights.json"
+    return json.loads(weights_file.read_text()) if weights_file.is_file() else {}
 
 
 def _pytest(session: nox.Session, package: str, *extra: str, shards: int = 1) -> None:
     reports = ROOT / ".reports"
     reports.mkdir(exist_ok=True)
     files = _test_files(package)
-    weights_file = ROOT / "ci" / "test_weights.json"
-    weights = json.loads(weights_file.read_text()) if weights_file.is_file() else {}
-    groups = shard_files(files, weights, shards) if shards > 1 and not session.posargs else []
+    groups = shard_files(files, _weights(), shards) if shards > 1 and not session.posargs else []
     if len(groups) < 2:
         # pytest arguments that name test files or node ids select what runs (not the whole tests folder as well)
         selected = any((ROOT / a.split("::")[0]).exists() for a in session.posargs if not a.startswith("-"))
@@ -100,28 +125,51 @@ def _pytest(session: nox.Session, package: str, *extra: str, shards: int = 1) ->
             env=TEST_ENV,
         )
         return
-    # shard 0 streams to the terminal; the others write to a log that is printed when they finish
-    procs = []
-    with tempfile.TemporaryDirectory(prefix=f"nox-{package}-") as tmp:
-        for i, group in enumerate(groups):
-            cmd = _pytest_command(
-                package, reports / f"{package}.{i}.xml", group, extra, ["--basetemp", f"{tmp}/t{i}"]
-            )
-            session.log(f"shard {i + 1}/{len(groups)}: {len(group)} files: {' '.join(cmd[:3])} ...")
-            log = None if i == 0 else open(f"{tmp}/shard{i}.log", "w")  # noqa: SIM115 (closed below)
-            env = {**os.environ, **TEST_ENV}
-            procs.append(
-                (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-            )
-        codes = []
-        for i, (proc, log) in enumerate(procs):
-            codes.append(proc.wait())
-            if log is not None:
-                log.close()
-                print(f"---- {package}: shard {i + 1}/{len(procs)} (exit {codes[-1]}) ----", flush=True)
-                print(Path(log.name).read_text(), flush=True)
-    if any(c not in (0, 5) for c in codes):
-        session.error(f"{package}: pytest shards exited with {codes}")
+    _run_pool(session, [(package, g) for g in groups], extra, [], slots=len(groups))
+
+
+def _run_pool(session: nox.Session, jobs: list[tuple[str, list[str]]], extra, posargs, slots: int) -> None:
+    """Run the pytest ``jobs`` (``(package, files)``, in this order) with at most ``slots`` at a time, each starting
+    as soon as a slot frees; the first job streams to the terminal (progress while the longest job runs), the others'
+    output is printed when they end; junit reports ``.reports/<package>.<i>.xml`` (``i`` counts the package's jobs).
+    Fails the session once every job ended if any exited other than 0 or 5."""
+    reports = ROOT / ".reports"
+    reports.mkdir(exist_ok=True)
+    env = {**os.environ, **TEST_ENV}
+    numbered, seen = [], {}
+    for package, group in jobs:
+        numbered.append((package, seen.setdefault(package, 0), group))
+        seen[package] += 1
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="nox-test-") as tmp:
+        todo, running = list(numbered), []
+        while todo or running:
+            while todo and len(running) < max(1, slots):
+                package, i, group = todo.pop(0)
+                name = f"{package}.{i}"
+                cmd = _pytest_command(
+                    package, reports / f"{name}.xml", group, extra, ["--basetemp", f"{tmp}/{name}", *posargs]
+                )
+                first = not running and len(todo) == len(numbered) - 1
+                log = None if first else open(f"{tmp}/{name}.log", "w")  # noqa: SIM115 (closed when the job ends)
+                session.log(f"start {name}: {len(group)} files ({len(todo)} jobs waiting)")
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+                running.append((name, proc, log, time.monotonic()))
+            time.sleep(0.2)
+            for job in [j for j in running if j[1].poll() is not None]:
+                name, proc, log, started = job
+                running.remove(job)
+                print(
+                    f"\n---- {name} (exit {proc.returncode}, {time.monotonic() - started:.0f} s) ----",
+                    flush=True,
+                )
+                if log is not None:
+                    log.close()
+                    print(Path(log.name).read_text(), flush=True)
+                if proc.returncode not in (0, 5):  # 5 = no tests collected
+                    failed.append(f"{name} (exit {proc.returncode})")
+    if failed:
+        session.error(f"pytest jobs failed: {', '.join(failed)}")
 
 
 @nox.session(venv_backend="none")
@@ -130,6 +178,17 @@ def test(session: nox.Session, package: str) -> None:
     """CPU tests of one package, reusing the .venv that `uv run --locked` synced (TEST_SHARDS concurrent pytest
     processes over its test files; one process when posargs select tests)."""
     _pytest(session, package, "-m", CPU_MARKERS, shards=TEST_SHARDS)
+
+
+@nox.session(venv_backend="none")
+def test_all(session: nox.Session) -> None:
+    """CPU tests of every package (what the `test` sessions run one package after the other) in one pool of
+    TEST_SHARDS concurrent pytest processes (:func:`plan_jobs`): no slot waits at a package's end for the other
+    to finish that package. posargs are pytest options for every job (select tests with `test(package=...)`)."""
+    files = {package: _test_files(package) for package in PACKAGES}
+    _run_pool(
+        session, plan_jobs(files, _weights(), TEST_SHARDS), ["-m", CPU_MARKERS], session.posargs, TEST_SHARDS
+    )
 
 
 @nox.session(python="3.12")

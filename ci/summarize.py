@@ -1,4 +1,4 @@
-"""Sum the junit XML reports that `nox -s test` writes and print one `N passed, N failed, N skipped` line.
+"""Sum the junit XML reports that `nox -s test_all` (or `test`) writes and print one `N passed, N failed, N skipped` line.
 
 Exit status 1 when a test failed or when no test ran at all.
 """

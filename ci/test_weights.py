@@ -1,9 +1,10 @@
-"""Write ci/test_weights.json (seconds per test file) from the junit XML reports of a `nox -s test` run.
+"""Write ci/test_weights.json (seconds per test file) from the junit XML reports of a `nox -s test_all` run.
 
     python3 ci/test_weights.py .reports > ci/test_weights.json
 
-`nox -s test` splits each package's test files into concurrent pytest processes by these weights (noxfile.py,
-`shard_files`); a file missing from the table counts as `DEFAULT_WEIGHT`. Refresh it when tests move a lot.
+`nox -s test_all` plans its pool of pytest jobs by these weights (noxfile.py `plan_jobs`: which package to split,
+which job to start first) and `nox -s test` splits one package's files (`shard_files`); a file missing from the
+table counts as `DEFAULT_WEIGHT`. Refresh it when tests move a lot.
 """
 
 import json

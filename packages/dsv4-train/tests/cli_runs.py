@@ -4,8 +4,9 @@ Every run gets ``OMP_NUM_THREADS=1`` (torchrun's default per process; the single
 blocking, and so their rounding, depends on the thread count).
 
 :func:`train_in_workers` runs several ``dsv4 train`` command lines one after the other in one set of gloo workers
-(``dsv4_testkit.run_distributed``, one thread each): the CLI's ``main`` itself, minus the process launch, so the
-process start and the imports (most of a tiny run's time) are paid once per world size instead of once per run."""
+(``warm_workers.run_warm`` or ``dsv4_testkit.run_distributed``, one thread each): the CLI's ``main`` itself, minus
+the process launch, so the process start and the imports (most of a tiny run's time) are paid once per world size
+instead of once per run."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from convert_layout_runs import load_layouts
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_train.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -57,7 +57,7 @@ def test_converted_layouts_load_their_own_files_and_equal_resharding(megatron_cp
         assert json.loads((out / "dsv4_model_config.json").read_text())["layout"]["pp"] == kw.get("pp", 1)
         runs.append((name, kw, str(out)))
     capsys.readouterr()
-    results = run_distributed(load_layouts, 2, runs, str(one), str(tmp_path / "runs"))
+    results = run_warm(load_layouts, 2, runs, str(one), str(tmp_path / "runs"))
     for rank, res in enumerate(results):
         for name, r in res.items():
             own = f"__{rank}_0.distcp"

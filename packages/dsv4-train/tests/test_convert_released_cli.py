@@ -16,7 +16,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_runs import ONE_PROCESS, torchrun, train_metrics
+from cli_runs import torchrun, train_in_workers, train_metrics
+from warm_workers import run_warm
 
 from dsv4_train.cli import main
 from hybrid_model.hf.convert import export_hf_checkpoint
@@ -66,11 +67,17 @@ def test_released_format_through_the_cli(megatron_cpu, hf_dir, tmp_path, capsys)
     assert "TP2 x PP1 x EP1 (2 rank(s))" in cap.out
     assert "layout TP2 x PP1 x EP1 (2 rank(s)): 2 of 2 rank files to write" in cap.err
     args = [*_TRAIN, "--no-bf16"]
-    one = train_metrics(ONE_PROCESS, tmp_path / "one", *args, "--init-from", str(meg))[0]
+    # both one-process runs one after the other in one process (cli_runs.train_in_workers: the CLI's main, each run
+    # building and destroying its own megatron state, one thread as under torchrun); the TP 2 run is a torchrun launch
+    single = [
+        ("one", [*args, "--init-from", str(meg), "--out", str(tmp_path / "one")]),
+        ("one_tp2", [*args, "--init-from", str(meg2), "--out", str(tmp_path / "one_tp2")]),
+    ]
+    (rows,) = run_warm(train_in_workers, 1, single, timeout=900)
+    one, one_from_tp2 = rows["one"][0], rows["one_tp2"][0]
     tp2 = train_metrics(torchrun(2), tmp_path / "tp2", *args, "--tp", "2", "--init-from", str(meg2))[0]
     # the --tp 2 conversion loaded by one process (megatron reassembles the TP shards): the same weights as the TP 1
     # conversion, so the same step bit for bit (two runs of this test on this machine)
-    one_from_tp2 = train_metrics(ONE_PROCESS, tmp_path / "one_tp2", *args, "--init-from", str(meg2))[0]
     for key in ("lm_loss", "mtp_loss", "grad_norm"):
         assert one_from_tp2[key] == one[key], (key, one_from_tp2[key], one[key])
     assert one["step"] == tp2["step"] == 1

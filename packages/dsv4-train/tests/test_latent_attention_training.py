@@ -10,8 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_train.cli import main
 from hybrid_model.presets import get_preset
 
@@ -59,7 +59,7 @@ def test_pp2_matches_pp1_in_fp32(tmp_path):
         model_overrides=_overrides(FUNCTIONAL),
         init_from=str(tmp_path / "pp1" / "checkpoints" / "iter_0000000"),
     )
-    ranks = run_distributed(train_layouts, 2, [("pp1", pp1), ("pp2", pp2)], True, timeout=900)
+    ranks = run_warm(train_layouts, 2, [("pp1", pp1), ("pp2", pp2)], True, timeout=900)
     got = {name: [r[name]["metrics"] for r in ranks] for name in ("pp1", "pp2")}
     for name, metrics in got.items():
         assert all(m == metrics[0] for m in metrics), name

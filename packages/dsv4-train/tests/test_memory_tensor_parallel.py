@@ -15,8 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_runs import memory_config, tp_rank_memory
 from test_memory_model import ACTIVATION_TOLERANCE, FULL
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_train.cli import main
 from dsv4_train.memory_comm import tp_comm_per_step
 from dsv4_train.memory_model import GIB, estimate_memory
@@ -28,7 +28,7 @@ SEQ, TP = 128, 2
 @pytest.mark.distributed
 def test_tp2_static_and_activations_match_a_tp2_step(tmp_path, capsys):
     runs = [{}, FULL]
-    ranks = run_distributed(tp_rank_memory, TP, str(tmp_path / "run"), SEQ, runs, timeout=900)
+    ranks = run_warm(tp_rank_memory, TP, str(tmp_path / "run"), SEQ, runs, timeout=900)
     assert main(["memory", "--preset", "tiny", "--tp", "2", "--seq-len", str(SEQ), "--micro-batch-size", "1",
                  "--global-batch-size", "1", "--json"]) == 0  # fmt: skip
     static = json.loads(capsys.readouterr().out)["static"]

@@ -49,8 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -96,7 +95,7 @@ def reference(tmp_path_factory):
         for lay in (dict(), dict(packed=True))
         for dt in DTYPES
     ]
-    (results,) = run_distributed(train_layouts, 1, runs, True, timeout=900)
+    (results,) = run_warm(train_layouts, 1, runs, True, timeout=900)
     for key in results:
         results[key]["init"] = str(out / key / "checkpoints" / "iter_0000000")
         results[key]["grads"] = merge_rank_grads([results[key]["grads"]])
@@ -127,7 +126,7 @@ def parallel(reference, tmp_path_factory):
                 if w == world
                 for dt in DTYPES
             ]
-            cache[world] = run_distributed(train_layouts, world, runs, timeout=1800)
+            cache[world] = run_warm(train_layouts, world, runs, timeout=1800)
         return [rank[f"{cell}-{dtype}"] for rank in cache[world]]
 
     return get

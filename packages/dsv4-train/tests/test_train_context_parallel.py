@@ -100,8 +100,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
 from test_parallel_matrix import _BF16_U, _bf16_loss_bound
 from tp_resume_runs import assert_adam_step_continues, checkpoint_tensors, final_checkpoint
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -138,7 +137,7 @@ def runs(tmp_path_factory):
     names = [(f, d) for f in FORMATS for d in DTYPES]
     ref_runs = [(f"{f}-{d}", _kw(f, d, tmp / f"ref-{f}-{d}")) for f, d in names]
     ref_runs += [(f"{f}-{TWIN}", _kw(f, TWIN, tmp / f"ref-{f}-{TWIN}")) for f in FORMATS]
-    (ref,) = run_distributed(train_layouts, 1, ref_runs, True, timeout=900)
+    (ref,) = run_warm(train_layouts, 1, ref_runs, True, timeout=900)
     init = {key: str(tmp / f"ref-{key}" / "checkpoints" / "iter_0000000") for key in ref}
     for key in ref:
         ref[key]["grads"] = merge_rank_grads([ref[key]["grads"]])
@@ -151,7 +150,7 @@ def runs(tmp_path_factory):
         )
         for f, d in names
     ]
-    cp2 = run_distributed(train_layouts, 2, cp2_runs, timeout=1800)
+    cp2 = run_warm(train_layouts, 2, cp2_runs, timeout=1800)
     world4_runs = [
         (f"{name}-{d}", _kw("packed", d, tmp / f"{name}-{d}", init_from=init[f"packed-{d}"]) | layout)
         for name, layout in CELLS4.items()
@@ -164,7 +163,7 @@ def runs(tmp_path_factory):
         shutil.copytree(tmp / "cp2-packed-fp32" / "checkpoints" / "iter_0000001", dst / "iter_0000001")
         (dst / "latest").write_text("iter_0000001")
         world4_runs.append((name, _kw("packed", "fp32", tmp / name, resume=True, cp=cp, save_final=True)))
-    world4 = run_distributed(train_layouts, 4, world4_runs, timeout=1800)
+    world4 = run_warm(train_layouts, 4, world4_runs, timeout=1800)
     return {"ref": ref, "cp2": cp2, "world4": world4, "tmp": tmp}
 
 

@@ -55,40 +55,50 @@ def test_cpu_gather_backward_is_bit_identical_with_two_threads():
 _RUNNER = textwrap.dedent(
     """
     import json, sys
+    from pathlib import Path
     from dsv4_train.config import TrainConfig
     from dsv4_train.trainer import train
 
     if __name__ == "__main__":
-        ms = train(TrainConfig.from_flat(progress=False, **json.loads(sys.argv[1])))
         keys = ("lm_loss", "mtp_loss", "grad_norm", "lr")
-        print("METRICS " + json.dumps([{k: m.get(k) for k in keys} for m in ms]))
+        for run in json.loads(sys.argv[1]):  # one after the other (each Trainer builds and destroys its state)
+            latest = run.pop("latest", None)
+            if latest is not None:  # resume from this step's checkpoint (not the newest one)
+                (Path(run["out"]) / "checkpoints" / "latest").write_text(latest)
+            ms = train(TrainConfig.from_flat(progress=False, **run))
+            print("METRICS " + json.dumps([{k: m.get(k) for k in keys} for m in ms]), flush=True)
     """
 )
 
 
-def _packed_metrics(tmp_path, **kw) -> list[dict]:
+def _packed_metrics(tmp_path, *runs: dict) -> list[list[dict]]:
+    """Per run (the ``runs``' overrides of the packed base config, one after the other in one fresh process with 2
+    threads), per step lm/MTP loss, grad norm and lr. A run's ``latest`` key first points ``out/checkpoints/latest``
+    at that checkpoint."""
     script = tmp_path / "run_train.py"
     script.write_text(_RUNNER)
     base = dict(seq_len=128, global_batch_size=4, micro_batch_size=2, warmup_steps=2, packed=True, steps=4)
-    base.update(kw)
     proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(base)],
+        [sys.executable, str(script), json.dumps([base | run for run in runs])],
         capture_output=True,
         text=True,
         timeout=900,
         env=dict(os.environ, OMP_NUM_THREADS="2"),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("METRICS ")][-1]
-    return json.loads(line[len("METRICS ") :])
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("METRICS ")]
+    assert len(lines) == len(runs), proc.stdout[-2000:]
+    return [json.loads(x[len("METRICS ") :]) for x in lines]
 
 
 @pytest.mark.slow
 def test_packed_runs_and_resume_are_bit_identical(tmp_path):
-    full = _packed_metrics(tmp_path, out=str(tmp_path / "full"), save_final=False)
-    run = tmp_path / "run"
-    saved = _packed_metrics(tmp_path, out=str(run), save_interval=2)
+    """The uninterrupted run in one process; the saving run and its resume from step 2 one after the other in
+    another (two processes: the runs agree across processes, not only within one)."""
+    (full,) = _packed_metrics(tmp_path, dict(out=str(tmp_path / "full"), save_final=False))
+    run = str(tmp_path / "run")
+    saved, tail = _packed_metrics(
+        tmp_path, dict(out=run, save_interval=2), dict(out=run, resume=True, latest="iter_0000002")
+    )
     assert saved == full  # two --packed runs, same seed: every loss, grad norm and lr bit-identical
-    (run / "checkpoints" / "latest").write_text("iter_0000002")
-    tail = _packed_metrics(tmp_path, out=str(run), resume=True)
     assert tail == full[2:]

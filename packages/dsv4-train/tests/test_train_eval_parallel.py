@@ -30,8 +30,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from eval_runs import evaluate_layouts
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -77,7 +76,7 @@ def _ref_key(layout: str, dtype: str) -> str:
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_single")
     runs = [(key, _config(key, out=str(out / key))) for key in SINGLE]
-    (single,) = run_distributed(evaluate_layouts, 1, runs, True, timeout=900)
+    (single,) = run_warm(evaluate_layouts, 1, runs, True, timeout=900)
     out2 = tmp_path_factory.mktemp("eval_world2")
     runs = [
         (
@@ -91,7 +90,7 @@ def results(tmp_path_factory):
         )
         for name, dt in CELLS
     ]
-    per_rank = run_distributed(evaluate_layouts, 2, runs, timeout=1500)
+    per_rank = run_warm(evaluate_layouts, 2, runs, timeout=1500)
     return single, per_rank
 
 

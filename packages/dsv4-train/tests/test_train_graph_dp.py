@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_dp_runs import graph_vs_eager, train_variants
 from parallel_runs import METRIC_KEYS, merge_rank_grads, train_layouts
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_train.graph_data_parallel import GradReductionAfterSchedule
 
 # 2 steps: the second one runs on the parameters the distributed optimizer all-gathered after the first. Every run
@@ -67,7 +67,7 @@ def test_a_schedule_without_finalize_is_an_error():
 
 @pytest.mark.distributed
 def test_split_step_equals_dp2_and_single_process(tmp_path):
-    (ref,) = run_distributed(
+    (ref,) = run_warm(
         train_layouts, 1, [("single", _BASE | dict(out=str(tmp_path / "single"), save_final=False))]
     )
     ref = ref["single"]
@@ -79,7 +79,7 @@ def test_split_step_equals_dp2_and_single_process(tmp_path):
             ("dp2-split-staged", {"split": True, "staged": True}),
         )
     ]
-    per_rank = run_distributed(train_variants, 2, runs, timeout=900)
+    per_rank = run_warm(train_variants, 2, runs, timeout=900)
     for r in per_rank:  # ranks with different micro-batch counts would replay different steps: refused
         assert (
             "same number of micro-batches" in r["unequal-microbatches"]
@@ -134,7 +134,7 @@ def test_graphed_dp2_on_one_gpu_matches_eager(tmp_path):
         ("eager-bf16", _GPU_BASE | dict(bf16=True, out=str(tmp_path / "eager-bf16"))),
         ("graph-bf16", _GPU_BASE | dict(bf16=True, cuda_graph=True, out=str(tmp_path / "graph-bf16"))),
     ]
-    per_rank = run_distributed(graph_vs_eager, 2, runs, timeout=1500)
+    per_rank = run_warm(graph_vs_eager, 2, runs, timeout=1500)
     for name, _ in runs:  # every metric is reduced over the ranks
         assert all(r[name]["metrics"] == per_rank[0][name]["metrics"] for r in per_rank), name
     res = per_rank[0]

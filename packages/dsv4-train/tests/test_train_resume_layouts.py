@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_runs import train_layouts
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -50,7 +49,7 @@ LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2, ckpt_format="fully_reshardable")}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
-    saved = run_distributed(
+    saved = run_warm(
         train_layouts,
         2,
         [(name, dict(_BASE, out=str(tmp / name)) | lay) for name, lay in LAYOUTS.items()],
@@ -60,7 +59,7 @@ def runs(tmp_path_factory):
         dst = tmp / f"{name}-to-1" / "checkpoints"
         shutil.copytree(tmp / name / "checkpoints" / "iter_0000002", dst / "iter_0000002")
         (dst / "latest").write_text("iter_0000002")
-    (resumed,) = run_distributed(
+    (resumed,) = run_warm(
         train_layouts,
         1,
         [(name, dict(_BASE, out=str(tmp / f"{name}-to-1"), resume=True)) for name in LAYOUTS],

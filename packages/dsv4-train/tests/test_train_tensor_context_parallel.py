@@ -61,8 +61,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import assert_bf16_parity, assert_fp32_parity, assert_same_steps, train_in_workers
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -96,8 +95,8 @@ def runs(tmp_path_factory) -> dict:
     """``{(layout, batch, dtype): metrics of steps 1 and 2}`` for one process (``one``) and TP 2 x CP 2 (``tpcp``),
     fp32 and bf16, on both :data:`BATCHES`."""
     tmp = tmp_path_factory.mktemp("tpcp")
-    (one,) = run_distributed(train_in_workers, 1, _runs("one", tmp), timeout=900)
-    per_rank = run_distributed(train_in_workers, 4, _runs("tpcp", tmp), timeout=1800)
+    (one,) = run_warm(train_in_workers, 1, _runs("one", tmp), timeout=900)
+    per_rank = run_warm(train_in_workers, 4, _runs("tpcp", tmp), timeout=1800)
     assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
     return {
         (layout, *name.split("-")): rows

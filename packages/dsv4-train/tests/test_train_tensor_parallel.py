@@ -34,8 +34,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import ONE_PROCESS, train_in_workers, train_metrics
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 _COMMON = [
     "--preset", "tiny", "--pattern", "WEC-HE/WE", "--seed", "11", "--seq-len", "64", "--global-batch-size", "4",
@@ -75,7 +74,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
             for dt, dt_flags in dtypes.items()
         ]
         runs = [(name, [*flags, "--out", str(tmp / f"{layout}-{name}")]) for name, flags in runs]
-        per_rank = run_distributed(train_in_workers, world, runs, timeout=1800)
+        per_rank = run_warm(train_in_workers, world, runs, timeout=1800)
         assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
         out[layout] = per_rank[0]
     return out

@@ -46,8 +46,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import torchrun, train_in_workers, train_metrics
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -86,8 +85,8 @@ def runs(tmp_path_factory) -> dict:
     cells = [
         (f"{c}-{dt}", _flags(lay, dt, out / f"{c}-{dt}")) for c, lay in CELLS.items() for dt in _DTYPE_FLAGS
     ]
-    (one,) = run_distributed(train_in_workers, 1, single, timeout=900)
-    per_rank = run_distributed(train_in_workers, 4, cells, timeout=1800)
+    (one,) = run_warm(train_in_workers, 1, single, timeout=900)
+    per_rank = run_warm(train_in_workers, 4, cells, timeout=1800)
     assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
     metrics = {tuple(name.rsplit("-", 1)): rows for name, rows in (one | per_rank[0]).items()}
     for rows in metrics.values():

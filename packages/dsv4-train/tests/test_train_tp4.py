@@ -48,8 +48,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, train_in_workers
 from tp_resume_runs import SAVED_STEP, checkpoint_tensors, final_checkpoint, resume_dir
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -78,7 +77,7 @@ def runs(tmp_path_factory) -> dict:
         ("one", [*args, *fp32, *saving, "--out", str(out["one-dir"])]),
         ("one-bf16", [*args, *bf16, *no_save, "--out", str(tmp / "one-bf16")]),
     ]
-    out |= run_distributed(train_in_workers, 1, one, timeout=1800)[0]
+    out |= run_warm(train_in_workers, 1, one, timeout=1800)[0]
     out["tp1-to-tp4-dir"] = resume_dir(out["one-dir"], tmp / "tp1-to-tp4")
     resume = ["--ckpt-format", "fully_reshardable", "--resume", "--out", str(out["tp1-to-tp4-dir"])]
     tp4 = [
@@ -86,7 +85,7 @@ def runs(tmp_path_factory) -> dict:
         ("tp1-to-tp4", [*args, *fp32, *_TP4, *resume]),
         ("tp4-bf16", [*args, *bf16, *_TP4, *no_save, "--out", str(tmp / "tp4-bf16")]),
     ]
-    per_rank = run_distributed(train_in_workers, 4, tp4, timeout=2400)
+    per_rank = run_warm(train_in_workers, 4, tp4, timeout=2400)
     assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
     return out | per_rank[0]
 

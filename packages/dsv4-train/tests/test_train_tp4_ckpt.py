@@ -67,8 +67,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import PARITY_KEYS, assert_bf16_parity, assert_fp32_parity, train_in_workers
 from tp_resume_runs import SAVED_STEP, assert_adam_step_continues, checkpoint_tensors, final_checkpoint
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_testkit.megatron_cpu import megatron_cpu_context
 from dsv4_train.cli import main
 from hybrid_model.hf.convert import export_hf_checkpoint
@@ -119,7 +119,7 @@ def runs(tmp_path_factory) -> dict:
         ),
         ("one-bf16", [*args, "--bf16", "--init-from", str(tp1), *_SAVING, "--out", str(out["one-bf16-dir"])]),
     ]
-    out |= run_distributed(train_in_workers, 1, one, timeout=1800)[0]
+    out |= run_warm(train_in_workers, 1, one, timeout=1800)[0]
     at_tp4 = [*args, "--tp", str(TP), "--init-from", str(tp4), "--resume", "auto", *_SAVING]
     out["tp1-to-tp4-bf16-dir"] = tmp / "tp1-to-tp4-bf16"
     tp4_runs = [
@@ -129,14 +129,14 @@ def runs(tmp_path_factory) -> dict:
         ("tp4-bf16", [*at_tp4, "--bf16", "--out", str(out["tp4-bf16-dir"])]),
     ]
     resumes = {"tp4-resumed": str(out["tp4-dir"]), "tp1-to-tp4-bf16": str(out["one-bf16-dir"])}
-    per_rank = run_distributed(train_in_workers, TP, tp4_runs, resumes, timeout=2400)
+    per_rank = run_warm(train_in_workers, TP, tp4_runs, resumes, timeout=2400)
     assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
     out |= per_rank[0]
     # TP4 -> TP1: the one-process command line of the "one-bf16" run, resuming the TP4 bf16 step-2 checkpoint
     back = [*args, "--bf16", "--init-from", str(tp1), "--resume", "auto", *_SAVING]
     to_tp1 = [("tp4-to-tp1-bf16", [*back, "--out", str(out["tp4-to-tp1-bf16-dir"])])]
     resumed = {"tp4-to-tp1-bf16": str(out["tp4-bf16-dir"])}
-    return out | run_distributed(train_in_workers, 1, to_tp1, resumed, timeout=1800)[0]
+    return out | run_warm(train_in_workers, 1, to_tp1, resumed, timeout=1800)[0]
 
 
 def test_tp4_conversion_trains_at_tp4_like_one_process_from_the_tp1_conversion(runs):

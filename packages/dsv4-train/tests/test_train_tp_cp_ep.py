@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import assert_bf16_parity, assert_fp32_parity, assert_same_steps, train_in_workers
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_testkit.megatron_cpu import megatron_cpu_context
 from dsv4_train.cli import main
 from hybrid_model.hf.convert import export_hf_checkpoint
@@ -91,7 +91,7 @@ def runs(tmp_path_factory) -> dict:
     out = {}
     for world, runs in ((1, single), (4, four)):
         named = [("-".join(key), [*flags, "--out", str(tmp / "-".join(key))]) for key, flags in runs.items()]
-        per_rank = run_distributed(train_in_workers, world, named, timeout=1800)
+        per_rank = run_warm(train_in_workers, world, named, timeout=1800)
         assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
         out |= {key: per_rank[0]["-".join(key)] for key in runs}
     return out

@@ -58,8 +58,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_runs import assert_bf16_parity, assert_fp32_parity, assert_same_steps, train_in_workers
-
-from dsv4_testkit import run_distributed
+from warm_workers import run_warm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -93,8 +92,8 @@ def runs(tmp_path_factory) -> dict:
     """``{(layout, dtype): metrics of steps 1 and 2}``: ``one`` (one process, also ``fp32-twin``) and both 8-rank
     :data:`LAYOUTS`."""
     tmp = tmp_path_factory.mktemp("tpcp8")
-    (one,) = run_distributed(train_in_workers, 1, _named({"one": []}, DTYPES | TWIN, tmp), timeout=900)
-    per_rank = run_distributed(train_in_workers, WORLD, _named(LAYOUTS, DTYPES, tmp), timeout=2400)
+    (one,) = run_warm(train_in_workers, 1, _named({"one": []}, DTYPES | TWIN, tmp), timeout=900)
+    per_rank = run_warm(train_in_workers, WORLD, _named(LAYOUTS, DTYPES, tmp), timeout=2400)
     assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
     return {tuple(name.split(":")): rows for name, rows in (one | per_rank[0]).items()}
 

@@ -66,8 +66,8 @@ from tp_resume_runs import (
     resume_dir,
     train,
 )
+from warm_workers import run_warm
 
-from dsv4_testkit import run_distributed
 from dsv4_train.cli import main
 from dsv4_train.convert_cli import run_model_config
 from dsv4_train.inspect_checkpoint import checkpoint_report
@@ -126,7 +126,7 @@ def all_runs(tmp_path_factory):
     init = ("--init-from", str(src), *_INIT_FROM)
     add(2, "fp32", "init-tp1", tp=1, fmt="dp_reshardable", extra=init)
     for world, runs_of_set, resumes in sets:
-        per_rank = run_distributed(train_in_workers, world, runs_of_set, resumes, timeout=1800)
+        per_rank = run_warm(train_in_workers, world, runs_of_set, resumes, timeout=1800)
         assert all(r == per_rank[0] for r in per_rank)  # every rank read the same metrics.jsonl
     return out
 
