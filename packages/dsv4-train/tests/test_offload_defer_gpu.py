@@ -11,7 +11,7 @@ pipelined one (``--optimizer-offload-overlap``) on CUDA, where the streams and C
   several steps after warm-ups, from before the first to after the last step's host and device work) of the deferred
   step is below three quarters of the pipelined step's (the host AdamW runs behind the next forward).
 
-Not run yet (no GPU in CI; written for an H100 / H200).
+Passed on an H100 on 2026-12-07 (benchmarks/results/gpu_tests_offload_defer_h100_2026-12-07.log; no GPU in CI).
 """
 
 import sys

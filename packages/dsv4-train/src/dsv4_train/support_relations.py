@@ -406,8 +406,8 @@ RELATIONS: tuple[Relation, ...] = (
         "supported",
         "the host AdamW of step k runs behind step k+1's forward (each module waits for its own params): losses, "
         "grad norms, the values each forward reads, params, masters, moments and steps are bitwise the pipelined "
-        "step's after 3 steps (F = 1 and 0.5, a slowed host thread; CPU, simulated device; the CUDA test "
-        "test_offload_defer_gpu.py has not run yet)",
+        "step's after 3 steps (F = 1 and 0.5, a slowed host thread; CPU, simulated device; and on CUDA: "
+        "test_offload_defer_gpu.py passed on an H100)",
         "tests/test_offload_defer.py::test_deferred_steps_bitwise_equal_pipelined",
     ),
     Relation(
