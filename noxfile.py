@@ -150,7 +150,7 @@ def _run_pool(session: nox.Session, jobs: list[tuple[str, list[str]]], extra, po
                 cmd = _pytest_command(
                     package, reports / f"{name}.xml", group, extra, ["--basetemp", f"{tmp}/{name}", *posargs]
                 )
-                first = not running and len(todo) == len(numbered) - 1
+                first = len(todo) == len(numbered) - 1  # the job just popped is the pool's first
                 log = None if first else open(f"{tmp}/{name}.log", "w")  # noqa: SIM115 (closed when the job ends)
                 session.log(f"start {name}: {len(group)} files ({len(todo)} jobs waiting)")
                 proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)

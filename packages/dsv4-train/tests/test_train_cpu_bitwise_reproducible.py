@@ -1,16 +1,16 @@
 """Bit-reproducible CPU training with several threads: ``--packed`` runs with the same seed are identical, and a
 resumed ``--packed`` run matches an uninterrupted one bit for bit (the ``[B, S]`` case is in test_train_e2e)."""
 
-import json
-import os
-import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4_train.determinism import use_deterministic_cpu_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_e2e import _train_runs
 
 
 def _gather_grads(reps: int) -> list[torch.Tensor]:
@@ -52,53 +52,21 @@ def test_cpu_gather_backward_is_bit_identical_with_two_threads():
         torch.set_num_threads(threads)
 
 
-_RUNNER = textwrap.dedent(
-    """
-    import json, sys
-    from pathlib import Path
-    from dsv4_train.config import TrainConfig
-    from dsv4_train.trainer import train
-
-    if __name__ == "__main__":
-        keys = ("lm_loss", "mtp_loss", "grad_norm", "lr")
-        for run in json.loads(sys.argv[1]):  # one after the other (each Trainer builds and destroys its state)
-            latest = run.pop("latest", None)
-            if latest is not None:  # resume from this step's checkpoint (not the newest one)
-                (Path(run["out"]) / "checkpoints" / "latest").write_text(latest)
-            ms = train(TrainConfig.from_flat(progress=False, **run))
-            print("METRICS " + json.dumps([{k: m.get(k) for k in keys} for m in ms]), flush=True)
-    """
-)
-
-
-def _packed_metrics(tmp_path, *runs: dict) -> list[list[dict]]:
-    """Per run (the ``runs``' overrides of the packed base config, one after the other in one fresh process with 2
-    threads), per step lm/MTP loss, grad norm and lr. A run's ``latest`` key first points ``out/checkpoints/latest``
-    at that checkpoint."""
-    script = tmp_path / "run_train.py"
-    script.write_text(_RUNNER)
-    base = dict(seq_len=128, global_batch_size=4, micro_batch_size=2, warmup_steps=2, packed=True, steps=4)
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps([base | run for run in runs])],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=dict(os.environ, OMP_NUM_THREADS="2"),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("METRICS ")]
-    assert len(lines) == len(runs), proc.stdout[-2000:]
-    return [json.loads(x[len("METRICS ") :]) for x in lines]
+#: packed runs (each run's overrides apply on top)
+PACKED_BASE = dict(seq_len=128, global_batch_size=4, micro_batch_size=2, warmup_steps=2, packed=True, steps=4)
 
 
 @pytest.mark.slow
 def test_packed_runs_and_resume_are_bit_identical(tmp_path):
     """The uninterrupted run in one process; the saving run and its resume from step 2 one after the other in
     another (two processes: the runs agree across processes, not only within one)."""
-    (full,) = _packed_metrics(tmp_path, dict(out=str(tmp_path / "full"), save_final=False))
+    (full,) = _train_runs(tmp_path, dict(out=str(tmp_path / "full"), save_final=False), base=PACKED_BASE)
     run = str(tmp_path / "run")
-    saved, tail = _packed_metrics(
-        tmp_path, dict(out=run, save_interval=2), dict(out=run, resume=True, latest="iter_0000002")
+    saved, tail = _train_runs(
+        tmp_path,
+        dict(out=run, save_interval=2),
+        dict(out=run, resume=True, latest="iter_0000002"),
+        base=PACKED_BASE,
     )
     assert saved == full  # two --packed runs, same seed: every loss, grad norm and lr bit-identical
     assert tail == full[2:]

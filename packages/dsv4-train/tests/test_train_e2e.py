@@ -30,14 +30,17 @@ _RUNNER = textwrap.dedent(
 )
 
 
-def _train_runs(tmp_path, *runs: dict) -> list[list[dict]]:
+#: the module's base config (each run's overrides apply on top)
+E2E_BASE = dict(seq_len=64, global_batch_size=4, micro_batch_size=2, warmup_steps=2, lr=3e-3)
+
+
+def _train_runs(tmp_path, *runs: dict, base: dict = E2E_BASE) -> list[list[dict]]:
     """Training runs one after the other in one fresh process (megatron's global state starts clean; each Trainer
     builds and destroys its own parallel state, so the process start and imports are paid once): per run, per step
     lm/MTP loss, grad norm and lr. A run's ``latest`` key first points ``out/checkpoints/latest`` at that
     checkpoint."""
     script = tmp_path / "run_train.py"
     script.write_text(_RUNNER)
-    base = dict(seq_len=64, global_batch_size=4, micro_batch_size=2, warmup_steps=2, lr=3e-3)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     proc = subprocess.run(
         [sys.executable, str(script), json.dumps([base | run for run in runs])],

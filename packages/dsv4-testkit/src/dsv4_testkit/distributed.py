@@ -38,7 +38,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, env: dict | None, fn: Callable, args: tuple, queue
+) -> None:
+    if env is not None:  # a forked worker: the caller's environment at the call (its server's is older)
+        os.environ.clear()
+        os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -65,15 +70,20 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, context=None
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results in order.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    ``fn`` must be a module-level function (it is pickled into spawned processes). ``context``: the multiprocessing
+    context that starts the workers (default ``spawn``: fresh interpreters). A ``forkserver`` context whose server
+    preloaded the heavy imports (``set_forkserver_preload``) starts them in a fraction of the time; its workers get
+    the caller's environment as it is at the call.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     for _ in range(PORT_ATTEMPTS):
-        results = _spawn(fn, world_size, args, timeout)
+        results = _spawn(fn, world_size, args, timeout, context or mp.get_context("spawn"))
         if results is not None:
             return results
     raise RuntimeError(
@@ -81,13 +91,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     )
 
 
-def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any] | None:
-    """One spawn of the workers on a fresh port; ``None`` when rank 0 found the port taken (workers stopped)."""
-    ctx = mp.get_context("spawn")
+def _spawn(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, ctx) -> list[Any] | None:
+    """One start of the workers on a fresh port; ``None`` when rank 0 found the port taken (workers stopped)."""
     queue = ctx.SimpleQueue()
     port = free_port()
+    env = None if ctx.get_start_method() == "spawn" else dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
